@@ -1,0 +1,254 @@
+// Torch binding of the CPU Adam/AdamW step: validates tensors, picks the instruction set once,
+// and splits the work over OpenMP threads in one parallel region per call.
+//
+// Note [thread split]: all tensors of a call are viewed as one concatenated range that is cut
+// into one contiguous piece per thread (boundaries rounded to 64 elements), so a list of 200
+// uneven tensors is balanced as well as one big tensor, with a single fork/join, and each
+// thread streams long runs that hardware prefetchers follow.
+#include <omp.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "adam_common.h"
+
+namespace zeroshard {
+namespace cpu {
+namespace {
+
+// Below this many elements a fork/join costs more than it saves.
+constexpr int64_t kMinPerThread = 1 << 15;
+constexpr int64_t kAlign = 64;
+
+struct Isa {
+  std::string name;
+  AdamSpanFn span;
+  SweepFn sweep;
+};
+
+bool cpu_has(const std::string& name) {
+  __builtin_cpu_init();
+  if (name == "avx512") {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("fma");
+  }
+  if (name == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return name == "scalar";
+}
+
+Isa isa_by_name(const std::string& name) {
+  if (name == "avx512") return {name, adam_span_avx512, sweep_avx512};
+  if (name == "avx2") return {name, adam_span_avx2, sweep_avx2};
+  return {"scalar", adam_span_scalar, sweep_scalar};
+}
+
+Isa best_isa() {
+  // ZEROSHARD_CPU_ISA caps the dispatch (for tests and for ruling the kernel out when
+  // debugging); it can never select an instruction set the CPU lacks.
+  const char* env = std::getenv("ZEROSHARD_CPU_ISA");
+  const std::string cap = env ? env : "";
+  const bool allow512 = cap.empty() || cap == "avx512";
+  const bool allow2 = allow512 || cap == "avx2";
+  if (allow512 && cpu_has("avx512")) return isa_by_name("avx512");
+  if (allow2 && cpu_has("avx2")) return isa_by_name("avx2");
+  return isa_by_name("scalar");
+}
+
+Isa& active_isa() {
+  static Isa isa = best_isa();
+  return isa;
+}
+
+int lowp_kind(const at::Tensor& t, bool allow_f32) {
+  if (allow_f32 && t.scalar_type() == at::kFloat) return kF32;
+  if (t.scalar_type() == at::kBFloat16) return kBF16;
+  if (t.scalar_type() == at::kHalf) return kF16;
+  TORCH_CHECK(false, "zeroshard cpu_adam: unsupported dtype ", t.scalar_type(),
+              allow_f32 ? " for grad (float32, bfloat16 or float16)"
+                        : " for out_lowp (bfloat16 or float16)");
+}
+
+void check_fp32(const at::Tensor& t, const char* what, int64_t numel) {
+  TORCH_CHECK(t.device().is_cpu(), "zeroshard cpu_adam: ", what, " must be on CPU, got ",
+              t.device());
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "zeroshard cpu_adam: ", what,
+              " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), "zeroshard cpu_adam: ", what, " must be contiguous");
+  TORCH_CHECK(t.numel() == numel, "zeroshard cpu_adam: ", what, " has ", t.numel(),
+              " elements, param has ", numel);
+}
+
+void check_other(const at::Tensor& t, const char* what, int64_t numel) {
+  TORCH_CHECK(t.device().is_cpu(), "zeroshard cpu_adam: ", what, " must be on CPU, got ",
+              t.device());
+  TORCH_CHECK(t.is_contiguous(), "zeroshard cpu_adam: ", what, " must be contiguous");
+  TORCH_CHECK(t.numel() == numel, "zeroshard cpu_adam: ", what, " has ", t.numel(),
+              " elements, param has ", numel);
+}
+
+int thread_count(int64_t total) {
+  const int64_t by_size = std::max<int64_t>(1, total / kMinPerThread);
+  return static_cast<int>(std::min<int64_t>(at::get_num_threads(), by_size));
+}
+
+// Calls fn(tensor_index, begin, end) for every piece of the concatenated range owned by this
+// thread; see Note [thread split].
+template <class Fn>
+void for_each_piece(const std::vector<int64_t>& prefix, int nthreads, Fn fn) {
+  const int64_t total = prefix.back();
+#pragma omp parallel num_threads(nthreads)
+  {
+    const int nt = omp_get_num_threads();
+    const int t = omp_get_thread_num();
+    auto cut = [&](int k) {
+      if (k >= nt) return total;
+      return std::min(total, (total * k / nt) / kAlign * kAlign);
+    };
+    const int64_t lo = cut(t), hi = cut(t + 1);
+    if (lo < hi) {
+      size_t k = std::upper_bound(prefix.begin(), prefix.end(), lo) - prefix.begin() - 1;
+      for (; k + 1 < prefix.size() && prefix[k] < hi; ++k) {
+        const int64_t b = std::max(lo, prefix[k]), e = std::min(hi, prefix[k + 1]);
+        if (b < e) fn(k, b - prefix[k], e - prefix[k]);
+      }
+    }
+  }
+}
+
+AdamScalars make_scalars(int64_t step, double lr, double beta1, double beta2, double eps,
+                         double weight_decay, bool adamw_mode, double grad_scale) {
+  TORCH_CHECK(step >= 1, "zeroshard cpu_adam: step must be >= 1, got ", step);
+  const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  AdamScalars s;
+  s.beta1 = static_cast<float>(beta1);
+  s.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  s.beta2 = static_cast<float>(beta2);
+  s.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  s.eps = static_cast<float>(eps);
+  s.weight_decay = static_cast<float>(weight_decay);
+  s.decay_factor = static_cast<float>(1.0 - lr * weight_decay);
+  s.neg_step_size = static_cast<float>(-lr / bc1);
+  s.inv_bias_corr2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
+  s.grad_scale = static_cast<float>(grad_scale);
+  s.adamw_mode = adamw_mode ? 1 : 0;
+  return s;
+}
+
+void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+               const std::vector<at::Tensor>& exp_avgs,
+               const std::vector<at::Tensor>& exp_avg_sqs,
+               const std::vector<at::Tensor>& out_lowps, int64_t step, double lr, double beta1,
+               double beta2, double eps, double weight_decay, bool adamw_mode,
+               double grad_scale) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
+              "zeroshard cpu_adam: list lengths differ: params ", n, ", grads ", grads.size(),
+              ", exp_avgs ", exp_avgs.size(), ", exp_avg_sqs ", exp_avg_sqs.size());
+  TORCH_CHECK(out_lowps.empty() || out_lowps.size() == n,
+              "zeroshard cpu_adam: out_lowps must be empty or have ", n, " tensors, got ",
+              out_lowps.size());
+  const AdamScalars s =
+      make_scalars(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, grad_scale);
+  std::vector<AdamSpan> spans(n);
+  std::vector<int64_t> prefix(n + 1, 0);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t numel = params[i].numel();
+    check_fp32(params[i], "param", numel);
+    check_fp32(exp_avgs[i], "exp_avg", numel);
+    check_fp32(exp_avg_sqs[i], "exp_avg_sq", numel);
+    check_other(grads[i], "grad", numel);
+    AdamSpan& sp = spans[i];
+    sp.param = params[i].data_ptr<float>();
+    sp.exp_avg = exp_avgs[i].data_ptr<float>();
+    sp.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
+    sp.grad = grads[i].data_ptr();
+    sp.grad_kind = lowp_kind(grads[i], true);
+    sp.out_lowp = nullptr;
+    sp.out_kind = kNone;
+    if (!out_lowps.empty()) {
+      check_other(out_lowps[i], "out_lowp", numel);
+      sp.out_kind = lowp_kind(out_lowps[i], false);
+      sp.out_lowp = out_lowps[i].data_ptr();
+    }
+    sp.numel = numel;
+    prefix[i + 1] = prefix[i] + numel;
+  }
+  if (prefix.back() == 0) return;
+  const AdamSpanFn fn = active_isa().span;
+  for_each_piece(prefix, thread_count(prefix.back()), [&](size_t k, int64_t b, int64_t e) {
+    const AdamSpan& full = spans[k];
+    const int64_t gsize = full.grad_kind == kF32 ? 4 : 2;
+    AdamSpan piece = full;
+    piece.param = full.param + b;
+    piece.exp_avg = full.exp_avg + b;
+    piece.exp_avg_sq = full.exp_avg_sq + b;
+    piece.grad = static_cast<const char*>(full.grad) + b * gsize;
+    piece.out_lowp = full.out_lowp ? static_cast<char*>(full.out_lowp) + b * 2 : nullptr;
+    piece.numel = e - b;
+    fn(piece, s);
+  });
+}
+
+// The physical-limit reference for benchmarks: same bytes as the fp32 step, no arithmetic.
+void copy_sweep(at::Tensor p, const at::Tensor& g, at::Tensor m, at::Tensor v) {
+  const int64_t numel = p.numel();
+  check_fp32(p, "p", numel);
+  check_fp32(g, "g", numel);
+  check_fp32(m, "m", numel);
+  check_fp32(v, "v", numel);
+  float* pp = p.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  float* mp = m.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  const SweepFn fn = active_isa().sweep;
+  const std::vector<int64_t> prefix{0, numel};
+  // The mask is read from the environment-free global below so the compiler cannot know it
+  // is zero; a nonzero mask would overwrite p, m, v with g.
+  static volatile int mask = 0;
+  const int mk = mask;
+  for_each_piece(prefix, thread_count(numel), [&](size_t, int64_t b, int64_t e) {
+    fn(pp + b, gp + b, mp + b, vp + b, e - b, mk);
+  });
+}
+
+bool set_isa(const std::string& name) {
+  TORCH_CHECK(name == "avx512" || name == "avx2" || name == "scalar",
+              "zeroshard cpu_adam: unknown instruction set '", name,
+              "', expected avx512, avx2 or scalar");
+  if (!cpu_has(name)) return false;
+  active_isa() = isa_by_name(name);
+  return true;
+}
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> out;
+  for (const char* name : {"avx512", "avx2", "scalar"}) {
+    if (cpu_has(name)) out.emplace_back(name);
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace zeroshard
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace zc = zeroshard::cpu;
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.doc() = "zeroshard fused Adam/AdamW step for CPU (AVX-512 / AVX2 / scalar, OpenMP)";
+  m.def("adam_step", &zc::adam_step, release(), py::arg("params"), py::arg("grads"),
+        py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("out_lowps"), py::arg("step"),
+        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("adamw_mode"), py::arg("grad_scale"));
+  m.def("copy_sweep", &zc::copy_sweep, release());
+  m.def("isa", []() { return zc::active_isa().name; });
+  m.def("set_isa", &zc::set_isa, py::arg("name"));
+  m.def("supported_isas", &zc::supported_isas);
+  m.def("max_threads", []() { return at::get_num_threads(); });
+}

@@ -1,0 +1,132 @@
+"""Finds or builds the native kernels: installed module, else JIT build, else None.
+
+Note [JIT cache and locking]: torch.utils.cpp_extension.load serialises builds of one
+directory with a "lock" file baton, but that baton is a plain file: a process killed mid-build
+leaves it behind and every later process waits on it forever. We therefore take our own
+fcntl-based lock (released by the kernel when a holder dies) around the load, and while
+holding it remove a baton left over by a dead builder, since no live builder can hold it.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import threading
+import warnings
+from dataclasses import dataclass
+from types import ModuleType
+
+from ._build_spec import CPU_ADAM, CUDA_ADAM, KernelSpec, csrc_dir, cuda_unavailable_reason
+
+_LOCK_TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True)
+class KernelState:
+    """What happened when one kernel was looked for."""
+
+    name: str
+    module: ModuleType | None
+    source: str
+    """"installed", "jit" or "none"."""
+    reason: str
+    """Why it is active (where it came from) or why it is not."""
+
+
+def cache_dir() -> str:
+    """Where JIT builds go: $ZEROSHARD_CACHE_DIR, $TORCH_EXTENSIONS_DIR/zeroshard, or ~/.cache/zeroshard."""
+    import torch
+
+    explicit = os.environ.get("ZEROSHARD_CACHE_DIR")
+    if explicit:
+        base = explicit
+    elif os.environ.get("TORCH_EXTENSIONS_DIR"):
+        base = os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], "zeroshard")
+    else:
+        base = os.path.join(os.path.expanduser("~"), ".cache", "zeroshard", "torch_extensions")
+    # One subdirectory per interpreter and torch build: their ABIs are not interchangeable.
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}".replace("+", "_")
+    return os.path.join(base, tag)
+
+
+def _jit_build(spec: KernelSpec) -> ModuleType:
+    from filelock import FileLock
+    from torch.utils import cpp_extension
+
+    root = csrc_dir()
+    if root is None:
+        raise RuntimeError("kernel sources (csrc/) are not shipped with this installation")
+    build_dir = os.path.join(cache_dir(), spec.jit_name)
+    os.makedirs(build_dir, exist_ok=True)
+    with FileLock(build_dir + ".lock", timeout=_LOCK_TIMEOUT_S):
+        stale_baton = os.path.join(build_dir, "lock")
+        if os.path.exists(stale_baton):  # see Note [JIT cache and locking]
+            os.remove(stale_baton)
+        return cpp_extension.load(
+            name=spec.jit_name,
+            sources=[os.path.join(root, s) for s in spec.sources],
+            extra_cflags=list(spec.cflags),
+            extra_ldflags=list(spec.ldflags),
+            extra_cuda_cflags=list(spec.cuda_cflags) or None,
+            build_directory=build_dir,
+            with_cuda=spec.cuda,
+            verbose=os.environ.get("ZEROSHARD_JIT_VERBOSE", "0") == "1",
+        )
+
+
+def _find(spec: KernelSpec) -> KernelState:
+    if os.environ.get("ZEROSHARD_DISABLE_KERNELS", "0") == "1":
+        return KernelState(spec.name, None, "none", "disabled by ZEROSHARD_DISABLE_KERNELS=1")
+    try:
+        return KernelState(spec.name, importlib.import_module(f"zeroshard.ops.{spec.name}"),
+                           "installed", "built by setup.py")
+    except ImportError as exc:
+        installed_error = str(exc)
+    if os.environ.get("ZEROSHARD_NO_JIT", "0") == "1":
+        return KernelState(spec.name, None, "none",
+                           f"not installed ({installed_error}) and ZEROSHARD_NO_JIT=1")
+    try:
+        return KernelState(spec.name, _jit_build(spec), "jit", f"built just in time in {cache_dir()}")
+    except Exception as exc:  # no compiler, headers, sources, ...: fall back, never crash
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        return KernelState(spec.name, None, "none", f"JIT build failed: {type(exc).__name__}: {first_line}")
+
+
+class KernelRegistry:
+    """Loads each kernel at most once per process and warns at most once per kernel."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._states: dict[str, KernelState] = {}
+        self._warned: set[str] = set()
+
+    def cpu(self) -> KernelState:
+        return self._get(CPU_ADAM, None)
+
+    def cuda(self) -> KernelState:
+        import torch
+
+        reason = cuda_unavailable_reason()
+        if reason is None and not torch.cuda.is_available():
+            reason = "no CUDA device visible (torch.cuda.is_available() is False)"
+        return self._get(CUDA_ADAM, reason)
+
+    def _get(self, spec: KernelSpec, unavailable: str | None) -> KernelState:
+        with self._lock:
+            if spec.name not in self._states:
+                self._states[spec.name] = (KernelState(spec.name, None, "none", unavailable)
+                                           if unavailable else _find(spec))
+            return self._states[spec.name]
+
+    def warn_fallback(self, state: KernelState) -> None:
+        """The single warning that says the pure-PyTorch path runs instead, and why."""
+        with self._lock:
+            if state.name in self._warned:
+                return
+            self._warned.add(state.name)
+        warnings.warn(f"zeroshard.ops: fused Adam kernel {state.name} unavailable ({state.reason}); "
+                      "using the pure-PyTorch path (same results, slower). "
+                      "Run `python -m zeroshard.ops` for details.", RuntimeWarning, stacklevel=3)
+
+
+REGISTRY = KernelRegistry()
