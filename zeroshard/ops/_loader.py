@@ -9,6 +9,7 @@ holding it remove a baton left over by a dead builder, since no live builder can
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
 import threading
@@ -74,19 +75,35 @@ def _jit_build(spec: KernelSpec) -> ModuleType:
         )
 
 
+def _stale_installed(spec: KernelSpec) -> str | None:
+    """Why the module setup.py built is older than the sources next to it (editable
+    installs), or None. A stale module would silently run old kernel code."""
+    found = importlib.util.find_spec(f"zeroshard.ops.{spec.name}")
+    root = csrc_dir()
+    if found is None or not found.origin or root is None:
+        return None
+    built = os.path.getmtime(found.origin)
+    src_dir = os.path.dirname(os.path.join(root, spec.sources[0]))
+    newer = [f for f in sorted(os.listdir(src_dir)) if os.path.getmtime(os.path.join(src_dir, f)) > built]
+    return f"installed module is older than csrc sources ({', '.join(newer)})" if newer else None
+
+
 def _find(spec: KernelSpec) -> KernelState:
     if os.environ.get("ZEROSHARD_DISABLE_KERNELS", "0") == "1":
         return KernelState(spec.name, None, "none", "disabled by ZEROSHARD_DISABLE_KERNELS=1")
-    try:
-        return KernelState(spec.name, importlib.import_module(f"zeroshard.ops.{spec.name}"),
-                           "installed", "built by setup.py")
-    except ImportError as exc:
-        installed_error = str(exc)
+    installed_error = _stale_installed(spec)
+    if installed_error is None:
+        try:
+            return KernelState(spec.name, importlib.import_module(f"zeroshard.ops.{spec.name}"),
+                               "installed", "built by setup.py")
+        except ImportError as exc:
+            installed_error = str(exc)
     if os.environ.get("ZEROSHARD_NO_JIT", "0") == "1":
         return KernelState(spec.name, None, "none",
                            f"not installed ({installed_error}) and ZEROSHARD_NO_JIT=1")
     try:
-        return KernelState(spec.name, _jit_build(spec), "jit", f"built just in time in {cache_dir()}")
+        return KernelState(spec.name, _jit_build(spec), "jit",
+                           f"built just in time in {cache_dir()} (setup.py module: {installed_error})")
     except Exception as exc:  # no compiler, headers, sources, ...: fall back, never crash
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
         return KernelState(spec.name, None, "none", f"JIT build failed: {type(exc).__name__}: {first_line}")

@@ -1,0 +1,4 @@
+"""The collectives zeroshard issues, over an ordinary torch.distributed process group."""
+from zeroshard.comm.process_group import Comm, Work
+
+__all__ = ["Comm", "Work"]

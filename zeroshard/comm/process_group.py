@@ -1,0 +1,119 @@
+"""A thin view of the data-parallel process group, with collectives chosen per backend.
+
+zeroshard never builds its own transport: every byte moves through torch.distributed.
+What this wrapper adds is the choice of *which* collective expresses an operation, since
+backends differ: measured on gloo (CPU), ``reduce_scatter_tensor`` costs ~1.9x and
+``all_gather_into_tensor`` ~1.6x an ``all_reduce`` of the same bytes, so on gloo a
+gradient reduce-scatter is an all-reduce whose slice is kept, and a parameter all-gather
+is an all-reduce of a buffer in which every rank zeroed what it does not own, summed as
+int32 words (integer x + 0 is exact for every bit pattern, -0.0 and NaN included, and
+gloo has no int16, so 16-bit buffers travel as pairs; slices are aligned, so no pair
+straddles two owners). NCCL keeps the natural collectives.
+``benchmarks/bench_collectives.py`` re-measures the choice; ZEROSHARD_COLLECTIVES=native
+or =allreduce forces one for experiments.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class Work(Protocol):
+    def wait(self) -> bool: ...
+
+
+class _Done:
+    """A completed operation, for world size 1 where nothing needs to move."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class Comm:
+    """Rank, world size and collectives of one process group (or of a single process)."""
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None) -> None:
+        initialized = dist.is_available() and dist.is_initialized()
+        if process_group is not None and not initialized:
+            raise RuntimeError(
+                "process_group was given but torch.distributed is not initialized; call "
+                "torch.distributed.init_process_group(...) first (or pass process_group=None "
+                "for a single process)")
+        self.group = process_group if process_group is not None else (dist.group.WORLD if initialized else None)
+        if self.group is None:
+            self.rank, self.world_size, self.backend = 0, 1, "none"
+        else:
+            self.rank = dist.get_rank(self.group)
+            self.world_size = dist.get_world_size(self.group)
+            self.backend = str(dist.get_backend(self.group))
+        forced = os.environ.get("ZEROSHARD_COLLECTIVES", "")
+        if forced not in ("", "native", "allreduce"):
+            raise ValueError(f"ZEROSHARD_COLLECTIVES={forced!r}; use 'native' or 'allreduce'")
+        self.use_allreduce_emulation = forced == "allreduce" or (forced == "" and self.backend == "gloo")
+
+    # -- plain collectives ---------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+                   async_op: bool = False) -> Work:
+        if self.world_size == 1:
+            return _Done()
+        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        return work if async_op else _Done()
+
+    def any_true(self, flag: bool) -> bool:
+        """True on every rank when the flag is true on at least one rank."""
+        t = torch.tensor([1.0 if flag else 0.0])
+        self.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
+    def broadcast_object(self, obj: object, src: int = 0) -> object:
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src), group=self.group)
+        return box[0]
+
+    def all_gather_object(self, obj: object) -> list:
+        if self.world_size == 1:
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+    # -- ZeRO building blocks ------------------------------------------------------------
+    def reduce_for_shard(self, full: torch.Tensor, shard_out: Optional[torch.Tensor]) -> Work:
+        """Start summing ``full`` across ranks so this rank can read its equal slice.
+
+        With the all-reduce emulation the sum lands in ``full`` (read the slice from there);
+        otherwise it lands in ``shard_out``. ``result_in_full`` says which applies.
+        """
+        if self.world_size == 1:
+            if shard_out is not None and not self.result_in_full:
+                shard_out.copy_(full)
+            return _Done()
+        if self.result_in_full:
+            return dist.all_reduce(full, group=self.group, async_op=True)
+        return dist.reduce_scatter_tensor(shard_out, full, group=self.group, async_op=True)
+
+    @property
+    def result_in_full(self) -> bool:
+        return self.world_size == 1 or self.use_allreduce_emulation
+
+    def gather_shards(self, full: torch.Tensor) -> Work:
+        """Start an in-place all-gather: on entry each rank's own equal slice of ``full``
+        holds its data; on completion every slice does, on every rank."""
+        if self.world_size == 1:
+            return _Done()
+        n = full.numel() // self.world_size
+        lo, hi = self.rank * n, (self.rank + 1) * n
+        if self.use_allreduce_emulation:
+            full[:lo].zero_()
+            full[hi:].zero_()
+            return dist.all_reduce(full.view(torch.int32), group=self.group, async_op=True)
+        return dist.all_gather_into_tensor(full, full[lo:hi], group=self.group, async_op=True)

@@ -1,0 +1,69 @@
+"""Accounting of the model-state bytes a rank holds, and the ZeRO formulas to compare with.
+
+The formulas are those of the ZeRO paper (Rajbhandari et al., 2020, section 5), written
+per category for Ψ trainable parameters on N ranks with K bytes of optimizer state per
+parameter, and the byte widths zeroshard actually uses (gradients are kept in fp32, so
+mixed precision pays 4Ψ for gradients where the paper's fp16 scheme pays 2Ψ):
+
+    stage | parameters | gradients | master weights      | optimizer states
+    0     | p·Ψ        | 4Ψ        | m·Ψ                 | K·Ψ
+    1     | p·Ψ        | 4Ψ        | m·Ψ/N               | K·Ψ/N
+    2     | p·Ψ        | 4Ψ/N      | m·Ψ/N               | K·Ψ/N
+
+with p the model dtype's width (4 fp32, 2 bf16/fp16), m = 4 under mixed precision and 0
+in fp32 (the parameters are the master), K = 8 for Adam/AdamW.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+
+def tensor_bytes(t: torch.Tensor, seen: Optional[set[int]] = None) -> int:
+    """Bytes of ``t``'s storage, counted once per storage when ``seen`` is shared."""
+    if t.numel() == 0:
+        return 0
+    key = t.untyped_storage().data_ptr()
+    if seen is not None:
+        if key in seen:
+            return 0
+        seen.add(key)
+    return t.untyped_storage().nbytes()
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    parameters: int
+    gradients: int
+    master_weights: int
+    optimizer_states: int
+    buffers: int = 0
+    """Transient communication buckets alive at the moment of the report."""
+
+    @property
+    def model_states(self) -> int:
+        return self.parameters + self.gradients + self.master_weights + self.optimizer_states
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "model_states": self.model_states}
+
+    def __str__(self) -> str:
+        mib = lambda n: f"{n / 2**20:8.2f} MiB"  # noqa: E731
+        return (f"params {mib(self.parameters)} | grads {mib(self.gradients)} | master "
+                f"{mib(self.master_weights)} | optim {mib(self.optimizer_states)} | buffers {mib(self.buffers)}")
+
+
+def zero_formula(stage: int, numel: int, world_size: int, *, param_bytes: int = 4,
+                 mixed_precision: bool = False, optim_bytes_per_param: int = 8) -> MemoryReport:
+    """Expected model-state bytes per rank by the ZeRO paper's formulas (module docstring)."""
+    n = world_size
+    shard = (lambda x: x / n) if stage >= 1 else (lambda x: x)
+    master = 4 if mixed_precision else 0
+    return MemoryReport(
+        parameters=int(param_bytes * numel),
+        gradients=int(4 * numel / n if stage >= 2 else 4 * numel),
+        master_weights=int(shard(master * numel)),
+        optimizer_states=int(shard(optim_bytes_per_param * numel)),
+    )

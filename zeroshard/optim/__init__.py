@@ -1,0 +1,1 @@
+"""The sharded optimizer: flat units, gradient reduction, and the inner optimizer."""

@@ -1,0 +1,174 @@
+"""Gradient reduction during backward: buckets filled by hooks, launched in a fixed order.
+
+Lifecycle per backward pass: post-accumulate-grad hooks copy each parameter's gradient
+into its unit's bucket and free ``param.grad`` at once; a unit whose parameters have all
+reported is *ready*; ready units are launched strictly in unit order (every rank must
+issue collectives in the same order, and the order in which hooks fire can differ between
+ranks when some parameters are unused); an end-of-backward callback launches whatever is
+left (unused parameters contribute zeros). At most ``max_inflight`` reductions are in
+flight; retiring one adds its result into the unit's fp32 gradient store and frees the
+bucket, which is what bounds stage 2's memory to a few buckets.
+
+Note [in-place first pass]: at stages 0-1 the gradient store is the full unit, so the
+first backward after zero_grad fills the store itself and reduces it in place: no bucket
+is allocated and nothing is copied twice. Later micro-batches (gradient accumulation)
+need a separate bucket, because the store already holds a reduced sum.
+"""
+from __future__ import annotations
+
+from collections import deque
+from functools import partial
+from typing import Optional, Sequence
+
+import torch
+
+from zeroshard.comm import Comm, Work
+from zeroshard.layout import Segment
+from zeroshard.optim.flat_unit import FlatUnit
+
+
+class _Pending:
+    __slots__ = ("unit", "work", "bucket", "shard_out", "base")
+
+    def __init__(self, unit: FlatUnit, work: Work, bucket: torch.Tensor,
+                 shard_out: Optional[torch.Tensor], base: int) -> None:
+        self.unit, self.work, self.bucket, self.shard_out, self.base = unit, work, bucket, shard_out, base
+
+
+class GradientReducer:
+    def __init__(self, units: Sequence[FlatUnit], comm: Comm, reduce_dtype: torch.dtype,
+                 max_inflight: int) -> None:
+        self.units = list(units)
+        self.comm = comm
+        self.reduce_dtype = reduce_dtype
+        self.max_inflight = max_inflight
+        self._handles = []
+        self._inflight: deque[_Pending] = deque()
+        self._reset_pass()
+        self.grads_since_clear = False
+        """Whether any backward reached the optimizer since the last zero_grad."""
+        self.passes = 0
+        """Backward passes seen so far (a pass starts with its first gradient hook)."""
+        self.grad_factor = 1.0
+        """Applied to every reduced gradient as it retires: 1 / (world_size * loss_scale)."""
+
+    def register_hooks(self) -> None:
+        for ui, unit in enumerate(self.units):
+            for m, seg in zip(unit.members, unit.layout.segments):
+                self._handles.append(m.param.register_post_accumulate_grad_hook(partial(self._on_grad, ui, seg)))
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _reset_pass(self) -> None:
+        self._buckets: list[Optional[torch.Tensor]] = [None] * len(self.units)
+        self._seen: list[set[int]] = [set() for _ in self.units]
+        self._next = 0
+        self._in_backward = False
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _on_grad(self, ui: int, seg: Segment, param: torch.Tensor) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            self.grads_since_clear = True
+            self.passes += 1
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        grad = param.grad
+        param.grad = None  # the bucket holds it now; free the model-sized copy at once
+        if grad is None:
+            return
+        if ui < self._next:
+            raise RuntimeError(
+                f"the gradient of {seg.name!r} arrived after its unit {ui} was already sent for "
+                "reduction in this backward pass; this happens when a parameter receives "
+                "gradient from a nested backward (e.g. reentrant torch.utils.checkpoint "
+                "together with a use outside it). Use torch.utils.checkpoint(..., "
+                "use_reentrant=False).")
+        bucket = self._bucket(ui)
+        dst = bucket[seg.offset:seg.end]
+        if seg.offset in self._seen[ui]:
+            dst.add_(grad.reshape(-1))
+        else:
+            dst.copy_(grad.reshape(-1))
+            self._seen[ui].add(seg.offset)
+        if len(self._seen[ui]) == len(self.units[ui].layout.segments):
+            self._launch_ready()
+
+    def _on_backward_end(self) -> None:
+        self.flush()
+
+    def _bucket(self, ui: int) -> torch.Tensor:
+        bucket = self._buckets[ui]
+        if bucket is None:
+            unit = self.units[ui]
+            in_place = (not unit.policy.shard_gradients and not unit.grad_valid
+                        and self.reduce_dtype == torch.float32)
+            if in_place:  # Note [in-place first pass]
+                bucket = unit.grad_store
+            else:
+                bucket = torch.empty(unit.layout.padded_numel, dtype=self.reduce_dtype,
+                                     device=unit.flat.device)
+            self._buckets[ui] = bucket
+        return bucket
+
+    # -- launching and retiring ---------------------------------------------------------------
+    def _launch_ready(self) -> None:
+        while self._next < len(self.units):
+            ui = self._next
+            if len(self._seen[ui]) < len(self.units[ui].layout.segments):
+                return
+            self._launch(ui)
+
+    def _launch(self, ui: int) -> None:
+        unit = self.units[ui]
+        bucket = self._bucket(ui)
+        # Parameters that got no gradient, and the padding, contribute zeros.
+        seen = self._seen[ui]
+        for seg in unit.layout.segments:
+            if seg.offset not in seen:
+                bucket[seg.offset:seg.end].zero_()
+        bucket[unit.layout.numel:].zero_()
+        while len(self._inflight) >= self.max_inflight:
+            self._retire(self._inflight.popleft())
+        shard_out, base = None, 0
+        if not unit.policy.shard_gradients:  # stages 0-1 keep the whole reduced gradient
+            work = self.comm.all_reduce(bucket, async_op=True)
+        else:
+            if not self.comm.result_in_full:
+                base, hi = unit.layout.slice_of(self.comm.rank)
+                shard_out = torch.empty(hi - base, dtype=bucket.dtype, device=bucket.device)
+            work = self.comm.reduce_for_shard(bucket, shard_out)
+        self._inflight.append(_Pending(unit, work, bucket, shard_out, base))
+        self._buckets[ui] = None
+        self._next = ui + 1
+
+    def _retire(self, p: _Pending) -> None:
+        p.work.wait()
+        if p.bucket is p.unit.grad_store:  # reduced in place: already the sum
+            if self.grad_factor != 1.0:
+                p.bucket.mul_(self.grad_factor)
+            p.unit.grad_valid = True
+            return
+        p.unit.accumulate(p.bucket if p.shard_out is None else p.shard_out, p.base, self.grad_factor)
+
+    def live_bucket_bytes(self) -> int:
+        """Bytes of buckets alive now that are not a unit's own gradient store."""
+        stores = {id(u.grad_store) for u in self.units}
+        live = [b for b in self._buckets if b is not None] + [p.bucket for p in self._inflight]
+        live += [p.shard_out for p in self._inflight if p.shard_out is not None]
+        return sum(b.numel() * b.element_size() for b in live if id(b) not in stores)
+
+    def flush(self) -> None:
+        """Launch every unit not yet launched in this pass (end of backward)."""
+        for ui in range(self._next, len(self.units)):
+            self._launch(ui)
+        self._reset_pass()
+
+    def finalize(self) -> None:
+        """Complete all reductions: afterwards every unit's gradient store is final."""
+        if self._next > 0 or any(self._seen):
+            self.flush()
+        while self._inflight:
+            self._retire(self._inflight.popleft())

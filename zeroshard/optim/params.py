@@ -1,0 +1,56 @@
+"""Normalising what users pass as "parameters" into named param groups."""
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+ParamsLike = Union[nn.Module, Iterable[torch.Tensor], Iterable[tuple[str, torch.Tensor]], Iterable[dict]]
+
+
+def normalize_params(model_or_params: ParamsLike) -> tuple[Optional[nn.Module], list[dict], dict[int, str]]:
+    """Returns (module or None, param groups with 'params' lists, name by id(param)).
+
+    Names come from ``named_parameters()`` for a module or from ``(name, tensor)`` pairs;
+    otherwise ``param.<i>`` by position, which is stable as long as the same groups are
+    built in the same order (what checkpoints rely on).
+    """
+    if isinstance(model_or_params, nn.Module):
+        module = model_or_params
+        named = list(module.named_parameters())
+        if not named:
+            raise ValueError(f"{type(module).__name__} has no parameters to optimize")
+        return module, [{"params": [p for _, p in named]}], {id(p): n for n, p in named}
+    if isinstance(model_or_params, torch.Tensor):
+        raise TypeError("params must be an iterable of tensors or a module, got a single Tensor; "
+                        "wrap it in a list")
+    items = list(model_or_params)
+    if not items:
+        raise ValueError("ZeroOptimizer got an empty parameter list")
+    raw_groups = items if isinstance(items[0], dict) else [{"params": items}]
+    groups: list[dict] = []
+    names: dict[int, str] = {}
+    position = 0
+    for gi, raw in enumerate(raw_groups):
+        if not isinstance(raw, dict):
+            raise TypeError(f"param group {gi} is a {type(raw).__name__}; mix of groups and tensors")
+        group: dict[str, Any] = {k: v for k, v in raw.items() if k != "params"}
+        params = raw["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        plain = []
+        for entry in params:
+            if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], torch.Tensor):
+                name, p = entry
+                names[id(p)] = str(name)
+            elif isinstance(entry, torch.Tensor):
+                p = entry
+                names.setdefault(id(p), f"param.{position}")
+            else:
+                raise TypeError(f"param group {gi} holds a {type(entry).__name__}; expected tensors "
+                                "or (name, tensor) pairs")
+            plain.append(p)
+            position += 1
+        group["params"] = plain
+        groups.append(group)
+    return None, groups, names

@@ -1,0 +1,253 @@
+"""Optimizer state in and out of a ZeroOptimizer, in two forms.
+
+- *Sharded* (``state_dict()``): only this rank's pieces, keyed by parameter name and the
+  flat range ``[start, stop)`` of that parameter they cover (never by rank), so the same
+  data can be re-cut for another world size or stage. Loadable as is at the same layout.
+- *Consolidated* (``consolidated_state_dict()``): exactly the format of a plain
+  ``torch.optim`` optimizer built over the same param groups, so a user can move between
+  zeroshard and torch.optim in either direction at any step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from zeroshard.optim.flat_unit import FlatUnit
+    from zeroshard.optim.zero_optimizer import ZeroOptimizer
+
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Run:
+    """One tensor of the inner optimizer: unit range ``[a, b)`` of param group ``group``."""
+
+    unit: "FlatUnit"
+    group: int
+    a: int
+    b: int
+    tensor: torch.Tensor
+
+
+def is_sharded(state_dict: dict) -> bool:
+    return isinstance(state_dict, dict) and "zeroshard" in state_dict and "pieces" in state_dict
+
+
+def _hparams(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _run_pieces(run: Run):
+    yield from run.unit.layout.pieces_in(run.a, run.b)
+
+
+# -- sharded ------------------------------------------------------------------------------------
+def sharded_state_dict(opt: "ZeroOptimizer") -> dict:
+    pieces: dict[str, dict[str, Any]] = {}
+    for run in opt.runs:
+        state = opt.inner.state.get(run.tensor, {})
+        for piece in _run_pieces(run):
+            lo, hi = piece.unit_offset - run.a, piece.unit_offset - run.a + piece.numel
+            entry: dict[str, Any] = {
+                "start": piece.start, "stop": piece.stop, "numel": piece.segment.numel,
+                "shape": list(piece.segment.shape),
+                "state": {k: (v.clone() if v.dim() == 0 else v[lo:hi].clone()) if isinstance(v, torch.Tensor) else v
+                          for k, v in state.items()},
+            }
+            if run.unit.separate_master:
+                entry["master"] = run.tensor[lo:hi].clone()
+            pieces[piece.segment.name] = entry
+    return {
+        "zeroshard": {"format": FORMAT, "stage": opt.stage, "world_size": opt.comm.world_size,
+                      "rank": opt.comm.rank, "optimizer": type(opt.inner).__name__},
+        "param_groups": [{**_hparams(g), "params": [opt.param_names[id(p)] for p in g["params"]]}
+                         for g in opt.param_groups],
+        "pieces": pieces,
+        "loss_scaler": opt.scaler.state_dict() if opt.scaler else None,
+    }
+
+
+def _check_groups(opt: "ZeroOptimizer", groups: list[dict], by_name: bool) -> None:
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(f"state dict has {len(groups)} param groups, this optimizer has "
+                         f"{len(opt.param_groups)}: it was saved for a different model or grouping")
+    problems = []
+    for gi, (saved, mine) in enumerate(zip(groups, opt.param_groups)):
+        if len(saved["params"]) != len(mine["params"]):
+            problems.append(f"group {gi}: {len(saved['params'])} saved parameters vs {len(mine['params'])}")
+        elif by_name:
+            names = [opt.param_names[id(p)] for p in mine["params"]]
+            diff = [f"{a!r}!={b!r}" for a, b in zip(saved["params"], names) if a != b]
+            if diff:
+                problems.append(f"group {gi}: names differ: {', '.join(diff[:5])}")
+    if problems:
+        raise ValueError("state dict does not match this optimizer's parameters: " + "; ".join(problems))
+
+
+def _set_hparams(opt: "ZeroOptimizer", groups: list[dict]) -> None:
+    for saved, mine in zip(groups, opt.param_groups):
+        for k, v in saved.items():
+            if k != "params":
+                mine[k] = v
+    opt._sync_hyperparameters()
+
+
+def load_sharded(opt: "ZeroOptimizer", sd: dict) -> None:
+    _check_groups(opt, sd["param_groups"], by_name=True)
+    pieces = sd["pieces"]
+    missing, wrong = [], []
+    for run in opt.runs:
+        for piece in _run_pieces(run):
+            e = pieces.get(piece.segment.name)
+            if e is None or e["start"] > piece.start or e["stop"] < piece.stop:
+                missing.append(f"{piece.segment.name}[{piece.start}:{piece.stop}]")
+            elif list(e["shape"]) != list(piece.segment.shape):
+                wrong.append(f"{piece.segment.name}: saved {e['shape']} vs {list(piece.segment.shape)}")
+    if wrong:
+        raise ValueError("state dict is for a different model; mismatched shapes: " + "; ".join(wrong[:10]))
+    if missing:
+        meta = sd["zeroshard"]
+        raise ValueError(
+            f"this rank's state dict lacks pieces {missing[:5]}{'...' if len(missing) > 5 else ''}: it was "
+            f"saved by rank {meta['rank']} of {meta['world_size']} at stage {meta['stage']}, this is rank "
+            f"{opt.comm.rank} of {opt.comm.world_size} at stage {opt.stage}. To change world size or "
+            "stage, load a checkpoint (zeroshard.load_checkpoint) or a consolidated_state_dict().")
+    _set_hparams(opt, sd["param_groups"])
+    opt._load_keys = {name: list(e["state"]) for name, e in pieces.items()}
+    try:
+        for run in opt.runs:
+            _fill_run(opt, run, lambda name, a, b, key: _slice_entry(pieces[name], a, b, key))
+    finally:
+        opt._load_keys = {}
+    if opt.scaler is not None and sd.get("loss_scaler"):
+        opt.scaler.load_state_dict(sd["loss_scaler"])
+        opt._set_grad_factor()
+
+
+def _slice_entry(entry: dict, a: int, b: int, key: str) -> Optional[torch.Tensor]:
+    src = entry["master"] if key == "__master__" else entry["state"].get(key)
+    if src is None:
+        return None
+    if isinstance(src, torch.Tensor) and src.dim() > 0:
+        return src[a - entry["start"]:b - entry["start"]]
+    return src
+
+
+def _fill_run(opt: "ZeroOptimizer", run: Run, fetch) -> None:
+    """Rebuilds the inner optimizer's state (and master) of one run from per-piece data;
+    ``fetch(name, start, stop, key)`` returns that range of a tensor state, or a scalar."""
+    pieces = list(_run_pieces(run))
+    if not pieces:
+        return
+    first = pieces[0].segment.name
+    keys = _state_keys(opt, first)
+    state: dict[str, Any] = {}
+    for key in keys:
+        probe = fetch(first, pieces[0].start, pieces[0].stop, key)
+        if not isinstance(probe, torch.Tensor) or probe.dim() == 0:
+            state[key] = probe.clone() if isinstance(probe, torch.Tensor) else probe
+            continue
+        buf = torch.zeros(run.b - run.a, dtype=run.tensor.dtype, device=run.tensor.device)
+        for piece in pieces:
+            o = piece.unit_offset - run.a
+            buf[o:o + piece.numel].copy_(fetch(piece.segment.name, piece.start, piece.stop, key).reshape(-1))
+        state[key] = buf
+    if state:
+        opt.inner.state[run.tensor] = state
+    if run.unit.separate_master and fetch(first, pieces[0].start, pieces[0].stop, "__master__") is not None:
+        for piece in pieces:
+            o = piece.unit_offset - run.a
+            run.tensor[o:o + piece.numel].copy_(fetch(piece.segment.name, piece.start, piece.stop, "__master__"))
+        run.unit.write_back()
+
+
+def _state_keys(opt: "ZeroOptimizer", name: str) -> list[str]:
+    return opt._load_keys.get(name, [])
+
+
+# -- consolidated -------------------------------------------------------------------------------
+def _param_index(opt: "ZeroOptimizer") -> dict[str, int]:
+    index, i = {}, 0
+    for g in opt.param_groups:
+        for p in g["params"]:
+            index[opt.param_names[id(p)]] = i
+            i += 1
+    return index
+
+
+def consolidated_state_dict(opt: "ZeroOptimizer", to_rank: Optional[int]) -> Optional[dict]:
+    # Which state keys exist (tensor-valued or scalar) and the scalars' values, per group;
+    # a rank that owns nothing of a group learns them from the others.
+    local: dict[int, dict[str, Any]] = {}
+    for run in opt.runs:
+        for k, v in opt.inner.state.get(run.tensor, {}).items():
+            is_scalar = not isinstance(v, torch.Tensor) or v.dim() == 0
+            local.setdefault(run.group, {})[k] = (v.clone() if isinstance(v, torch.Tensor) else v) if is_scalar else None
+    merged: dict[int, dict[str, Any]] = {}
+    for other in opt.comm.all_gather_object(local):
+        for g, keys in other.items():
+            for k, v in keys.items():
+                merged.setdefault(g, {}).setdefault(k, v)
+    index = _param_index(opt)
+    state: dict[int, dict[str, Any]] = {}
+    for unit in opt.units:
+        groups_here = {seg.group for seg in unit.layout.segments}
+        tensor_keys = sorted({k for g in groups_here for k, v in merged.get(g, {}).items() if v is None})
+        fulls = {}
+        for key in tensor_keys:
+            full = torch.zeros(unit.layout.padded_numel, dtype=torch.float32, device=unit.flat.device)
+            for run in opt.runs:
+                if run.unit is unit and key in opt.inner.state.get(run.tensor, {}):
+                    full[run.a:run.b].copy_(opt.inner.state[run.tensor][key])
+            if opt.policy.shard_optimizer:
+                opt.comm.gather_shards(full).wait()
+            fulls[key] = full
+        for seg in unit.layout.segments:
+            entry = {}
+            for k, v in merged.get(seg.group, {}).items():
+                entry[k] = (v.clone() if isinstance(v, torch.Tensor) else v) if v is not None else \
+                    fulls[k][seg.offset:seg.end].view(seg.shape).clone()
+            if entry:
+                state[index[seg.name]] = entry
+    if to_rank is not None and opt.comm.rank != to_rank:
+        return None
+    groups, i = [], 0
+    for g in opt.param_groups:
+        n = len(g["params"])
+        groups.append({**_hparams(g), "params": list(range(i, i + n))})
+        i += n
+    return {"state": state, "param_groups": groups}
+
+
+def load_consolidated(opt: "ZeroOptimizer", sd: dict) -> None:
+    if "state" not in sd or "param_groups" not in sd:
+        raise ValueError(f"not an optimizer state dict: keys {sorted(sd)[:8]}; expected 'state' and "
+                         "'param_groups' (torch.optim format) or a ZeroOptimizer.state_dict()")
+    _check_groups(opt, sd["param_groups"], by_name=False)
+    index = _param_index(opt)
+    saved = sd["state"]
+    numel = {seg.name: seg.numel for u in opt.units for seg in u.layout.segments}
+    wrong = []
+    for name, i in index.items():
+        for k, v in saved.get(i, {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and name in numel and v.numel() != numel[name]:
+                wrong.append(f"{name}.{k}: {tuple(v.shape)} has {v.numel()} elements, parameter has {numel[name]}")
+    if wrong:
+        raise ValueError("optimizer state does not fit this model: " + "; ".join(wrong[:10]))
+    _set_hparams(opt, sd["param_groups"])
+    opt._load_keys = {name: list(saved.get(i, {})) for name, i in index.items()}
+    try:
+        for run in opt.runs:
+            _fill_run(opt, run, lambda name, a, b, key: _slice_plain(saved.get(index[name], {}), a, b, key))
+    finally:
+        opt._load_keys = {}
+
+
+def _slice_plain(entry: dict, a: int, b: int, key: str) -> Optional[torch.Tensor]:
+    v = entry.get(key)
+    if isinstance(v, torch.Tensor) and v.dim() > 0:
+        return v.reshape(-1)[a:b]
+    return v

@@ -1,0 +1,313 @@
+"""ZeroOptimizer: a torch.optim.Optimizer that partitions training state across ranks.
+
+Lifecycle of one step (stages 0-2):
+1. construction lays the trainable parameters out in flat units (``FlatUnit``), makes
+   every parameter a view into its unit, and builds the user's optimizer class over this
+   rank's owned ranges (one tensor per unit and param group);
+2. backward: hooks move gradients into buckets that are reduced while backward runs
+   (``GradientReducer``); each reduced gradient lands, averaged and unscaled, in the
+   unit's fp32 gradient store and ``param.grad`` stays None;
+3. ``clip_grad_norm_`` (optional) sees the true global norm across shards;
+4. ``step``: hyperparameters are copied from the user-visible param groups (so LR
+   schedulers work), the inner optimizer updates the owned ranges, mixed precision copies
+   them into the model dtype, and units are gathered so every rank has the new weights.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.comm import Comm
+from zeroshard.config import ZeroConfig
+from zeroshard.layout import NamedParam, build_layouts
+from zeroshard.memory import MemoryReport, tensor_bytes
+from zeroshard.optim import state_io
+from zeroshard.optim.elementwise import check_elementwise
+from zeroshard.optim.flat_unit import FlatUnit
+from zeroshard.optim.grad_sync import GradientReducer
+from zeroshard.optim.params import ParamsLike, normalize_params
+from zeroshard.precision import DynamicLossScaler
+from zeroshard.stages import policy_for_stage
+
+_DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    def __init__(self, model_or_params: ParamsLike, optimizer_class: type, *, stage: int = 2,
+                 offload_optimizer: Optional[str] = None, offload_params: Optional[str] = None,
+                 nvme_path: Optional[str] = None, mixed_precision: Optional[str] = None,
+                 process_group: Optional[dist.ProcessGroup] = None, **kwargs: Any) -> None:
+        config_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in ZeroConfig.field_names()}
+        self.config = ZeroConfig(stage=stage, offload_optimizer=offload_optimizer,
+                                 offload_params=offload_params, nvme_path=nvme_path,
+                                 mixed_precision=mixed_precision, **config_kwargs)
+        check_elementwise(optimizer_class)
+        _check_optimizer_kwargs(optimizer_class, kwargs)
+        module, groups, names = normalize_params(model_or_params)
+        if self.config.stage == 3 and module is None:
+            raise ValueError("stage=3 partitions parameters by module, so it needs the nn.Module "
+                             "itself: ZeroOptimizer(model, ...), not a list of parameters or groups")
+        if self.config.stage == 3 or self.config.offload_optimizer or self.config.offload_params:
+            raise RuntimeError(
+                f"stage={self.config.stage}, offload_optimizer={self.config.offload_optimizer!r}, "
+                f"offload_params={self.config.offload_params!r}: this build of zeroshard supports "
+                "stages 0-2 without offload")
+        self.module = module
+        self.comm = Comm(process_group)
+        self.policy = policy_for_stage(self.config.stage)
+        trainable = _trainable(groups, names)
+        param_dtype = _DTYPES[self.config.mixed_precision] or _single_dtype(trainable)
+        if self.config.mixed_precision is not None:  # frozen weights compute in the model dtype too
+            for g in groups:
+                for p in g["params"]:
+                    if not p.requires_grad and p.is_floating_point():
+                        p.data = p.data.to(param_dtype)
+        reduce_dtype = _DTYPES[self.config.reduce_dtype] or torch.float32
+        bucket_numel = max(1, int(self.config.bucket_size_mb * 2**20) // torch.finfo(param_dtype).bits * 8)
+        layouts = build_layouts(trainable, bucket_numel, self.comm.world_size)
+        self.units = [FlatUnit(layout, members, self.policy, self.comm.rank, param_dtype)
+                      for layout, members in layouts]
+        self.runs, self.inner = _build_inner(optimizer_class, groups, self.units, kwargs)
+        user_groups = [{**{k: v for k, v in ig.items() if k != "params"}, "params": g["params"]}
+                       for g, ig in zip(groups, self.inner.param_groups)]
+        super().__init__(user_groups, dict(self.inner.defaults))
+        self._zero_initialized = True
+        self.param_names = names
+        self.scaler = (DynamicLossScaler(self.config.initial_loss_scale,
+                                         growth_interval=self.config.loss_scale_growth_interval)
+                       if self.config.mixed_precision == "fp16" else None)
+        self.reducer = GradientReducer(self.units, self.comm, reduce_dtype, self.config.max_inflight_buckets)
+        self._set_grad_factor()
+        self.reducer.register_hooks()
+        self._checked_pass = -1  # reducer pass whose overflow flag is cached
+        self._overflow = False
+        self._scaled_pass = -1
+
+    # -- properties users read -----------------------------------------------------------------
+    @property
+    def stage(self) -> int:
+        return self.config.stage
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
+
+    # -- loss scaling ----------------------------------------------------------------------------
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call backward on (multiplied by the fp16 loss scale; unchanged otherwise)."""
+        self._scaled_pass = self.reducer.passes + 1
+        return loss * self.scaler.scale if self.scaler else loss
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self.scale_loss(loss).backward(**kwargs)
+
+    def _set_grad_factor(self) -> None:
+        # Gradients are averaged over ranks and unscaled as each reduction retires.
+        self.reducer.grad_factor = 1.0 / (self.comm.world_size * self.loss_scale)
+
+    # -- gradients -------------------------------------------------------------------------------
+    def _owned_grads(self) -> list[torch.Tensor]:
+        return [u.owned_grad() for u in self.units if u.grad_valid]
+
+    def _finalize_grads(self) -> bool:
+        """Completes reductions; returns True when the step must be skipped (fp16 overflow)."""
+        self.reducer.finalize()
+        if self.scaler is None:
+            return False
+        if self._checked_pass != self.reducer.passes:
+            if self.reducer.grads_since_clear and self._scaled_pass < self.reducer.passes:
+                raise RuntimeError(
+                    "mixed_precision='fp16' needs the loss scaled before backward: call "
+                    "optimizer.backward(loss) or optimizer.scale_loss(loss).backward() instead "
+                    "of loss.backward()")
+            local = any(not torch.isfinite(g.sum()) for g in self._owned_grads())
+            self._overflow = self.comm.any_true(local)
+            self._checked_pass = self.reducer.passes
+        return self._overflow
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clips the gradients of all ranks by their global norm and returns that norm."""
+        norm_type = float(norm_type)
+        overflow = self._finalize_grads()
+        grads = self._owned_grads()
+        device = self.units[0].grad_store.device if self.units else torch.device("cpu")
+        if norm_type == math.inf:
+            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
+            total = local.clone()
+            if self.policy.shard_optimizer:
+                self.comm.all_reduce(total.view(1), op=dist.ReduceOp.MAX)
+        else:
+            local = (torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) ** norm_type
+                                  for g in grads]).sum() if grads
+                     else torch.zeros((), dtype=torch.float64, device=device))
+            if self.policy.shard_optimizer:
+                self.comm.all_reduce(local.view(1))
+            total = (local ** (1.0 / norm_type)).to(torch.float32)
+        if not torch.isfinite(total):
+            if error_if_nonfinite and not overflow:
+                raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total.item()}")
+            return total
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+        return total
+
+    # -- the step --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        overflow = self._finalize_grads()
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+            self._set_grad_factor()
+        if overflow or not self.reducer.grads_since_clear:
+            return loss
+        self._sync_hyperparameters()
+        self.inner.step()
+        for unit in self.units:
+            unit.write_back()
+        if self.policy.gather_after_step:
+            works = [self.comm.gather_shards(u.flat) for u in self.units]
+            for w in works:
+                w.wait()
+        return loss
+
+    def _sync_hyperparameters(self) -> None:
+        for user, inner in zip(self.param_groups, self.inner.param_groups):
+            for key, value in user.items():
+                if key != "params":
+                    inner[key] = value
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.reducer.finalize()  # every rank must finish the collectives it started
+        for unit in self.units:
+            unit.clear_grads(set_to_none)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        self.reducer.grads_since_clear = False
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_zero_initialized", False):
+            raise RuntimeError("ZeroOptimizer lays parameters out at construction; add every param "
+                               "group before, by passing the groups to ZeroOptimizer(...)")
+        super().add_param_group(param_group)
+
+    # -- state -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's sharded state: pieces keyed by parameter name and flat range."""
+        return state_io.sharded_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads a sharded state dict (``state_dict()``) or a consolidated one (the format of
+        a plain torch.optim optimizer over the same parameters, e.g. ``consolidated_state_dict()``)."""
+        if state_io.is_sharded(state_dict):
+            state_io.load_sharded(self, state_dict)
+        else:
+            state_io.load_consolidated(self, state_dict)
+
+    def consolidated_state_dict(self, to_rank: Optional[int] = 0) -> Optional[dict]:
+        """The whole optimizer state as a plain ``torch.optim`` state dict (loadable by the same
+        optimizer class over ``model.parameters()``). A collective: every rank must call it;
+        ``to_rank=None`` returns it on every rank, otherwise other ranks get None."""
+        return state_io.consolidated_state_dict(self, to_rank)
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes of model state this rank holds, by category."""
+        seen: set[int] = set()
+        frozen = sum(tensor_bytes(p, seen) for g in self.param_groups for p in g["params"]
+                     if not p.requires_grad)
+        return MemoryReport(
+            parameters=sum(tensor_bytes(u.flat, seen) for u in self.units) + frozen,
+            gradients=sum(tensor_bytes(u.grad_store, seen) for u in self.units),
+            master_weights=sum(tensor_bytes(u.master, seen) for u in self.units if u.separate_master),
+            optimizer_states=sum(tensor_bytes(v, seen) for s in self.inner.state.values()
+                                 for v in s.values() if isinstance(v, torch.Tensor)),
+            buffers=self.reducer.live_bucket_bytes(),
+        )
+
+    def __repr__(self) -> str:
+        return (f"ZeroOptimizer(stage={self.stage}, world_size={self.comm.world_size}, "
+                f"units={len(self.units)}, inner={self.inner.__class__.__name__})")
+
+
+def _check_optimizer_kwargs(optimizer_class: type, kwargs: dict) -> None:
+    try:
+        sig = inspect.signature(optimizer_class.__init__)
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return
+    accepted = {n for n in sig.parameters if n not in ("self", "params")}
+    unknown = sorted(set(kwargs) - accepted)
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {unknown}: not a ZeroOptimizer setting ({sorted(ZeroConfig.field_names())}) "
+            f"nor an argument of {optimizer_class.__name__} ({sorted(accepted)})")
+
+
+def _trainable(groups: list[dict], names: dict[int, str]) -> list[NamedParam]:
+    seen: dict[int, int] = {}
+    devices: dict[str, str] = {}
+    out = []
+    for gi, group in enumerate(groups):
+        for p in group["params"]:
+            if not isinstance(p, torch.Tensor) or not p.is_leaf:
+                raise TypeError(f"{names.get(id(p), '?')} is not a leaf tensor; optimizers take leaf parameters")
+            if id(p) in seen:
+                raise ValueError(f"parameter {names[id(p)]!r} appears in param groups {seen[id(p)]} and {gi}; "
+                                 "a parameter may belong to one group only")
+            seen[id(p)] = gi
+            devices.setdefault(str(p.device), names[id(p)])
+            if p.requires_grad:
+                if not p.is_floating_point():
+                    raise TypeError(f"parameter {names[id(p)]!r} has dtype {p.dtype}; only floating "
+                                    "point parameters can be trained")
+                out.append(NamedParam(names[id(p)], p, gi))
+    if len(devices) > 1:
+        where = ", ".join(f"{d} (e.g. {n!r})" for d, n in devices.items())
+        raise ValueError(f"parameters are on different devices: {where}; a ZeroOptimizer needs all "
+                         "of its parameters on one device (move the model with .to(device) first)")
+    if not out:
+        raise ValueError("no parameter requires grad; nothing to optimize")
+    return out
+
+
+def _single_dtype(trainable: list[NamedParam]) -> torch.dtype:
+    dtypes = {m.param.dtype for m in trainable}
+    if len(dtypes) > 1:
+        raise TypeError(f"trainable parameters mix dtypes {sorted(map(str, dtypes))}; cast the model "
+                        "to one dtype, or use mixed_precision='bf16'/'fp16' to let zeroshard do it")
+    return dtypes.pop()
+
+
+def _build_inner(optimizer_class: type, groups: list[dict], units: list[FlatUnit],
+                 kwargs: dict) -> tuple[list[state_io.Run], torch.optim.Optimizer]:
+    """The user's optimizer over this rank's owned ranges: one tensor per unit and group."""
+    runs: list[list[torch.Tensor]] = [[] for _ in groups]
+    all_runs = []
+    for unit in units:
+        for g, a, b in unit.layout.group_runs(*unit.owned):
+            t = unit.master_range(a, b)
+            t.grad = unit.grad_range(a, b)
+            runs[g].append(t)
+            all_runs.append(state_io.Run(unit, g, a, b, t))
+    device = units[0].master.device
+    inner_groups = []
+    for group, ts in zip(groups, runs):
+        # A rank may own nothing of a group; an empty tensor keeps the group (and its
+        # hyperparameters) aligned with the user's, and is skipped since it has no grad.
+        params = ts or [torch.empty(0, device=device)]
+        inner_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    try:
+        return all_runs, optimizer_class(inner_groups, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"{optimizer_class.__name__}(**{kwargs}) failed: {exc}") from exc

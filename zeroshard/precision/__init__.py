@@ -1,0 +1,4 @@
+"""Mixed precision: parameter dtypes and dynamic loss scaling."""
+from zeroshard.precision.loss_scaler import DynamicLossScaler
+
+__all__ = ["DynamicLossScaler"]
