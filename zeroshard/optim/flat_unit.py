@@ -57,6 +57,10 @@ class FlatUnit:
         lo = self.owned[0]
         return self.master[a - lo:b - lo]
 
+    def param_range(self, a: int, b: int) -> torch.Tensor:
+        """Model-dtype values of unit range ``[a, b)``; at stages 0-2 any range is held."""
+        return self.flat[a:b]
+
     def owned_grad(self) -> torch.Tensor:
         return self.grad_range(*self.owned)
 

@@ -174,11 +174,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.inner.step()
         for unit in self.units:
             unit.write_back()
+        self.gather_params()
+        return loss
+
+    def gather_params(self) -> None:
+        """Makes every rank's full parameters current from the owned ranges (after a step or
+        after loading owned pieces from a checkpoint). A collective."""
         if self.policy.gather_after_step:
             works = [self.comm.gather_shards(u.flat) for u in self.units]
             for w in works:
                 w.wait()
-        return loss
 
     def _sync_hyperparameters(self) -> None:
         for user, inner in zip(self.param_groups, self.inner.param_groups):
