@@ -9,11 +9,11 @@
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
+#include "adam_binding.h"
 #include "adam_common.h"
 
 namespace zeroshard {
@@ -64,33 +64,6 @@ Isa& active_isa() {
   return isa;
 }
 
-int lowp_kind(const at::Tensor& t, bool allow_f32) {
-  if (allow_f32 && t.scalar_type() == at::kFloat) return kF32;
-  if (t.scalar_type() == at::kBFloat16) return kBF16;
-  if (t.scalar_type() == at::kHalf) return kF16;
-  TORCH_CHECK(false, "zeroshard cpu_adam: unsupported dtype ", t.scalar_type(),
-              allow_f32 ? " for grad (float32, bfloat16 or float16)"
-                        : " for out_lowp (bfloat16 or float16)");
-}
-
-void check_fp32(const at::Tensor& t, const char* what, int64_t numel) {
-  TORCH_CHECK(t.device().is_cpu(), "zeroshard cpu_adam: ", what, " must be on CPU, got ",
-              t.device());
-  TORCH_CHECK(t.scalar_type() == at::kFloat, "zeroshard cpu_adam: ", what,
-              " must be float32, got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), "zeroshard cpu_adam: ", what, " must be contiguous");
-  TORCH_CHECK(t.numel() == numel, "zeroshard cpu_adam: ", what, " has ", t.numel(),
-              " elements, param has ", numel);
-}
-
-void check_other(const at::Tensor& t, const char* what, int64_t numel) {
-  TORCH_CHECK(t.device().is_cpu(), "zeroshard cpu_adam: ", what, " must be on CPU, got ",
-              t.device());
-  TORCH_CHECK(t.is_contiguous(), "zeroshard cpu_adam: ", what, " must be contiguous");
-  TORCH_CHECK(t.numel() == numel, "zeroshard cpu_adam: ", what, " has ", t.numel(),
-              " elements, param has ", numel);
-}
-
 int thread_count(int64_t total) {
   const int64_t by_size = std::max<int64_t>(1, total / kMinPerThread);
   return static_cast<int>(std::min<int64_t>(at::get_num_threads(), by_size));
@@ -120,60 +93,32 @@ void for_each_piece(const std::vector<int64_t>& prefix, int nthreads, Fn fn) {
   }
 }
 
-AdamScalars make_scalars(int64_t step, double lr, double beta1, double beta2, double eps,
-                         double weight_decay, bool adamw_mode, double grad_scale) {
-  TORCH_CHECK(step >= 1, "zeroshard cpu_adam: step must be >= 1, got ", step);
-  const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
-  AdamScalars s;
-  s.beta1 = static_cast<float>(beta1);
-  s.one_minus_beta1 = static_cast<float>(1.0 - beta1);
-  s.beta2 = static_cast<float>(beta2);
-  s.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  s.eps = static_cast<float>(eps);
-  s.weight_decay = static_cast<float>(weight_decay);
-  s.decay_factor = static_cast<float>(1.0 - lr * weight_decay);
-  s.neg_step_size = static_cast<float>(-lr / bc1);
-  s.inv_bias_corr2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
-  s.grad_scale = static_cast<float>(grad_scale);
-  s.adamw_mode = adamw_mode ? 1 : 0;
-  return s;
-}
-
 void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                const std::vector<at::Tensor>& exp_avgs,
                const std::vector<at::Tensor>& exp_avg_sqs,
                const std::vector<at::Tensor>& out_lowps, int64_t step, double lr, double beta1,
                double beta2, double eps, double weight_decay, bool adamw_mode,
                double grad_scale) {
+  binding::check_lists(params, grads, exp_avgs, exp_avg_sqs, out_lowps);
   const size_t n = params.size();
-  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
-              "zeroshard cpu_adam: list lengths differ: params ", n, ", grads ", grads.size(),
-              ", exp_avgs ", exp_avgs.size(), ", exp_avg_sqs ", exp_avg_sqs.size());
-  TORCH_CHECK(out_lowps.empty() || out_lowps.size() == n,
-              "zeroshard cpu_adam: out_lowps must be empty or have ", n, " tensors, got ",
-              out_lowps.size());
   const AdamScalars s =
-      make_scalars(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, grad_scale);
+      binding::make_scalars(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, grad_scale);
   std::vector<AdamSpan> spans(n);
   std::vector<int64_t> prefix(n + 1, 0);
   for (size_t i = 0; i < n; ++i) {
+    TORCH_CHECK(params[i].device().is_cpu(), "zeroshard cpu_adam: tensors must be on CPU, got ",
+                params[i].device());
     const int64_t numel = params[i].numel();
-    check_fp32(params[i], "param", numel);
-    check_fp32(exp_avgs[i], "exp_avg", numel);
-    check_fp32(exp_avg_sqs[i], "exp_avg_sq", numel);
-    check_other(grads[i], "grad", numel);
     AdamSpan& sp = spans[i];
     sp.param = params[i].data_ptr<float>();
     sp.exp_avg = exp_avgs[i].data_ptr<float>();
     sp.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
     sp.grad = grads[i].data_ptr();
-    sp.grad_kind = lowp_kind(grads[i], true);
+    sp.grad_kind = binding::lowp_kind(grads[i], true);
     sp.out_lowp = nullptr;
     sp.out_kind = kNone;
     if (!out_lowps.empty()) {
-      check_other(out_lowps[i], "out_lowp", numel);
-      sp.out_kind = lowp_kind(out_lowps[i], false);
+      sp.out_kind = binding::lowp_kind(out_lowps[i], false);
       sp.out_lowp = out_lowps[i].data_ptr();
     }
     sp.numel = numel;
@@ -197,19 +142,19 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
 
 // The physical-limit reference for benchmarks: same bytes as the fp32 step, no arithmetic.
 void copy_sweep(at::Tensor p, const at::Tensor& g, at::Tensor m, at::Tensor v) {
+  TORCH_CHECK(p.device().is_cpu(), "zeroshard copy_sweep: tensors must be on CPU, got ", p.device());
+  binding::check_tensor(p, p, "p", true);
+  binding::check_tensor(g, p, "g", true);
+  binding::check_tensor(m, p, "m", true);
+  binding::check_tensor(v, p, "v", true);
   const int64_t numel = p.numel();
-  check_fp32(p, "p", numel);
-  check_fp32(g, "g", numel);
-  check_fp32(m, "m", numel);
-  check_fp32(v, "v", numel);
   float* pp = p.data_ptr<float>();
   const float* gp = g.data_ptr<float>();
   float* mp = m.data_ptr<float>();
   float* vp = v.data_ptr<float>();
   const SweepFn fn = active_isa().sweep;
   const std::vector<int64_t> prefix{0, numel};
-  // The mask is read from the environment-free global below so the compiler cannot know it
-  // is zero; a nonzero mask would overwrite p, m, v with g.
+  // A volatile zero: the compiler cannot prove the blend a no-op and drop the stores.
   static volatile int mask = 0;
   const int mk = mask;
   for_each_piece(prefix, thread_count(numel), [&](size_t, int64_t b, int64_t e) {

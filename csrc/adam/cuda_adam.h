@@ -1,0 +1,29 @@
+// Host interface of the CUDA multi-tensor Adam kernel (cuda_adam_kernel.cu). Free of torch
+// headers so the .cu compiles with plain nvcc.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "adam_common.h"
+
+namespace zeroshard {
+namespace cuda {
+
+// One tensor of a multi-tensor step; all five buffers have `numel` elements.
+struct TensorRef {
+  float* param;
+  const void* grad;
+  float* exp_avg;
+  float* exp_avg_sq;
+  void* out_lowp;  // nullptr when no copy-out
+  int64_t numel;
+};
+
+// Launches as few kernels as the argument-size limit allows for `n` tensors that share the
+// gradient kind and copy-out kind (cpu::LowpKind values). Returns the launch error, if any.
+cudaError_t launch_multi_tensor_adam(const TensorRef* refs, int n, int grad_kind, int out_kind,
+                                     const cpu::AdamScalars& s, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace zeroshard
