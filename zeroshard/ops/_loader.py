@@ -8,12 +8,14 @@ holding it remove a baton left over by a dead builder, since no live builder can
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -50,19 +52,27 @@ def cache_dir() -> str:
     return os.path.join(base, tag)
 
 
-def _jit_build(spec: KernelSpec) -> ModuleType:
+@contextlib.contextmanager
+def build_lock(build_dir: str, timeout_s: float = _LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Exclusive, crash-safe ownership of ``build_dir``; see Note [JIT cache and locking]."""
     from filelock import FileLock
+
+    os.makedirs(build_dir, exist_ok=True)
+    with FileLock(build_dir + ".lock", timeout=timeout_s):
+        stale_baton = os.path.join(build_dir, "lock")
+        if os.path.exists(stale_baton):
+            os.remove(stale_baton)
+        yield
+
+
+def _jit_build(spec: KernelSpec) -> ModuleType:
     from torch.utils import cpp_extension
 
     root = csrc_dir()
     if root is None:
         raise RuntimeError("kernel sources (csrc/) are not shipped with this installation")
     build_dir = os.path.join(cache_dir(), spec.jit_name)
-    os.makedirs(build_dir, exist_ok=True)
-    with FileLock(build_dir + ".lock", timeout=_LOCK_TIMEOUT_S):
-        stale_baton = os.path.join(build_dir, "lock")
-        if os.path.exists(stale_baton):  # see Note [JIT cache and locking]
-            os.remove(stale_baton)
+    with build_lock(build_dir):
         return cpp_extension.load(
             name=spec.jit_name,
             sources=[os.path.join(root, s) for s in spec.sources],
