@@ -37,6 +37,10 @@ class ZeroConfig:
     reduce_dtype: Optional[str] = None
     """dtype of gradient buffers and reductions: None = fp32 (exact accumulation, the
     default even under bf16/fp16), or "bf16"/"fp16" to halve gradient memory and traffic."""
+    fused_adam: bool = True
+    """Run torch.optim.Adam/AdamW on zeroshard's fused kernel (same results, one pass over
+    memory). Other optimizers, or Adam options the kernel does not implement, always run
+    on the class given."""
     initial_loss_scale: float = 2.0**16
     """fp16 only: starting dynamic loss scale."""
     loss_scale_growth_interval: int = 2000

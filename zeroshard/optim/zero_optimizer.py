@@ -71,7 +71,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         layouts = build_layouts(trainable, bucket_numel, self.comm.world_size)
         self.units = [FlatUnit(layout, members, self.policy, self.comm.rank, param_dtype)
                       for layout, members in layouts]
-        self.runs, self.inner = _build_inner(optimizer_class, groups, self.units, kwargs)
+        self.optimizer_class = optimizer_class
+        inner_class, inner_kwargs = _pick_kernel(optimizer_class, kwargs, self.config.fused_adam)
+        self.runs, self.inner = _build_inner(inner_class, groups, self.units, inner_kwargs)
         user_groups = [{**{k: v for k, v in ig.items() if k != "params"}, "params": g["params"]}
                        for g, ig in zip(groups, self.inner.param_groups)]
         super().__init__(user_groups, dict(self.inner.defaults))
@@ -241,7 +243,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return (f"ZeroOptimizer(stage={self.stage}, world_size={self.comm.world_size}, "
-                f"units={len(self.units)}, inner={self.inner.__class__.__name__})")
+                f"units={len(self.units)}, optimizer={self.optimizer_class.__name__}, "
+                f"runs_on={self.inner.__class__.__name__})")
 
 
 def _check_optimizer_kwargs(optimizer_class: type, kwargs: dict) -> None:
@@ -292,6 +295,26 @@ def _single_dtype(trainable: list[NamedParam]) -> torch.dtype:
         raise TypeError(f"trainable parameters mix dtypes {sorted(map(str, dtypes))}; cast the model "
                         "to one dtype, or use mixed_precision='bf16'/'fp16' to let zeroshard do it")
     return dtypes.pop()
+
+
+# torch.optim.Adam/AdamW arguments the fused kernel reproduces exactly; any other (amsgrad,
+# foreach, fused, capturable, ...) keeps the user's class so behaviour never silently changes.
+_FUSABLE_ARGS = {"lr", "betas", "eps", "weight_decay", "maximize", "decoupled_weight_decay"}
+
+
+def _pick_kernel(optimizer_class: type, kwargs: dict, enabled: bool) -> tuple[type, dict]:
+    """Adam/AdamW run on zeroshard's fused kernel (zeroshard.ops.FusedAdam) when it computes
+    the same thing: one pass over memory instead of torch's per-op sweeps on CPU."""
+    if not enabled or optimizer_class not in (torch.optim.Adam, torch.optim.AdamW):
+        return optimizer_class, kwargs
+    if set(kwargs) - _FUSABLE_ARGS or kwargs.get("amsgrad"):
+        return optimizer_class, kwargs
+    from zeroshard.ops import FusedAdam
+    defaults = inspect.signature(optimizer_class.__init__).parameters
+    decoupled = kwargs.get("decoupled_weight_decay", optimizer_class is torch.optim.AdamW)
+    fused_kwargs = {"weight_decay": defaults["weight_decay"].default, **kwargs, "adamw_mode": bool(decoupled)}
+    fused_kwargs.pop("decoupled_weight_decay", None)
+    return FusedAdam, fused_kwargs
 
 
 def _build_inner(optimizer_class: type, groups: list[dict], units: list[FlatUnit],

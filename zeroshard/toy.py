@@ -1,0 +1,76 @@
+"""A small decoder-only transformer for the demo, the benchmarks and the planner's checks.
+
+Deliberately plain (pre-norm blocks, learned positions, tied embeddings optional) so that
+memory and step time depend on the ZeRO machinery, not on model tricks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    seq_len: int = 64
+    dropout: float = 0.0
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+
+
+class Block(nn.Module):
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads = c.n_heads
+        self.ln1 = nn.LayerNorm(c.d_model)
+        self.qkv = nn.Linear(c.d_model, 3 * c.d_model)
+        self.proj = nn.Linear(c.d_model, c.d_model)
+        self.ln2 = nn.LayerNorm(c.d_model)
+        self.fc = nn.Linear(c.d_model, 4 * c.d_model)
+        self.out = nn.Linear(4 * c.d_model, c.d_model)
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_heads, d // self.n_heads).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, c: GPTConfig = GPTConfig()) -> None:
+        super().__init__()
+        self.config = c
+        self.tok = nn.Embedding(c.vocab, c.d_model)
+        self.pos = nn.Embedding(c.seq_len, c.d_model)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
+        self.ln_f = nn.LayerNorm(c.d_model)
+        self.head = nn.Linear(c.d_model, c.vocab, bias=False)
+        if c.tie_embeddings:
+            self.head.weight = self.tok.weight
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def synthetic_batch(step: int, batch: int, c: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic token batch for a step: the same global batch whatever the world size."""
+    g = torch.Generator().manual_seed(step)
+    data = torch.randint(0, c.vocab, (batch, c.seq_len + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
