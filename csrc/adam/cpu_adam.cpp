@@ -37,7 +37,11 @@ bool cpu_has(const std::string& name) {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
            __builtin_cpu_supports("fma");
   }
-  if (name == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (name == "avx2") {
+    // The AVX2 build also converts fp16 with F16C; every AVX2 CPU to date has it, but check.
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }
   return name == "scalar";
 }
 
