@@ -20,10 +20,10 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_adam_lib  # noqa: E402
 from bench_adam_lib import (  # noqa: E402
     BYTES_FP32,
-    BYTES_MIXED_OURS,
-    BYTES_MIXED_TORCH,
+    BYTES_MIXED,
     Result,
     Workload,
     format_result,
@@ -67,9 +67,7 @@ def test_adam_stage(benchmark, stage: str, workload: Workload) -> None:  # type:
     # pytest-benchmark times the whole interleaved session once; the ratios are the result.
     res = benchmark.pedantic(run_stage, args=(stage, workload, _rounds(workload)), rounds=1, iterations=1)
     benchmark.extra_info.update({f"median_s_{k}": v for k, v in res.seconds.items()})
-    benchmark.extra_info["bytes_per_param"] = (
-        {"zeroshard": BYTES_FP32} if stage == "fp32"
-        else {"zeroshard": BYTES_MIXED_OURS, "torch": BYTES_MIXED_TORCH})
+    benchmark.extra_info["bytes_per_param"] = {"zeroshard": BYTES_FP32} if stage == "fp32" else BYTES_MIXED
     print("\n" + "\n".join(format_result(res)))
     if os.environ.get("ZEROSHARD_BENCH_ASSERT", "0") == "1":
         assert not check_targets(res), check_targets(res)
@@ -80,14 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="100,500", help="millions of parameters, comma-separated")
     parser.add_argument("--rounds", type=int, default=0, help="interleaved rounds (default: 9, 5 at 500M)")
     parser.add_argument("--stages", default="fp32,mixed")
+    parser.add_argument("--no-inductor", action="store_true", help="skip the torch.compile data point")
     args = parser.parse_args(argv)
+    bench_adam_lib.INDUCTOR = not args.no_inductor
     torch.set_num_threads(THREADS)
     from zeroshard.ops import kernel_status
 
     cpu = kernel_status()["cpu_adam"]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, kernel: {cpu.get('isa', 'none')} "
-          f"({cpu['source']}); bytes/param: fp32 {BYTES_FP32}, mixed ours {BYTES_MIXED_OURS} "
-          f"vs torch {BYTES_MIXED_TORCH}")
+          f"({cpu['source']}); bytes/param: fp32 {BYTES_FP32}, mixed {BYTES_MIXED}")
     missed: list[str] = []
     for workload in _workloads([int(s) for s in args.sizes.split(",")]):
         for stage in args.stages.split(","):
