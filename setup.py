@@ -65,7 +65,9 @@ setup(
         "psutil>=5.9",
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-benchmark>=4"],
+        # transformers: the stage-3 and checkpoint tests use a small GPT-2 built from a config
+        # (no download); it does not depend on torch, so it never pulls a CUDA build.
+        "test": ["pytest>=7", "pytest-benchmark>=4", "transformers>=4.40"],
         "bench": ["pytest-benchmark>=4", "matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["zeroshard=zeroshard.cli:main"]},

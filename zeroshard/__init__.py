@@ -7,7 +7,11 @@ See docs/design.md for the architecture and README.md for the quick start.
 from zeroshard.config import ZeroConfig
 from zeroshard.memory import MemoryReport, zero_formula
 from zeroshard.optim.zero_optimizer import ZeroOptimizer
+from zeroshard.stages.stage3.full_state import full_state_dict
+from zeroshard.stages.stage3.materialize import init_meta_weights
+from zeroshard.stages.stage3.safetensors_load import load_safetensors
 
 __version__ = "0.1.0"
 
-__all__ = ["ZeroOptimizer", "ZeroConfig", "MemoryReport", "zero_formula", "__version__"]
+__all__ = ["ZeroOptimizer", "ZeroConfig", "MemoryReport", "zero_formula", "full_state_dict",
+           "init_meta_weights", "load_safetensors", "__version__"]

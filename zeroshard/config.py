@@ -37,6 +37,14 @@ class ZeroConfig:
     reduce_dtype: Optional[str] = None
     """dtype of gradient buffers and reductions: None = fp32 (exact accumulation, the
     default even under bf16/fp16), or "bf16"/"fp16" to halve gradient memory and traffic."""
+    max_live_units: int = 2
+    """Stage 3: how many units (besides the root unit) may be gathered or being prefetched
+    at once; bounds the gather buffers to about that many units."""
+    stage3_unit_classes: Optional[tuple[str, ...]] = None
+    """Stage 3: class names of the modules that form units (default: every repeated block,
+    e.g. each transformer layer)."""
+    stage3_unit_numel: Optional[int] = None
+    """Stage 3: instead of classes, the largest subtrees with at most this many parameters."""
     fused_adam: bool = True
     """Run torch.optim.Adam/AdamW on zeroshard's fused kernel (same results, one pass over
     memory). Other optimizers, or Adam options the kernel does not implement, always run
@@ -70,6 +78,13 @@ class ZeroConfig:
             raise ValueError(f"bucket_size_mb={self.bucket_size_mb!r} must be > 0")
         if self.max_inflight_buckets < 1:
             raise ValueError(f"max_inflight_buckets={self.max_inflight_buckets!r} must be >= 1")
+        if self.max_live_units < 1:
+            raise ValueError(f"max_live_units={self.max_live_units!r} must be >= 1")
+        if self.stage3_unit_numel is not None and self.stage3_unit_numel < 1:
+            raise ValueError(f"stage3_unit_numel={self.stage3_unit_numel!r} must be >= 1")
+        if isinstance(self.stage3_unit_classes, str):
+            raise TypeError(f"stage3_unit_classes={self.stage3_unit_classes!r} must be a list of "
+                            "class names, e.g. ['GPT2Block']")
         if not self.initial_loss_scale > 0:
             raise ValueError(f"initial_loss_scale={self.initial_loss_scale!r} must be > 0")
         if self.loss_scale_growth_interval < 1:

@@ -6,6 +6,7 @@ show (and test) real multi-process behaviour on one machine without a launcher.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import time
@@ -36,8 +37,12 @@ def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, ar
         errors.put((rank, traceback.format_exc()))
         raise
     finally:
+        # Free cycles holding process groups and let gloo threads drop finished work (which
+        # takes the GIL) while Python is alive: at interpreter exit that aborts the process.
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
+        time.sleep(0.05)
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, threads: int | None = None) -> None:

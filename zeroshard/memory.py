@@ -9,6 +9,10 @@ mixed precision pays 4Ψ for gradients where the paper's fp16 scheme pays 2Ψ):
     0     | p·Ψ        | 4Ψ        | m·Ψ                 | K·Ψ
     1     | p·Ψ        | 4Ψ        | m·Ψ/N               | K·Ψ/N
     2     | p·Ψ        | 4Ψ/N      | m·Ψ/N               | K·Ψ/N
+    3     | p·Ψ/N      | 4Ψ/N      | m·Ψ/N               | K·Ψ/N
+
+plus, at stage 3, the gather buffers of the units alive at once (``max_live_units`` blocks
+and the root unit), reported as ``buffers``, not model state.
 
 with p the model dtype's width (4 fp32, 2 bf16/fp16), m = 4 under mixed precision and 0
 in fp32 (the parameters are the master), K = 8 for Adam/AdamW.
@@ -62,7 +66,7 @@ def zero_formula(stage: int, numel: int, world_size: int, *, param_bytes: int = 
     shard = (lambda x: x / n) if stage >= 1 else (lambda x: x)
     master = 4 if mixed_precision else 0
     return MemoryReport(
-        parameters=int(param_bytes * numel),
+        parameters=int(param_bytes * numel / n if stage >= 3 else param_bytes * numel),
         gradients=int(4 * numel / n if stage >= 2 else 4 * numel),
         master_weights=int(shard(master * numel)),
         optimizer_states=int(shard(optim_bytes_per_param * numel)),

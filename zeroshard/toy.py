@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,8 @@ class GPTConfig:
     seq_len: int = 64
     dropout: float = 0.0
     tie_embeddings: bool = False
+    activation_checkpointing: bool = False
+    """Recompute each block in backward (torch.utils.checkpoint, non-reentrant)."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -32,7 +35,7 @@ class Block(nn.Module):
         super().__init__()
         self.n_heads = c.n_heads
         self.ln1 = nn.LayerNorm(c.d_model)
-        self.qkv = nn.Linear(c.d_model, 3 * c.d_model)
+        self.qkv = nn.Linear(c.d_model, 3 * c.d_model, bias=False)  # no key bias: its gradient is pure rounding noise
         self.proj = nn.Linear(c.d_model, c.d_model)
         self.ln2 = nn.LayerNorm(c.d_model)
         self.fc = nn.Linear(c.d_model, 4 * c.d_model)
@@ -62,7 +65,10 @@ class TinyGPT(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
-            x = block(x)
+            if self.config.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -18,13 +18,19 @@ class NamedParam:
     name: str
     param: torch.nn.Parameter
     group: int
+    shape: Optional[torch.Size] = None
+    """The parameter's true shape when its data is not materialised (meta-device models)."""
+
+    @property
+    def true_shape(self) -> torch.Size:
+        return self.shape if self.shape is not None else self.param.shape
 
 
 def _layout(index: int, ordered: Sequence[NamedParam], world_size: int) -> UnitLayout:
     segments, offset = [], 0
     for m in ordered:
-        n = m.param.numel()
-        segments.append(Segment(m.name, m.param.shape, offset, n, m.group))
+        n = m.true_shape.numel()
+        segments.append(Segment(m.name, m.true_shape, offset, n, m.group))
         offset += n
     quantum = world_size * ALIGN_ELEMENTS
     padded = max(quantum, -(-offset // quantum) * quantum)
@@ -44,12 +50,18 @@ def build_layouts(params: Sequence[NamedParam], bucket_numel: int, world_size: i
     units: list[list[NamedParam]] = [[]]
     size = 0
     for np_ in reversed(params):
-        n = np_.param.numel()
+        n = np_.true_shape.numel()
         if units[-1] and size + n > bucket_numel:
             units.append([])
             size = 0
         units[-1].append(np_)
         size += n
+    return layouts_for([u for u in units if u], world_size)
+
+
+def layouts_for(units: Sequence[Sequence[NamedParam]], world_size: int
+                ) -> list[tuple[UnitLayout, list[NamedParam]]]:
+    """Layouts for given groupings of parameters (unit i = ``units[i]``)."""
     # Group-major order inside a unit keeps each param group contiguous (stable sort).
-    ordered = [sorted(u, key=lambda m: m.group) for u in units if u]
+    ordered = [sorted(u, key=lambda m: m.group) for u in units]
     return [(_layout(i, members, world_size), members) for i, members in enumerate(ordered)]

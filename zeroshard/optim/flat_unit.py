@@ -1,16 +1,19 @@
 """The tensors of one flat unit on one rank, and their lifecycle across a step.
 
 A ``FlatUnit`` owns:
-- ``flat``: the full parameter buffer (model dtype); every model parameter of the unit is
-  a view into it, so the post-step gather writes straight into the model;
+- ``shard``: the owned range of the unit's parameters in the model dtype. At stages 0-2 it
+  is a view of ``flat``; at stage 3 it is the only parameter memory that persists;
+- ``flat``: the full parameter buffer. Every model parameter of the unit is a view into it,
+  so a gather writes straight into the model. Stages 0-2 keep it; at stage 3 it exists only
+  while the unit is gathered (``zeroshard/stages/stage3/gatherer.py`` manages that);
 - ``master``: the fp32 values of the owned range that the optimizer updates. Without
-  mixed precision it *is* the owned range of ``flat`` (no copy, no extra memory);
+  mixed precision it *is* ``shard`` (no copy, no extra memory);
 - ``grad_store``: reduced gradients, summed over ranks and micro-batches, in fp32: the
-  whole unit (stages 0-1) or only the owned range (stage 2).
+  whole unit (stages 0-1) or only the owned range (stages 2-3).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -18,36 +21,59 @@ from zeroshard.layout import NamedParam, UnitLayout
 from zeroshard.stages import StagePolicy
 
 
+def released_data(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """What a stage-3 parameter holds while its unit is not gathered: nothing."""
+    return torch.empty(0, dtype=dtype, device=device)
+
+
 class FlatUnit:
     def __init__(self, layout: UnitLayout, members: Sequence[NamedParam], policy: StagePolicy,
-                 rank: int, param_dtype: torch.dtype) -> None:
+                 rank: int, param_dtype: torch.dtype, device: Optional[torch.device] = None) -> None:
         self.layout = layout
         self.members = list(members)
         self.policy = policy
-        device = self.members[0].param.device
+        self.dtype = param_dtype
+        self.device = device or self.members[0].param.device
         self.owned = layout.slice_of(rank) if policy.shard_optimizer else (0, layout.padded_numel)
         lo, hi = self.owned
-        self.flat = torch.zeros(layout.padded_numel, dtype=param_dtype, device=device)
-        separate_master = param_dtype != torch.float32
-        if separate_master:
-            self.master = torch.zeros(hi - lo, dtype=torch.float32, device=device)
+        self.separate_master = param_dtype != torch.float32
+        self.needs_init = any(m.param.is_meta or m.param.numel() != m.true_shape.numel() for m in self.members)
+        """Parameters had no values (meta device): the owner must initialise the shard."""
+        if policy.shard_parameters:
+            self.flat: Optional[torch.Tensor] = None
+            self.shard = torch.zeros(hi - lo, dtype=param_dtype, device=self.device)
+        else:
+            self.flat = torch.zeros(layout.padded_numel, dtype=param_dtype, device=self.device)
+            self.shard = self.flat[lo:hi]
+        self.master = (torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
+                       if self.separate_master else self.shard)
         with torch.no_grad():
             for m, seg in zip(self.members, layout.segments):
-                src = m.param.detach().reshape(-1)
-                self.flat[seg.offset:seg.end].copy_(src)
-                if separate_master:
-                    a, b = max(lo, seg.offset), min(hi, seg.end)
-                    if a < b:  # the master keeps the full-precision initial values
-                        self.master[a - lo:b - lo].copy_(src[a - seg.offset:b - seg.offset])
-                m.param.data = self.flat[seg.offset:seg.end].view(seg.shape)
-        if not separate_master:
-            self.master = self.flat[lo:hi]
-        self.separate_master = separate_master
+                if not self.needs_init:
+                    self.load_segment(seg.offset, m.param.detach().reshape(-1))
+                if self.flat is not None:
+                    m.param.data = self.flat[seg.offset:seg.end].view(seg.shape)
+                else:
+                    m.param.data = released_data(param_dtype, self.device)
         self.grad_base = lo if policy.shard_gradients else 0
         store_numel = hi - lo if policy.shard_gradients else layout.padded_numel
-        self.grad_store = torch.zeros(store_numel, dtype=torch.float32, device=device)
+        self.grad_store = torch.zeros(store_numel, dtype=torch.float32, device=self.device)
         self.grad_valid = False
         """False after zero_grad(set_to_none=True): the next reduced gradient overwrites."""
+
+    def load_segment(self, offset: int, values: torch.Tensor) -> None:
+        """Sets the unit range starting at ``offset`` from full-precision ``values``: the
+        model-dtype copy wherever this rank holds it, and the fp32 master of the owned part."""
+        end = offset + values.numel()
+        if self.flat is not None:
+            self.flat[offset:end].copy_(values)
+        lo, hi = self.owned
+        a, b = max(lo, offset), min(hi, end)
+        if a < b:
+            if self.policy.shard_parameters:  # otherwise shard is a view of flat: done
+                self.shard[a - lo:b - lo].copy_(values[a - offset:b - offset])
+            if self.separate_master:  # the master keeps the full-precision values
+                self.master[a - lo:b - lo].copy_(values[a - offset:b - offset])
 
     # -- ranges ---------------------------------------------------------------------------
     def grad_range(self, a: int, b: int) -> torch.Tensor:
@@ -58,8 +84,15 @@ class FlatUnit:
         return self.master[a - lo:b - lo]
 
     def param_range(self, a: int, b: int) -> torch.Tensor:
-        """Model-dtype values of unit range ``[a, b)``; at stages 0-2 any range is held."""
-        return self.flat[a:b]
+        """Model-dtype values of unit range ``[a, b)``: any range at stages 0-2, the owned
+        range at stage 3 (other ranges live on other ranks)."""
+        if self.flat is not None and not self.policy.shard_parameters:
+            return self.flat[a:b]
+        lo, hi = self.owned
+        if not lo <= a <= b <= hi:
+            raise ValueError(f"unit {self.layout.index}: range [{a}, {b}) is outside this rank's "
+                             f"owned range [{lo}, {hi}) and stage 3 holds nothing else")
+        return self.shard[a - lo:b - lo]
 
     def owned_grad(self) -> torch.Tensor:
         return self.grad_range(*self.owned)
@@ -76,10 +109,9 @@ class FlatUnit:
             self.grad_valid = True
 
     def write_back(self) -> None:
-        """Copy updated master values into the model-dtype buffer (mixed precision)."""
+        """Copy updated master values into the model-dtype shard (mixed precision)."""
         if self.separate_master:
-            lo, hi = self.owned
-            self.flat[lo:hi].copy_(self.master)
+            self.shard.copy_(self.master)
 
     def clear_grads(self, set_to_none: bool) -> None:
         if set_to_none:

@@ -51,6 +51,9 @@ class GradientReducer:
         """Backward passes seen so far (a pass starts with its first gradient hook)."""
         self.grad_factor = 1.0
         """Applied to every reduced gradient as it retires: 1 / (world_size * loss_scale)."""
+        self.on_launch: list = []
+        """Callbacks ``f(unit_index)`` run when a unit's gradients are sent (stage 3 releases
+        the unit's gathered parameters then)."""
 
     def register_hooks(self) -> None:
         for ui, unit in enumerate(self.units):
@@ -109,7 +112,7 @@ class GradientReducer:
                 bucket = unit.grad_store
             else:
                 bucket = torch.empty(unit.layout.padded_numel, dtype=self.reduce_dtype,
-                                     device=unit.flat.device)
+                                     device=unit.device)
             self._buckets[ui] = bucket
         return bucket
 
@@ -143,6 +146,8 @@ class GradientReducer:
         self._inflight.append(_Pending(unit, work, bucket, shard_out, base))
         self._buckets[ui] = None
         self._next = ui + 1
+        for callback in self.on_launch:
+            callback(ui)
 
     def _retire(self, p: _Pending) -> None:
         p.work.wait()

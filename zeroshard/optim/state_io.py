@@ -198,7 +198,7 @@ def consolidated_state_dict(opt: "ZeroOptimizer", to_rank: Optional[int]) -> Opt
         tensor_keys = sorted({k for g in groups_here for k, v in merged.get(g, {}).items() if v is None})
         fulls = {}
         for key in tensor_keys:
-            full = torch.zeros(unit.layout.padded_numel, dtype=torch.float32, device=unit.flat.device)
+            full = torch.zeros(unit.layout.padded_numel, dtype=torch.float32, device=unit.device)
             for run in opt.runs:
                 if run.unit is unit and key in opt.inner.state.get(run.tensor, {}):
                     full[run.a:run.b].copy_(opt.inner.state[run.tensor][key])

@@ -20,18 +20,22 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from zeroshard.comm import Comm
 from zeroshard.config import ZeroConfig
-from zeroshard.layout import NamedParam, build_layouts
+from zeroshard.layout import NamedParam, Segment, build_layouts, layouts_for
 from zeroshard.memory import MemoryReport, tensor_bytes
-from zeroshard.optim import state_io
+from zeroshard.optim import registry, state_io
 from zeroshard.optim.elementwise import check_elementwise
 from zeroshard.optim.flat_unit import FlatUnit
 from zeroshard.optim.grad_sync import GradientReducer
 from zeroshard.optim.params import ParamsLike, normalize_params
 from zeroshard.precision import DynamicLossScaler
 from zeroshard.stages import policy_for_stage
+from zeroshard.stages.stage3.gatherer import ParameterGatherer
+from zeroshard.stages.stage3.materialize import swap_meta_parameters
+from zeroshard.stages.stage3.units import plan_units
 
 _DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -47,19 +51,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                  mixed_precision=mixed_precision, **config_kwargs)
         check_elementwise(optimizer_class)
         _check_optimizer_kwargs(optimizer_class, kwargs)
-        module, groups, names = normalize_params(model_or_params)
-        if self.config.stage == 3 and module is None:
+        if self.config.stage == 3 and not isinstance(model_or_params, nn.Module):
             raise ValueError("stage=3 partitions parameters by module, so it needs the nn.Module "
                              "itself: ZeroOptimizer(model, ...), not a list of parameters or groups")
-        if self.config.stage == 3 or self.config.offload_optimizer or self.config.offload_params:
+        if self.config.offload_optimizer or self.config.offload_params:
             raise RuntimeError(
-                f"stage={self.config.stage}, offload_optimizer={self.config.offload_optimizer!r}, "
-                f"offload_params={self.config.offload_params!r}: this build of zeroshard supports "
-                "stages 0-2 without offload")
+                f"offload_optimizer={self.config.offload_optimizer!r}, offload_params="
+                f"{self.config.offload_params!r}: this build of zeroshard has no offload yet")
+        device = None
+        meta_shapes: dict[int, torch.Size] = {}
+        if isinstance(model_or_params, nn.Module):
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            meta_shapes = swap_meta_parameters(model_or_params, device)
+        module, groups, names = normalize_params(model_or_params)
         self.module = module
         self.comm = Comm(process_group)
         self.policy = policy_for_stage(self.config.stage)
-        trainable = _trainable(groups, names)
+        trainable = _trainable(groups, names, meta_shapes)
         param_dtype = _DTYPES[self.config.mixed_precision] or _single_dtype(trainable)
         if self.config.mixed_precision is not None:  # frozen weights compute in the model dtype too
             for g in groups:
@@ -68,9 +76,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         p.data = p.data.to(param_dtype)
         reduce_dtype = _DTYPES[self.config.reduce_dtype] or torch.float32
         bucket_numel = max(1, int(self.config.bucket_size_mb * 2**20) // torch.finfo(param_dtype).bits * 8)
-        layouts = build_layouts(trainable, bucket_numel, self.comm.world_size)
-        self.units = [FlatUnit(layout, members, self.policy, self.comm.rank, param_dtype)
-                      for layout, members in layouts]
+        unit_modules: list = []
+        if self.policy.shard_parameters:
+            groupings, unit_modules = plan_units(module, trainable, self.config.stage3_unit_classes,
+                                                 self.config.stage3_unit_numel)
+            layouts = layouts_for(groupings, self.comm.world_size)
+        else:
+            layouts = build_layouts(trainable, bucket_numel, self.comm.world_size)
+        self.units = [FlatUnit(layout, members, self.policy, self.comm.rank, param_dtype,
+                               device if meta_shapes else None) for layout, members in layouts]
         self.optimizer_class = optimizer_class
         inner_class, inner_kwargs = _pick_kernel(optimizer_class, kwargs, self.config.fused_adam)
         self.runs, self.inner = _build_inner(inner_class, groups, self.units, inner_kwargs)
@@ -85,6 +99,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.reducer = GradientReducer(self.units, self.comm, reduce_dtype, self.config.max_inflight_buckets)
         self._set_grad_factor()
         self.reducer.register_hooks()
+        self.gatherer: Optional[ParameterGatherer] = None
+        if self.policy.shard_parameters:
+            self.gatherer = ParameterGatherer(self.units, unit_modules, module, self.comm,
+                                              self.config.max_live_units)
+            self.gatherer.register()
+            self.reducer.on_launch.append(self.gatherer.on_unit_reduced)
+        if module is not None:
+            registry.register(module, self)
         self._checked_pass = -1  # reducer pass whose overflow flag is cached
         self._overflow = False
         self._scaled_pass = -1
@@ -233,13 +255,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         frozen = sum(tensor_bytes(p, seen) for g in self.param_groups for p in g["params"]
                      if not p.requires_grad)
         return MemoryReport(
-            parameters=sum(tensor_bytes(u.flat, seen) for u in self.units) + frozen,
+            parameters=sum(tensor_bytes(u.shard if u.policy.shard_parameters else u.flat, seen)
+                           for u in self.units) + frozen,
             gradients=sum(tensor_bytes(u.grad_store, seen) for u in self.units),
             master_weights=sum(tensor_bytes(u.master, seen) for u in self.units if u.separate_master),
             optimizer_states=sum(tensor_bytes(v, seen) for s in self.inner.state.values()
                                  for v in s.values() if isinstance(v, torch.Tensor)),
-            buffers=self.reducer.live_bucket_bytes(),
+            buffers=self.reducer.live_bucket_bytes() + (self.gatherer.gathered_bytes() if self.gatherer else 0),
         )
+
+    def segment_index(self) -> dict[int, tuple[FlatUnit, Segment]]:
+        """Where each trainable parameter lives: id(param) -> (unit, segment)."""
+        return {id(m.param): (u, seg) for u in self.units for m, seg in zip(u.members, u.layout.segments)}
 
     def __repr__(self) -> str:
         return (f"ZeroOptimizer(stage={self.stage}, world_size={self.comm.world_size}, "
@@ -262,7 +289,7 @@ def _check_optimizer_kwargs(optimizer_class: type, kwargs: dict) -> None:
             f"nor an argument of {optimizer_class.__name__} ({sorted(accepted)})")
 
 
-def _trainable(groups: list[dict], names: dict[int, str]) -> list[NamedParam]:
+def _trainable(groups: list[dict], names: dict[int, str], shapes: dict[int, torch.Size]) -> list[NamedParam]:
     seen: dict[int, int] = {}
     devices: dict[str, str] = {}
     out = []
@@ -279,7 +306,7 @@ def _trainable(groups: list[dict], names: dict[int, str]) -> list[NamedParam]:
                 if not p.is_floating_point():
                     raise TypeError(f"parameter {names[id(p)]!r} has dtype {p.dtype}; only floating "
                                     "point parameters can be trained")
-                out.append(NamedParam(names[id(p)], p, gi))
+                out.append(NamedParam(names[id(p)], p, gi, shapes.get(id(p))))
     if len(devices) > 1:
         where = ", ".join(f"{d} (e.g. {n!r})" for d, n in devices.items())
         raise ValueError(f"parameters are on different devices: {where}; a ZeroOptimizer needs all "

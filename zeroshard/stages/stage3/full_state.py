@@ -1,0 +1,41 @@
+"""``full_state_dict(model)``: an ordinary, unsharded state dict of a zeroshard model."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from zeroshard.optim.registry import optimizer_for
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True) -> Optional[dict]:
+    """Gathers every parameter whole, one unit at a time (peak: one unit beyond what the rank
+    holds). A collective: every rank must call it. With ``rank0_only`` the other ranks get
+    None and keep nothing. Keys and tied entries are those of ``model.state_dict()``."""
+    opt = optimizer_for(model)
+    live = model.state_dict(keep_vars=True)
+    if opt is None or opt.gatherer is None:  # stages 0-2: every rank holds full parameters
+        out = {k: (v.detach().cpu() if cpu else v.detach()).clone() for k, v in live.items()}
+        return None if rank0_only and (opt is not None and opt.comm.rank != 0) else out
+    keep = not rank0_only or opt.comm.rank == 0
+    where = opt.segment_index()
+    by_unit: dict[int, list[str]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for key, t in live.items():
+        if id(t) in where:
+            by_unit.setdefault(where[id(t)][0].layout.index, []).append(key)
+        elif keep:
+            out[key] = (t.detach().cpu() if cpu else t.detach()).clone()
+    gatherer = opt.gatherer
+    for ui, unit in enumerate(opt.units):
+        was_released = gatherer.state[ui].value == "released"
+        gatherer.ensure(ui)
+        if keep:
+            for key in by_unit.get(unit.layout.index, []):
+                t = live[key].detach()
+                out[key] = (t.cpu() if cpu else t).clone()
+        if was_released:
+            gatherer.release(ui)
+    return {k: out[k] for k in live if k in out} if keep else None

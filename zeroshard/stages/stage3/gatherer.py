@@ -1,0 +1,263 @@
+"""Gathering stage-3 units just before use and releasing them right after.
+
+Lifecycle of a unit in one iteration (``UnitState``):
+
+    RELEASED --gather--> GATHERING --wait--> GATHERED --release--> RELEASED
+
+- forward: a pre-hook on the unit's module gathers it (waiting for a prefetch if one is in
+  flight) and prefetches the next unit of the previous iteration's forward order; a post-hook
+  releases it (the root unit, which holds what is used around the blocks, stays gathered
+  while gradients are enabled) and wraps the module's outputs in ``_PreBackward``;
+- backward: ``_PreBackward`` runs before the module's own backward and gathers the unit
+  again, prefetching the unit that backward reaches next; the unit is released as soon as
+  its gradients are sent for reduction (every parameter's gradient is then accumulated, so
+  no remaining backward node reads it); an end-of-backward callback releases the rest;
+- activation checkpointing re-runs a forward inside backward: the unit is gathered then,
+  and the post-hook does not release it (the recomputed graph still needs it).
+
+At most ``max_live`` non-root units are gathered or gathering at once; prefetch never
+exceeds it. Every rank makes the same gather calls in the same order (same model, same
+graph), which the collectives require. See Note [released parameters].
+
+Note [released parameters]: a released parameter's ``.data`` is an empty tensor. Autograd
+keeps the Parameter object (not its data) for backward, so re-gathering before a module's
+backward (``_PreBackward``) restores what its nodes read. A use of a released parameter
+(e.g. a weight used outside the module that owns it) hits a 0-element tensor; the root
+forward wrapper turns that into an error naming the released units.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from zeroshard.comm import Comm, Work
+from zeroshard.optim.flat_unit import FlatUnit, released_data
+
+
+class Stage3UsageError(RuntimeError):
+    """A model does something stage 3 cannot support (the message says what and why)."""
+
+
+class UnitState(enum.Enum):
+    RELEASED = "released"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _PreBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gatherer: "ParameterGatherer", ui: int, *tensors: torch.Tensor):
+        ctx.gatherer, ctx.ui = gatherer, ui
+        return tensors if len(tensors) > 1 else tensors[0]
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.gatherer.before_backward(ctx.ui)
+        return (None, None, *grads)
+
+
+class ParameterGatherer:
+    def __init__(self, units: Sequence[FlatUnit], modules: Sequence[Optional[nn.Module]],
+                 model: nn.Module, comm: Comm, max_live: int) -> None:
+        if max_live < 1:
+            raise ValueError(f"max_live_units={max_live} must be >= 1")
+        self.units = list(units)
+        self.modules = list(modules)
+        self.model = model
+        self.comm = comm
+        self.max_live = max_live
+        self.root = next((i for i, m in enumerate(modules) if m is None), None)
+        self.state = [UnitState.RELEASED] * len(units)
+        self._work: list[Optional[Work]] = [None] * len(units)
+        self._order: list[int] = []       # this forward's unit order
+        self._last_order: list[int] = []  # the previous one: what prefetch follows
+        self._bw_ptr = -1
+        self._bw_callback = False
+        self._handles: list[Any] = []
+        self._orig_forward = None
+        self.unit_of_module = {id(m): i for i, m in enumerate(modules) if m is not None}
+
+    # -- registration ------------------------------------------------------------------------
+    def register(self) -> None:
+        self._handles.append(self.model.register_forward_pre_hook(self._root_pre_forward))
+        self._handles.append(self.model.register_forward_hook(self._root_post_forward))
+        for ui, module in enumerate(self.modules):
+            if module is not None:
+                self._handles.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, ui)))
+                self._handles.append(module.register_forward_hook(functools.partial(self._post_forward, ui)))
+        self._orig_forward = orig = self.model.forward
+
+        @functools.wraps(orig)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            return self._guarded_forward(orig, args, kwargs)
+        self.model.forward = guarded
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self._orig_forward is not None:
+            del self.model.forward  # the instance attribute; the class method shows again
+            self._orig_forward = None
+
+    def _guarded_forward(self, forward: Any, args: tuple, kwargs: dict) -> Any:
+        try:
+            return forward(*args, **kwargs)
+        except Stage3UsageError:
+            raise
+        except RuntimeError as exc:
+            released = [seg.name for i, u in enumerate(self.units) if self.state[i] is UnitState.RELEASED
+                        for seg in u.layout.segments]
+            if not released:
+                raise
+            raise RuntimeError(
+                f"{exc}\n\nzeroshard stage 3: when this failed, the parameters of {len(released)} "
+                f"partitioned tensors were released (e.g. {released[:4]}). A parameter used outside "
+                "the module that owns it is not gathered there: make the module that uses it part "
+                "of a larger unit (stage3_unit_classes=[...]) or let it stay in the root unit.") from exc
+
+    # -- gather / release ---------------------------------------------------------------------
+    def _live(self) -> int:
+        return sum(1 for i, s in enumerate(self.state) if s is not UnitState.RELEASED and i != self.root)
+
+    def _start(self, ui: int) -> None:
+        unit = self.units[ui]
+        if unit.needs_init:
+            raise Stage3UsageError(
+                f"unit {ui} ({unit.layout.segments[0].name}, ...) has no values yet: the model was "
+                "built on the meta device. Load weights with zeroshard.load_safetensors(model, path) "
+                "or initialise them with zeroshard.init_meta_weights(model) before the first forward.")
+        flat = torch.empty(unit.layout.padded_numel, dtype=unit.dtype, device=unit.device)
+        lo, hi = unit.owned
+        flat[lo:hi].copy_(unit.shard)
+        unit.flat = flat
+        self._work[ui] = self.comm.gather_shards(flat)
+        self.state[ui] = UnitState.GATHERING
+
+    def prefetch(self, ui: int) -> None:
+        if self.state[ui] is UnitState.RELEASED and (ui == self.root or self._live() < self.max_live):
+            self._start(ui)
+
+    def ensure(self, ui: int) -> None:
+        if self.state[ui] is UnitState.RELEASED:
+            self._start(ui)
+        if self.state[ui] is UnitState.GATHERING:
+            self._work[ui].wait()
+            self._work[ui] = None
+            unit = self.units[ui]
+            for m, seg in zip(unit.members, unit.layout.segments):
+                m.param.data = unit.flat[seg.offset:seg.end].view(seg.shape)
+            self.state[ui] = UnitState.GATHERED
+
+    def release(self, ui: int) -> None:
+        if self.state[ui] is UnitState.RELEASED:
+            return
+        if self.state[ui] is UnitState.GATHERING:  # the collective must complete on every rank
+            self._work[ui].wait()
+            self._work[ui] = None
+        unit = self.units[ui]
+        for m in unit.members:
+            m.param.data = released_data(unit.dtype, unit.device)
+        unit.flat = None
+        self.state[ui] = UnitState.RELEASED
+
+    def release_all(self) -> None:
+        for ui in range(len(self.units)):
+            self.release(ui)
+
+    def gathered_bytes(self) -> int:
+        return sum(u.flat.numel() * u.flat.element_size() for u in self.units if u.flat is not None)
+
+    # -- forward hooks --------------------------------------------------------------------------
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if not _in_backward():
+            if self._order:
+                self._last_order = self._order
+            self._order = []
+        if self.root is not None:
+            self.ensure(self.root)
+        if self._last_order and not _in_backward():
+            self.prefetch(self._last_order[0])
+
+    def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.root is None or _in_backward():
+            return output
+        self._check_shapes(self.root)
+        if torch.is_grad_enabled():
+            return self._wrap(self.root, output)
+        self.release(self.root)
+        return output
+
+    def _pre_forward(self, ui: int, module: nn.Module, args: Any) -> None:
+        if not _in_backward():
+            self._order.append(ui)
+            pos = len(self._order)
+            self.ensure(ui)
+            if pos < len(self._last_order):
+                self.prefetch(self._last_order[pos])
+        else:
+            self.ensure(ui)
+
+    def _post_forward(self, ui: int, module: nn.Module, args: Any, output: Any) -> Any:
+        self._check_shapes(ui)
+        if _in_backward():  # activation recomputation: the recomputed graph needs the unit
+            return output
+        if torch.is_grad_enabled():
+            output = self._wrap(ui, output)
+        self.release(ui)
+        return output
+
+    def _wrap(self, ui: int, output: Any) -> Any:
+        leaves, spec = tree_flatten(output)
+        idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return output
+        wrapped = _PreBackward.apply(self, ui, *[leaves[i] for i in idx])
+        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+        for i, t in zip(idx, wrapped):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    def _check_shapes(self, ui: int) -> None:
+        unit = self.units[ui]
+        if self.state[ui] is not UnitState.GATHERED:
+            return
+        for m, seg in zip(unit.members, unit.layout.segments):
+            if m.param.shape != seg.shape:
+                raise Stage3UsageError(
+                    f"parameter {seg.name!r} changed shape from {tuple(seg.shape)} to "
+                    f"{tuple(m.param.shape)} during forward; stage 3 partitions parameters by their "
+                    "shape at construction, so modules must not resize or replace them")
+
+    # -- backward -------------------------------------------------------------------------------
+    def before_backward(self, ui: int) -> None:
+        if not self._bw_callback:
+            self._bw_callback = True
+            self._bw_ptr = len(self._order) - 1
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self.ensure(ui)
+        p = self._bw_ptr
+        while p >= 0 and self._order[p] != ui:
+            p -= 1
+        if p >= 0:
+            self._bw_ptr = p - 1
+            if p - 1 >= 0:
+                self.prefetch(self._order[p - 1])
+
+    def on_unit_reduced(self, ui: int) -> None:
+        """The unit's gradients are all accumulated and sent: nothing in backward reads it."""
+        if ui != self.root and _in_backward():
+            self.release(ui)
+
+    def _end_backward(self) -> None:
+        self._bw_callback = False
+        self.release_all()

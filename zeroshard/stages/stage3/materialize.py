@@ -1,0 +1,90 @@
+"""Models built on the meta device: placeholders at construction, values per unit later.
+
+A meta tensor cannot become a CPU tensor in place (``.data`` refuses the change of tensor
+type), so each meta parameter is replaced, once, by a new Parameter holding no data, and
+its true shape is remembered. Units then allocate only their owned slices. Values arrive
+either from files (``load_safetensors``) or from each module's ``reset_parameters()``,
+run one unit at a time on temporary full-size tensors (``init_meta_weights``), so no rank
+ever holds more than one unit of full parameters.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zeroshard.optim.flat_unit import released_data
+from zeroshard.optim.registry import optimizer_for
+
+
+def swap_meta_parameters(model: nn.Module, device: torch.device) -> dict[int, torch.Size]:
+    """Replaces meta parameters by empty ones on ``device``; returns true shapes by id."""
+    replaced: dict[int, nn.Parameter] = {}
+    shapes: dict[int, torch.Size] = {}
+    for mod_name, module in model.named_modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if not p.requires_grad:
+                raise ValueError(
+                    f"{mod_name + '.' if mod_name else ''}{name} is a frozen parameter on the meta device; "
+                    "zeroshard materialises trainable parameters only: freeze it after loading weights")
+            new = replaced.get(id(p))
+            if new is None:  # tied weights stay tied: one replacement per meta parameter
+                new = nn.Parameter(released_data(p.dtype, device), requires_grad=True)
+                replaced[id(p)] = new
+                shapes[id(new)] = p.shape
+            module._parameters[name] = new
+    return shapes
+
+
+def _owner_modules(model: nn.Module) -> dict[int, list[nn.Module]]:
+    owners: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), []).append(module)
+    return owners
+
+
+@torch.no_grad()
+def init_meta_weights(model: nn.Module, seed: int = 0) -> None:
+    """Initialises a meta-built model's parameters with each owning module's
+    ``reset_parameters()``, one unit at a time, identically on every rank (unit ``i`` draws
+    from ``torch.manual_seed(seed + i)``). Values differ from an eager init's stream."""
+    opt = optimizer_for(model)
+    if opt is None:
+        raise ValueError("init_meta_weights needs the model to be managed by a ZeroOptimizer first")
+    owners = _owner_modules(model)
+    where = opt.segment_index()
+    for unit in opt.units:
+        if not unit.needs_init:
+            continue
+        modules = {id(mod): mod for m in unit.members for mod in owners.get(id(m.param), [])}
+        temporary: list[nn.Parameter] = []
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + unit.layout.index)
+            for module in modules.values():
+                if not hasattr(module, "reset_parameters"):
+                    raise ValueError(
+                        f"{type(module).__name__} has no reset_parameters(), so its meta parameters cannot "
+                        "be initialised here; load them with zeroshard.load_safetensors(model, path)")
+                for p in module._parameters.values():
+                    if p is not None and id(p) in where and all(p is not t for t in temporary):
+                        p.data = torch.empty(where[id(p)][1].shape, dtype=torch.float32, device=unit.device)
+                        temporary.append(p)
+                module.reset_parameters()
+        for m, seg in zip(unit.members, unit.layout.segments):
+            unit.load_segment(seg.offset, m.param.detach().reshape(-1).float())
+        unit.needs_init = False
+        for p in temporary:
+            owner, seg = where[id(p)]
+            restore_parameter(owner, seg, p)
+
+
+def restore_parameter(unit, seg, p: nn.Parameter) -> None:
+    """Points a parameter back at what its unit holds: a view of the kept flat buffer
+    (stages 0-2) or nothing (stage 3, until the next gather)."""
+    if unit.flat is not None and not unit.policy.shard_parameters:
+        p.data = unit.flat[seg.offset:seg.end].view(seg.shape)
+    else:
+        p.data = released_data(unit.dtype, unit.device)
