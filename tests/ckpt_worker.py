@@ -1,0 +1,155 @@
+"""Rank-side training loops for the checkpoint tests: train, save, SIGKILL, resume, reshard.
+
+Each function runs inside ``zeroshard.launch.spawn`` and writes JSON results (losses, final
+parameters as hex of their bytes) that the pytest side compares bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+import zeroshard
+from tests.models import SEQ, VOCAB, TinyNet, param_groups
+from zeroshard.data import ResumableSampler
+
+GLOBAL_BATCH = 8
+DATASET = 40  # 5 steps per epoch at the global batch: runs cross epoch boundaries
+
+
+class DropoutNet(TinyNet):
+    """TinyNet with dropout, so resuming must restore the RNG to match."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(self.emb(tokens), p=0.2, training=self.training)
+        h = h + self.frozen(h)
+        h = torch.tanh(self.norm(self.fc1(h))) * self.gain
+        h = torch.cat([h[..., :3] * self.mix, h[..., 3:]], dim=-1)
+        return F.cross_entropy(self.head(h).reshape(-1, VOCAB).float(), tokens.roll(1, -1).reshape(-1)) + \
+            self.fc2(h).pow(2).mean().float()
+
+
+def dataset() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(7)
+    return torch.utils.data.TensorDataset(torch.randint(0, VOCAB, (DATASET, SEQ), generator=g))
+
+
+class Trainer:
+    """Model, ZeroOptimizer, scheduler and data of one run."""
+
+    def __init__(self, world: int, stage: int, precision: Optional[str] = None, seed: int = 0,
+                 dropout: bool = True) -> None:
+        torch.manual_seed(seed)
+        self.model = DropoutNet()
+        self.model.train(dropout)  # reshard runs compare across world sizes, whose RNG streams differ
+        self.opt = zeroshard.ZeroOptimizer(param_groups(self.model, named=True), torch.optim.AdamW,
+                                           stage=stage, mixed_precision=precision, bucket_size_mb=0.001,
+                                           lr=1e-2)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: 1.0 / (1 + 0.1 * s))
+        self.sampler = ResumableSampler(DATASET, shuffle=True, seed=3)
+        # A DataLoader draws a seed from the global torch RNG each time an iterator starts,
+        # which a resumed run does at a different step: give it its own generator.
+        self.loader = torch.utils.data.DataLoader(dataset(), batch_size=GLOBAL_BATCH // world,
+                                                  sampler=self.sampler, generator=torch.Generator())
+        self.step = 0
+        self.losses: list[float] = []
+
+    def train(self, until: int, on_step=None) -> None:
+        """Trains to global step ``until``; ``on_step(trainer)`` runs after each step."""
+        while self.step < until:
+            for (x,) in self.loader:
+                loss = self.model(x)
+                loss.backward()
+                self.opt.clip_grad_norm_(0.5)
+                self.opt.step()
+                self.sched.step()
+                self.opt.zero_grad()
+                self.losses.append(loss.item())
+                self.step += 1
+                if on_step is not None:
+                    on_step(self)
+                if self.step >= until:
+                    return
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+
+    def save(self, root: str, **kw) -> None:
+        # `extra` is global (rank 0's): carry every rank's local losses in it.
+        losses = self.opt.comm.all_gather_object(self.losses)
+        zeroshard.save_checkpoint(root, self.step, model=self.model, optimizer=self.opt, scheduler=self.sched,
+                                  dataloader=self.sampler, extra={"losses": losses}, **kw)
+
+    def load(self, root: str) -> dict:
+        info = zeroshard.load_checkpoint(root, model=self.model, optimizer=self.opt, scheduler=self.sched,
+                                         dataloader=self.sampler)
+        self.step = info["step"]
+        saved = info["extra"]["losses"]
+        # After a reshard the local losses of other world sizes do not apply: keep rank 0's.
+        self.losses = list(saved[self.opt.comm.rank] if len(saved) == self.opt.comm.world_size else saved[0])
+        return info
+
+    def result(self) -> dict:
+        return {"losses": self.losses, "step": self.step,
+                "params": {n: p.detach().contiguous().view(torch.uint8).numpy().tobytes().hex()
+                           for n, p in self.model.state_dict().items()}}
+
+
+def _dump(path: str, rank: int, obj: dict) -> None:
+    with open(f"{path}.rank{rank}", "w") as f:
+        json.dump(obj, f)
+    torch.distributed.barrier()
+
+
+def uninterrupted(rank: int, world: int, stages: list[int], total: int, out: str) -> None:
+    res = {}
+    for stage in stages:
+        t = Trainer(world, stage)
+        t.train(total)
+        res[stage] = t.result()
+    _dump(out, rank, res)
+
+
+def train_then_kill(rank: int, world: int, stages: list[int], save_at: int, root: str,
+                    async_stage: int) -> None:
+    """Saves at ``save_at`` for each stage (async for ``async_stage``), trains on, then dies."""
+    for stage in stages:
+        t = Trainer(world, stage)
+        t.train(save_at)
+        t.save(os.path.join(root, f"s{stage}"), async_save=stage == async_stage)
+        t.train(save_at + 2)  # progress that the kill loses
+        zeroshard.wait_checkpoint()
+    torch.distributed.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def resume(rank: int, world: int, stages: list[int], total: int, root: str, out: str) -> None:
+    res = {}
+    for stage in stages:
+        t = Trainer(world, stage, seed=123)  # a different init: everything must come from the checkpoint
+        info = t.load(os.path.join(root, f"s{stage}"))
+        assert info["rng_restored"], info
+        t.train(total)
+        res[stage] = t.result()
+    _dump(out, rank, res)
+
+
+def reshard_save(rank: int, world: int, stage: int, save_at: int, root: str) -> None:
+    t = Trainer(world, stage, dropout=False)
+    t.train(save_at)
+    t.save(root)
+
+
+def reshard_resume(rank: int, world: int, stage: int, total: int, root: str, out: str) -> None:
+    t = Trainer(world, stage, seed=99, dropout=False)
+    t.load(root)
+    t.train(total)
+    _dump(out, rank, t.result())
+
+
+def reference(rank: int, world: int, total: int, out: str) -> None:
+    t = Trainer(world, 0, dropout=False)
+    t.train(total)
+    _dump(out, rank, t.result())

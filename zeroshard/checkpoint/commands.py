@@ -1,0 +1,169 @@
+"""``zeroshard inspect | verify | export``: checkpoints from the command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from zeroshard.checkpoint import locate, manifest
+from zeroshard.checkpoint.errors import CheckpointCorruptError
+from zeroshard.checkpoint.export import export_hf
+from zeroshard.checkpoint.shard_file import DTYPES
+from zeroshard.cli import Command
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def _steps(path: str) -> list[str]:
+    return [path] if locate.is_step_dir(path) else list(reversed(locate.candidates(path)))
+
+
+def _summary(step_dir: str) -> dict:
+    body = manifest.read(step_dir)
+    tensors = {}
+    for name, meta in body["tensors"].items():
+        kinds = sorted({k for p in meta["pieces"] for k in p["keys"]})
+        numel = 1
+        for d in meta["shape"]:
+            numel *= d
+        tensors[name] = {"shape": meta["shape"], "dtype": meta["dtype"], "pieces": len(meta["pieces"]),
+                         "bytes": numel * DTYPES[meta["dtype"]].itemsize, "stored": kinds}
+    return {"path": step_dir, "step": body["step"], "world_size": body["world_size"], "stage": body["stage"],
+            "mixed_precision": body.get("mixed_precision"), "optimizer": body.get("optimizer"),
+            "files": {n: m["bytes"] for n, m in body["files"].items()},
+            "total_bytes": sum(m["bytes"] for m in body["files"].values()), "tensors": tensors}
+
+
+# -- inspect ---------------------------------------------------------------------------------
+def _inspect_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ckpt", help="a checkpoint root or one step directory")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--tensors", action="store_true", help="list every tensor")
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    steps = _steps(args.ckpt)
+    if not steps:
+        print(f"no checkpoint steps under {args.ckpt}", file=sys.stderr)
+        return 1
+    report = []
+    for d in steps:
+        reason = locate.quick_check(d)
+        report.append(_summary(d) if reason is None else {"path": d, "invalid": reason})
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    for r in report:
+        if "invalid" in r:
+            print(f"{r['path']}: INVALID ({r['invalid']})")
+            continue
+        print(f"{r['path']}: step {r['step']}, world size {r['world_size']}, stage {r['stage']}, "
+              f"precision {r['mixed_precision'] or 'fp32'}, optimizer {r['optimizer']}, "
+              f"{len(r['tensors'])} tensors, {len(r['files'])} files, {_human(r['total_bytes'])}")
+        if args.tensors:
+            for name, t in r["tensors"].items():
+                print(f"  {name:50s} {str(t['shape']):>20s} {t['dtype']:5s} {_human(t['bytes']):>10s} "
+                      f"{t['pieces']} pieces  {','.join(t['stored'])}")
+    latest = locate.latest_checkpoint(args.ckpt) if not locate.is_step_dir(args.ckpt) else None
+    if latest:
+        print(f"latest valid: {latest}")
+    return 0
+
+
+# -- verify ----------------------------------------------------------------------------------
+def _verify_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ckpt", help="a checkpoint root (every step) or one step directory")
+
+
+def _verify(args: argparse.Namespace) -> int:
+    steps = _steps(args.ckpt)
+    if not steps:
+        print(f"no checkpoint steps under {args.ckpt}", file=sys.stderr)
+        return 1
+    bad = 0
+    for d in steps:
+        t0 = time.perf_counter()
+        reason = locate.full_check(d)
+        if reason is None:
+            size = sum(m["bytes"] for m in manifest.read(d)["files"].values())
+            print(f"OK       {d} ({_human(size)} in {time.perf_counter() - t0:.2f} s)")
+        else:
+            bad += 1
+            print(f"DAMAGED  {d}: {reason}")
+    if bad:
+        print(f"{bad} of {len(steps)} step(s) damaged; load_checkpoint(root) skips them", file=sys.stderr)
+    return 1 if bad else 0
+
+
+# -- export ----------------------------------------------------------------------------------
+def _export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ckpt", help="a step directory, or a root (its latest valid step)")
+    p.add_argument("out", help="output directory (Hugging Face layout)")
+    p.add_argument("--max-shard-size", default="2GB", help="e.g. 2GB, 500MiB (default 2GB)")
+    p.add_argument("--dtype", default=None, help="cast floating tensors: bf16, fp16, fp32")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+class _Bar:
+    """A dependency-free progress bar on stderr (tqdm when it is installed)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled, self.tqdm, self.last = enabled, None, 0.0
+        self.t0 = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        try:
+            from tqdm import tqdm
+            if self.tqdm is None:
+                self.tqdm = tqdm(total=total, unit="B", unit_scale=True, desc="export")
+            self.tqdm.update(done - self.tqdm.n)
+            return
+        except ImportError:
+            pass
+        now = time.perf_counter()
+        if now - self.last < 0.1 and done < total:
+            return
+        self.last = now
+        frac = done / total if total else 1.0
+        rate = done / max(now - self.t0, 1e-9)
+        sys.stderr.write(f"\rexport [{'#' * int(30 * frac):30s}] {100 * frac:5.1f}% "
+                         f"{_human(done)}/{_human(total)} {_human(rate)}/s")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.tqdm is not None:
+            self.tqdm.close()
+        elif self.enabled:
+            sys.stderr.write("\n")
+
+
+def _export(args: argparse.Namespace) -> int:
+    bar = _Bar(not args.no_progress)
+    try:
+        index = export_hf(args.ckpt, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype,
+                          progress=bar)
+    except (CheckpointCorruptError, FileNotFoundError, ValueError) as exc:
+        bar.close()
+        print(f"export failed: {exc}", file=sys.stderr)
+        return 1
+    bar.close()
+    files = json.load(open(index))["weight_map"]
+    print(f"wrote {len(set(files.values()))} shard(s) and {os.path.basename(index)} to {args.out}")
+    return 0
+
+
+COMMANDS = {
+    "inspect": Command("show a checkpoint's steps, world size, stage, tensors and sizes", _inspect_args, _inspect),
+    "verify": Command("check every file's checksums; non-zero exit on damage", _verify_args, _verify),
+    "export": Command("write a step's weights in the Hugging Face safetensors layout", _export_args, _export),
+}

@@ -1,0 +1,199 @@
+"""The commit protocol: how a captured training state becomes a visible step directory.
+
+1. rank 0 creates ``root/step-N.tmp-<nonce>`` and tells the others its name;
+2. every rank writes its data file and its RNG file there, each fsynced, checksummed while
+   written; every rank reports success or its error to rank 0 (so a full disk on one rank
+   fails the save on all ranks instead of leaving them blocked);
+3. rank 0 writes ``manifest.json`` (fsynced), fsyncs the directory, renames it to
+   ``step-N`` and fsyncs ``root``; only now is the step visible;
+4. rank 0 points ``latest`` at it (write ``latest.tmp-<nonce>``, fsync, ``os.replace``);
+5. ``keep_last`` rotation renames old steps to ``*.trash-*`` before deleting them, so a
+   half-deleted step never looks committed, and it never touches the step just written.
+
+A crash at any point leaves at worst a ``*.tmp-*``/``*.trash-*`` directory that loaders
+ignore and the next save removes; the previous step stays loadable.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from zeroshard.checkpoint import manifest
+from zeroshard.checkpoint.errors import CheckpointError
+from zeroshard.checkpoint.pieces import PieceRecord
+from zeroshard.checkpoint.shard_file import CODES, WrittenFile, write_json, write_shard
+
+FaultHook = Optional[Callable[[str], None]]
+fault_hook: FaultHook = None
+"""Tests set this to a function called at each named point of the protocol (to SIGKILL the
+process there); None in normal use."""
+
+
+def _point(name: str) -> None:
+    if fault_hook is not None:
+        fault_hook(name)
+
+
+@dataclass
+class Snapshot:
+    """Everything one rank contributes to a checkpoint, captured at one instant."""
+
+    step: int
+    records: list[PieceRecord]
+    full: dict[str, torch.Tensor]  # rank 0 only: buffers and frozen parameters
+    rng: dict
+    dataloader: Any  # this rank's encoded data position (or None)
+    header: dict = field(default_factory=dict)  # rank 0: world size, stage, groups, trainer
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_rank_files(snap: Snapshot, tmp: str, rank: int) -> tuple[list[WrittenFile], list[dict]]:
+    tensors: list[tuple[str, torch.Tensor]] = []
+    entries: list[dict] = []
+    fname = manifest.data_file(rank)
+    for rec in snap.records:
+        keys = {}
+        for kind, t in rec.tensors.items():
+            keys[kind] = rec.key(kind)
+            tensors.append((keys[kind], t))
+        entries.append({"name": rec.name, "start": rec.start, "stop": rec.stop, "file": fname,
+                        "keys": keys, "scalars": rec.scalars})
+    for name, t in snap.full.items():
+        tensors.append((f"{name}|full", t))
+        entries.append({"name": name, "start": 0, "stop": t.numel(), "file": fname,
+                        "keys": {"param": f"{name}|full"}, "scalars": {}})
+    _point("before_data")
+    data = write_shard(os.path.join(tmp, fname), tensors, {"format": manifest.FORMAT, "rank": str(rank)},
+                       on_chunk=(lambda: _point("data_chunk")) if fault_hook else None)
+    _point("after_data")
+    rng = write_json(os.path.join(tmp, manifest.rng_file(rank)), snap.rng)
+    return [data, rng], entries
+
+
+def commit(snap: Snapshot, root: str, comm: Any, shapes: dict[str, dict], keep_last: Optional[int]) -> str:
+    """Runs the protocol on every rank of ``comm``; returns the committed step directory."""
+    rank = comm.rank
+    final = os.path.join(root, manifest.step_dir_name(snap.step))
+    tmp = None
+    if rank == 0:
+        _point("begin")
+        try:
+            os.makedirs(root, exist_ok=True)
+            _remove_stale(root)
+            tmp = f"{final}.tmp-{uuid.uuid4().hex[:12]}"
+            os.mkdir(tmp)
+        except OSError as exc:
+            tmp = exc
+    tmp = comm.broadcast_object(tmp if not isinstance(tmp, OSError) else f"!{tmp}")
+    if tmp.startswith("!"):
+        raise CheckpointError(f"cannot create a step directory under {root!r}: {tmp[1:]}")
+    try:
+        files, entries = _write_rank_files(snap, tmp, rank)
+        result: Any = ([f.__dict__ for f in files], entries, snap.dataloader)
+    except OSError as exc:
+        result = f"rank {rank}: {exc.strerror or exc} writing {exc.filename or tmp}"
+    except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised there
+        result = f"rank {rank}: {type(exc).__name__}: {exc}"
+    results = comm.all_gather_object(result)
+    errors = [r for r in results if isinstance(r, str)]
+    failure = None  # rank 0's commit error, if any
+    if rank == 0:
+        failure = _finish(snap, root, tmp, final, results, shapes, keep_last) if not errors else None
+        if errors or failure:
+            shutil.rmtree(tmp, ignore_errors=True)
+    failure = comm.broadcast_object(failure)
+    if errors or failure:
+        msg = "; ".join(errors) if errors else failure
+        raise CheckpointError(f"checkpoint of step {snap.step} was not saved ({msg}). Nothing was "
+                              "committed: the previous checkpoint is intact and training can go on; "
+                              "free disk space or choose another root")
+    return final
+
+
+def _finish(snap: Snapshot, root: str, tmp: str, final: str, results: list, shapes: dict,
+            keep_last: Optional[int]) -> Optional[str]:
+    """Rank 0's part after every rank wrote its files; returns an error message or None."""
+    from zeroshard.checkpoint.pieces import gather_table
+    body = dict(snap.header)
+    body["files"] = {f["name"]: WrittenFile(**f).to_json() for files, _, _ in results for f in files}
+    body["tensors"] = gather_table([entries for _, entries, _ in results], shapes)
+    body["trainer"] = {**body.get("trainer", {}), "dataloader": [dl for _, _, dl in results]}
+    try:
+        manifest.write(os.path.join(tmp, manifest.MANIFEST), body)
+        _fsync_dir(tmp)
+        _point("before_rename")
+        trash = None
+        if os.path.exists(final):  # re-saving a step: move the old one aside first
+            trash = f"{final}.trash-{uuid.uuid4().hex[:12]}"
+            os.rename(final, trash)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        _point("after_rename")
+        _set_latest(root, os.path.basename(final))
+        _point("after_latest")
+        if trash:
+            shutil.rmtree(trash, ignore_errors=True)
+        if keep_last is not None:
+            rotate(root, keep_last, keep=os.path.basename(final))
+    except OSError as exc:
+        return f"rank 0: {exc.strerror or exc} committing {exc.filename or tmp}"
+    return None
+
+
+def _set_latest(root: str, name: str) -> None:
+    tmp = os.path.join(root, f"{manifest.LATEST}.tmp-{uuid.uuid4().hex[:12]}")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, manifest.LATEST))
+    _fsync_dir(root)
+
+
+def committed_steps(root: str) -> list[tuple[int, str]]:
+    """(step, directory name) of every committed-looking step under root, oldest first."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    out = [(int(m.group(1)), n) for n in names if (m := manifest.STEP_RE.match(n))]
+    return sorted(out)
+
+
+def rotate(root: str, keep_last: int, keep: str) -> None:
+    """Deletes the oldest valid steps beyond ``keep_last``; never ``keep`` nor the only valid one."""
+    from zeroshard.checkpoint.locate import quick_check
+    valid = [n for _, n in committed_steps(root) if quick_check(os.path.join(root, n)) is None]
+    doomed = [n for n in valid[:max(0, len(valid) - keep_last)] if n != keep]
+    for n in doomed:
+        _point("rotate")
+        trash = os.path.join(root, f"{n}.trash-{uuid.uuid4().hex[:12]}")
+        os.rename(os.path.join(root, n), trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def _remove_stale(root: str) -> None:
+    """Leftovers of saves or rotations that crashed (never visible as committed steps)."""
+    for n in os.listdir(root):
+        if (".tmp-" in n or ".trash-" in n) and n.startswith(("step-", manifest.LATEST)):
+            path = os.path.join(root, n)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+
+
+def tensor_meta(t: torch.Tensor, shape: Any, group: Optional[int]) -> dict:
+    return {"shape": list(shape), "dtype": CODES[t.dtype], "group": group}

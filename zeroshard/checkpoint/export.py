@@ -1,0 +1,137 @@
+"""``export_hf``: a checkpoint's parameters in the Hugging Face safetensors layout, streamed.
+
+Output: ``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json``. Shards
+are planned from the manifest alone (shapes and dtypes), then each output file is written
+tensor by tensor and each tensor piece by piece, reading only the verified blocks holding
+that piece (at most ``_BLOCKS`` cached per input file). Memory stays at about one piece
+plus a few checksum blocks, below one output shard, whatever the model size.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Callable, Iterator, Optional, Union
+
+import torch
+
+from zeroshard.checkpoint import manifest
+from zeroshard.checkpoint.pieces import PARAM
+from zeroshard.checkpoint.shard_file import DTYPES, ShardReader, header_bytes, tensor_bytes, write_stream
+
+_BLOCKS = 2
+_CHUNK_ELEMS = 4 << 20
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+                "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+Progress = Callable[[int, int], None]
+
+
+def parse_size(size: Union[int, str]) -> int:
+    """``"2GB"``, ``"500MiB"`` or a byte count."""
+    if isinstance(size, int):
+        if size <= 0:
+            raise ValueError(f"max_shard_size={size} must be positive")
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size).upper())
+    if not m:
+        raise ValueError(f"max_shard_size={size!r}: use a byte count or a size like '2GB' or '500MiB'")
+    return max(1, int(float(m.group(1)) * _UNITS[m.group(2) or ""]))
+
+
+def _out_dtype(dtype: Union[None, str, torch.dtype], saved: torch.dtype) -> torch.dtype:
+    if dtype is None or not saved.is_floating_point:
+        return saved
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype.lower() not in _DTYPE_NAMES:
+        raise ValueError(f"dtype={dtype!r}: use one of {sorted(_DTYPE_NAMES)} or a torch.dtype")
+    return _DTYPE_NAMES[dtype.lower()]
+
+
+def plan_shards(body: dict, max_bytes: int, dtype) -> list[list[tuple[str, torch.dtype, tuple[int, ...]]]]:
+    """Tensors grouped greedily into shards of at most ``max_bytes`` (a bigger tensor alone)."""
+    aliases = set(body.get("aliases", {}))
+    shards: list[list] = [[]]
+    size = 0
+    for name, meta in body["tensors"].items():
+        if name in aliases:
+            continue  # tied weights: transformers re-ties them from the config
+        out = _out_dtype(dtype, DTYPES[meta["dtype"]])
+        shape = tuple(meta["shape"])
+        n = out.itemsize
+        for d in shape:
+            n *= d
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, out, shape))
+        size += n
+    return shards if shards[-1] else shards[:-1]
+
+
+def export_hf(step_dir: str, out_dir: str, max_shard_size: Union[int, str] = "2GB",
+              dtype: Union[None, str, torch.dtype] = None, progress: Optional[Progress] = None) -> str:
+    """Writes the checkpoint's model weights to ``out_dir`` in the Hugging Face layout and
+    returns the index path. ``dtype`` casts floating-point tensors (default: as saved).
+    ``progress(done_bytes, total_bytes)`` is called as data is written."""
+    from zeroshard.checkpoint.locate import is_step_dir, latest_checkpoint
+    if not is_step_dir(step_dir):
+        found = latest_checkpoint(step_dir)
+        if found is None:
+            raise FileNotFoundError(f"{step_dir!r} is neither a step directory nor a root holding one")
+        step_dir = found
+    body = manifest.read(step_dir)
+    shards = plan_shards(body, parse_size(max_shard_size), dtype)
+    os.makedirs(out_dir, exist_ok=True)
+    readers: dict[str, ShardReader] = {}
+    total = sum(_nbytes(d, s) for shard in shards for _, d, s in shard)
+    done = 0
+    weight_map = {}
+    n = len(shards)
+    for k, shard in enumerate(shards, 1):
+        fname = f"model-{k:05d}-of-{n:05d}.safetensors"
+        head, _ = header_bytes(shard, {"format": "pt"})
+
+        def chunks() -> Iterator[memoryview]:
+            nonlocal done
+            for name, out, _ in shard:
+                for piece in _pieces(step_dir, body, readers, name, out):
+                    done += len(piece)
+                    yield piece
+                    if progress is not None:
+                        progress(done, total)
+
+        tmp = os.path.join(out_dir, fname + ".tmp")
+        write_stream(tmp, head, chunks())
+        os.replace(tmp, os.path.join(out_dir, fname))
+        weight_map.update({name: fname for name, _, _ in shard})
+    index = os.path.join(out_dir, "model.safetensors.index.json")
+    with open(index, "w") as f:
+        json.dump({"metadata": {"total_size": total, "format": "pt", "zeroshard_step": body["step"]},
+                   "weight_map": weight_map}, f, indent=2)
+    return index
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+def _pieces(step_dir: str, body: dict, readers: dict[str, ShardReader], name: str,
+            out: torch.dtype) -> Iterator[memoryview]:
+    """The bytes of tensor ``name`` in ``out`` dtype, one saved piece at a time."""
+    for p in body["tensors"][name]["pieces"]:
+        fname = p["file"]
+        if fname not in readers:
+            readers[fname] = ShardReader(os.path.join(step_dir, fname), body["files"][fname], max_blocks=_BLOCKS)
+        key = p["keys"].get(PARAM)
+        reader = readers[fname]
+        if key not in reader.entries or reader.entries[key].numel != p["stop"] - p["start"]:
+            raise ValueError(f"{step_dir}/{fname} lacks {key!r} for {name}; the checkpoint is damaged")
+        n = p["stop"] - p["start"]
+        for lo in range(0, n, _CHUNK_ELEMS):  # a tensor bigger than a shard streams in chunks too
+            yield tensor_bytes(reader.get(key, lo, min(n, lo + _CHUNK_ELEMS)).to(out))

@@ -1,0 +1,280 @@
+"""Loading a checkpoint into a model and ZeroOptimizer of any world size and stage.
+
+Two phases, so that a damaged checkpoint loads nothing:
+1. *read*: every rank validates the manifest against its model, works out which saved
+   ranges its owned pieces overlap (plus the unsharded tensors), reads exactly the blocks
+   holding them and verifies their checksums; the ranks agree that all succeeded;
+2. *apply*: owned parameter pieces, masters and optimizer states are filled from memory,
+   then ``gather_params`` rebuilds full parameters, then hyperparameters, scheduler, loss
+   scaler, data position and (same world size only) RNG states.
+Given a root, a step that fails phase 1 is skipped (with the reason) for the next newest.
+"""
+from __future__ import annotations
+
+import bisect
+import os
+import warnings
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from zeroshard.checkpoint import jsontree, locate, manifest, rng
+from zeroshard.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map
+from zeroshard.checkpoint.shard_file import DTYPES, ShardReader, read_json
+
+
+class _Source:
+    """The saved pieces of every tensor of one step, readable by (name, range, kind)."""
+
+    def __init__(self, step_dir: str, body: dict) -> None:
+        self.dir = step_dir
+        self.body = body
+        self.readers: dict[str, ShardReader] = {}
+        self.pieces = {n: m["pieces"] for n, m in body["tensors"].items()}
+        self.starts = {n: [p["start"] for p in ps] for n, ps in self.pieces.items()}
+
+    def reader(self, fname: str) -> ShardReader:
+        if fname not in self.readers:
+            self.readers[fname] = ShardReader(os.path.join(self.dir, fname), self.body["files"][fname])
+        return self.readers[fname]
+
+    def overlapping(self, name: str, a: int, b: int):
+        ps = self.pieces[name]
+        i = max(0, bisect.bisect_right(self.starts[name], a) - 1)
+        while i < len(ps) and ps[i]["start"] < b:
+            if ps[i]["stop"] > a:
+                yield ps[i]
+            i += 1
+
+    def _check_key(self, p: dict, key: str, name: str) -> None:
+        e = self.reader(p["file"]).entries.get(key)
+        if e is None or e.numel != p["stop"] - p["start"]:
+            raise CheckpointCorruptError(f"{self.dir}/{p['file']}: entry {key!r} for {name}[{p['start']}:"
+                                         f"{p['stop']}] is missing or has the wrong size")
+
+    def plan(self, name: str, a: int, b: int, kinds: Optional[set[str]]) -> None:
+        """Reads and verifies the blocks holding ``name[a:b]`` for ``kinds`` (None: all)."""
+        for p in self.overlapping(name, a, b):
+            lo, hi = max(a, p["start"]) - p["start"], min(b, p["stop"]) - p["start"]
+            ranges = []
+            for kind, key in p["keys"].items():
+                if kinds is None or kind in kinds:
+                    self._check_key(p, key, name)
+                    ranges.append(self.reader(p["file"]).byte_range(key, lo, hi))
+            self.reader(p["file"]).load(ranges)
+
+    def fetch(self, name: str, a: int, b: int, kind: str) -> Optional[torch.Tensor]:
+        parts = []
+        for p in self.overlapping(name, a, b):
+            key = p["keys"].get(kind)
+            if key is None:
+                return None
+            lo, hi = max(a, p["start"]) - p["start"], min(b, p["stop"]) - p["start"]
+            parts.append(self.reader(p["file"]).get(key, lo, hi))
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def scalar(self, name: str, a: int, b: int, key: str) -> Any:
+        for p in self.overlapping(name, a, b):
+            if key in p.get("scalars", {}):
+                return jsontree.decode(p["scalars"][key])
+        return None
+
+    def release(self) -> None:
+        for r in self.readers.values():
+            r.release()
+
+
+def _expected(model: Optional[nn.Module], opt: Any) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """Checkpoint name -> (shape, trained by opt) of everything the target holds."""
+    out: dict[str, tuple[tuple[int, ...], bool]] = {}
+    if opt is not None:
+        names = name_map(model, opt)
+        for u in opt.units:
+            for seg in u.layout.segments:
+                out[names[seg.name]] = (tuple(seg.shape), True)
+    full, _ = full_tensors(model, opt) if model is not None else ({}, {})
+    for n, t in full.items():
+        out[n] = (tuple(t.shape), False)
+    return out
+
+
+def check_compatible(body: dict, model: Optional[nn.Module], opt: Any, where: str) -> None:
+    expected = _expected(model, opt)
+    saved = body["tensors"]
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    wrong = [f"{n}: checkpoint {saved[n]['shape']} vs model {list(expected[n][0])}"
+             for n in sorted(set(expected) & set(saved)) if list(expected[n][0]) != saved[n]["shape"]]
+    if missing or unexpected or wrong:
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+        if unexpected:
+            parts.append(f"not in the model: {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
+        if wrong:
+            parts.append("shape mismatch: " + "; ".join(wrong[:10]))
+        raise CheckpointMismatchError(f"{where} was saved from a different model ({' | '.join(parts)}); load it "
+                                      "into the model that wrote it, or export_hf() and convert")
+
+
+def _needed(opt: Any, model: Optional[nn.Module]):
+    """(name in checkpoint, [a, b), run or None) this rank must load."""
+    if opt is not None:
+        names = name_map(model, opt)
+        for run in opt.runs:
+            for piece in run.unit.layout.pieces_in(run.a, run.b):
+                yield names[piece.segment.name], piece.start, piece.stop, run, piece
+    if model is not None:
+        full, _ = full_tensors(model, opt)
+        for n, t in full.items():
+            yield n, 0, t.numel(), None, None
+
+
+def read_phase(src: _Source, model: Optional[nn.Module], opt: Any, same_world: bool, rank: int) -> None:
+    for name, a, b, run, _ in _needed(opt, model):
+        if a == b:
+            continue
+        kinds = None if run is not None and run.unit.separate_master else {PARAM} | {
+            k for p in src.pieces[name] for k in p["keys"] if k.startswith("state.")}
+        src.plan(name, a, b, kinds)
+    if same_world:
+        read_json(os.path.join(src.dir, manifest.rng_file(rank)), src.body["files"][manifest.rng_file(rank)])
+
+
+def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
+    state_dict = model.state_dict(keep_vars=True) if model is not None else {}
+    ckpt_name = name_map(model, opt) if opt is not None else {}
+    with torch.no_grad():
+        for name, a, b, run, piece in _needed(opt, model):
+            if a == b:
+                continue
+            values = src.fetch(name, a, b, PARAM)
+            if run is None:
+                state_dict[name].view(-1).copy_(values)
+            else:
+                ua = piece.unit_offset
+                run.unit.param_range(ua, ua + piece.numel).copy_(values)
+        if opt is None:
+            return
+        keys: dict[str, list[str]] = {}
+        for own, name in ckpt_name.items():
+            found: set[str] = set()
+            for p in src.pieces.get(name, []):
+                found |= {k[6:] for k in p["keys"] if k.startswith("state.")} | set(p.get("scalars", {}))
+            keys[own] = sorted(found)
+
+        def fetch(own: str, a: int, b: int, key: str) -> Any:
+            name = ckpt_name[own]
+            if key == "__master__":  # no master saved (fp32 run): the parameters are the master
+                return src.fetch(name, a, b, MASTER) if any(MASTER in p["keys"] for p in src.pieces[name]) \
+                    else src.fetch(name, a, b, PARAM)
+            t = src.fetch(name, a, b, f"state.{key}") if any(
+                f"state.{key}" in p["keys"] for p in src.pieces[name]) else None
+            return t if t is not None else src.scalar(name, a, b, key)
+
+        from zeroshard.optim.state_io import _fill_run
+        opt._load_keys = keys
+        try:
+            for run in opt.runs:
+                _fill_run(opt, run, fetch)
+                run.unit.write_back()
+        finally:
+            opt._load_keys = {}
+    opt.gather_params()
+
+
+def apply_trainer(body: dict, opt: Any, scheduler: Any, dataloader: Any, src_dir: str,
+                  rank: int, same_world: bool, load_rng: bool) -> bool:
+    """Hyperparameters, loss scaler, scheduler, data position, RNG; True if RNG was restored."""
+    trainer = body.get("trainer", {})
+    if opt is not None:
+        groups = jsontree.decode(body.get("param_groups", []))
+        if len(groups) != len(opt.param_groups):
+            raise CheckpointMismatchError(f"{src_dir} has {len(groups)} param groups, the optimizer has "
+                                          f"{len(opt.param_groups)}; build the optimizer with the same groups")
+        for saved, mine in zip(groups, opt.param_groups):
+            for k, v in saved.items():
+                if k != "params":
+                    mine[k] = v
+        opt._sync_hyperparameters()
+        if opt.scaler is not None and trainer.get("loss_scaler"):
+            opt.scaler.load_state_dict(trainer["loss_scaler"])
+            opt._set_grad_factor()
+    if scheduler is not None:
+        if trainer.get("scheduler") is None:
+            raise CheckpointMismatchError(f"{src_dir} holds no scheduler state; pass scheduler=None")
+        scheduler.load_state_dict(jsontree.decode(trainer["scheduler"]))
+    if dataloader is not None:
+        states = trainer.get("dataloader") or []
+        if not states or states[0] is None:
+            raise CheckpointMismatchError(f"{src_dir} holds no data position; pass dataloader=None")
+        if not same_world and not getattr(dataloader, "reshardable", False):
+            warnings.warn(f"{type(dataloader).__name__} state was saved at world size {len(states)}; "
+                          "using rank 0's position (a ResumableSampler reshards exactly)", stacklevel=3)
+        dataloader.load_state_dict(jsontree.decode(states[rank if same_world else 0]))
+    if same_world and load_rng:
+        fname = manifest.rng_file(rank)
+        rng.restore(read_json(os.path.join(src_dir, fname), body["files"][fname]))
+    return same_world and load_rng
+
+
+def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: Any = None,
+                    scheduler: Any = None, dataloader: Any = None, load_rng: bool = True) -> dict:
+    """Loads the newest valid step under a root (or exactly the given step directory) into
+    ``model``/``optimizer`` at any world size and stage. Returns a dict with ``step``,
+    ``path``, ``extra``, ``skipped`` [(dir, reason)], ``resharded`` and ``rng_restored``."""
+    from zeroshard.checkpoint.saver import wait_pending
+    wait_pending()
+    if model is None and optimizer is None:
+        raise ValueError("load_checkpoint needs model=... and/or optimizer=...")
+    comm = optimizer.comm if optimizer is not None else _world_comm()
+    exact = locate.is_step_dir(path)
+    todo = [path] if exact else locate.candidates(path)
+    if not todo:
+        raise CheckpointError(f"no checkpoint under {path!r} (expected step-NNNNNNNN directories)")
+    skipped: list[tuple[str, str]] = []
+    for step_dir in todo:
+        error = None
+        try:
+            body = manifest.read(step_dir)
+        except CheckpointCorruptError as exc:
+            body, error = None, str(exc)
+        if body is not None:
+            check_compatible(body, model, optimizer, step_dir)
+            same_world = body["world_size"] == comm.world_size
+            src = _Source(step_dir, body)
+            try:
+                read_phase(src, model, optimizer, same_world and load_rng, comm.rank)
+            except (CheckpointCorruptError, OSError) as exc:
+                error = str(exc)
+        errors = [e for e in comm.all_gather_object(error) if e]
+        if errors:
+            if exact:
+                raise CheckpointCorruptError(f"cannot load {step_dir}: {errors[0]}")
+            skipped.append((step_dir, errors[0]))
+            warnings.warn(f"skipping checkpoint {step_dir}: {errors[0]}", stacklevel=2)
+            continue
+        try:
+            apply_phase(src, model, optimizer)
+        finally:
+            src.release()
+        restored = apply_trainer(body, optimizer, scheduler, dataloader, step_dir, comm.rank, same_world,
+                                 load_rng)
+        return {"step": body["step"], "path": step_dir, "extra": jsontree.decode(body["trainer"].get("extra")),
+                "skipped": skipped, "world_size": body["world_size"], "stage": body["stage"],
+                "resharded": body["world_size"] != comm.world_size or
+                body["stage"] != getattr(optimizer, "stage", body["stage"]), "rng_restored": restored}
+    raise CheckpointCorruptError(f"no valid checkpoint under {path!r}; skipped: " +
+                                 "; ".join(f"{d}: {r}" for d, r in skipped))
+
+
+def _world_comm() -> Any:
+    from zeroshard.comm import Comm
+    return Comm(None)
+
+
+__all__ = ["load_checkpoint", "check_compatible", "DTYPES"]

@@ -1,0 +1,218 @@
+"""``save_checkpoint`` and the one object with a lifecycle behind it: the process's saver.
+
+States: IDLE -> (sync) COMMITTING -> IDLE, or (async) STAGING -> WRITING -> IDLE | FAILED.
+
+- A synchronous save writes straight from the live tensors (no copy) and returns once the
+  step is committed.
+- An asynchronous save captures the small state (RNG, scheduler, data position, scalars,
+  extra) at once, then a background thread copies the tensors into staging buffers
+  (reused across saves) and runs the same commit protocol. Training goes on meanwhile:
+  only ``optimizer.step()`` modifies the saved tensors, so a step pre-hook on the optimizer
+  waits until staging is done (forward and backward overlap it). At most one save is in
+  flight: the next save or load waits for it, and re-raises its error if it failed.
+- Collectives of a save run on a dedicated gloo group, so a background commit never
+  interleaves with training collectives on the data-parallel group.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeroshard.checkpoint import commit, jsontree, manifest, rng
+from zeroshard.checkpoint.errors import CheckpointError
+from zeroshard.checkpoint.pieces import PieceRecord, full_tensors, name_map, owned_pieces
+from zeroshard.checkpoint.shard_file import CODES
+from zeroshard.comm import Comm
+
+
+class SaveState(enum.Enum):
+    IDLE = "idle"
+    STAGING = "staging"
+    WRITING = "writing"
+    FAILED = "failed"
+
+
+class PendingSave:
+    """Handle of a save; ``wait()`` returns the committed step directory or raises."""
+
+    def __init__(self, saver: "CheckpointSaver", path: Optional[str] = None) -> None:
+        self._saver, self.path = saver, path
+
+    def wait(self) -> str:
+        self._saver.wait()
+        return self.path
+
+
+class CheckpointSaver:
+    def __init__(self) -> None:
+        self.state = SaveState.IDLE
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._staged = threading.Event()
+        self._staged.set()
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._hooked: set[int] = set()
+        self._comms: dict[Any, Comm] = {}
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Blocks until the in-flight save (if any) is committed; raises its error once."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            self.state = SaveState.IDLE
+            raise CheckpointError(f"the previous asynchronous checkpoint save failed: {err}") from err
+
+    def _comm(self, opt: Any) -> Comm:
+        base = opt.comm if opt is not None else Comm(None)
+        if base.world_size == 1:
+            return base
+        key = id(base.group)
+        if key not in self._comms:
+            ranks = dist.get_process_group_ranks(base.group)
+            self._comms[key] = Comm(dist.new_group(ranks=ranks, backend="gloo"))
+        return self._comms[key]
+
+    def save(self, root: str, step: int, model: Optional[nn.Module], opt: Any, scheduler: Any,
+             dataloader: Any, extra: Any, async_save: bool, keep_last: Optional[int]) -> PendingSave:
+        self.wait()
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step={step!r}: a checkpoint step must be a non-negative int")
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last={keep_last!r}: keep at least 1 checkpoint (or None to keep all)")
+        comm = self._comm(opt)
+        snap = _capture(step, model, opt, scheduler, dataloader, extra, comm.rank)
+        shapes = _shapes(model, opt) if comm.rank == 0 else {}
+        if not async_save:
+            self.state = SaveState.WRITING
+            try:
+                return PendingSave(self, commit.commit(snap, root, comm, shapes, keep_last))
+            finally:
+                self.state = SaveState.IDLE
+        if opt is not None and id(opt) not in self._hooked:
+            opt.register_step_pre_hook(self._before_step)
+            self._hooked.add(id(opt))
+        self._staged.clear()
+        self.state = SaveState.STAGING
+        handle = PendingSave(self)
+        self._thread = threading.Thread(target=self._run, args=(snap, root, comm, shapes, keep_last, handle),
+                                        name="zeroshard-async-save")
+        self._thread.start()
+        if opt is None:  # no optimizer step to hook: the caller may change anything next
+            self._staged.wait()
+        return handle
+
+    def _before_step(self, *_: Any) -> None:
+        # The optimizer is about to modify the tensors being staged: wait for the copy.
+        self._staged.wait()
+
+    def _run(self, snap: commit.Snapshot, root: str, comm: Comm, shapes: dict, keep_last: Optional[int],
+             handle: PendingSave) -> None:
+        try:
+            try:
+                self._stage(snap)
+            finally:
+                self._staged.set()
+            self.state = SaveState.WRITING
+            handle.path = commit.commit(snap, root, comm, shapes, keep_last)
+            self.state = SaveState.IDLE
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the next wait()
+            self._error = exc
+            self.state = SaveState.FAILED
+
+    def _stage(self, snap: commit.Snapshot) -> None:
+        """Copies every tensor of the snapshot into reused CPU buffers."""
+        pin = torch.cuda.is_available()
+        used = set()
+        for rec in snap.records:
+            for kind, t in list(rec.tensors.items()):
+                rec.tensors[kind] = self._buffer(rec.key(kind), t, pin)
+                used.add(rec.key(kind))
+        for name, t in list(snap.full.items()):
+            snap.full[name] = self._buffer(f"{name}|full", t, pin)
+            used.add(f"{name}|full")
+        for key in set(self._buffers) - used:  # layout changed: drop what is no longer needed
+            del self._buffers[key]
+
+    def _buffer(self, key: str, t: torch.Tensor, pin: bool) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            self._buffers[key] = buf
+        buf.copy_(t, non_blocking=pin)
+        return buf
+
+
+def _encode_state(obj: Any, what: str) -> Any:
+    if obj is None:
+        return None
+    if not hasattr(obj, "state_dict"):
+        raise TypeError(f"{what} is a {type(obj).__name__} without state_dict(); pass an object with "
+                        "state_dict()/load_state_dict() (e.g. zeroshard.data.ResumableSampler)")
+    return jsontree.encode(obj.state_dict(), what)
+
+
+def _capture(step: int, model: Optional[nn.Module], opt: Any, scheduler: Any, dataloader: Any,
+             extra: Any, rank: int) -> commit.Snapshot:
+    records: list[PieceRecord] = owned_pieces(model, opt) if opt is not None else []
+    for rec in records:  # scalars (e.g. Adam's step) change in place: encode them now
+        rec.scalars = {k: jsontree.encode(v, f"optimizer state {k!r}") for k, v in rec.scalars.items()}
+    full = full_tensors(model, opt)[0] if rank == 0 else {}
+    snap = commit.Snapshot(step, records, full, rng.capture(), _encode_state(dataloader, "dataloader"))
+    if rank == 0:
+        names = name_map(model, opt) if opt is not None else {}
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [names[opt.param_names[id(p)]] for p in g["params"]]}
+                  for g in opt.param_groups] if opt is not None else []
+        snap.header = {
+            "format": manifest.FORMAT, "version": manifest.VERSION, "step": step,
+            "world_size": opt.comm.world_size if opt is not None else Comm(None).world_size,
+            "stage": opt.stage if opt is not None else 0,
+            "mixed_precision": opt.config.mixed_precision if opt is not None else None,
+            "optimizer": type(opt.inner).__name__ if opt is not None else None,
+            "param_groups": jsontree.encode(groups, "param_groups"),
+            "aliases": full_tensors(model, opt)[1] if model is not None else {},
+            "trainer": {"scheduler": _encode_state(scheduler, "scheduler"),
+                        "loss_scaler": opt.scaler.state_dict() if opt is not None and opt.scaler else None,
+                        "extra": jsontree.encode(extra, "extra")},
+        }
+    return snap
+
+
+def _shapes(model: Optional[nn.Module], opt: Any) -> dict[str, dict]:
+    out = {}
+    if opt is not None:
+        names = name_map(model, opt)
+        for u in opt.units:
+            for seg in u.layout.segments:
+                out[names[seg.name]] = {"shape": list(seg.shape), "dtype": CODES[u.flat.dtype],
+                                        "group": seg.group, "kind": "sharded"}
+    if model is not None:
+        for n, t in full_tensors(model, opt)[0].items():
+            out[n] = {"shape": list(t.shape), "dtype": CODES[t.dtype], "group": None, "kind": "full"}
+    return out
+
+
+_SAVER = CheckpointSaver()
+
+
+def wait_pending() -> None:
+    """Waits for this process's in-flight asynchronous save; raises if it failed."""
+    _SAVER.wait()
+
+
+def save_checkpoint(root: str, step: int, *, model: Optional[nn.Module], optimizer: Any,
+                    scheduler: Any = None, dataloader: Any = None, extra: Any = None,
+                    async_save: bool = False, keep_last: Optional[int] = None) -> PendingSave:
+    """Saves the full training state as ``root/step-NNNNNNNN`` (a collective: every rank of
+    the optimizer's process group calls it). Each rank writes only the pieces it owns. With
+    ``async_save=True`` it returns once the small state is captured; ``.wait()`` on the
+    returned handle (or ``zeroshard.wait_checkpoint()``) blocks until committed."""
+    return _SAVER.save(root, step, model, optimizer, scheduler, dataloader, extra, async_save, keep_last)

@@ -1,0 +1,305 @@
+"""One checkpoint data file: safetensors bytes written with block checksums, read back by range.
+
+The file is plain safetensors (``safe_open`` and ``transformers`` read it), but written and
+read by this module so that:
+- the checksum is computed *while* writing, on a second thread, so a save costs one pass
+  over the data at disk speed (zlib.crc32 releases the GIL and runs at ~4 GB/s here;
+  blake2b at ~0.9 GB/s would be the bottleneck);
+- checksums are per block of ``BLOCK`` bytes, so a loader that needs a few ranges of a file
+  (resharding) verifies only the blocks it reads, not the whole file;
+- nothing is trusted: the header length, every entry's dtype, shape and offsets are checked
+  against the file size and the manifest before a byte of tensor data is allocated.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import queue
+import struct
+import threading
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from zeroshard.checkpoint.errors import CheckpointCorruptError
+
+BLOCK = 32 << 20
+"""Checksum granularity in bytes: large enough that crc bookkeeping is noise, small enough
+that a reshard reading a few pieces does not read much more than it needs."""
+_CHUNK = 16 << 20  # bytes per write()/readinto() call
+_MAX_HEADER = 100 << 20
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+          "U8": torch.uint8, "BOOL": torch.bool}
+CODES = {v: k for k, v in DTYPES.items()}
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a contiguous CPU tensor, without a copy."""
+    t = t.detach().contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    # numpy has no bfloat16: view the storage as bytes instead.
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # 1-D, so len() counts bytes
+
+
+class _Checksummer:
+    """Per-block crc32 of a byte stream fed in order, computed on a worker thread."""
+
+    def __init__(self) -> None:
+        self.crcs: list[int] = []
+        self._crc, self._filled = 0, 0
+        self._q: "queue.Queue[Optional[memoryview]]" = queue.Queue(maxsize=4)
+        self._thread = threading.Thread(target=self._run, name="zeroshard-crc", daemon=True)
+        self._thread.start()
+
+    def feed(self, data: memoryview) -> None:
+        self._q.put(data)
+
+    def _run(self) -> None:
+        while (data := self._q.get()) is not None:
+            while len(data):
+                take = min(len(data), BLOCK - self._filled)
+                self._crc = zlib.crc32(data[:take], self._crc)
+                self._filled += take
+                data = data[take:]
+                if self._filled == BLOCK:
+                    self.crcs.append(self._crc)
+                    self._crc, self._filled = 0, 0
+
+    def finish(self) -> list[int]:
+        self._q.put(None)
+        self._thread.join()
+        if self._filled:
+            self.crcs.append(self._crc)
+        return self.crcs
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    name: str
+    bytes: int
+    crc32: list[int]
+
+    def to_json(self) -> dict:
+        return {"bytes": self.bytes, "block_size": BLOCK, "crc32": self.crc32}
+
+
+def header_bytes(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: Optional[dict[str, str]] = None) -> tuple[bytes, int]:
+    """The safetensors prefix (length + JSON header) for tensors laid out back to back, and
+    the number of data bytes that must follow."""
+    header: dict = {"__metadata__": metadata or {}}
+    offset = 0
+    for key, dtype, shape in specs:
+        if dtype not in CODES:
+            raise TypeError(f"tensor {key!r} has dtype {dtype}, which safetensors cannot store")
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        header[key] = {"dtype": CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
+    return struct.pack("<Q", len(raw)) + raw, offset
+
+
+def write_stream(path: str, head: bytes, chunks: Iterable[memoryview],
+                 on_chunk: Optional[Callable[[], None]] = None) -> WrittenFile:
+    """Writes ``head`` then every chunk, fsynced, checksumming on a second thread. Chunks are
+    consumed one at a time, so a producer may stream data it builds piece by piece."""
+    summer = _Checksummer()
+    written = 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for data in itertools.chain([memoryview(head)], chunks):
+            for i in range(0, len(data), _CHUNK):
+                chunk = data[i:i + _CHUNK]
+                summer.feed(chunk)
+                _write_all(fd, chunk)
+                written += len(chunk)
+                if on_chunk is not None:
+                    on_chunk()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        crcs = summer.finish()
+    return WrittenFile(os.path.basename(path), written, crcs)
+
+
+def write_shard(path: str, tensors: Iterable[tuple[str, torch.Tensor]],
+                metadata: Optional[dict[str, str]] = None,
+                on_chunk: Optional[Callable[[], None]] = None) -> WrittenFile:
+    """Writes ``tensors`` (CPU, any layout) as one safetensors file, fsynced; returns its size
+    and block checksums. Raises OSError (e.g. ENOSPC), leaving the partial file for the
+    caller's cleanup of the temporary directory."""
+    items = [(k, t.detach()) for k, t in tensors]
+    head, _ = header_bytes([(k, t.dtype, tuple(t.shape)) for k, t in items], metadata)
+    return write_stream(path, head, (tensor_bytes(t.cpu()) for _, t in items), on_chunk)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while len(data):
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def write_json(path: str, obj: object) -> WrittenFile:
+    """A small JSON file, fsynced, with its checksum (one block)."""
+    raw = json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()
+    with open(path, "wb") as f:
+        f.write(raw)
+        f.flush()
+        os.fsync(f.fileno())
+    return WrittenFile(os.path.basename(path), len(raw), [zlib.crc32(raw)])
+
+
+def read_json(path: str, expect: dict) -> object:
+    """Reads a small JSON file written by ``write_json`` after checking size and checksum."""
+    with open(path, "rb") as f:
+        raw = f.read(int(expect["bytes"]) + 1)
+    if len(raw) != expect["bytes"] or [zlib.crc32(raw)] != list(expect["crc32"]):
+        raise CheckpointCorruptError(f"{path}: size or checksum differs from the manifest (file damaged)")
+    return json.loads(raw)
+
+
+@dataclass(frozen=True)
+class Entry:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offsets in the file
+    end: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class ShardReader:
+    """Validated, range-addressable view of one data file; ``load(ranges)`` reads and verifies
+    the blocks those ranges touch, after which ``get`` slices tensors out without I/O."""
+
+    def __init__(self, path: str, expect: dict, max_blocks: Optional[int] = None) -> None:
+        self.path = path
+        self.max_blocks = max_blocks  # None: keep every block read (a load applies them all)
+        self.size = int(expect["bytes"])
+        self.block = int(expect["block_size"])
+        self.crcs = [int(c) for c in expect["crc32"]]
+        if self.block <= 0 or len(self.crcs) != -(-self.size // self.block):
+            raise CheckpointCorruptError(f"{path}: manifest gives {len(self.crcs)} checksums of "
+                                         f"{self.block}-byte blocks for {self.size} bytes")
+        try:
+            actual = os.path.getsize(path)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{path} is missing; the checkpoint is incomplete") from None
+        if actual != self.size:
+            raise CheckpointCorruptError(f"{path} has {actual} bytes, the manifest says {self.size}: "
+                                         f"the file is {'truncated' if actual < self.size else 'damaged'}")
+        self._buffers: "OrderedDict[int, memoryview]" = OrderedDict()  # block -> verified bytes
+        self.entries = self._parse_header()
+
+    def _parse_header(self) -> dict[str, Entry]:
+        with open(self.path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > min(_MAX_HEADER, self.size - 8):
+                raise CheckpointCorruptError(f"{self.path}: header length {n} exceeds the file")
+            raw = f.read(n)
+        # The header is covered by the first block(s): verify before trusting it.
+        self.load([(0, 8 + n)])
+        try:
+            header = json.loads(raw)
+        except ValueError as exc:
+            raise CheckpointCorruptError(f"{self.path}: unreadable header ({exc})") from None
+        entries = {}
+        for key, e in header.items():
+            if key == "__metadata__":
+                continue
+            try:
+                dtype = DTYPES[e["dtype"]]
+                shape = tuple(int(d) for d in e["shape"])
+                a, b = (int(x) + 8 + n for x in e["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointCorruptError(f"{self.path}: malformed header entry {key!r}: {e!r}") from None
+            entry = Entry(dtype, shape, a, b)
+            if any(d < 0 for d in shape) or not 8 + n <= a <= b <= self.size or \
+                    b - a != entry.numel * dtype.itemsize:
+                raise CheckpointCorruptError(f"{self.path}: entry {key!r} (shape {list(shape)}, bytes "
+                                             f"[{a}, {b})) does not fit the file of {self.size} bytes")
+            entries[key] = entry
+        return entries
+
+    def load(self, byte_ranges: Iterable[tuple[int, int]]) -> None:
+        """Reads and verifies every block touched by ``byte_ranges``, contiguous runs at once."""
+        wanted = sorted({i for a, b in byte_ranges if b > a
+                         for i in range(a // self.block, (b - 1) // self.block + 1)} - set(self._buffers))
+        runs: list[list[int]] = []
+        for i in wanted:
+            if runs and runs[-1][1] == i:
+                runs[-1][1] = i + 1
+            else:
+                runs.append([i, i + 1])
+        with open(self.path, "rb", buffering=0) as f:
+            for first, last in runs:
+                self._read_run(f, first, last)
+
+    def _read_run(self, f, first: int, last: int) -> None:
+        start, stop = first * self.block, min(last * self.block, self.size)
+        buf = memoryview(bytearray(stop - start))
+        f.seek(start)
+        got = 0
+        while got < len(buf):
+            n = f.readinto(buf[got:got + _CHUNK])
+            if not n:
+                raise CheckpointCorruptError(f"{self.path}: file shrank while reading at byte {start + got}")
+            got += n
+        for i in range(first, last):
+            view = buf[(i - first) * self.block:(i + 1 - first) * self.block]
+            if zlib.crc32(view) != self.crcs[i]:
+                raise CheckpointCorruptError(
+                    f"{self.path}: checksum mismatch in bytes [{i * self.block}, {i * self.block + len(view)}): "
+                    "the file is damaged; restore it or load an earlier step")
+            self._buffers[i] = view
+            if self.max_blocks is not None and len(self._buffers) > self.max_blocks:
+                self._buffers.popitem(last=False)
+
+    def byte_range(self, key: str, lo: int, hi: int) -> tuple[int, int]:
+        e = self.entries[key]
+        s = e.dtype.itemsize
+        return e.begin + lo * s, e.begin + hi * s
+
+    def get(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of entry ``key`` (flattened), from verified blocks (a copy)."""
+        e = self.entries[key]
+        a, b = self.byte_range(key, lo, hi)
+        out = torch.empty(hi - lo, dtype=e.dtype)
+        dst = memoryview(out.view(torch.uint8).numpy()) if hi > lo else memoryview(bytearray())
+        pos = a
+        while pos < b:
+            i = pos // self.block
+            if i not in self._buffers:
+                self.load([(pos, min(b, (i + 1) * self.block))])
+            blk = self._buffers[i]
+            off = pos - i * self.block
+            take = min(b - pos, len(blk) - off)
+            dst[pos - a:pos - a + take] = blk[off:off + take]
+            pos += take
+        return out
+
+    def release(self) -> None:
+        self._buffers.clear()
+
+
+def verify_file(path: str, expect: dict) -> None:
+    """Streams a whole data file through its block checksums; raises CheckpointCorruptError."""
+    reader = ShardReader(path, expect)
+    for i in range(len(reader.crcs)):
+        reader.load([(i * reader.block, min((i + 1) * reader.block, reader.size))])
+        reader._buffers.pop(i, None)  # keep memory at one block
