@@ -42,11 +42,13 @@ class Trainer:
     """Model, ZeroOptimizer, scheduler and data of one run."""
 
     def __init__(self, world: int, stage: int, precision: Optional[str] = None, seed: int = 0,
-                 dropout: bool = True) -> None:
+                 dropout: bool = True, grouped: bool = True) -> None:
         torch.manual_seed(seed)
         self.model = DropoutNet()
         self.model.train(dropout)  # reshard runs compare across world sizes, whose RNG streams differ
-        self.opt = zeroshard.ZeroOptimizer(param_groups(self.model, named=True), torch.optim.AdamW,
+        # Stage 3 partitions by module, so it takes the model (one param group).
+        params = param_groups(self.model, named=True) if grouped and stage != 3 else self.model
+        self.opt = zeroshard.ZeroOptimizer(params, torch.optim.AdamW,
                                            stage=stage, mixed_precision=precision, bucket_size_mb=0.001,
                                            lr=1e-2)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: 1.0 / (1 + 0.1 * s))
@@ -92,9 +94,10 @@ class Trainer:
         return info
 
     def result(self) -> dict:
+        # full_state_dict gathers stage 3's sharded parameters (a collective on every rank).
+        state = zeroshard.full_state_dict(self.model, rank0_only=False)
         return {"losses": self.losses, "step": self.step,
-                "params": {n: p.detach().contiguous().view(torch.uint8).numpy().tobytes().hex()
-                           for n, p in self.model.state_dict().items()}}
+                "params": {n: p.contiguous().view(torch.uint8).numpy().tobytes().hex() for n, p in state.items()}}
 
 
 def _dump(path: str, rank: int, obj: dict) -> None:
@@ -137,19 +140,19 @@ def resume(rank: int, world: int, stages: list[int], total: int, root: str, out:
 
 
 def reshard_save(rank: int, world: int, stage: int, save_at: int, root: str) -> None:
-    t = Trainer(world, stage, dropout=False)
+    t = Trainer(world, stage, dropout=False, grouped=False)
     t.train(save_at)
     t.save(root)
 
 
 def reshard_resume(rank: int, world: int, stage: int, total: int, root: str, out: str) -> None:
-    t = Trainer(world, stage, seed=99, dropout=False)
+    t = Trainer(world, stage, seed=99, dropout=False, grouped=False)
     t.load(root)
     t.train(total)
     _dump(out, rank, t.result())
 
 
 def reference(rank: int, world: int, total: int, out: str) -> None:
-    t = Trainer(world, 0, dropout=False)
+    t = Trainer(world, 0, dropout=False, grouped=False)
     t.train(total)
     _dump(out, rank, t.result())

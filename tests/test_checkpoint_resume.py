@@ -1,5 +1,6 @@
 """Resume is a contract: SIGKILL after a checkpoint, resume, end bit-identical (stages 0-2,
-world size 2, shuffled ResumableSampler, dropout); and reshard 4/stage 2 -> 2/stage 1, 1/stage 0."""
+world size 2, shuffled ResumableSampler, dropout); and reshard 4/stage 2 -> 2/stage 3, 2/stage 1,
+1/stage 0 against an unsharded reference."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import torch
 from tests import ckpt_worker
 from zeroshard.launch import spawn
 
-STAGES = [0, 1, 2]
+STAGES = [0, 1, 2, 3]
 SAVE_AT, TOTAL = 7, 12  # the save is mid-epoch (5 steps per epoch) and training crosses epochs
 
 
@@ -36,7 +37,7 @@ def _params(res: dict) -> dict[str, torch.Tensor]:
     return {n: torch.frombuffer(bytearray.fromhex(h), dtype=torch.float32) for n, h in res["params"].items()}
 
 
-@pytest.mark.parametrize("world,stage", [(2, 1), (1, 0)])
+@pytest.mark.parametrize("world,stage", [(2, 3), (2, 1), (1, 0)])
 def test_reshard_from_world4_stage2(tmp_path_factory, world, stage):
     base = tmp_path_factory.getbasetemp() / "reshard"
     root = base / "ckpt"

@@ -103,6 +103,17 @@ def _expected(model: Optional[nn.Module], opt: Any) -> dict[str, tuple[tuple[int
 
 
 def check_compatible(body: dict, model: Optional[nn.Module], opt: Any, where: str) -> None:
+    """Raises CheckpointMismatchError listing every name, shape or param group that differs."""
+    if opt is not None:
+        groups = body.get("param_groups", [])
+        names = name_map(model, opt)
+        mine = [[names[opt.param_names[id(p)]] for p in g["params"]] for g in opt.param_groups]
+        saved = [g.get("params", []) if isinstance(g, dict) else [] for g in groups]
+        if len(saved) != len(mine) or any(set(a) != set(b) for a, b in zip(saved, mine)):
+            raise CheckpointMismatchError(
+                f"{where} has {len(saved)} param group(s) of sizes {[len(g) for g in saved]}, the optimizer "
+                f"has {len(mine)} of sizes {[len(g) for g in mine]}; build the optimizer with the same "
+                "param groups (stage 3 takes the model: one group) to restore per-group hyperparameters")
     expected = _expected(model, opt)
     saved = body["tensors"]
     missing = sorted(set(expected) - set(saved))
@@ -193,9 +204,6 @@ def apply_trainer(body: dict, opt: Any, scheduler: Any, dataloader: Any, src_dir
     trainer = body.get("trainer", {})
     if opt is not None:
         groups = jsontree.decode(body.get("param_groups", []))
-        if len(groups) != len(opt.param_groups):
-            raise CheckpointMismatchError(f"{src_dir} has {len(groups)} param groups, the optimizer has "
-                                          f"{len(opt.param_groups)}; build the optimizer with the same groups")
         for saved, mine in zip(groups, opt.param_groups):
             for k, v in saved.items():
                 if k != "params":
