@@ -21,9 +21,20 @@ from zeroshard.layout import NamedParam, UnitLayout
 from zeroshard.stages import StagePolicy
 
 
-def released_data(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """What a stage-3 parameter holds while its unit is not gathered: nothing."""
-    return torch.empty(0, dtype=dtype, device=device)
+def free_storage(t: torch.Tensor) -> None:
+    """Releases ``t``'s memory but keeps the storage object, so every view of it (model
+    parameters, and tensors autograd saved from them) sees the data again once
+    ``alloc_storage`` re-allocates it and a gather refills it. See Note [released parameters]
+    in zeroshard/stages/stage3/gatherer.py."""
+    t.untyped_storage().resize_(0)
+
+
+def alloc_storage(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+def is_allocated(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() > 0
 
 
 class FlatUnit:
@@ -39,11 +50,10 @@ class FlatUnit:
         self.separate_master = param_dtype != torch.float32
         self.needs_init = any(m.param.is_meta or m.param.numel() != m.true_shape.numel() for m in self.members)
         """Parameters had no values (meta device): the owner must initialise the shard."""
+        self.flat = torch.zeros(layout.padded_numel, dtype=param_dtype, device=self.device)
         if policy.shard_parameters:
-            self.flat: Optional[torch.Tensor] = None
             self.shard = torch.zeros(hi - lo, dtype=param_dtype, device=self.device)
         else:
-            self.flat = torch.zeros(layout.padded_numel, dtype=param_dtype, device=self.device)
             self.shard = self.flat[lo:hi]
         self.master = (torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
                        if self.separate_master else self.shard)
@@ -51,10 +61,9 @@ class FlatUnit:
             for m, seg in zip(self.members, layout.segments):
                 if not self.needs_init:
                     self.load_segment(seg.offset, m.param.detach().reshape(-1))
-                if self.flat is not None:
-                    m.param.data = self.flat[seg.offset:seg.end].view(seg.shape)
-                else:
-                    m.param.data = released_data(param_dtype, self.device)
+                m.param.data = self.flat[seg.offset:seg.end].view(seg.shape)
+        if policy.shard_parameters:  # only the shard persists; gathers refill ``flat``
+            free_storage(self.flat)
         self.grad_base = lo if policy.shard_gradients else 0
         store_numel = hi - lo if policy.shard_gradients else layout.padded_numel
         self.grad_store = torch.zeros(store_numel, dtype=torch.float32, device=self.device)
@@ -65,7 +74,7 @@ class FlatUnit:
         """Sets the unit range starting at ``offset`` from full-precision ``values``: the
         model-dtype copy wherever this rank holds it, and the fp32 master of the owned part."""
         end = offset + values.numel()
-        if self.flat is not None:
+        if is_allocated(self.flat):
             self.flat[offset:end].copy_(values)
         lo, hi = self.owned
         a, b = max(lo, offset), min(hi, end)
@@ -86,7 +95,7 @@ class FlatUnit:
     def param_range(self, a: int, b: int) -> torch.Tensor:
         """Model-dtype values of unit range ``[a, b)``: any range at stages 0-2, the owned
         range at stage 3 (other ranges live on other ranks)."""
-        if self.flat is not None and not self.policy.shard_parameters:
+        if not self.policy.shard_parameters:
             return self.flat[a:b]
         lo, hi = self.owned
         if not lo <= a <= b <= hi:

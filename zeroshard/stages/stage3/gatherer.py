@@ -19,11 +19,13 @@ At most ``max_live`` non-root units are gathered or gathering at once; prefetch 
 exceeds it. Every rank makes the same gather calls in the same order (same model, same
 graph), which the collectives require. See Note [released parameters].
 
-Note [released parameters]: a released parameter's ``.data`` is an empty tensor. Autograd
-keeps the Parameter object (not its data) for backward, so re-gathering before a module's
-backward (``_PreBackward``) restores what its nodes read. A use of a released parameter
-(e.g. a weight used outside the module that owns it) hits a 0-element tensor; the root
-forward wrapper turns that into an error naming the released units.
+Note [released parameters]: a unit's flat buffer keeps its storage *object* for its whole
+life and every parameter stays a view into it; releasing resizes the storage to 0 bytes and
+gathering resizes it back and refills it (the scheme of FSDP2). Tensors autograd saved in
+forward (a weight, or a view like ``weight.t()``) therefore see the re-gathered data when
+``_PreBackward`` has run, and hold no memory in between. Using a released parameter (e.g. a
+weight used outside the module that owns it) fails with "data is not allocated"; the root
+forward wrapper adds which units were released.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zeroshard.comm import Comm, Work
-from zeroshard.optim.flat_unit import FlatUnit, released_data
+from zeroshard.optim.flat_unit import FlatUnit, alloc_storage, free_storage
 
 
 class Stage3UsageError(RuntimeError):
@@ -136,11 +138,10 @@ class ParameterGatherer:
                 f"unit {ui} ({unit.layout.segments[0].name}, ...) has no values yet: the model was "
                 "built on the meta device. Load weights with zeroshard.load_safetensors(model, path) "
                 "or initialise them with zeroshard.init_meta_weights(model) before the first forward.")
-        flat = torch.empty(unit.layout.padded_numel, dtype=unit.dtype, device=unit.device)
+        alloc_storage(unit.flat)
         lo, hi = unit.owned
-        flat[lo:hi].copy_(unit.shard)
-        unit.flat = flat
-        self._work[ui] = self.comm.gather_shards(flat)
+        unit.flat[lo:hi].copy_(unit.shard)
+        self._work[ui] = self.comm.gather_shards(unit.flat)
         self.state[ui] = UnitState.GATHERING
 
     def prefetch(self, ui: int) -> None:
@@ -153,9 +154,6 @@ class ParameterGatherer:
         if self.state[ui] is UnitState.GATHERING:
             self._work[ui].wait()
             self._work[ui] = None
-            unit = self.units[ui]
-            for m, seg in zip(unit.members, unit.layout.segments):
-                m.param.data = unit.flat[seg.offset:seg.end].view(seg.shape)
             self.state[ui] = UnitState.GATHERED
 
     def release(self, ui: int) -> None:
@@ -164,10 +162,7 @@ class ParameterGatherer:
         if self.state[ui] is UnitState.GATHERING:  # the collective must complete on every rank
             self._work[ui].wait()
             self._work[ui] = None
-        unit = self.units[ui]
-        for m in unit.members:
-            m.param.data = released_data(unit.dtype, unit.device)
-        unit.flat = None
+        free_storage(self.units[ui].flat)
         self.state[ui] = UnitState.RELEASED
 
     def release_all(self) -> None:
@@ -175,7 +170,7 @@ class ParameterGatherer:
             self.release(ui)
 
     def gathered_bytes(self) -> int:
-        return sum(u.flat.numel() * u.flat.element_size() for u in self.units if u.flat is not None)
+        return sum(u.flat.untyped_storage().nbytes() for u in self.units)
 
     # -- forward hooks --------------------------------------------------------------------------
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -232,11 +227,11 @@ class ParameterGatherer:
         if self.state[ui] is not UnitState.GATHERED:
             return
         for m, seg in zip(unit.members, unit.layout.segments):
-            if m.param.shape != seg.shape:
+            if m.param.shape != seg.shape or m.param.data_ptr() != unit.flat[seg.offset:].data_ptr():
                 raise Stage3UsageError(
                     f"parameter {seg.name!r} changed shape from {tuple(seg.shape)} to "
-                    f"{tuple(m.param.shape)} during forward; stage 3 partitions parameters by their "
-                    "shape at construction, so modules must not resize or replace them")
+                    f"{tuple(m.param.shape)} (or was replaced) during forward; stage 3 partitions "
+                    "parameters by their shape at construction, so modules must not resize or replace them")
 
     # -- backward -------------------------------------------------------------------------------
     def before_backward(self, ui: int) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zeroshard.optim.flat_unit import released_data
+from zeroshard.optim.flat_unit import alloc_storage, free_storage, is_allocated
 from zeroshard.optim.registry import optimizer_for
 
 
@@ -30,7 +30,7 @@ def swap_meta_parameters(model: nn.Module, device: torch.device) -> dict[int, to
                     "zeroshard materialises trainable parameters only: freeze it after loading weights")
             new = replaced.get(id(p))
             if new is None:  # tied weights stay tied: one replacement per meta parameter
-                new = nn.Parameter(released_data(p.dtype, device), requires_grad=True)
+                new = nn.Parameter(torch.empty(0, dtype=p.dtype, device=device), requires_grad=True)
                 replaced[id(p)] = new
                 shapes[id(new)] = p.shape
             module._parameters[name] = new
@@ -82,9 +82,11 @@ def init_meta_weights(model: nn.Module, seed: int = 0) -> None:
 
 
 def restore_parameter(unit, seg, p: nn.Parameter) -> None:
-    """Points a parameter back at what its unit holds: a view of the kept flat buffer
-    (stages 0-2) or nothing (stage 3, until the next gather)."""
-    if unit.flat is not None and not unit.policy.shard_parameters:
-        p.data = unit.flat[seg.offset:seg.end].view(seg.shape)
-    else:
-        p.data = released_data(unit.dtype, unit.device)
+    """Points a parameter back at its place in its unit's flat buffer (allocated at stages
+    0-2, and at stage 3 only while gathered: a view can only be made of allocated storage)."""
+    freed = not is_allocated(unit.flat)
+    if freed:
+        alloc_storage(unit.flat)
+    p.data = unit.flat[seg.offset:seg.end].view(seg.shape)
+    if freed:
+        free_storage(unit.flat)

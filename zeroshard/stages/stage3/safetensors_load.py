@@ -17,7 +17,6 @@ from safetensors import safe_open
 from torch import nn
 
 from zeroshard.optim.registry import optimizer_for
-from zeroshard.stages.stage3.materialize import restore_parameter
 
 
 def _weight_map(path: str) -> dict[str, str]:
@@ -95,10 +94,7 @@ def load_safetensors(model: nn.Module, path: str, strict: bool = True) -> list[s
             t.data.copy_(handle(key).get_tensor(key))
         elif isinstance(t, nn.Parameter):
             missing.append(key)
-    for unit in opt.units:
-        for m, seg in zip(unit.members, unit.layout.segments):
-            restore_parameter(unit, seg, m.param)
-    if opt.gatherer is not None:
+    if opt.gatherer is not None:  # a unit gathered now holds the old values: drop it
         opt.gatherer.release_all()
     if wrong:
         raise ValueError("shapes differ between the files and the model: " + "; ".join(wrong[:10]))
