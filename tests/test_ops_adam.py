@@ -172,6 +172,8 @@ def test_bad_arguments_raise() -> None:
         adam_step_(p, torch.zeros(9), m, v, step=1, weight_decay=0.0, adamw_mode=True, **HYPER)
     with pytest.raises(ValueError, match="step"):
         adam_step_(p, torch.zeros(10), m, v, step=0, weight_decay=0.0, adamw_mode=True, **HYPER)
+    with pytest.raises(TypeError, match="step"):
+        adam_step_(p, torch.zeros(10), m, v, step=1.5, weight_decay=0.0, adamw_mode=True, **HYPER)
     with pytest.raises(ValueError, match="betas"):
         adam_step_(p, torch.zeros(10), m, v, step=1, lr=1e-3, beta1=1.0, beta2=0.999, eps=1e-8,
                    weight_decay=0.0, adamw_mode=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -23,9 +24,12 @@ _LOWP_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _check_hyper(step: int, lr: float, beta1: float, beta2: float, eps: float,
-                 weight_decay: float, grad_scale: float) -> None:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"step must be an int >= 1 (the count including this step), got {step!r}")
+                 weight_decay: float, grad_scale: float) -> int:
+    """Validates the scalars and returns ``step`` as a plain int (numpy ints are accepted)."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(f"step must be an int, got {type(step).__name__} {step!r}")
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (the count including this step), got {step!r}")
     if not lr >= 0.0:
         raise ValueError(f"lr must be >= 0, got {lr!r}")
     if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
@@ -36,6 +40,7 @@ def _check_hyper(step: int, lr: float, beta1: float, beta2: float, eps: float,
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
     if not math.isfinite(grad_scale):
         raise ValueError(f"grad_scale must be finite, got {grad_scale!r}")
+    return int(step)
 
 
 def _check_tensors(i: int, p: Tensor, g: Tensor, m: Tensor, v: Tensor, out: Tensor | None) -> None:
@@ -73,30 +78,31 @@ def adam_step_multi_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs
                      out_lowps: Sequence[Tensor | None] | None = None) -> None:
     """``adam_step_`` over lists that share hyperparameters and step: one kernel launch (and
     one OpenMP fork/join on CPU) per device and copy-out kind instead of one per tensor."""
-    _check_hyper(step, lr, beta1, beta2, eps, weight_decay, grad_scale)
+    step = _check_hyper(step, lr, beta1, beta2, eps, weight_decay, grad_scale)
     n = len(params)
     outs: list[Tensor | None] = [None] * n if out_lowps is None else list(out_lowps)
     if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(outs) == n):
         raise ValueError(f"list lengths differ: {n} params, {len(grads)} grads, {len(exp_avgs)} "
                          f"exp_avgs, {len(exp_avg_sqs)} exp_avg_sqs, {len(outs)} out_lowps")
+
+    def reference(i: int) -> None:
+        reference_adam_step_(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], step=step, lr=lr,
+                             beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                             adamw_mode=adamw_mode, grad_scale=grad_scale, out_lowp=outs[i])
+
     batches: dict[tuple[torch.device, bool], list[int]] = {}
     for i in range(n):
         _check_tensors(i, params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], outs[i])
         if _kernel_ok(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], outs[i]):
             batches.setdefault((params[i].device, outs[i] is not None), []).append(i)
         else:
-            reference_adam_step_(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], step=step, lr=lr,
-                                 beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                                 adamw_mode=adamw_mode, grad_scale=grad_scale, out_lowp=outs[i])
+            reference(i)
     for (device, has_out), idx in batches.items():
         state = REGISTRY.cpu() if device.type == "cpu" else REGISTRY.cuda()
         if state.module is None:
             REGISTRY.warn_fallback(state)
             for i in idx:
-                reference_adam_step_(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], step=step,
-                                     lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                     weight_decay=weight_decay, adamw_mode=adamw_mode,
-                                     grad_scale=grad_scale, out_lowp=outs[i])
+                reference(i)
             continue
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             state.module.adam_step(
