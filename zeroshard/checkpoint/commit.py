@@ -6,7 +6,10 @@
    fails the save on all ranks instead of leaving them blocked);
 3. rank 0 writes ``manifest.json`` (fsynced), fsyncs the directory, renames it to
    ``step-N`` and fsyncs ``root``; only now is the step visible;
-4. rank 0 points ``latest`` at it (write ``latest.tmp-<nonce>``, fsync, ``os.replace``);
+4. rank 0 points ``latest`` at it (write ``latest.tmp-<nonce>``, fsync, ``os.replace``).
+   This is the commit point for ``load_checkpoint(root)``: ``latest`` is tried first (so a
+   run resumed from an earlier step and saving again is not shadowed by the abandoned
+   later steps); the other complete steps are fallbacks, newest first;
 5. ``keep_last`` rotation renames old steps to ``*.trash-*`` before deleting them, so a
    half-deleted step never looks committed, and it never touches the step just written.
 
