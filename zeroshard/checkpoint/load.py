@@ -104,16 +104,6 @@ def _expected(model: Optional[nn.Module], opt: Any) -> dict[str, tuple[tuple[int
 
 def check_compatible(body: dict, model: Optional[nn.Module], opt: Any, where: str) -> None:
     """Raises CheckpointMismatchError listing every name, shape or param group that differs."""
-    if opt is not None:
-        groups = body.get("param_groups", [])
-        names = name_map(model, opt)
-        mine = [[names[opt.param_names[id(p)]] for p in g["params"]] for g in opt.param_groups]
-        saved = [g.get("params", []) if isinstance(g, dict) else [] for g in groups]
-        if len(saved) != len(mine) or any(set(a) != set(b) for a, b in zip(saved, mine)):
-            raise CheckpointMismatchError(
-                f"{where} has {len(saved)} param group(s) of sizes {[len(g) for g in saved]}, the optimizer "
-                f"has {len(mine)} of sizes {[len(g) for g in mine]}; build the optimizer with the same "
-                "param groups (stage 3 takes the model: one group) to restore per-group hyperparameters")
     expected = _expected(model, opt)
     saved = body["tensors"]
     missing = sorted(set(expected) - set(saved))
@@ -130,6 +120,16 @@ def check_compatible(body: dict, model: Optional[nn.Module], opt: Any, where: st
             parts.append("shape mismatch: " + "; ".join(wrong[:10]))
         raise CheckpointMismatchError(f"{where} was saved from a different model ({' | '.join(parts)}); load it "
                                       "into the model that wrote it, or export_hf() and convert")
+    if opt is not None:
+        groups = body.get("param_groups", [])
+        names = name_map(model, opt)
+        mine = [[names[opt.param_names[id(p)]] for p in g["params"]] for g in opt.param_groups]
+        saved = [g.get("params", []) if isinstance(g, dict) else [] for g in groups]
+        if len(saved) != len(mine) or any(set(a) != set(b) for a, b in zip(saved, mine)):
+            raise CheckpointMismatchError(
+                f"{where} has {len(saved)} param group(s) of sizes {[len(g) for g in saved]}, the optimizer "
+                f"has {len(mine)} of sizes {[len(g) for g in mine]}; build the optimizer with the same "
+                "param groups (stage 3 takes the model: one group) to restore per-group hyperparameters")
 
 
 def _needed(opt: Any, model: Optional[nn.Module]):
