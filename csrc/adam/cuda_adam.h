@@ -6,19 +6,10 @@
 #include <stdint.h>
 
 #include "adam_common.h"
+#include "multi_tensor_plan.h"
 
 namespace zeroshard {
 namespace cuda {
-
-// One tensor of a multi-tensor step; all five buffers have `numel` elements.
-struct TensorRef {
-  float* param;
-  const void* grad;
-  float* exp_avg;
-  float* exp_avg_sq;
-  void* out_lowp;  // nullptr when no copy-out
-  int64_t numel;
-};
 
 // Launches as few kernels as the argument-size limit allows for `n` tensors that share the
 // gradient kind and copy-out kind (cpu::LowpKind values). Returns the launch error, if any.

@@ -14,22 +14,9 @@ namespace zeroshard {
 namespace cuda {
 namespace {
 
-constexpr int kMaxTensors = 36;
-constexpr int kMaxBlocks = 320;
-constexpr int64_t kChunk = 65536;
 constexpr int kThreads = 512;
 constexpr int kILP = 4;
 
-struct TensorListMeta {
-  float* param[kMaxTensors];
-  const void* grad[kMaxTensors];
-  float* exp_avg[kMaxTensors];
-  float* exp_avg_sq[kMaxTensors];
-  void* out[kMaxTensors];
-  int64_t numel[kMaxTensors];
-  unsigned char block_tensor[kMaxBlocks];
-  int block_chunk[kMaxBlocks];
-};
 static_assert(sizeof(TensorListMeta) + sizeof(cpu::AdamScalars) <= 4096,
               "kernel arguments must fit the 4 KiB parameter space");
 
@@ -115,52 +102,18 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(TensorListMeta meta, cpu
   }
 }
 
-// The loop of Note [multi-tensor launch]: fill the metadata, launch when blocks or tensor
-// slots run out, and carry a tensor whose chunks straddle two launches over to slot 0.
 template <typename GT, typename OT, bool HAS_OUT, bool ADAMW>
 cudaError_t launch_all(const TensorRef* refs, int n, const cpu::AdamScalars& s,
                        cudaStream_t stream) {
   TensorListMeta meta;
-  int nt = 0;
-  int nb = 0;
-  auto launch = [&]() {
-    adam_kernel<GT, OT, HAS_OUT, ADAMW><<<nb, kThreads, 0, stream>>>(meta, s);
-    nb = 0;
-    return cudaGetLastError();
-  };
-  for (int r = 0; r < n; ++r) {
-    if (refs[r].numel == 0) continue;
-    meta.param[nt] = refs[r].param;
-    meta.grad[nt] = refs[r].grad;
-    meta.exp_avg[nt] = refs[r].exp_avg;
-    meta.exp_avg_sq[nt] = refs[r].exp_avg_sq;
-    meta.out[nt] = refs[r].out_lowp;
-    meta.numel[nt] = refs[r].numel;
-    const int64_t chunks = (refs[r].numel + kChunk - 1) / kChunk;
-    for (int64_t c = 0; c < chunks; ++c) {
-      meta.block_tensor[nb] = static_cast<unsigned char>(nt);
-      meta.block_chunk[nb] = static_cast<int>(c);
-      ++nb;
-      const bool last_chunk = c == chunks - 1;
-      if (nb == kMaxBlocks || (last_chunk && nt + 1 == kMaxTensors)) {
-        const cudaError_t err = launch();
-        if (err != cudaSuccess) return err;
-        if (last_chunk) {
-          nt = -1;  // the next tensor starts at slot 0
-        } else {
-          meta.param[0] = meta.param[nt];
-          meta.grad[0] = meta.grad[nt];
-          meta.exp_avg[0] = meta.exp_avg[nt];
-          meta.exp_avg_sq[0] = meta.exp_avg_sq[nt];
-          meta.out[0] = meta.out[nt];
-          meta.numel[0] = meta.numel[nt];
-          nt = 0;
-        }
-      }
-    }
-    ++nt;
-  }
-  return nb > 0 ? launch() : cudaSuccess;
+  cudaError_t err = cudaSuccess;
+  // Kernel arguments are copied at launch, so the planner may refill `meta` right after.
+  plan_multi_tensor(refs, n, meta, [&](const TensorListMeta& m, int nblocks) {
+    adam_kernel<GT, OT, HAS_OUT, ADAMW><<<nblocks, kThreads, 0, stream>>>(m, s);
+    err = cudaGetLastError();
+    return err == cudaSuccess;
+  });
+  return err;
 }
 
 template <typename GT, typename OT, bool HAS_OUT>
