@@ -1,0 +1,86 @@
+"""export_hf: Hugging Face layout that transformers loads with the same logits; streaming."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zeroshard
+from tests import ckpt_worker
+from zeroshard.cli import main as cli
+from zeroshard.launch import spawn
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_export_loads_in_transformers_with_same_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+    root, ref = str(tmp_path / "ckpt"), str(tmp_path / "logits.safetensors")
+    spawn(ckpt_worker.hf_export_source, 2, root, ref)
+    out = str(tmp_path / "hf")
+    assert cli(["export", root, out, "--max-shard-size", "40KB", "--no-progress"]) == 0
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert "lm_head.weight" not in index["weight_map"]  # tied to wte: transformers re-ties it
+    for name in os.listdir(ref + ".config"):
+        os.link(os.path.join(ref + ".config", name), os.path.join(out, name))
+    model = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    with torch.no_grad():
+        logits = model(torch.arange(16).view(1, 16) % 64).logits
+    assert torch.equal(logits, load_file(ref)["logits"])
+
+
+def test_export_dtype_and_cli(tmp_path):
+    root = str(tmp_path / "ckpt")
+    model = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.LayerNorm(20), torch.nn.Linear(20, 5))
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.SGD, stage=1, lr=0.1)
+    zeroshard.save_checkpoint(root, 7, model=model, optimizer=opt)
+    zeroshard.export_hf(root, str(tmp_path / "bf16"), max_shard_size="1KB", dtype="bf16")
+    from safetensors.torch import load_file
+    got = {}
+    for f in os.listdir(tmp_path / "bf16"):
+        if f.endswith(".safetensors"):
+            got.update(load_file(str(tmp_path / "bf16" / f)))
+    assert {k: v.dtype for k, v in got.items()} == {k: torch.bfloat16 for k in model.state_dict()}
+    assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in model.state_dict().items())
+    assert cli(["inspect", root, "--tensors"]) == 0
+    assert cli(["verify", root]) == 0
+    data = os.path.join(root, "step-00000007", "rank-00000.safetensors")
+    raw = bytearray(open(data, "rb").read())
+    raw[-3] ^= 1
+    open(data, "wb").write(raw)
+    assert cli(["verify", root]) == 1
+    assert cli(["export", root, str(tmp_path / "bad"), "--no-progress"]) == 1
+
+
+# VmHWM (this process's peak RSS), not ru_maxrss, which keeps the forking parent's peak.
+_RSS_CHILD = """
+import sys, psutil, zeroshard
+def hwm():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
+base = psutil.Process().memory_info().rss
+zeroshard.export_hf(sys.argv[1], sys.argv[2], max_shard_size=sys.argv[3])
+print((hwm() - base) / 2**20)
+"""
+
+
+def test_export_streams_in_bounded_memory(tmp_path):
+    """A 256 MiB model exported in 32 MB shards: the exporting process grows by far less
+    than the model (one piece chunk and two checksum blocks, not the whole state)."""
+    root = str(tmp_path / "ckpt")
+    model = torch.nn.ModuleList([torch.nn.Linear(2048, 4096, bias=False) for _ in range(8)])
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.SGD, stage=0, lr=0.1)
+    zeroshard.save_checkpoint(root, 1, model=model, optimizer=opt)
+    del model, opt
+    proc = subprocess.run([sys.executable, "-c", _RSS_CHILD, root, str(tmp_path / "hf"), "32MB"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    grew_mib = float(proc.stdout.strip().splitlines()[-1])
+    assert len([f for f in os.listdir(tmp_path / "hf") if f.endswith(".safetensors")]) == 8
+    assert grew_mib < 160, f"export grew RSS by {grew_mib:.0f} MiB for a 256 MiB model"
