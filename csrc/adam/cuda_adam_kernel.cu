@@ -20,18 +20,18 @@ constexpr int kILP = 4;
 static_assert(sizeof(TensorListMeta) + sizeof(cpu::AdamScalars) <= 4096,
               "kernel arguments must fit the 4 KiB parameter space");
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__host__ __device__ __forceinline__ float to_float(float x) { return x; }
+__host__ __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__host__ __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 
 template <typename T>
-__device__ __forceinline__ T from_float(float x);
+__host__ __device__ __forceinline__ T from_float(float x);
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+__host__ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
+__host__ __device__ __forceinline__ __half from_float<__half>(float x) {
   return __float2half_rn(x);
 }
 
@@ -42,7 +42,7 @@ struct alignas(sizeof(T) * kILP) Pack {
 
 // Same operation order as the CPU kernel (adam_body.inc) and torch.optim.AdamW.
 template <bool ADAMW>
-__device__ __forceinline__ void adam_elem(float& p, float g, float& m, float& v,
+__host__ __device__ __forceinline__ void adam_elem(float& p, float g, float& m, float& v,
                                           const cpu::AdamScalars& s) {
   g *= s.grad_scale;
   if (!ADAMW) g = fmaf(s.weight_decay, p, g);
@@ -54,16 +54,20 @@ __device__ __forceinline__ void adam_elem(float& p, float g, float& m, float& v,
 }
 
 template <typename T>
-__device__ __forceinline__ bool is_aligned(const void* ptr) {
+__host__ __device__ __forceinline__ bool is_aligned(const void* ptr) {
   return reinterpret_cast<uintptr_t>(ptr) % (sizeof(T) * kILP) == 0;
 }
 
+// One thread's share of one block's chunk. __host__ too, so that a host program can replay
+// the whole grid thread by thread and check it without a GPU (tests/test_ops_cuda_plan.py).
 template <typename GT, typename OT, bool HAS_OUT, bool ADAMW>
-__global__ void __launch_bounds__(kThreads) adam_kernel(TensorListMeta meta, cpu::AdamScalars s) {
-  const int t = meta.block_tensor[blockIdx.x];
+__host__ __device__ __forceinline__ void adam_thread(const TensorListMeta& meta,
+                                                     const cpu::AdamScalars& s, int block,
+                                                     int thread, int nthreads) {
+  const int t = meta.block_tensor[block];
   const int64_t n = meta.numel[t];
-  const int64_t start = static_cast<int64_t>(meta.block_chunk[blockIdx.x]) * kChunk;
-  const int64_t end = min(n, start + kChunk);
+  const int64_t start = static_cast<int64_t>(meta.block_chunk[block]) * kChunk;
+  const int64_t end = n < start + kChunk ? n : start + kChunk;
   float* __restrict__ p = meta.param[t];
   const GT* __restrict__ g = static_cast<const GT*>(meta.grad[t]);
   float* __restrict__ m = meta.exp_avg[t];
@@ -72,8 +76,8 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(TensorListMeta meta, cpu
   // Chunk starts are multiples of kILP, so base-pointer alignment decides for the block.
   const bool vec = is_aligned<float>(p) && is_aligned<float>(m) && is_aligned<float>(v) &&
                    is_aligned<GT>(g) && (!HAS_OUT || is_aligned<OT>(out));
-  for (int64_t i = start + static_cast<int64_t>(threadIdx.x) * kILP; i < end;
-       i += static_cast<int64_t>(blockDim.x) * kILP) {
+  for (int64_t i = start + static_cast<int64_t>(thread) * kILP; i < end;
+       i += static_cast<int64_t>(nthreads) * kILP) {
     if (vec && i + kILP <= end) {
       Pack<float> pp = *reinterpret_cast<const Pack<float>*>(p + i);
       Pack<float> mp = *reinterpret_cast<const Pack<float>*>(m + i);
@@ -90,7 +94,8 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(TensorListMeta meta, cpu
       *reinterpret_cast<Pack<float>*>(v + i) = vp;
       if (HAS_OUT) *reinterpret_cast<Pack<OT>*>(out + i) = op;
     } else {
-      for (int64_t k = i; k < min(end, i + kILP); ++k) {
+      const int64_t stop = end < i + kILP ? end : i + kILP;
+      for (int64_t k = i; k < stop; ++k) {
         float pk = p[k], mk = m[k], vk = v[k];
         adam_elem<ADAMW>(pk, to_float(g[k]), mk, vk, s);
         p[k] = pk;
@@ -100,6 +105,11 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(TensorListMeta meta, cpu
       }
     }
   }
+}
+
+template <typename GT, typename OT, bool HAS_OUT, bool ADAMW>
+__global__ void __launch_bounds__(kThreads) adam_kernel(TensorListMeta meta, cpu::AdamScalars s) {
+  adam_thread<GT, OT, HAS_OUT, ADAMW>(meta, s, blockIdx.x, threadIdx.x, blockDim.x);
 }
 
 template <typename GT, typename OT, bool HAS_OUT, bool ADAMW>
