@@ -23,6 +23,8 @@ class Command:
 
 SUBCOMMAND_MODULES: list[str] = [
     "zeroshard.checkpoint.commands",  # inspect, verify, export
+    "zeroshard.planner.commands",  # estimate
+    "zeroshard.io.commands",  # bench (aio; BENCH_MODULES there adds memory/step)
 ]
 
 

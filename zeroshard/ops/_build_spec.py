@@ -107,4 +107,15 @@ def setup_extensions() -> list:
                 extra_link_args=list(CUDA_ADAM.ldflags),
             )
         )
+    exts.append(cpp_extension.CppExtension(f"zeroshard.io.{AIO.name}", rel(AIO), extra_compile_args={"cxx": list(AIO.cflags)}))
     return exts
+
+
+# -- async I/O engine (csrc/aio; loaded by zeroshard/io/_native.py, owner: zeroshard.io) -------
+AIO = KernelSpec(
+    name="_aio",
+    jit_name="zeroshard_aio",
+    sources=("aio/aio_engine.cpp",),
+    cflags=("-O2",),
+    ldflags=(),
+)

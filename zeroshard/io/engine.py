@@ -1,0 +1,134 @@
+"""``AsyncIO``: asynchronous reads and writes of whole CPU tensors to files.
+
+    io = AsyncIO(block_size=8 << 20, queue_depth=16)
+    buf = aligned_empty(n, torch.float32)
+    io.pwrite(buf, "/nvme/state.bin").wait()
+    h = io.pread(buf, "/nvme/state.bin"); ...; h.wait()
+    io.close()
+
+Errors known before any I/O (the file cannot be opened or created; a read would run past
+the end of the file) raise ``AIOError`` at submission; errors during the I/O raise from
+``Handle.wait()`` (and ``wait_all()``). Both name the path, the offset and the errno.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional, Union
+
+import os
+
+import torch
+
+from . import _plan
+from ._native import native
+from ._pool import PyEngine
+from .config import AIOConfig
+from .handle import Handle
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def _resolve_backend(requested: str) -> tuple[str, Any]:
+    """(name, engine factory) for "auto" | "native" | "python"."""
+    if requested == "python":
+        return "python", PyEngine
+    state = native()
+    if state.module is not None:
+        return "native", state.module.Engine
+    if requested == "native":
+        raise RuntimeError(f"backend='native' requested but the native I/O engine is unavailable: {state.reason}. "
+                           "Use backend='auto' to fall back to Python threads; `python -m zeroshard.io` explains")
+    return "python", PyEngine
+
+
+class AsyncIO:
+    """An engine with ``queue_depth`` blocks of ``block_size`` bytes in flight."""
+
+    def __init__(self, block_size: int = 8 << 20, queue_depth: int = 16, use_direct: bool = True,
+                 backend: str = "auto") -> None:
+        self.config = AIOConfig(block_size=block_size, queue_depth=queue_depth, use_direct=use_direct,
+                                backend=backend)
+        self.backend, factory = _resolve_backend(self.config.backend)
+        self._engine = factory(self.config.queue_depth)
+        self._lock = threading.Lock()
+        self._pending: list[Handle] = []
+        self._closed = False
+
+    # -- requests ------------------------------------------------------------------------------
+    def pwrite(self, tensor: torch.Tensor, path: PathLike, offset: int = 0) -> Handle:
+        """Writes ``tensor``'s bytes to ``path`` at byte ``offset`` (the file is created if
+        missing, never truncated). Do not modify ``tensor`` until the handle is waited."""
+        return self._submit(tensor, path, offset, write=True)
+
+    def pread(self, tensor: torch.Tensor, path: PathLike, offset: int = 0) -> Handle:
+        """Fills ``tensor`` with the bytes of ``path`` at byte ``offset``; reading past the end
+        of the file is an error, never zeros."""
+        return self._submit(tensor, path, offset, write=False)
+
+    def wait_all(self) -> None:
+        """Waits for every request submitted so far; raises the first error after all are done."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        first: Optional[BaseException] = None
+        for h in pending:
+            try:
+                h.wait()
+            except OSError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def close(self) -> None:
+        """Waits for everything in flight, then stops the workers. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.wait_all()
+        finally:
+            self._closed = True
+            self._engine.shutdown()
+
+    def __enter__(self) -> "AsyncIO":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"AsyncIO(backend={self.backend!r}, block_size={c.block_size}, queue_depth={c.queue_depth}, "
+                f"use_direct={c.use_direct})")
+
+    # -- internals -----------------------------------------------------------------------------
+    def _submit(self, tensor: torch.Tensor, path: PathLike, offset: int, write: bool) -> Handle:
+        if self._closed:
+            raise RuntimeError("this AsyncIO is closed; create a new one")
+        path = os.fspath(path)
+        _check_tensor(tensor, write)
+        if not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"offset={offset!r} must be a non-negative int (bytes)")
+        nbytes = tensor.numel() * tensor.element_size()
+        f = _plan.open_file(path, write, self.config.use_direct, offset, nbytes)
+        try:
+            tasks = _plan.split(f, tensor.data_ptr(), nbytes, offset, self.config.block_size)
+            op = self._engine.submit(tasks, write)
+        except BaseException:
+            f.close()
+            raise
+        h = Handle(op, f, tensor, path, offset, nbytes, write)
+        with self._lock:
+            # Completed handles are dropped here so a long-lived engine's list stays short.
+            self._pending = [p for p in self._pending if not p.done()]
+            self._pending.append(h)
+        return h
+
+
+def _check_tensor(tensor: torch.Tensor, write: bool) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"tensor is on {tensor.device}; the I/O engine reads and writes CPU memory: "
+                         "copy it to a buffer from zeroshard.io.aligned_empty() first")
+    if not tensor.is_contiguous():
+        fix = "pass tensor.contiguous()" if write else "read into a contiguous buffer and copy it into the view"
+        raise ValueError(f"tensor with shape={tuple(tensor.shape)} stride={tensor.stride()} is not contiguous; {fix}")
