@@ -23,7 +23,6 @@ class Command:
 
 SUBCOMMAND_MODULES: list[str] = [
     "zeroshard.checkpoint.commands",  # inspect, verify, export
-    "zeroshard.planner.commands",  # estimate
     "zeroshard.io.commands",  # bench (aio; BENCH_MODULES there adds memory/step)
 ]
 
