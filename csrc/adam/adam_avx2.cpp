@@ -34,8 +34,10 @@ inline Vec vload_f16(const void* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(p)));
 }
 
+using Low = __m128i;
+
 // Round to nearest even exactly as c10::BFloat16 does, NaN -> 0x7FC0.
-inline void vstore_bf16(void* p, Vec x) {
+inline Low vcvt_bf16(Vec x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
@@ -43,14 +45,13 @@ inline void vstore_bf16(void* p, Vec x) {
   r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), nan);
   r = _mm256_srli_epi32(r, 16);
   // packus saturates to uint16, which is exact here: every lane is <= 0xFFFF after the shift.
-  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-  _mm_storeu_si128(static_cast<__m128i*>(p), packed);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
-inline void vstore_f16(void* p, Vec x) {
-  _mm_storeu_si128(static_cast<__m128i*>(p),
-                   _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
+inline Low vcvt_f16(Vec x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline void vstore_low(void* p, Low x) { _mm_storeu_si128(static_cast<__m128i*>(p), x); }
+inline void vstream_low(void* p, Low x) { _mm_stream_si128(static_cast<__m128i*>(p), x); }
+inline void vstream_fence() { _mm_sfence(); }
 
 #include "adam_body.inc"
 

@@ -38,20 +38,22 @@ inline Vec vload_f16(const void* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
 }
 
+using Low = __m256i;
+
 // Round to nearest even exactly as c10::BFloat16 does, NaN -> 0x7FC0.
-inline void vstore_bf16(void* p, Vec x) {
+inline Low vcvt_bf16(Vec x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC00000));
-  _mm256_storeu_si256(static_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
 
-inline void vstore_f16(void* p, Vec x) {
-  _mm256_storeu_si256(static_cast<__m256i*>(p),
-                      _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
+inline Low vcvt_f16(Vec x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline void vstore_low(void* p, Low x) { _mm256_storeu_si256(static_cast<__m256i*>(p), x); }
+inline void vstream_low(void* p, Low x) { _mm256_stream_si256(static_cast<__m256i*>(p), x); }
+inline void vstream_fence() { _mm_sfence(); }
 
 #include "adam_body.inc"
 

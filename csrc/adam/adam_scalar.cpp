@@ -26,8 +26,12 @@ inline VMask vmask_from_int(int m) { return m ? 0xFFFFFFFFu : 0u; }
 inline Vec vselect(VMask k, Vec a, Vec b) { return zs_float((zs_bits(a) & k) | (zs_bits(b) & ~k)); }
 inline Vec vload_bf16(const void* p) { return bf16_to_float(*static_cast<const uint16_t*>(p)); }
 inline Vec vload_f16(const void* p) { return f16_to_float(*static_cast<const uint16_t*>(p)); }
-inline void vstore_bf16(void* p, Vec x) { *static_cast<uint16_t*>(p) = float_to_bf16(x); }
-inline void vstore_f16(void* p, Vec x) { *static_cast<uint16_t*>(p) = float_to_f16(x); }
+using Low = uint16_t;
+inline Low vcvt_bf16(Vec x) { return float_to_bf16(x); }
+inline Low vcvt_f16(Vec x) { return float_to_f16(x); }
+inline void vstore_low(void* p, Low x) { *static_cast<uint16_t*>(p) = x; }
+inline void vstream_low(void* p, Low x) { vstore_low(p, x); }  // never chosen: kW == 1
+inline void vstream_fence() {}
 
 #include "adam_body.inc"
 
