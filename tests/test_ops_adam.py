@@ -12,6 +12,9 @@ from zeroshard.ops._loader import REGISTRY
 
 # Not multiples of 16 or 8 on purpose, plus empty, single-element and > 1 thread's share.
 SIZES = (0, 1, 7, 15, 16, 17, 31, 33, 105, 1000, 70_001)
+# The 100-step comparison skips the multi-threaded size: the thread split cannot change any
+# element's arithmetic (test_list_call_equals_per_tensor_calls checks that bit for bit).
+SMALL_SIZES = SIZES[:-1]
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
 ATOL, RTOL = 1e-6, 1e-5
 
@@ -49,7 +52,7 @@ def _grads(n: int, steps: int, seed: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("adamw_mode", [True, False])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.05])
 def test_100_steps_match_torch_optim(isa: str, adamw_mode: bool, weight_decay: float) -> None:
-    for n in SIZES:
+    for n in SMALL_SIZES:
         p, m, v = _state(n, seed=n)
         ref = p.clone().requires_grad_(True)
         cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
