@@ -35,7 +35,7 @@ struct Op {
   std::condition_variable cv;
   int64_t remaining = 0;
   std::atomic<bool> failed{false};
-  // First failure: errno (0 for an unexpected end of file), file offset where the failing
+  // The failure nearest the file's start: errno (0 for an unexpected end of file), file offset where the failing
   // block starts, bytes the block wanted and bytes it got before failing.
   int err = 0;
   int64_t err_offset = -1;
@@ -44,9 +44,11 @@ struct Op {
   bool eof = false;
   std::atomic<int64_t> direct_fallbacks{0};
 
+  // Keeps the failure nearest the start of the file: blocks fail in whatever order threads
+  // reach them, and the first bad byte is what the caller can act on.
   void fail(int e, int64_t off, int64_t wanted, int64_t got, bool at_eof) {
     std::lock_guard<std::mutex> g(m);
-    if (failed.load()) return;
+    if (failed.load() && off >= err_offset) return;
     err = e; err_offset = off; err_wanted = wanted; err_got = got; eof = at_eof;
     failed.store(true);
   }

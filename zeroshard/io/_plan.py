@@ -73,7 +73,7 @@ def open_file(path: str, write: bool, use_direct: bool, offset: int, nbytes: int
         raise errors.open_error(exc, path, kind, offset, nbytes) from None
     try:
         st = os.fstat(buffered)
-        if not write and st.st_size < offset + nbytes:
+        if not write and nbytes and st.st_size < offset + nbytes:
             raise errors.past_eof(path, offset, nbytes, st.st_size)
         direct = _open_direct(path, flags, st.st_dev) if use_direct else None
     except BaseException:

@@ -30,8 +30,8 @@ class PyOp:
             self._done.set()
 
     def fail(self, err: int, off: int, wanted: int, got: int, eof: bool) -> None:
-        with self._lock:
-            if not self._error[0]:
+        with self._lock:  # keep the failure nearest the file's start, as the native engine does
+            if not self._error[0] or off < self._error[2]:
                 self._error = (True, err, off, wanted, got, eof)
 
     @property

@@ -12,10 +12,9 @@ the end of the file) raise ``AIOError`` at submission; errors during the I/O rai
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, Optional, Union
-
-import os
 
 import torch
 
@@ -115,7 +114,8 @@ class AsyncIO:
         except BaseException:
             f.close()
             raise
-        h = Handle(op, f, tensor, path, offset, nbytes, write)
+        direct_bytes = sum(t[3] for t in tasks if t[0] != t[1])
+        h = Handle(op, f, tensor, path, offset, nbytes, write, direct_bytes)
         with self._lock:
             # Completed handles are dropped here so a long-lived engine's list stays short.
             self._pending = [p for p in self._pending if not p.done()]

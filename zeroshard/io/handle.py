@@ -16,7 +16,7 @@ class Handle:
     it returns the tensor, or raises the same error each time."""
 
     def __init__(self, op: Any, f: Optional[OpenFile], tensor: torch.Tensor, path: str, offset: int,
-                 nbytes: int, write: bool) -> None:
+                 nbytes: int, write: bool, direct_bytes: int = 0) -> None:
         self._op = op
         self._file = f
         self._tensor: Optional[torch.Tensor] = tensor
@@ -27,6 +27,8 @@ class Handle:
         self._lock = threading.Lock()
         self._finished = False
         self._error: Optional[errors.AIOError] = None
+        self.direct_bytes = direct_bytes
+        """Bytes planned through O_DIRECT (the rest: unaligned tail or buffer, or no O_DIRECT)."""
         self.direct_fallbacks = 0
         """Blocks retried through the buffered descriptor because O_DIRECT was refused."""
 

@@ -1,0 +1,79 @@
+"""Shared fixtures for the tests of zeroshard.io: both backends, and small real file systems."""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from zeroshard.io import AsyncIO, aligned_empty
+from zeroshard.io._native import native
+
+BACKENDS = ("native", "python")
+
+
+def make_engine(backend: str, **kwargs) -> AsyncIO:
+    """An engine on ``backend``; skips (with the loader's reason) when the native one is absent."""
+    if backend == "native" and native().module is None:
+        pytest.skip(f"native I/O engine unavailable: {native().reason}")
+    return AsyncIO(backend=backend, **kwargs)
+
+
+def pattern(numel: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    """An aligned buffer of reproducible, non-zero values (so "silent zeros" cannot pass)."""
+    g = torch.Generator().manual_seed(seed)
+    t = aligned_empty(numel, dtype, pin=False)
+    t.copy_(torch.rand(numel, generator=g).add_(1.0).to(dtype))
+    return t
+
+
+def _run(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, timeout=60)
+
+
+@contextlib.contextmanager
+def small_filesystem(where: str, size_mb: int = 8) -> Iterator[str]:
+    """A mounted file system of ``size_mb`` MiB: a loop-device ext4 image (real O_DIRECT
+    semantics) or, failing that, a tmpfs. Skips when this process cannot mount (not root).
+    Always unmounted in ``finally``."""
+    mnt = os.path.join(where, "mnt")
+    os.makedirs(mnt, exist_ok=True)
+    image = os.path.join(where, "disk.img")
+    mounted = False
+    try:
+        try:
+            with open(image, "wb") as f:
+                f.truncate(size_mb << 20)
+            _run("mkfs.ext4", "-q", "-F", "-m", "0", image)
+            _run("mount", "-o", "loop", image, mnt)
+            mounted = True
+        except (OSError, subprocess.SubprocessError):
+            try:
+                _run("mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", mnt)
+                mounted = True
+            except (OSError, subprocess.SubprocessError) as exc:
+                pytest.skip(f"cannot mount a small file system here (needs root): {exc}")
+        yield mnt
+    finally:
+        if mounted:
+            subprocess.run(["umount", mnt], capture_output=True, timeout=60)
+        if os.path.exists(image):
+            os.remove(image)
+
+
+@contextlib.contextmanager
+def read_only_mount(where: str) -> Iterator[str]:
+    """A read-only tmpfs (root writes through chmod, so a mount is the only real refusal)."""
+    mnt = os.path.join(where, "ro")
+    os.makedirs(mnt, exist_ok=True)
+    try:
+        _run("mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", mnt)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot mount a read-only file system here (needs root): {exc}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", mnt], capture_output=True, timeout=60)
