@@ -1,0 +1,218 @@
+"""Options of ``examples/finetune_causal_lm.py`` / ``zeroshard finetune``: one frozen dataclass.
+
+The ZeRO, optimizer, schedule and batch options are turned into a DeepSpeed-style config
+dict (``as_deepspeed``), so a run configured by flags and a run configured by
+``--deepspeed ds_config.json`` take the same path (``zeroshard.initialize``). With
+``--deepspeed``, flags given explicitly on the command line override the file.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional, Sequence
+
+_SCHEDULES = ("constant", "linear", "cosine")
+_PRECISIONS = ("fp32", "bf16", "fp16")
+_OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
+_OFFLOAD = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """One fine-tuning run (see ``add_arguments`` for the command-line spelling)."""
+
+    data: str
+    """A .txt file or JSON Lines (.jsonl) file of documents."""
+    output_dir: str
+    """Checkpoints (``checkpoints/``), logs (``logs/``), token cache and export go here."""
+    model: Optional[str] = None
+    """A local Hugging Face directory: config.json + *.safetensors (+ tokenizer files)."""
+    model_config: Optional[str] = None
+    """A config.json (or a directory with one): random weights, for tests and from-scratch runs."""
+    text_field: str = "text"
+    seq_len: int = 128
+    micro_batch_size: int = 1
+    """Sequences per rank per forward/backward."""
+    grad_accum: int = 1
+    max_steps: int = 100
+    """Optimizer steps of the whole run (a resumed run continues up to it)."""
+    optimizer: str = "adamw"
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    lr_schedule: str = "cosine"
+    """constant | linear | cosine, after ``warmup_steps`` of linear warmup (DeepSpeed's
+    WarmupLR / WarmupDecayLR / WarmupCosineLR: a warmup lasts at least 2 steps)."""
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    """Cosine: the final lr as a fraction of ``lr``."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 disables clipping."""
+    stage: int = 2
+    offload_optimizer: str = "none"
+    offload_params: str = "none"
+    nvme_path: Optional[str] = None
+    precision: str = "fp32"
+    bucket_size_mb: Optional[float] = None
+    activation_checkpointing: bool = False
+    save_interval: int = 50
+    """Save every this many optimizer steps (and at the end, and on preemption)."""
+    keep_last: int = 2
+    async_save: bool = False
+    seed: int = 0
+    collective_timeout: float = 300.0
+    """Seconds a collective may wait for a peer before this rank gives up (dead-rank detection)."""
+    log_interval: int = 1
+    progress_bar: Optional[bool] = None
+    """None: a bar when stderr is a terminal, plain log lines otherwise."""
+    export_dir: Optional[str] = None
+    """Hugging Face export of the final weights (default ``<output_dir>/hf``)."""
+    export: bool = True
+    deepspeed: Optional[str] = None
+    """A DeepSpeed JSON config; flags given explicitly override it."""
+    explicit: frozenset = field(default_factory=frozenset)
+    """Names of the options given on the command line (for precedence over ``deepspeed``)."""
+
+    def __post_init__(self) -> None:
+        if (self.model is None) == (self.model_config is None):
+            raise ValueError("give exactly one of --model DIR (pretrained weights) or --model-config PATH "
+                             f"(random init); got model={self.model!r}, model_config={self.model_config!r}")
+        for name in ("seq_len", "micro_batch_size", "grad_accum", "max_steps", "save_interval", "keep_last",
+                     "log_interval"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={value!r} must be a positive integer")
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"--stage={self.stage!r}: use 0, 1, 2 or 3")
+        checks = (("lr_schedule", _SCHEDULES), ("precision", _PRECISIONS), ("optimizer", tuple(_OPTIMIZERS)),
+                  ("offload_optimizer", _OFFLOAD), ("offload_params", _OFFLOAD))
+        for name, allowed in checks:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)!r}: use one of {allowed}")
+        if self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"--warmup-steps={self.warmup_steps} must be >= 0 and --min-lr-ratio="
+                             f"{self.min_lr_ratio} within [0, 1]")
+        if self.lr_schedule == "cosine" and self.max_steps <= max(2, self.warmup_steps):
+            raise ValueError(f"--lr-schedule cosine needs --max-steps ({self.max_steps}) > --warmup-steps "
+                             f"(at least 2); use --lr-schedule constant for such a short run")
+        if self.lr <= 0 or self.grad_clip < 0 or self.weight_decay < 0:
+            raise ValueError(f"--lr={self.lr} must be > 0, --grad-clip={self.grad_clip} and --weight-decay="
+                             f"{self.weight_decay} >= 0")
+        if self.collective_timeout <= 0:
+            raise ValueError(f"--collective-timeout={self.collective_timeout} must be > 0 seconds")
+        if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
+            raise ValueError("--offload-* nvme needs --nvme-path DIR for the swap files")
+        if self.offload_params != "none" and self.stage != 3:
+            raise ValueError(f"--offload-params {self.offload_params} needs --stage 3 (got {self.stage})")
+
+    # -- DeepSpeed form ----------------------------------------------------------------------
+    def as_deepspeed(self) -> dict[str, Any]:
+        """These options as a DeepSpeed config (what ``zeroshard.initialize`` reads)."""
+        zero: dict[str, Any] = {"stage": self.stage,
+                                "offload_optimizer": {"device": self.offload_optimizer},
+                                "offload_param": {"device": self.offload_params}}
+        if self.nvme_path:
+            zero["offload_optimizer"]["nvme_path"] = zero["offload_param"]["nvme_path"] = self.nvme_path
+        cfg: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": self.micro_batch_size,
+            "gradient_accumulation_steps": self.grad_accum,
+            "gradient_clipping": self.grad_clip,
+            "zero_optimization": zero,
+            "optimizer": {"type": _OPTIMIZERS[self.optimizer],
+                          "params": {"lr": self.lr, "weight_decay": self.weight_decay}},
+            "bf16": {"enabled": self.precision == "bf16"},
+            "fp16": {"enabled": self.precision == "fp16"},
+        }
+        if self.optimizer == "adam":
+            cfg["optimizer"]["params"]["adam_w_mode"] = False  # plain Adam, as the flag says
+        warmup = {"warmup_num_steps": self.warmup_steps, "warmup_type": "linear"}
+        if self.lr_schedule == "constant" and self.warmup_steps > 0:
+            cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": self.lr, **warmup}}
+        elif self.lr_schedule == "linear":
+            cfg["scheduler"] = {"type": "WarmupDecayLR", "params": {
+                "warmup_min_lr": 0.0, "warmup_max_lr": self.lr, "total_num_steps": self.max_steps, **warmup}}
+        elif self.lr_schedule == "cosine":
+            cfg["scheduler"] = {"type": "WarmupCosineLR", "params": {
+                "total_num_steps": self.max_steps, "warmup_min_ratio": 0.0, "cos_min_ratio": self.min_lr_ratio,
+                **warmup}}
+        if self.bucket_size_mb is not None:
+            cfg["zero_optimization"]["reduce_bucket_size"] = int(self.bucket_size_mb * 2**20 / self.param_bytes)
+        return cfg
+
+    @property
+    def param_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    def overrides(self) -> dict[str, Any]:
+        """Explicit flags as ``zeroshard.initialize`` overrides (used with ``--deepspeed``)."""
+        names = {"stage": "stage", "lr": "lr", "weight_decay": "weight_decay", "grad_clip": "gradient_clipping",
+                 "grad_accum": "gradient_accumulation_steps", "micro_batch_size": "micro_batch_size",
+                 "nvme_path": "nvme_path", "bucket_size_mb": "bucket_size_mb"}
+        out = {names[k]: getattr(self, k) for k in names if k in self.explicit}
+        if "precision" in self.explicit:
+            out["mixed_precision"] = None if self.precision == "fp32" else self.precision
+        for k in ("offload_optimizer", "offload_params"):
+            if k in self.explicit and getattr(self, k) != "none":
+                out[k] = getattr(self, k)
+        if "max_steps" in self.explicit:
+            out["total_num_steps"] = self.max_steps  # keeps the schedule's end at the run's end
+        return out
+
+    # -- command line ------------------------------------------------------------------------
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "FinetuneConfig":
+        given = {f.name: getattr(args, f.name) for f in fields(cls)
+                 if f.name != "explicit" and getattr(args, f.name, None) is not None}
+        return cls(**given, explicit=frozenset(given))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The command-line options; defaults are None so explicit flags can be told apart."""
+    d = FinetuneConfig.__dataclass_fields__
+    a = p.add_argument
+    a("--model", help="local Hugging Face model directory (config.json + *.safetensors, tokenizer optional)")
+    a("--model-config", help="config.json (or a directory holding one) to build a randomly initialised model")
+    a("--data", required=True, help="training text: a .txt file or JSON Lines (.jsonl) with a text field")
+    a("--text-field", help=f"JSON Lines field holding the text (default {d['text_field'].default!r})")
+    a("--output-dir", required=True, help="checkpoints, logs, token cache and export; a rerun resumes from here")
+    a("--seq-len", type=int, help=f"tokens per sequence (default {d['seq_len'].default})")
+    a("--micro-batch-size", "--per-device-train-batch-size", dest="micro_batch_size", type=int,
+      help="sequences per rank per micro-batch (default 1)")
+    a("--grad-accum", "--gradient-accumulation-steps", dest="grad_accum", type=int,
+      help="micro-batches per optimizer step (default 1)")
+    a("--max-steps", type=int, help=f"optimizer steps of the whole run (default {d['max_steps'].default})")
+    a("--optimizer", choices=sorted(_OPTIMIZERS), help="default adamw")
+    a("--lr", "--learning-rate", dest="lr", type=float, help=f"peak learning rate (default {d['lr'].default})")
+    a("--weight-decay", type=float, help="default 0")
+    a("--lr-schedule", choices=_SCHEDULES, help="after linear warmup (default cosine)")
+    a("--warmup-steps", type=int, help="linear warmup steps (default 0)")
+    a("--min-lr-ratio", type=float, help="cosine floor as a fraction of --lr (default 0)")
+    a("--grad-clip", "--max-grad-norm", dest="grad_clip", type=float, help="global norm clip, 0 = off (default 1)")
+    a("--stage", type=int, choices=(0, 1, 2, 3), help="ZeRO stage (default 2)")
+    a("--offload-optimizer", choices=_OFFLOAD, help="where optimizer state lives (default none)")
+    a("--offload-params", choices=_OFFLOAD, help="stage 3: where parameter shards live (default none)")
+    a("--nvme-path", help="swap directory for nvme offload")
+    a("--precision", choices=_PRECISIONS, help="default fp32")
+    a("--bf16", dest="precision", action="store_const", const="bf16", help="same as --precision bf16")
+    a("--fp16", dest="precision", action="store_const", const="fp16", help="same as --precision fp16")
+    a("--bucket-size-mb", type=float, help="gradient bucket size in MiB (default: zeroshard's)")
+    a("--activation-checkpointing", "--gradient-checkpointing", dest="activation_checkpointing",
+      action="store_const", const=True, help="recompute activations in backward (less memory)")
+    a("--save-interval", "--save-steps", dest="save_interval", type=int, help="checkpoint every N steps (default 50)")
+    a("--keep-last", "--save-total-limit", dest="keep_last", type=int, help="checkpoints kept (default 2)")
+    a("--async-save", action="store_const", const=True, help="write checkpoints in the background")
+    a("--seed", type=int, help="default 0")
+    a("--collective-timeout", type=float,
+      help="seconds before a rank waiting on a dead or hung peer gives up and exits non-zero (default 300)")
+    a("--log-interval", type=int, help="log every N steps (default 1)")
+    a("--progress", dest="progress_bar", action="store_const", const=True, help="always show the progress bar")
+    a("--no-progress", dest="progress_bar", action="store_const", const=False, help="plain log lines, no bar")
+    a("--export-dir", help="Hugging Face export of the final model (default <output-dir>/hf)")
+    a("--no-export", dest="export", action="store_const", const=False, help="skip the final export")
+    a("--deepspeed", "--ds-config", dest="deepspeed",
+      help="DeepSpeed JSON config (zero_optimization, optimizer, scheduler, fp16/bf16, batch); flags override it")
+
+
+def parse(argv: Optional[Sequence[str]] = None) -> FinetuneConfig:
+    parser = argparse.ArgumentParser(prog="finetune_causal_lm", description=__doc__)
+    add_arguments(parser)
+    return FinetuneConfig.from_args(parser.parse_args(argv))

@@ -1,0 +1,364 @@
+"""Translating the common subset of a DeepSpeed JSON config into zeroshard settings.
+
+Every key of the config ends in exactly one of three places:
+- *translated*: it becomes a ZeroOptimizer / optimizer / scheduler / training-loop setting;
+- *noted*: a tuning knob whose job zeroshard does another way (``overlap_comm``: zeroshard
+  always overlaps); it changes nothing here, and it is reported by name in one warning;
+- *unsupported*: anything else. Those are reported together, by dotted path, in a
+  ``ValueError`` (or a warning with ``strict=False``): a key that would change training must
+  never be dropped silently.
+
+``"auto"`` (a placeholder the Hugging Face Trainer fills in) is resolved from the matching
+override given to ``zeroshard.initialize`` (``lr=``, ``micro_batch_size=`` ...); bucket sizes
+fall back to zeroshard's default, ``fp16/bf16.enabled: "auto"`` means "off unless
+``mixed_precision=`` is passed", ``train_batch_size: "auto"`` is derived. Any other
+``"auto"`` without an override is an error that names the override to pass.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Union
+
+import torch
+
+# Keys accepted without effect, and why (what zeroshard does instead).
+NOTED: dict[str, str] = {
+    "zero_optimization.overlap_comm": "zeroshard always overlaps gradient reduction with backward",
+    "zero_optimization.contiguous_gradients": "gradients always land in contiguous flat buffers",
+    "zero_optimization.reduce_scatter": "stages 2-3 always reduce-scatter (or its gloo equivalent)",
+    "zero_optimization.allgather_partitions": "updated slices are always all-gathered",
+    "zero_optimization.round_robin_gradients": "partitioning is by element, balanced by construction",
+    "zero_optimization.load_from_fp32_weights": "checkpoints always restore fp32 master pieces",
+    "zero_optimization.elastic_checkpoint": "zeroshard checkpoints load at any world size",
+    "zero_optimization.ignore_unused_parameters": "unused parameters get zero gradients, as in DDP",
+    "zero_optimization.stage3_prefetch_bucket_size": "stage 3 prefetches the next module unit",
+    "zero_optimization.stage3_param_persistence_threshold": "stage 3 units follow module boundaries",
+    "zero_optimization.stage3_max_live_parameters": "bounded by ZeroConfig.max_live_units (units, not elements)",
+    "zero_optimization.stage3_max_reuse_distance": "bounded by ZeroConfig.max_live_units",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "use zeroshard.full_state_dict / export_hf",
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save": "use zeroshard.full_state_dict / export_hf",
+    "zero_optimization.sub_group_size": "the optimizer steps per flat unit",
+    "zero_optimization.offload_optimizer.pin_memory": "CPU offload buffers are pinned when a GPU is present",
+    "zero_optimization.offload_optimizer.buffer_count": "offload pipelining is sized by zeroshard",
+    "zero_optimization.offload_optimizer.fast_init": "offload initialisation is sized by zeroshard",
+    "zero_optimization.offload_param.pin_memory": "CPU offload buffers are pinned when a GPU is present",
+    "zero_optimization.offload_param.buffer_count": "offload pipelining is sized by zeroshard",
+    "zero_optimization.offload_param.buffer_size": "offload pipelining is sized by zeroshard",
+    "zero_optimization.offload_param.max_in_cpu": "offload pipelining is sized by zeroshard",
+    "optimizer.params.torch_adam": "Adam/AdamW run on zeroshard's fused kernel or torch.optim",
+    "optimizer.params.fused": "Adam/AdamW run on zeroshard's fused kernel when it applies",
+    "zero_allow_untested_optimizer": "zeroshard accepts every elementwise optimizer and refuses the rest",
+    "zero_force_ds_cpu_optimizer": "zeroshard picks its CPU kernel itself",
+    "wall_clock_breakdown": "use the progress log (tokens/s, step time)",
+    "memory_breakdown": "use ZeroOptimizer.memory_report()",
+    "dump_state": "print the ZeroOptimizer instead",
+    "fp16.consecutive_hysteresis": "zeroshard lowers the loss scale at every overflow (no hysteresis)",
+    "fp16.hysteresis": "zeroshard lowers the loss scale at every overflow (no hysteresis)",
+}
+NOTED_SECTIONS = ("aio",)  # async-I/O tuning of DeepSpeed's NVMe engine; zeroshard sizes its own
+
+# DeepSpeed optimizer names (lower case) -> torch class name; "adam" depends on adam_w_mode.
+_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad"}
+_REFUSED_OPTIMIZERS = ("lamb", "onebitadam", "onebitlamb", "zerooneadam", "lion", "muadam", "muadamw", "musgd")
+_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+
+OVERRIDES = ("stage", "offload_optimizer", "offload_params", "nvme_path", "mixed_precision", "bucket_size_mb",
+             "reduce_dtype", "optimizer", "lr", "weight_decay", "betas", "eps", "momentum",
+             "gradient_clipping", "gradient_accumulation_steps", "micro_batch_size", "train_batch_size",
+             "total_num_steps", "warmup_num_steps", "warmup_min_lr", "scheduler")
+"""Keyword overrides of ``zeroshard.initialize``: they win over the config and fill its "auto"s."""
+
+
+@dataclass(frozen=True)
+class DeepSpeedPlan:
+    """What a DeepSpeed config means for zeroshard."""
+
+    zero: dict = field(default_factory=dict)
+    """ZeroOptimizer keyword arguments (stage, offload, precision, bucket size, loss scaling)."""
+    optimizer_class: Optional[type] = None
+    optimizer_kwargs: dict = field(default_factory=dict)
+    scheduler: Optional[str] = None
+    """WarmupLR | WarmupDecayLR | WarmupCosineLR, or None."""
+    scheduler_params: dict = field(default_factory=dict)
+    gradient_clipping: Optional[float] = None
+    """Max global gradient norm for ``opt.clip_grad_norm_`` (None or 0: no clipping)."""
+    gradient_accumulation_steps: int = 1
+    micro_batch_size: Optional[int] = None
+    """Samples per rank per micro-batch (``train_micro_batch_size_per_gpu``)."""
+    train_batch_size: Optional[int] = None
+    steps_per_print: Optional[int] = None
+    noted: dict = field(default_factory=dict)
+    """Dotted path -> why it has no effect."""
+
+
+def load_config(config: Union[None, str, os.PathLike, Mapping]) -> dict:
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        return json.loads(json.dumps(config))  # a private deep copy; refuses non-JSON values early
+    if not isinstance(config, (str, os.PathLike)):
+        raise TypeError(f"config={config!r}: pass a path to a DeepSpeed JSON file or a dict")
+    with open(config, encoding="utf-8") as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{config} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config} holds a {type(raw).__name__}; a DeepSpeed config is a JSON object")
+    return raw
+
+
+def _leaves(node: Any, prefix: str = "") -> list[str]:
+    """Dotted paths of the non-dict values under ``node`` (an empty section has none)."""
+    if isinstance(node, dict):
+        return [leaf for k, v in node.items() for leaf in _leaves(v, f"{prefix}{k}.")]
+    return [prefix[:-1]]
+
+
+class _Reader:
+    """Reads dotted paths of the raw config, remembering which keys were consumed."""
+
+    def __init__(self, raw: dict, overrides: Mapping[str, Any]) -> None:
+        self.raw, self.overrides = raw, overrides
+        self.used: set[str] = set()
+
+    def has(self, path: str) -> bool:
+        node: Any = self.raw
+        for part in path.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return False
+            node = node[part]
+        return True
+
+    def get(self, path: str, default: Any = None, override: Optional[str] = None, auto: Any = "error") -> Any:
+        """The value at ``path`` (``default`` if absent); an override wins; "auto" resolves to
+        the override, else to ``auto`` unless that is "error"."""
+        node: Any = self.raw
+        for part in path.split("."):
+            node = node.get(part, None) if isinstance(node, dict) else None
+        present = self.has(path)
+        if present:
+            self.used.update(_leaves(node, path + ".") if isinstance(node, dict) else [path])
+        if override is not None and self.overrides.get(override) is not None:
+            return self.overrides[override]
+        if node == "auto":
+            if auto != "error":
+                return auto
+            hint = f"pass {override}=... to zeroshard.initialize" if override else "give a value"
+            raise ValueError(f"{path} is 'auto' (a placeholder the Hugging Face Trainer fills in); {hint}")
+        return node if present else default
+
+    def mark(self, path: str) -> None:
+        if self.has(path):
+            node: Any = self.raw
+            for part in path.split("."):
+                node = node[part]
+            self.used.update(_leaves(node, path + "."))
+
+
+def _offload(r: _Reader, section: str) -> tuple[Optional[str], Optional[str]]:
+    device = r.get(f"zero_optimization.{section}.device", "none")
+    if device not in ("none", "cpu", "nvme", None):
+        raise ValueError(f"zero_optimization.{section}.device={device!r}: use 'none', 'cpu' or 'nvme'")
+    path = r.get(f"zero_optimization.{section}.nvme_path")
+    ratio = r.get(f"zero_optimization.{section}.ratio", 1.0)
+    if ratio != 1.0:
+        r.used.discard(f"zero_optimization.{section}.ratio")  # partial offload: left as unsupported
+    return (None if device in ("none", None) else device), path
+
+
+def _zero(r: _Reader, precision: Optional[str]) -> dict:
+    out: dict[str, Any] = {"stage": int(r.get("zero_optimization.stage", 0, override="stage"))}
+    legacy_cpu = r.get("zero_optimization.cpu_offload", False)
+    opt_dev, opt_path = _offload(r, "offload_optimizer")
+    par_dev, par_path = _offload(r, "offload_param")
+    out["offload_optimizer"] = r.overrides.get("offload_optimizer") or opt_dev or ("cpu" if legacy_cpu else None)
+    out["offload_params"] = r.overrides.get("offload_params") or par_dev
+    paths = {p for p in (opt_path, par_path) if p}
+    if len(paths) > 1 and not r.overrides.get("nvme_path"):
+        raise ValueError(f"offload_optimizer.nvme_path and offload_param.nvme_path differ ({sorted(paths)}); "
+                         "zeroshard uses one swap directory: make them equal or pass nvme_path=...")
+    out["nvme_path"] = r.overrides.get("nvme_path") or (paths.pop() if paths else None)
+    # DeepSpeed sizes buckets in elements; zeroshard in MiB of parameter data.
+    elements = r.get("zero_optimization.reduce_bucket_size", None, auto=None)
+    gather = r.get("zero_optimization.allgather_bucket_size", None, auto=None)
+    elements = elements if elements is not None else gather
+    if r.overrides.get("bucket_size_mb") is not None:
+        out["bucket_size_mb"] = float(r.overrides["bucket_size_mb"])
+    elif elements is not None:
+        if not isinstance(elements, (int, float)) or elements <= 0:
+            raise ValueError(f"zero_optimization.reduce_bucket_size={elements!r} must be a positive element count")
+        itemsize = 4 if precision is None else 2
+        out["bucket_size_mb"] = float(elements) * itemsize / 2**20
+    return out
+
+
+def _precision(r: _Reader) -> tuple[Optional[str], dict]:
+    forced = r.overrides.get("mixed_precision")
+    # "enabled": "auto" reads as None: on only when mixed_precision= asks for that dtype.
+    fp16_flag = r.get("fp16.enabled", False, auto=None)
+    bf16_flag = r.get("bf16.enabled", r.get("bfloat16.enabled", False, auto=None), auto=None)
+    fp16 = fp16_flag is True or (fp16_flag is None and forced == "fp16")
+    bf16 = bf16_flag is True or (bf16_flag is None and forced == "bf16")
+    scaler: dict[str, Any] = {}
+    if not (fp16 or forced == "fp16"):
+        r.mark("fp16")  # a disabled section's other keys do not matter
+    else:
+        if r.get("fp16.loss_scale", 0) != 0:
+            r.used.discard("fp16.loss_scale")  # static loss scale: unsupported (dynamic only)
+        scaler["initial_loss_scale"] = 2.0 ** r.get("fp16.initial_scale_power", 16)
+        scaler["loss_scale_growth_interval"] = int(r.get("fp16.loss_scale_window", 1000))
+        if r.get("fp16.min_loss_scale", 1) != 1:
+            r.used.discard("fp16.min_loss_scale")
+        if r.get("fp16.auto_cast", False):
+            r.used.discard("fp16.auto_cast")
+    if not bf16:
+        r.mark("bf16")
+        r.mark("bfloat16")
+    if fp16 and bf16 and forced is None:
+        raise ValueError("fp16.enabled and bf16.enabled are both true; enable one")
+    precision = forced if forced is not None else ("fp16" if fp16 else "bf16" if bf16 else None)
+    return precision, scaler if precision == "fp16" else {}
+
+
+def _optimizer(r: _Reader, unsupported: list[str]) -> tuple[Optional[type], dict]:
+    cls = r.overrides.get("optimizer")
+    name = r.get("optimizer.type")
+    kwargs: dict[str, Any] = {}
+    params = r.raw.get("optimizer", {}).get("params", {}) if isinstance(r.raw.get("optimizer"), dict) else {}
+    if cls is None and name is None:
+        return None, {}
+    if cls is None:
+        key = str(name).lower()
+        if key in _REFUSED_OPTIMIZERS or (key not in _OPTIMIZERS and not hasattr(torch.optim, str(name))):
+            raise ValueError(f"optimizer.type={name!r} is not supported; use one of "
+                             f"{sorted(_OPTIMIZERS.values())} or another elementwise torch.optim class")
+        if key == "adam":  # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false
+            cls = torch.optim.AdamW if r.get("optimizer.params.adam_w_mode", True) else torch.optim.Adam
+        else:
+            cls = getattr(torch.optim, _OPTIMIZERS.get(key, str(name)))
+        if key in ("adam", "adamw"):
+            kwargs["weight_decay"] = 0.0  # DeepSpeed's FusedAdam default; torch's AdamW has 0.01
+    if str(name).lower() in ("adam", "adamw"):
+        r.get("optimizer.params.adam_w_mode")
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+    for key in params:
+        path = f"optimizer.params.{key}"
+        if path in NOTED or (key == "adam_w_mode" and path in r.used):
+            continue
+        if key == "bias_correction" and params[key] is True:
+            r.get(path)
+            continue
+        if key not in accepted:
+            unsupported.append(path)
+            continue
+        value = r.get(path, override=key if key in OVERRIDES else None)
+        kwargs[key] = tuple(value) if key == "betas" else value
+    for key in ("lr", "weight_decay", "betas", "eps", "momentum"):
+        if r.overrides.get(key) is not None:
+            kwargs[key] = r.overrides[key]
+    return cls, kwargs
+
+
+def _scheduler(r: _Reader) -> tuple[Optional[str], dict]:
+    name = r.overrides.get("scheduler") or r.get("scheduler.type")
+    if name is None:
+        return None, {}
+    if name not in _SCHEDULERS:
+        raise ValueError(f"scheduler.type={name!r} is not supported; use one of {list(_SCHEDULERS)}")
+    raw = r.raw.get("scheduler", {}).get("params", {}) if isinstance(r.raw.get("scheduler"), dict) else {}
+    params: dict[str, Any] = {}
+    for key in raw:
+        path = f"scheduler.params.{key}"
+        if key == "warmup_max_lr":  # "auto": the optimizer's lr (the schedule's None)
+            params[key] = r.get(path, auto=None)
+        elif key == "warmup_min_lr":  # "auto": 0, the value the Hugging Face Trainer fills in
+            params[key] = r.get(path, override=key, auto=0.0)
+        else:
+            params[key] = r.get(path, override=key if key in OVERRIDES else None)
+    for key in ("total_num_steps", "warmup_num_steps", "warmup_min_lr"):
+        if r.overrides.get(key) is not None:
+            params[key] = r.overrides[key]
+    if name == "WarmupLR":
+        params.pop("total_num_steps", None)  # WarmupLR has no end: a total is meaningless here
+    return name, params
+
+
+def _batch(r: _Reader, world_size: int) -> tuple[Optional[int], int, Optional[int]]:
+    micro = r.get("train_micro_batch_size_per_gpu", None, override="micro_batch_size")
+    accum = r.get("gradient_accumulation_steps", None, override="gradient_accumulation_steps")
+    total = r.get("train_batch_size", None, override="train_batch_size", auto=None)
+    for name, v in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accum),
+                    ("train_batch_size", total)):
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name}={v!r} must be a positive int")
+    # DeepSpeed's rule: train_batch_size = micro * accumulation * world size; derive the missing one.
+    if total is not None and micro is not None and accum is not None:
+        if total != micro * accum * world_size:
+            raise ValueError(f"train_batch_size={total} != train_micro_batch_size_per_gpu={micro} x "
+                             f"gradient_accumulation_steps={accum} x world size {world_size}; fix one of them")
+    elif total is not None and micro is not None:
+        accum, rem = divmod(total, micro * world_size)
+        if rem or accum < 1:
+            raise ValueError(f"train_batch_size={total} is not a multiple of micro batch {micro} x world {world_size}")
+    elif total is not None:
+        accum = accum or 1
+        micro, rem = divmod(total, accum * world_size)
+        if rem or micro < 1:
+            raise ValueError(f"train_batch_size={total} is not a multiple of accumulation {accum} x world {world_size}")
+    accum = accum or 1
+    if micro is not None:
+        total = micro * accum * world_size
+    return micro, accum, total
+
+
+def translate(config: Union[None, str, os.PathLike, Mapping], world_size: int = 1,
+              overrides: Optional[Mapping[str, Any]] = None, strict: bool = True) -> DeepSpeedPlan:
+    """The zeroshard meaning of a DeepSpeed config (path or dict). Unsupported keys raise a
+    ValueError naming each one (``strict=False``: a warning); noted keys warn once."""
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(OVERRIDES))
+    if unknown:
+        raise TypeError(f"unknown override(s) {unknown}; accepted: {list(OVERRIDES)}")
+    r = _Reader(load_config(config), overrides)
+    unsupported: list[str] = []
+    precision, scaler = _precision(r)
+    zero = {**_zero(r, precision), "mixed_precision": precision, **scaler}
+    comm_dtype = r.get("communication_data_type", None, override="reduce_dtype")
+    if comm_dtype is not None:
+        names = {"fp32": None, "float32": None, "fp16": "fp16", "float16": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
+        if comm_dtype not in names:
+            raise ValueError(f"communication_data_type={comm_dtype!r}: use one of {sorted(names)}")
+        zero["reduce_dtype"] = names[comm_dtype]
+    opt_cls, opt_kwargs = _optimizer(r, unsupported)
+    sched, sched_params = _scheduler(r)
+    micro, accum, total = _batch(r, world_size)
+    clip = r.get("gradient_clipping", None, override="gradient_clipping")
+    for path, neutral in (("prescale_gradients", False), ("gradient_predivide_factor", 1.0)):
+        if r.get(path, neutral) != neutral:
+            r.used.discard(path)
+    steps_per_print = r.get("steps_per_print")
+    noted = {p: NOTED[p] for p in NOTED if r.has(p)}
+    noted.update({p: "DeepSpeed async-I/O tuning; zeroshard sizes its own I/O" for s in NOTED_SECTIONS
+                  if r.has(s) for p in _leaves(r.raw[s], s + ".")})
+    for p in noted:
+        r.used.add(p)
+    unsupported += [p for p in _leaves(r.raw) if p and p not in r.used]
+    unsupported = sorted(set(unsupported))
+    if unsupported:
+        msg = (f"DeepSpeed config keys zeroshard does not support: {unsupported}. Remove them, or pass "
+               "strict=False to train without them (see zeroshard/train/deepspeed_config.py for what is read)")
+        if strict:
+            raise ValueError(msg)
+        warnings.warn(msg, stacklevel=3)
+    if noted:
+        warnings.warn("DeepSpeed config keys without effect in zeroshard: " +
+                      "; ".join(f"{p} ({why})" for p, why in noted.items()), stacklevel=3)
+    return DeepSpeedPlan(zero=zero, optimizer_class=opt_cls, optimizer_kwargs=opt_kwargs, scheduler=sched,
+                         scheduler_params=sched_params, gradient_clipping=float(clip) if clip else None,
+                         gradient_accumulation_steps=accum, micro_batch_size=micro, train_batch_size=total,
+                         steps_per_print=steps_per_print, noted=noted)

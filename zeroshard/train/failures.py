@@ -1,0 +1,104 @@
+"""A rank that dies mid-step must not leave the others hanging: detect it, say so, exit.
+
+Two layers:
+- collectives carry a timeout (``init_process_group(timeout=--collective-timeout)``). On
+  gloo a peer that dies closes its sockets, so the survivors' next collective fails at once
+  ("Connection closed by peer"); a peer that hangs makes it fail after the timeout;
+- ``StepWatchdog`` is the backstop for waits that are not collectives (a store, a stuck
+  kernel): no step boundary for ``timeout`` seconds and the process exits non-zero itself.
+
+Either way the surviving rank prints one message naming the step, the likely cause and how
+to resume, then leaves with ``os._exit``: a normal exit would run process-group teardown,
+which can block on the dead peer.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from typing import Callable, Iterator, Optional
+
+EXIT_PEER_FAILURE = 3
+"""Exit status of a rank that stopped because another rank died or hung."""
+
+_PEER_MARKERS = ("connection closed", "connection reset", "timed out", "timeout", "broken pipe",
+                 "gloo", "nccl", "socket", "peer", "connection refused")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """True for errors raised by a collective whose peer died or hung."""
+    try:
+        from torch.distributed import DistError
+        if isinstance(exc, DistError):
+            return True
+    except ImportError:  # older torch without the DistError hierarchy
+        pass
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(m in text for m in _PEER_MARKERS)
+
+
+def peer_failure_message(rank: int, step: int, exc: BaseException, latest: Optional[str],
+                         timeout_s: float) -> str:
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    resume = (f"the latest checkpoint is {latest}; run the same command again to resume from it"
+              if latest else "no checkpoint was saved yet; running the same command again starts over")
+    return (f"zeroshard: rank {rank} stopped at step {step}: a collective failed ({first_line[:300]}). "
+            f"The most likely cause is that another rank died (killed, out of memory, crashed) or hung "
+            f"for more than --collective-timeout={timeout_s:g}s; check that rank's log. {resume}.")
+
+
+def exit_now(code: int, message: str, log: Optional[Callable[[str], None]] = None) -> None:
+    """Prints ``message`` and ends the process at once (see the module docstring)."""
+    if log is not None:
+        with contextlib.suppress(Exception):
+            log(message)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        print(message, file=sys.stderr, flush=True)
+    os._exit(code)
+
+
+class StepWatchdog:
+    """Exits the process when no ``beat()`` came for ``timeout_s`` seconds (while armed)."""
+
+    def __init__(self, timeout_s: float, rank: int, log: Optional[Callable[[str], None]] = None,
+                 exit_code: int = EXIT_PEER_FAILURE) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s!r} must be > 0")
+        self.timeout_s, self.rank, self.log, self.exit_code = timeout_s, rank, log, exit_code
+        self.step = 0
+        self._last = time.monotonic()
+        self._paused = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="zeroshard-watchdog", daemon=True)
+
+    def start(self) -> "StepWatchdog":
+        self._last = time.monotonic()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def beat(self, step: int) -> None:
+        self.step, self._last = step, time.monotonic()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No deadline inside (checkpoint save/load: their length scales with the model)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            self._last = time.monotonic()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout_s / 4)):
+            if self._paused or time.monotonic() - self._last < self.timeout_s:
+                continue
+            exit_now(self.exit_code, f"zeroshard: rank {self.rank} made no progress for {self.timeout_s:g}s "
+                     f"after step {self.step}: another rank probably died or hung (check its log); "
+                     "exiting so the job can be restarted from the latest checkpoint", self.log)

@@ -1,0 +1,48 @@
+"""Fault injection for tests and the demo: ``ZEROSHARD_FAULT=<kind>@<rank>:<step>``.
+
+``kind`` is ``sigkill`` (the rank dies mid-step, after the forward of its first
+micro-batch), ``sigterm``/``sigusr1`` (the rank sends itself that signal mid-step, as a
+scheduler would) or ``hang`` (the rank stops making progress). It fires on the first
+attempt only (``TORCHELASTIC_RESTART_COUNT`` 0 or unset), so a run restarted by
+``torchrun --max-restarts`` proceeds. Unset, it costs one comparison per step.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+_KINDS = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1, "hang": None}
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    step: int
+
+    def maybe_fire(self, rank: int, step: int) -> None:
+        """Fires when this rank reaches the fault's step (1-based: the step being computed)."""
+        if rank != self.rank or step != self.step:
+            return
+        if self.kind == "hang":
+            while True:
+                time.sleep(3600)
+        os.kill(os.getpid(), _KINDS[self.kind])
+
+
+def from_env(env: Optional[dict] = None) -> Optional[Fault]:
+    env = os.environ if env is None else env
+    spec = env.get("ZEROSHARD_FAULT", "").strip()
+    if not spec or env.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
+        return None
+    try:
+        kind, where = spec.split("@")
+        rank, step = (int(x) for x in where.split(":"))
+    except ValueError:
+        raise ValueError(f"ZEROSHARD_FAULT={spec!r}: use <kind>@<rank>:<step>, e.g. sigkill@1:5") from None
+    if kind not in _KINDS:
+        raise ValueError(f"ZEROSHARD_FAULT kind {kind!r}: use one of {sorted(_KINDS)}")
+    return Fault(kind, rank, step)

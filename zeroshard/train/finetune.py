@@ -1,0 +1,143 @@
+"""Fine-tuning a Hugging Face causal LM with zeroshard: the whole workflow in one command.
+
+    torchrun --nproc-per-node 2 examples/finetune_causal_lm.py \\
+        --model-config tiny-gpt2/config.json --data corpus.txt --output-dir run1 --max-steps 200
+
+(``zeroshard finetune ...`` / ``python -m zeroshard.train.finetune ...`` are the same.)
+Started again with the same arguments it resumes from the newest valid checkpoint under
+``--output-dir`` with no flag: after SIGTERM/SIGUSR1 (saved at the next step boundary,
+exit 0), after a crash, or when restarted by ``torchrun --max-restarts``. A rank that
+dies makes the others exit with status 3 and a message instead of hanging.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import traceback
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+import zeroshard
+from zeroshard.cli import Command
+from zeroshard.data import ResumableSampler
+from zeroshard.train import faults
+from zeroshard.train.config import FinetuneConfig, add_arguments, parse
+from zeroshard.train.failures import EXIT_PEER_FAILURE, StepWatchdog, exit_now, is_peer_failure, peer_failure_message
+from zeroshard.train.initialize import initialize
+from zeroshard.train.loop import LoopSettings, TrainLoop
+from zeroshard.train.model_loading import build_model, finish_weights, save_model_files
+from zeroshard.train.preemption import PreemptionHandler
+from zeroshard.train.progress import Progress
+from zeroshard.train.text_data import load_blocks, load_tokenizer
+
+
+def setup_distributed(timeout_s: float) -> torch.device:
+    """Joins the torchrun job (if launched by one) with collectives that time out."""
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return device
+
+
+def _hf_loss(device: torch.device):
+    def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        ids = batch[0].to(device, non_blocking=True)
+        return model(input_ids=ids, labels=ids).loss
+    return loss_fn
+
+
+def train(cfg: FinetuneConfig) -> int:
+    """Runs (or resumes) the fine-tuning described by ``cfg`` on this rank; the exit status."""
+    device = setup_distributed(cfg.collective_timeout)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    progress: Optional[Progress] = None
+    loop: Optional[TrainLoop] = None
+    root = os.path.join(cfg.output_dir, "checkpoints")
+    try:
+        model, source = build_model(cfg.model, cfg.model_config, cfg.stage, cfg.seed, cfg.activation_checkpointing)
+        if cfg.stage != 3:
+            model.to(device)
+        ds = cfg.deepspeed if cfg.deepspeed else cfg.as_deepspeed()
+        overrides = cfg.overrides() if cfg.deepspeed else {}
+        result = initialize(model, ds, **overrides)
+        model, opt, sched = result
+        plan = result.plan
+        finish_weights(model, source, cfg.seed)
+        micro = plan.micro_batch_size or cfg.micro_batch_size
+        accum = plan.gradient_accumulation_steps
+        tokenizer = load_tokenizer(source.tokenizer_dir, model.config.vocab_size, model.config.eos_token_id)
+        blocks = load_blocks(cfg.data, tokenizer, cfg.seq_len, os.path.join(cfg.output_dir, "cache"), cfg.text_field)
+        if len(blocks) < world * micro:
+            raise ValueError(f"{cfg.data} gives {len(blocks)} blocks of {cfg.seq_len} tokens, fewer than one global "
+                             f"micro-batch ({world} ranks x {micro}); add text or lower --seq-len/--micro-batch-size")
+        sampler = ResumableSampler(len(blocks), shuffle=True, seed=cfg.seed)
+        # Own generator: a DataLoader otherwise draws from the global RNG whenever an iterator
+        # starts, which a resumed run does at another step than the original (bitwise resume).
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(blocks), batch_size=micro,
+                                             sampler=sampler, drop_last=True, generator=torch.Generator())
+        tokens_per_step = micro * accum * world * cfg.seq_len
+        progress = Progress(cfg.output_dir, rank, cfg.max_steps, tokens_per_step, cfg.log_interval, cfg.progress_bar)
+        watchdog = StepWatchdog(2 * cfg.collective_timeout, rank, progress.log).start() if world > 1 else None
+        settings = LoopSettings(max_steps=cfg.max_steps, checkpoint_root=root, grad_accum=accum,
+                                grad_clip=plan.gradient_clipping, save_interval=cfg.save_interval,
+                                keep_last=cfg.keep_last, async_save=cfg.async_save)
+        run_facts = {"world_size": world, "global_batch": micro * accum * world, "seq_len": cfg.seq_len,
+                     "blocks": len(blocks)}
+        with PreemptionHandler() as preemption:
+            loop = TrainLoop(settings, model, opt, sched, loader, sampler, _hf_loss(device), progress, preemption,
+                             watchdog, faults.from_env(), run_facts)
+            progress.log(f"{world} rank(s), {opt!r}, {sum(p.numel() for p in model.parameters()):,} local "
+                         f"parameter elements, {len(blocks)} blocks x {cfg.seq_len} tokens, global batch "
+                         f"{micro * accum * world} sequences ({micro} x {accum} accumulation x {world} ranks); "
+                         f"memory: {opt.memory_report()}", echo=True)
+            resumed = loop.resume()
+            progress.start(loop.step, resumed)
+            status = loop.run()
+        if watchdog is not None:
+            watchdog.stop()
+        if status == "completed" and cfg.export and rank == 0:
+            out = cfg.export_dir or os.path.join(cfg.output_dir, "hf")
+            zeroshard.export_hf(zeroshard.latest_checkpoint(root), out)
+            save_model_files(model, tokenizer, out)
+            progress.summary.exported_to = out
+        message = "" if status == "completed" else "run the same command again to resume"
+        progress.finish(status, message)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return 0
+    except Exception as exc:  # noqa: BLE001 - turned into an exit status with a message
+        step = loop.step if loop is not None else 0
+        log = progress.log if progress is not None else None
+        if world > 1 and is_peer_failure(exc):
+            exit_now(EXIT_PEER_FAILURE, peer_failure_message(rank, step, exc, zeroshard.latest_checkpoint(root),
+                                                             cfg.collective_timeout), log)
+        if log is not None:
+            log(f"failed at step {step}: {traceback.format_exc()}")
+        raise
+    finally:
+        if progress is not None:
+            progress.close()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return train(parse(argv))
+
+
+COMMANDS = {
+    "finetune": Command(
+        help="fine-tune a Hugging Face causal LM on a text file (launch with torchrun; reruns resume)",
+        add_arguments=add_arguments,
+        run=lambda args: train(FinetuneConfig.from_args(args))),
+}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

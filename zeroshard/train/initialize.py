@@ -1,0 +1,80 @@
+"""``zeroshard.initialize``: a model, a ZeroOptimizer and a schedule from a DeepSpeed config.
+
+    model, optimizer, scheduler = zeroshard.initialize(model, config="ds_config.json")
+
+Unlike ``deepspeed.initialize`` there is no engine: the model is returned unchanged, the
+optimizer is a ``torch.optim.Optimizer`` and the loop stays yours. The settings DeepSpeed's
+engine would apply inside ``engine.step()`` (gradient clipping, accumulation, micro-batch
+size) are on the result's ``.plan`` for your loop to use.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Optional, Union
+
+import torch.distributed as dist
+from torch import nn
+
+from zeroshard.optim.zero_optimizer import ZeroOptimizer
+from zeroshard.train.deepspeed_config import DeepSpeedPlan, translate
+from zeroshard.train.schedules import build_schedule
+
+
+class Initialized(tuple):
+    """``(model, optimizer, scheduler)``, unpackable like a tuple, plus ``.plan``."""
+
+    plan: DeepSpeedPlan
+
+    def __new__(cls, model: nn.Module, optimizer: ZeroOptimizer, scheduler: Any, plan: DeepSpeedPlan) -> "Initialized":
+        obj = super().__new__(cls, (model, optimizer, scheduler))
+        obj.plan = plan
+        return obj
+
+    @property
+    def model(self) -> nn.Module:
+        return self[0]
+
+    @property
+    def optimizer(self) -> ZeroOptimizer:
+        return self[1]
+
+    @property
+    def scheduler(self) -> Any:
+        return self[2]
+
+
+def _world_size(process_group: Optional[dist.ProcessGroup]) -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(process_group)
+    return 1
+
+
+def initialize(model: nn.Module, config: Union[None, str, os.PathLike, Mapping] = None, *,
+               model_parameters: Any = None, process_group: Optional[dist.ProcessGroup] = None,
+               strict: bool = True, **overrides: Any) -> Initialized:
+    """Builds a ZeroOptimizer (and a schedule, if the config has one) for ``model``.
+
+    ``config``: a DeepSpeed JSON file or dict (the common subset: zero_optimization, optimizer,
+    scheduler, fp16/bf16, gradient_clipping, batch sizes; see ``deepspeed_config.py``). Keys it
+    does not support raise a ValueError naming each (``strict=False``: a warning).
+    ``model_parameters``: param groups for stages 0-2 (default: the model).
+    ``overrides``: zeroshard names that win over the config and resolve its "auto" values:
+    ``stage, offload_optimizer, offload_params, nvme_path, mixed_precision, bucket_size_mb,
+    reduce_dtype, optimizer`` (a class), ``lr, weight_decay, betas, eps, momentum,
+    gradient_clipping, gradient_accumulation_steps, micro_batch_size, train_batch_size,
+    total_num_steps, warmup_num_steps, warmup_min_lr, scheduler`` (a schedule name).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    plan = translate(config, _world_size(process_group), overrides, strict=strict)
+    if plan.optimizer_class is None:
+        raise ValueError("the config has no 'optimizer' section; add one (e.g. {\"type\": \"AdamW\", \"params\": "
+                         "{\"lr\": 1e-4}}) or pass optimizer=torch.optim.AdamW, lr=... to initialize")
+    params = model if model_parameters is None else model_parameters
+    if plan.zero.get("stage") == 3 and model_parameters is not None:
+        raise ValueError("stage 3 partitions by module and takes the model itself; drop model_parameters "
+                         "(per-group hyperparameters need stages 0-2)")
+    optimizer = ZeroOptimizer(params, plan.optimizer_class, process_group=process_group,
+                              **plan.zero, **plan.optimizer_kwargs)
+    scheduler = build_schedule(plan.scheduler, optimizer, plan.scheduler_params) if plan.scheduler else None
+    return Initialized(model, optimizer, scheduler, plan)

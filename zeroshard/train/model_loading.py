@@ -1,0 +1,95 @@
+"""Building the Hugging Face causal LM to fine-tune: from a weights directory or a config.
+
+- ``--model DIR`` (config.json + safetensors, optionally a tokenizer): stages 0-2 load it
+  with ``from_pretrained``; stage 3 builds the model on the meta device and, once the
+  ZeroOptimizer owns it, ``zeroshard.load_safetensors`` reads only each rank's ranges, so no
+  rank ever holds the full model.
+- ``--model-config PATH`` (a config.json or a directory holding one): random weights from
+  ``--seed`` (stage 3: ``zeroshard.init_meta_weights``, one unit at a time). For tests and
+  for training from scratch.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the weights come from after the optimizer is built (stage 3) or None."""
+
+    weights_dir: Optional[str]
+    """A directory of safetensors to load into a meta-built model, or None."""
+    needs_init: bool
+    """A meta-built model without weights: run ``zeroshard.init_meta_weights``."""
+    tokenizer_dir: Optional[str]
+
+
+def load_config(model_dir: Optional[str], model_config: Optional[str]) -> Any:
+    from transformers import AutoConfig
+    path = model_dir or model_config
+    if path is None:
+        raise ValueError("give --model DIR (config.json + safetensors) or --model-config PATH (config.json)")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path!r} does not exist; --model takes a directory with config.json and "
+                                "*.safetensors, --model-config a config.json (nothing is downloaded)")
+    return AutoConfig.from_pretrained(path)
+
+
+def _has_weights(model_dir: str) -> bool:
+    return any(f.endswith(".safetensors") or f == "model.safetensors.index.json" for f in os.listdir(model_dir))
+
+
+def build_model(model_dir: Optional[str], model_config: Optional[str], stage: int, seed: int,
+                activation_checkpointing: bool) -> tuple[nn.Module, ModelSource]:
+    """The model (on the meta device for stage 3) and what must still happen to its weights."""
+    from transformers import AutoModelForCausalLM
+    config = load_config(model_dir, model_config)
+    config.use_cache = False  # a KV cache is useless in training and conflicts with recomputation
+    if model_dir is not None and not _has_weights(model_dir):
+        raise FileNotFoundError(f"{model_dir} has no *.safetensors weights; use --model-config for random init")
+    torch.manual_seed(seed)
+    if stage == 3:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        source = ModelSource(model_dir, model_dir is None, model_dir)
+    elif model_dir is not None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        source = ModelSource(None, False, model_dir)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
+        source = ModelSource(None, False, None)
+    if activation_checkpointing:
+        # Non-reentrant recomputation: zeroshard's gradient hooks need each parameter's gradient
+        # once per backward (docs/design.md, "Known limits").
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model, source
+
+
+def finish_weights(model: nn.Module, source: ModelSource, seed: int) -> None:
+    """Stage 3: fills the meta-built model once the ZeroOptimizer has partitioned it."""
+    import zeroshard
+    if source.weights_dir is not None:
+        zeroshard.load_safetensors(model, source.weights_dir)
+    elif source.needs_init:
+        zeroshard.init_meta_weights(model, seed=seed)
+
+
+def save_model_files(model: nn.Module, tokenizer: Any, out_dir: str) -> None:
+    """config.json (+ generation config, tokenizer) next to exported weights, so that
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` works."""
+    config = model.config
+    config.use_cache = True
+    config.save_pretrained(out_dir)
+    config.use_cache = False
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(out_dir)
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(out_dir)

@@ -1,0 +1,156 @@
+"""DeepSpeed's learning-rate schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR) as torch
+``LRScheduler`` subclasses, so ``state_dict()`` holds plain numbers and checkpoints resume them.
+
+Step convention (Note [DeepSpeed step offset]): DeepSpeed sets the *initial* learning rate
+at construction (its ``last_batch_iteration = -1``) and calls ``step()`` after every optimizer
+step, so optimizer step ``k`` (0-based) runs at DeepSpeed iteration ``k - 1``. A torch
+scheduler's constructor already takes one step (``last_epoch = 0``) and optimizer step ``k``
+runs at ``last_epoch = k``. Hence ``iteration = last_epoch - 1`` below, which reproduces
+DeepSpeed's learning rate at every optimizer step with the usual torch loop
+``opt.step(); sched.step()``.
+
+Differences from DeepSpeed, on purpose: an unknown ``warmup_type`` raises instead of
+falling back to "log" with a warning; ``WarmupCosineLR`` starts every param group at 0
+(DeepSpeed zeroes only the first group at iteration -1, an artefact of ``zip`` with a
+one-element list).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+
+WARMUP_TYPES = ("log", "linear")
+Number = Union[float, int]
+
+
+def _per_group(optimizer: torch.optim.Optimizer, value: Union[Number, Sequence[Number]], name: str) -> list[float]:
+    n = len(optimizer.param_groups)
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name}={list(value)} has {len(value)} values but the optimizer has {n} param "
+                             "groups; give one value or one per group")
+        return [float(v) for v in value]
+    return [float(value)] * n
+
+
+def _check_warmup(warmup_num_steps: int, warmup_type: str) -> None:
+    if warmup_type not in WARMUP_TYPES:
+        raise ValueError(f"warmup_type={warmup_type!r} is not a DeepSpeed warmup; use one of {WARMUP_TYPES}")
+    if not isinstance(warmup_num_steps, int) or warmup_num_steps < 0:
+        raise ValueError(f"warmup_num_steps={warmup_num_steps!r} must be a non-negative int")
+
+
+def _warmup_fraction(iteration: int, warmup_num_steps: int, warmup_type: str) -> float:
+    """DeepSpeed's gamma during warmup: log(i + 1) / log(N) or i / N (N is at least 2)."""
+    if warmup_type == "log":
+        return math.log(iteration + 1) / math.log(warmup_num_steps)
+    return iteration / warmup_num_steps
+
+
+class WarmupLR(LRScheduler):
+    """From ``warmup_min_lr`` to ``warmup_max_lr`` over ``warmup_num_steps`` steps ("log" or
+    "linear"), then constant. ``warmup_max_lr=None`` takes the optimizer's (first group) lr."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup_min_lr: Union[Number, Sequence[Number]] = 0.0,
+                 warmup_max_lr: Union[None, Number, Sequence[Number]] = None, warmup_num_steps: int = 1000,
+                 warmup_type: str = "log", last_epoch: int = -1) -> None:
+        _check_warmup(warmup_num_steps, warmup_type)
+        if warmup_max_lr is None:
+            warmup_max_lr = optimizer.param_groups[0]["lr"]
+        self.min_lrs = _per_group(optimizer, warmup_min_lr, "warmup_min_lr")
+        self.max_lrs = _per_group(optimizer, warmup_max_lr, "warmup_max_lr")
+        # DeepSpeed clamps to 2 so that log(N) is never 0.
+        self.warmup_num_steps = max(2, warmup_num_steps)
+        self.warmup_type = warmup_type
+        super().__init__(optimizer, last_epoch)
+
+    def _gamma(self, iteration: int) -> float:
+        if iteration < self.warmup_num_steps:
+            return _warmup_fraction(iteration, self.warmup_num_steps, self.warmup_type)
+        return 1.0
+
+    def get_lr(self) -> list[float]:
+        iteration = self.last_epoch - 1  # Note [DeepSpeed step offset]
+        if iteration < 0:
+            return list(self.min_lrs)
+        gamma = self._gamma(iteration)
+        return [lo + (hi - lo) * gamma for lo, hi in zip(self.min_lrs, self.max_lrs)]
+
+
+class WarmupDecayLR(WarmupLR):
+    """WarmupLR, then linear decay from ``warmup_max_lr`` to ``warmup_min_lr`` at
+    ``total_num_steps`` (DeepSpeed's formula: the decay ends at the *minimum* lr, which is 0
+    by default)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int,
+                 warmup_min_lr: Union[Number, Sequence[Number]] = 0.0,
+                 warmup_max_lr: Union[None, Number, Sequence[Number]] = 0.001, warmup_num_steps: int = 1000,
+                 warmup_type: str = "log", last_epoch: int = -1) -> None:
+        if not isinstance(total_num_steps, int) or total_num_steps < 1:
+            raise ValueError(f"total_num_steps={total_num_steps!r} must be a positive int (the run's "
+                             "optimizer steps)")
+        self.total_num_steps = total_num_steps
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_epoch)
+
+    def _gamma(self, iteration: int) -> float:
+        if iteration < self.warmup_num_steps:
+            return _warmup_fraction(iteration, self.warmup_num_steps, self.warmup_type)
+        return max(0.0, (self.total_num_steps - iteration) / max(1.0, self.total_num_steps - self.warmup_num_steps))
+
+
+class WarmupCosineLR(LRScheduler):
+    """A ratio of each group's lr: from ``warmup_min_ratio`` to 1 over ``warmup_num_steps``,
+    then a cosine down to ``cos_min_ratio`` at ``total_num_steps``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
+                 warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = "log",
+                 last_epoch: int = -1) -> None:
+        _check_warmup(warmup_num_steps, warmup_type)
+        if not isinstance(total_num_steps, int) or total_num_steps < 1:
+            raise ValueError(f"total_num_steps={total_num_steps!r} must be a positive int")
+        self.total_num_steps = total_num_steps
+        self.warmup_min_ratio = float(warmup_min_ratio)
+        self.cos_min_ratio = float(cos_min_ratio)
+        self.warmup_num_steps = max(2, warmup_num_steps)
+        if self.total_num_steps <= self.warmup_num_steps:
+            # DeepSpeed divides by (total - warmup) here: refuse instead of a ZeroDivisionError later.
+            raise ValueError(f"total_num_steps={total_num_steps} must exceed warmup_num_steps="
+                             f"{self.warmup_num_steps} for a cosine decay")
+        self.warmup_type = warmup_type
+        super().__init__(optimizer, last_epoch)
+
+    def ratio(self, iteration: int) -> float:
+        if iteration < 0:
+            return 0.0
+        if iteration < self.warmup_num_steps:
+            r = _warmup_fraction(iteration, self.warmup_num_steps, self.warmup_type)
+            return self.warmup_min_ratio + r * (1.0 - self.warmup_min_ratio)
+        done = iteration - self.warmup_num_steps + 1
+        span = self.total_num_steps - self.warmup_num_steps
+        cosine = (1 + math.cos(math.pi * done / span)) / 2
+        return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
+
+    def get_lr(self) -> list[float]:
+        r = self.ratio(self.last_epoch - 1)  # Note [DeepSpeed step offset]
+        return [base * r for base in self.base_lrs]
+
+
+SCHEDULES: dict[str, type] = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR}
+
+
+def build_schedule(name: str, optimizer: torch.optim.Optimizer, params: Optional[dict] = None) -> LRScheduler:
+    """The schedule called ``name`` (a DeepSpeed ``scheduler.type``) over ``optimizer``."""
+    if name not in SCHEDULES:
+        raise ValueError(f"scheduler type {name!r} is not supported; use one of {sorted(SCHEDULES)}")
+    params = dict(params or {})
+    last = params.pop("last_batch_iteration", -1)
+    if last != -1:
+        raise ValueError(f"scheduler.params.last_batch_iteration={last!r}: resume "
+                         "schedules from a checkpoint (load_checkpoint(..., scheduler=...)) instead")
+    try:
+        return SCHEDULES[name](optimizer, **params)
+    except TypeError as exc:
+        raise TypeError(f"scheduler {name} got parameters {sorted(params)}: {exc}") from exc
