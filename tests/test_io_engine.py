@@ -10,7 +10,7 @@ import torch
 
 from zeroshard.io import ALIGN, AIOConfig, aligned_empty, checksum, engine_status
 
-from .io_helpers import BACKENDS, make_engine, pattern
+from .test_io_helpers import BACKENDS, make_engine, pattern
 
 BLOCK = 64 << 10  # small blocks so a few hundred KiB already split into many tasks
 

@@ -13,7 +13,7 @@ from zeroshard.io import AIOError, ALIGN, DiskFullError, TruncatedFileError, ali
 from zeroshard.io import _plan
 from zeroshard.io.handle import Handle
 
-from .io_helpers import BACKENDS, make_engine, pattern, read_only_mount, small_filesystem
+from .test_io_helpers import BACKENDS, make_engine, pattern, read_only_mount, small_filesystem
 
 BLOCK = 64 << 10
 

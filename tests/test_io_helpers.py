@@ -1,4 +1,4 @@
-"""Shared fixtures for the tests of zeroshard.io: both backends, and small real file systems."""
+"""Shared fixtures for the tests of zeroshard.io (no tests here): both backends, small real file systems."""
 from __future__ import annotations
 
 import contextlib
