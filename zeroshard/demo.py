@@ -1,8 +1,11 @@
-"""``python -m zeroshard.demo``: a small transformer trained on 2 gloo ranks at stages 0, 1
-and 2, printing each rank's model-state memory and the loss, so the savings are visible.
+"""``python -m zeroshard.demo``: a small transformer trained on 2 gloo ranks at stages 0-3,
+printing each rank's model-state memory and the loss, then a checkpoint and a resume.
 
-Every stage starts from the same weights and sees the same global batch, so the loss
-columns agree while the memory column shrinks.
+1. Every stage starts from the same weights and sees the same global batch, so the loss
+   columns agree while the memory column shrinks.
+2. Stage 2 trains 8 steps and saves a sharded checkpoint at step 4; fresh processes (as
+   after a crash) resume from the latest checkpoint and must end bit-identical; then one
+   process at stage 0 loads the same 2-rank checkpoint (resharding) and continues.
 """
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import tempfile
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 import zeroshard
 from zeroshard.launch import spawn
@@ -28,36 +33,74 @@ def _log(rank: int, msg: str) -> None:
         dist.barrier()
 
 
-def _train(rank: int, world: int, stage: int, steps: int, global_batch: int) -> None:
-    torch.manual_seed(0)
-    model = TinyGPT(CONFIG)
-    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=3e-3, weight_decay=0.1, stage=stage)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+def _steps(model, opt, rank: int, world: int, start: int, stop: int, global_batch: int) -> list[float]:
     local = global_batch // world
     losses = []
-    for step in range(steps):
+    for step in range(start, stop):
         x, y = synthetic_batch(step % 4, global_batch, CONFIG)  # 4 batches, revisited: loss falls
         loss = model(x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local])
         loss.backward()
         opt.clip_grad_norm_(1.0)
         opt.step()
-        sched.step()
         opt.zero_grad()
         t = loss.detach().clone()
-        dist.all_reduce(t)
+        if dist.is_initialized():
+            dist.all_reduce(t)
         losses.append(t.item() / world)
-    rep = opt.memory_report()
-    _log(rank, f"stage {stage} rank {rank}: {rep} | model states {rep.model_states / 2**20:6.2f} MiB"
-               + (f" | loss {losses[0]:.3f} -> {losses[-1]:.3f}" if rank == 0 else ""))
+    return losses
 
 
-def _main(rank: int, world: int, steps: int, global_batch: int) -> None:
+def _build(stage: int):
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    return model, zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=3e-3, weight_decay=0.1, stage=stage)
+
+
+def _weights(model) -> dict:
+    return {k: v.contiguous() for k, v in zeroshard.full_state_dict(model, rank0_only=False).items()}
+
+
+def _stages(rank: int, world: int, steps: int, global_batch: int) -> None:
     if rank == 0:
         n = sum(p.numel() for p in TinyGPT(CONFIG).parameters())
-        print(f"TinyGPT {n / 1e6:.2f}M parameters, {world} gloo ranks, global batch {global_batch}, "
-              f"AdamW; ZeRO formulas per rank (fp32): stage 0 16Ψ, stage 1 8Ψ+8Ψ/N, stage 2 4Ψ+12Ψ/N", flush=True)
-    for stage in (0, 1, 2):
-        _train(rank, world, stage, steps, global_batch)
+        print(f"TinyGPT {n / 1e6:.2f}M parameters, {world} gloo ranks, global batch {global_batch}, AdamW. "
+              f"ZeRO per rank (fp32): stage 0 16Ψ, 1 8Ψ+8Ψ/N, 2 4Ψ+12Ψ/N, 3 16Ψ/N", flush=True)
+    for stage in (0, 1, 2, 3):
+        model, opt = _build(stage)
+        losses = _steps(model, opt, rank, world, 0, steps, global_batch)
+        rep = opt.memory_report()
+        _log(rank, f"stage {stage} rank {rank}: {rep} | model states {rep.model_states / 2**20:6.2f} MiB"
+                   + (f" | loss {losses[0]:.3f} -> {losses[-1]:.3f}" if rank == 0 else ""))
+
+
+def _train_and_save(rank: int, world: int, root: str, global_batch: int, out: list) -> None:
+    model, opt = _build(2)
+    _steps(model, opt, rank, world, 0, 4, global_batch)
+    zeroshard.save_checkpoint(root, 4, model=model, optimizer=opt)
+    losses = _steps(model, opt, rank, world, 4, 8, global_batch)
+    weights = _weights(model)
+    if rank == 0:
+        print(f"\nstage 2, {world} ranks: trained 8 steps, checkpoint saved at step 4 in {root}: "
+              f"{sorted(os.listdir(os.path.join(root, 'step-00000004')))}", flush=True)
+        save_file(weights, os.path.join(root, "uninterrupted.safetensors"), {"loss": repr(losses[-1])})
+
+
+def _resume(rank: int, world: int, root: str, global_batch: int, stage: int) -> None:
+    model, opt = _build(stage)
+    model.apply(lambda m: [torch.nn.init.zeros_(p) for p in m.parameters(recurse=False)])
+    zeroshard.load_checkpoint(root, model=model, optimizer=opt)
+    losses = _steps(model, opt, rank, world, 4, 8, global_batch)
+    weights = _weights(model)
+    if rank == 0:
+        path = os.path.join(root, "uninterrupted.safetensors")
+        ref = load_file(path)
+        with safe_open(path, "pt") as f:
+            ref_loss = float(f.metadata()["loss"])
+        same = all(torch.equal(weights[k], ref[k]) for k in ref)
+        diff = max((weights[k] - ref[k]).abs().max().item() for k in ref)
+        how = "bit-identical" if same else f"max |diff| {diff:.1e} (the sums run in another order)"
+        print(f"resumed from {zeroshard.latest_checkpoint(root)} at stage {stage} on {world} rank(s): final "
+              f"loss {losses[-1]:.4f} (uninterrupted {ref_loss:.4f}); weights vs uninterrupted: {how}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,7 +111,15 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if a.global_batch % a.world_size:
         raise SystemExit(f"--global-batch {a.global_batch} must be divisible by --world-size {a.world_size}")
-    spawn(_main, a.world_size, a.steps, a.global_batch)
+    spawn(_stages, a.world_size, a.steps, a.global_batch)
+    with tempfile.TemporaryDirectory(prefix="zeroshard-demo-") as root:
+        spawn(_train_and_save, a.world_size, root, a.global_batch, [])
+        spawn(_resume, a.world_size, root, a.global_batch, 2)   # fresh processes, as after a crash
+        _resume_single(root, a.global_batch)                    # reshard: 1 process, stage 0
+
+
+def _resume_single(root: str, global_batch: int) -> None:
+    _resume(0, 1, root, global_batch, 0)
 
 
 if __name__ == "__main__":
