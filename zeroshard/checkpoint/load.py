@@ -23,6 +23,7 @@ from zeroshard.checkpoint import jsontree, locate, manifest, rng
 from zeroshard.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map
 from zeroshard.checkpoint.shard_file import DTYPES, ShardReader, read_json
+from zeroshard.optim.state_io import fill_run_inplace
 
 
 class _Source:
@@ -187,14 +188,9 @@ def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
                 f"state.{key}" in p["keys"] for p in src.pieces[name]) else None
             return t if t is not None else src.scalar(name, a, b, key)
 
-        from zeroshard.optim.state_io import _fill_run
-        opt._load_keys = keys
-        try:
-            for run in opt.runs:
-                _fill_run(opt, run, fetch)
-                run.unit.write_back()
-        finally:
-            opt._load_keys = {}
+        for run in opt.runs:
+            names = {p.segment.name for p in run.unit.layout.pieces_in(run.a, run.b)}
+            fill_run_inplace(opt, run, sorted(set().union(*(keys[n] for n in names))), fetch)
     opt.gather_params()
 
 

@@ -20,6 +20,7 @@ import struct
 import threading
 import zlib
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
@@ -32,6 +33,7 @@ BLOCK = 32 << 20
 that a reshard reading a few pieces does not read much more than it needs."""
 _CHUNK = 16 << 20  # bytes per write()/readinto() call
 _MAX_HEADER = 100 << 20
+_CRC_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeroshard-crc")
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
@@ -54,7 +56,7 @@ class _Checksummer:
     def __init__(self) -> None:
         self.crcs: list[int] = []
         self._crc, self._filled = 0, 0
-        self._q: "queue.Queue[Optional[memoryview]]" = queue.Queue(maxsize=4)
+        self._q: "queue.Queue[Optional[memoryview]]" = queue.Queue(maxsize=2)
         self._thread = threading.Thread(target=self._run, name="zeroshard-crc", daemon=True)
         self._thread.start()
 
@@ -203,7 +205,8 @@ class ShardReader:
         if actual != self.size:
             raise CheckpointCorruptError(f"{path} has {actual} bytes, the manifest says {self.size}: "
                                          f"the file is {'truncated' if actual < self.size else 'damaged'}")
-        self._buffers: "OrderedDict[int, memoryview]" = OrderedDict()  # block -> verified bytes
+        # block index -> (verified buffer holding it, file offset of that buffer's byte 0)
+        self._buffers: "OrderedDict[int, tuple[torch.Tensor, int]]" = OrderedDict()
         self.entries = self._parse_header()
 
     def _parse_header(self) -> dict[str, Entry]:
@@ -251,22 +254,30 @@ class ShardReader:
                 self._read_run(f, first, last)
 
     def _read_run(self, f, first: int, last: int) -> None:
+        # torch.empty, not bytearray: no memset of memory that readinto overwrites anyway.
+        # Each block's crc runs on a worker thread while the next block is read (both
+        # release the GIL), so verification hides behind the disk.
         start, stop = first * self.block, min(last * self.block, self.size)
-        buf = memoryview(bytearray(stop - start))
+        buf = torch.empty(stop - start, dtype=torch.uint8)
+        mv = memoryview(buf.numpy())
         f.seek(start)
-        got = 0
-        while got < len(buf):
-            n = f.readinto(buf[got:got + _CHUNK])
-            if not n:
-                raise CheckpointCorruptError(f"{self.path}: file shrank while reading at byte {start + got}")
-            got += n
+        crcs = []
         for i in range(first, last):
-            view = buf[(i - first) * self.block:(i + 1 - first) * self.block]
-            if zlib.crc32(view) != self.crcs[i]:
+            lo, hi = (i - first) * self.block, min((i + 1 - first) * self.block, len(mv))
+            got = lo
+            while got < hi:
+                n = f.readinto(mv[got:min(hi, got + _CHUNK)])
+                if not n:
+                    raise CheckpointCorruptError(f"{self.path}: file shrank while reading at byte {start + got}")
+                got += n
+            crcs.append((i, lo, hi, _CRC_POOL.submit(zlib.crc32, mv[lo:hi])))
+        for i, lo, hi, fut in crcs:
+            if fut.result() != self.crcs[i]:
                 raise CheckpointCorruptError(
-                    f"{self.path}: checksum mismatch in bytes [{i * self.block}, {i * self.block + len(view)}): "
+                    f"{self.path}: checksum mismatch in bytes [{i * self.block}, {i * self.block + hi - lo}): "
                     "the file is damaged; restore it or load an earlier step")
-            self._buffers[i] = view
+        for i, lo, hi, _ in crcs:
+            self._buffers[i] = (buf, start)
             if self.max_blocks is not None and len(self._buffers) > self.max_blocks:
                 self._buffers.popitem(last=False)
 
@@ -276,22 +287,33 @@ class ShardReader:
         return e.begin + lo * s, e.begin + hi * s
 
     def get(self, key: str, lo: int, hi: int) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of entry ``key`` (flattened), from verified blocks (a copy)."""
+        """Elements ``[lo, hi)`` of entry ``key`` (flattened), from verified blocks: a view of
+        the read buffer when one buffer holds them at an aligned offset, else a copy."""
         e = self.entries[key]
         a, b = self.byte_range(key, lo, hi)
-        out = torch.empty(hi - lo, dtype=e.dtype)
-        dst = memoryview(out.view(torch.uint8).numpy()) if hi > lo else memoryview(bytearray())
+        if b == a:
+            return torch.empty(0, dtype=e.dtype)
+        first, last = a // self.block, (b - 1) // self.block
+        if self.max_blocks is None:  # bounded readers (export) go block by block below
+            for i in (first, last):
+                if i not in self._buffers:
+                    self.load([(a, b)])
+        buf, base = self._buffers.get(first, (None, 0))
+        if buf is not None and self._buffers.get(last, (None,))[0] is buf and all(self._buffers.get(i, (None,))[0] is buf for i in range(first, last)):
+            if (a - base) % e.dtype.itemsize == 0:
+                return buf[a - base:b - base].view(e.dtype)
+            return buf[a - base:b - base].clone().view(e.dtype)
+        out = torch.empty(b - a, dtype=torch.uint8)
         pos = a
-        while pos < b:
+        while pos < b:  # spans separately read buffers: stitch block by block
             i = pos // self.block
             if i not in self._buffers:
                 self.load([(pos, min(b, (i + 1) * self.block))])
-            blk = self._buffers[i]
-            off = pos - i * self.block
-            take = min(b - pos, len(blk) - off)
-            dst[pos - a:pos - a + take] = blk[off:off + take]
+            buf, base = self._buffers[i]
+            take = min(b, (i + 1) * self.block) - pos
+            out[pos - a:pos - a + take].copy_(buf[pos - base:pos - base + take])
             pos += take
-        return out
+        return out.view(e.dtype)
 
     def release(self) -> None:
         self._buffers.clear()

@@ -251,3 +251,42 @@ def _slice_plain(entry: dict, a: int, b: int, key: str) -> Optional[torch.Tensor
     if isinstance(v, torch.Tensor) and v.dim() > 0:
         return v.reshape(-1)[a:b]
     return v
+
+
+# -- in-place fill (checkpoint loading) ------------------------------------------------------
+def fill_run_inplace(opt: "ZeroOptimizer", run: Run, keys: list[str], fetch) -> None:
+    """Like ``_fill_run`` but writes into the state tensors the run already has (so state that
+    lives elsewhere, e.g. offloaded, stays where it is) and allocates without zero-filling
+    otherwise: the pieces of a run cover it exactly. ``fetch(name, start, stop, key)``
+    returns that range of a tensor state, a scalar, or None; ``keys`` are the state keys."""
+    pieces = list(_run_pieces(run))
+    if not pieces:
+        return
+    first = pieces[0]
+    current = opt.inner.state.get(run.tensor, {})
+    state: dict[str, Any] = {}
+    for key in keys:
+        probe = fetch(first.segment.name, first.start, first.stop, key)
+        if probe is None:
+            continue
+        if not isinstance(probe, torch.Tensor) or probe.dim() == 0:
+            state[key] = probe.clone() if isinstance(probe, torch.Tensor) else probe
+            continue
+        buf = current.get(key)
+        if not (isinstance(buf, torch.Tensor) and buf.shape == (run.b - run.a,)):
+            buf = torch.empty(run.b - run.a, dtype=run.tensor.dtype, device=run.tensor.device)
+        for piece in pieces:
+            o = piece.unit_offset - run.a
+            buf[o:o + piece.numel].copy_(fetch(piece.segment.name, piece.start, piece.stop, key).reshape(-1))
+        state[key] = buf
+    if state:
+        opt.inner.state[run.tensor] = state
+    else:  # saved before the first step: no state, and none may linger from before the load
+        opt.inner.state.pop(run.tensor, None)
+    if run.unit.separate_master:
+        for piece in pieces:
+            master = fetch(piece.segment.name, piece.start, piece.stop, "__master__")
+            if master is not None:
+                o = piece.unit_offset - run.a
+                run.tensor[o:o + piece.numel].copy_(master)
+        run.unit.write_back()
