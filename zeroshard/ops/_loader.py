@@ -94,7 +94,11 @@ def _stale_installed(spec: KernelSpec) -> str | None:
         return None
     built = os.path.getmtime(found.origin)
     src_dir = os.path.dirname(os.path.join(root, spec.sources[0]))
-    newer = [f for f in sorted(os.listdir(src_dir)) if os.path.getmtime(os.path.join(src_dir, f)) > built]
+    # Headers count (the sources include them); CUDA files only for the CUDA kernel, docs never.
+    exts = (".cpp", ".h", ".inc", ".cu", ".cuh") if spec.cuda else (".cpp", ".h", ".inc")
+    newer = [f for f in sorted(os.listdir(src_dir))
+             if f.endswith(exts) and not (not spec.cuda and f.startswith("cuda_"))
+             and os.path.getmtime(os.path.join(src_dir, f)) > built]
     return f"installed module is older than csrc sources ({', '.join(newer)})" if newer else None
 
 
