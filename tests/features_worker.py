@@ -175,3 +175,27 @@ def run(rank: int, world: int, out_path: str, checks: list[str]) -> None:
     results = {name: globals()[f"check_{name}"](rank, world) for name in checks}
     with open(f"{out_path}.rank{rank}", "w") as f:
         json.dump(results, f)
+
+
+def check_offload(rank: int, world: int) -> dict:
+    """CPU offload must not change a single bit (on a CPU-only machine it moves nothing; on
+    a GPU it moves master, moments and gradients to host memory)."""
+    from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+    cfg = GPTConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, seq_len=8)
+    out = {}
+    for stage, params in ((1, None), (2, None), (3, None), (3, "cpu")):
+        finals = []
+        for offload in (None, "cpu"):
+            torch.manual_seed(0)
+            model = TinyGPT(cfg)
+            opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=stage,
+                                          offload_optimizer=offload, offload_params=params if offload else None)
+            for step in range(4):
+                x, y = synthetic_batch(step, 8, cfg)
+                local = 8 // world
+                model(x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]).backward()
+                opt.step()
+                opt.zero_grad()
+            finals.append(zeroshard.full_state_dict(model, rank0_only=False))
+        out[f"stage{stage}-params{params}"] = all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
+    return out

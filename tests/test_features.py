@@ -8,7 +8,7 @@ import pytest
 from tests import features_worker
 from zeroshard.launch import spawn
 
-CHECKS = ["state_dicts", "memory", "fp16_overflow", "schedulers"]
+CHECKS = ["state_dicts", "memory", "fp16_overflow", "schedulers", "offload"]
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +70,9 @@ def test_schedulers_drive_the_sharded_optimizer(results):
             n = len(torch_lrs)
             assert zero_lrs[:n] == pytest.approx(torch_lrs), name
             assert zero_lrs[n:] == pytest.approx(torch_lrs), name  # what the inner step uses
+
+
+@pytest.mark.parametrize("world", (2, 4))
+def test_cpu_offload_is_bit_identical(results, world):
+    for r in results(world):
+        assert all(r["offload"].values()), r["offload"]

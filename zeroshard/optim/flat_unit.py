@@ -13,12 +13,30 @@ A ``FlatUnit`` owns:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from zeroshard.layout import NamedParam, UnitLayout
 from zeroshard.stages import StagePolicy
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a unit's pieces live (``offload_optimizer`` / ``offload_params``): "cpu" puts
+    them in (pinned, when the model is on an accelerator) host memory. On a CPU-only
+    machine the model already lives there, so the placement changes nothing."""
+
+    optimizer: Optional[str] = None
+    params: Optional[str] = None
+    pin: bool = True
+
+    def optimizer_device(self, model_device: torch.device) -> torch.device:
+        return torch.device("cpu") if self.optimizer == "cpu" else model_device
+
+    def param_device(self, model_device: torch.device) -> torch.device:
+        return torch.device("cpu") if self.params == "cpu" else model_device
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -39,12 +57,18 @@ def is_allocated(t: torch.Tensor) -> bool:
 
 class FlatUnit:
     def __init__(self, layout: UnitLayout, members: Sequence[NamedParam], policy: StagePolicy,
-                 rank: int, param_dtype: torch.dtype, device: Optional[torch.device] = None) -> None:
+                 rank: int, param_dtype: torch.dtype, device: Optional[torch.device] = None,
+                 placement: Optional[Placement] = None) -> None:
         self.layout = layout
         self.members = list(members)
         self.policy = policy
         self.dtype = param_dtype
         self.device = device or self.members[0].param.device
+        placement = placement or Placement()
+        state_device = placement.optimizer_device(self.device)
+        shard_device = placement.param_device(self.device)
+        # Pinned host memory only pays off (and only exists) next to an accelerator.
+        pin = placement.pin and self.device.type != "cpu"
         self.owned = layout.slice_of(rank) if policy.shard_optimizer else (0, layout.padded_numel)
         lo, hi = self.owned
         self.separate_master = param_dtype != torch.float32
@@ -52,10 +76,15 @@ class FlatUnit:
         """Parameters had no values (meta device): the owner must initialise the shard."""
         self.flat = torch.zeros(layout.padded_numel, dtype=param_dtype, device=self.device)
         if policy.shard_parameters:
-            self.shard = torch.zeros(hi - lo, dtype=param_dtype, device=self.device)
+            self.shard = torch.zeros(hi - lo, dtype=param_dtype, device=shard_device,
+                                     pin_memory=pin and shard_device.type == "cpu")
         else:
             self.shard = self.flat[lo:hi]
-        self.master = (torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
+        # fp32 master and optimizer state live where the placement says; a master on another
+        # device than the model (CPU offload with a GPU model) is a separate copy.
+        self.separate_master = self.separate_master or state_device != self.shard.device
+        self.master = (torch.zeros(hi - lo, dtype=torch.float32, device=state_device,
+                                   pin_memory=pin and state_device.type == "cpu")
                        if self.separate_master else self.shard)
         with torch.no_grad():
             for m, seg in zip(self.members, layout.segments):
@@ -66,7 +95,8 @@ class FlatUnit:
             free_storage(self.flat)
         self.grad_base = lo if policy.shard_gradients else 0
         store_numel = hi - lo if policy.shard_gradients else layout.padded_numel
-        self.grad_store = torch.zeros(store_numel, dtype=torch.float32, device=self.device)
+        self.grad_store = torch.zeros(store_numel, dtype=torch.float32, device=state_device,
+                                      pin_memory=pin and state_device.type == "cpu")
         self.grad_valid = False
         """False after zero_grad(set_to_none=True): the next reduced gradient overwrites."""
 
@@ -111,6 +141,8 @@ class FlatUnit:
         """Add ``factor *`` a reduced gradient whose element 0 sits at unit offset ``base``."""
         a = self.grad_base
         src = reduced[a - base:a - base + self.grad_store.numel()]
+        if src.device != self.grad_store.device:  # offloaded: device -> host, per unit
+            src = src.to(self.grad_store.device)
         if self.grad_valid:
             self.grad_store.add_(src, alpha=factor)
         else:

@@ -107,7 +107,7 @@ class GradientReducer:
         if bucket is None:
             unit = self.units[ui]
             in_place = (not unit.policy.shard_gradients and not unit.grad_valid
-                        and self.reduce_dtype == torch.float32)
+                        and self.reduce_dtype == torch.float32 and unit.grad_store.device == unit.device)
             if in_place:  # Note [in-place first pass]
                 bucket = unit.grad_store
             else:

@@ -28,7 +28,7 @@ from zeroshard.layout import NamedParam, Segment, build_layouts, layouts_for
 from zeroshard.memory import MemoryReport, tensor_bytes
 from zeroshard.optim import registry, state_io
 from zeroshard.optim.elementwise import check_elementwise
-from zeroshard.optim.flat_unit import FlatUnit
+from zeroshard.optim.flat_unit import FlatUnit, Placement
 from zeroshard.optim.grad_sync import GradientReducer
 from zeroshard.optim.params import ParamsLike, normalize_params
 from zeroshard.precision import DynamicLossScaler
@@ -54,10 +54,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.config.stage == 3 and not isinstance(model_or_params, nn.Module):
             raise ValueError("stage=3 partitions parameters by module, so it needs the nn.Module "
                              "itself: ZeroOptimizer(model, ...), not a list of parameters or groups")
-        if self.config.offload_optimizer or self.config.offload_params:
+        if "nvme" in (self.config.offload_optimizer, self.config.offload_params):
             raise RuntimeError(
                 f"offload_optimizer={self.config.offload_optimizer!r}, offload_params="
-                f"{self.config.offload_params!r}: this build of zeroshard has no offload yet")
+                f"{self.config.offload_params!r}: NVMe offload is not in this build yet; "
+                "offload to 'cpu' is")
         device = None
         meta_shapes: dict[int, torch.Size] = {}
         if isinstance(model_or_params, nn.Module):
@@ -83,8 +84,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             layouts = layouts_for(groupings, self.comm.world_size)
         else:
             layouts = build_layouts(trainable, bucket_numel, self.comm.world_size)
+        placement = Placement(self.config.offload_optimizer, self.config.offload_params)
         self.units = [FlatUnit(layout, members, self.policy, self.comm.rank, param_dtype,
-                               device if meta_shapes else None) for layout, members in layouts]
+                               device if meta_shapes else None, placement) for layout, members in layouts]
         self.optimizer_class = optimizer_class
         inner_class, inner_kwargs = _pick_kernel(optimizer_class, kwargs, self.config.fused_adam)
         self.runs, self.inner = _build_inner(inner_class, groups, self.units, inner_kwargs)
