@@ -44,7 +44,9 @@ class MemoryReport:
     master_weights: int
     optimizer_states: int
     buffers: int = 0
-    """Transient communication buckets alive at the moment of the report."""
+    """Transient communication buckets (and stage-3 gather buffers) alive at the moment."""
+    offloaded: int = 0
+    """Bytes of state kept in NVMe swap files rather than in memory (not in model_states)."""
 
     @property
     def model_states(self) -> int:
@@ -56,7 +58,8 @@ class MemoryReport:
     def __str__(self) -> str:
         mib = lambda n: f"{n / 2**20:8.2f} MiB"  # noqa: E731
         return (f"params {mib(self.parameters)} | grads {mib(self.gradients)} | master "
-                f"{mib(self.master_weights)} | optim {mib(self.optimizer_states)} | buffers {mib(self.buffers)}")
+                f"{mib(self.master_weights)} | optim {mib(self.optimizer_states)} | buffers {mib(self.buffers)}"
+                + (f" | on NVMe {mib(self.offloaded)}" if self.offloaded else ""))
 
 
 def zero_formula(stage: int, numel: int, world_size: int, *, param_bytes: int = 4,

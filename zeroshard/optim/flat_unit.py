@@ -33,7 +33,8 @@ class Placement:
     pin: bool = True
 
     def optimizer_device(self, model_device: torch.device) -> torch.device:
-        return torch.device("cpu") if self.optimizer == "cpu" else model_device
+        # "nvme": the moments go to the swap file; master and gradients wait in host memory.
+        return torch.device("cpu") if self.optimizer in ("cpu", "nvme") else model_device
 
     def param_device(self, model_device: torch.device) -> torch.device:
         return torch.device("cpu") if self.params == "cpu" else model_device

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -30,6 +31,7 @@ from zeroshard.optim import registry, state_io
 from zeroshard.optim.elementwise import check_elementwise
 from zeroshard.optim.flat_unit import FlatUnit, Placement
 from zeroshard.optim.grad_sync import GradientReducer
+from zeroshard.offload import NvmeOptimizerState
 from zeroshard.optim.params import ParamsLike, normalize_params
 from zeroshard.precision import DynamicLossScaler
 from zeroshard.stages import policy_for_stage
@@ -54,11 +56,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.config.stage == 3 and not isinstance(model_or_params, nn.Module):
             raise ValueError("stage=3 partitions parameters by module, so it needs the nn.Module "
                              "itself: ZeroOptimizer(model, ...), not a list of parameters or groups")
-        if "nvme" in (self.config.offload_optimizer, self.config.offload_params):
-            raise RuntimeError(
-                f"offload_optimizer={self.config.offload_optimizer!r}, offload_params="
-                f"{self.config.offload_params!r}: NVMe offload is not in this build yet; "
-                "offload to 'cpu' is")
+        if self.config.offload_params == "nvme":
+            raise RuntimeError("offload_params='nvme' is not in this build yet; offload_params='cpu' "
+                               "and offload_optimizer='nvme' are")
         device = None
         meta_shapes: dict[int, torch.Size] = {}
         if isinstance(model_or_params, nn.Module):
@@ -90,6 +90,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.optimizer_class = optimizer_class
         inner_class, inner_kwargs = _pick_kernel(optimizer_class, kwargs, self.config.fused_adam)
         self.runs, self.inner = _build_inner(inner_class, groups, self.units, inner_kwargs)
+        self.swapper: Optional[NvmeOptimizerState] = None
+        if self.config.offload_optimizer == "nvme":
+            if inner_class.__name__ != "FusedAdam":
+                raise ValueError(
+                    f"offload_optimizer='nvme' streams Adam/AdamW moments through the fused kernel; "
+                    f"{optimizer_class.__name__}(**{kwargs}) does not run on it (use torch.optim.Adam "
+                    "or AdamW without amsgrad/foreach/fused/capturable, or offload_optimizer='cpu')")
+            self.swapper = NvmeOptimizerState(self.runs, self.config.nvme_path, self.comm.rank)
+            self.inner.state = self.swapper
+            weakref.finalize(self, self.swapper.close)
         user_groups = [{**{k: v for k, v in ig.items() if k != "params"}, "params": g["params"]}
                        for g, ig in zip(groups, self.inner.param_groups)]
         super().__init__(user_groups, dict(self.inner.defaults))
@@ -197,7 +207,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if overflow or not self.reducer.grads_since_clear:
             return loss
         self._sync_hyperparameters()
-        self.inner.step()
+        if self.swapper is not None:
+            self.swapper.step(self.inner.param_groups)
+        else:
+            self.inner.step()
         for unit in self.units:
             unit.write_back()
         self.gather_params()
@@ -261,8 +274,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                            for u in self.units) + frozen,
             gradients=sum(tensor_bytes(u.grad_store, seen) for u in self.units),
             master_weights=sum(tensor_bytes(u.master, seen) for u in self.units if u.separate_master),
-            optimizer_states=sum(tensor_bytes(v, seen) for s in self.inner.state.values()
-                                 for v in s.values() if isinstance(v, torch.Tensor)),
+            optimizer_states=(self.swapper.pool_bytes if self.swapper is not None else
+                              sum(tensor_bytes(v, seen) for s in self.inner.state.values()
+                                  for v in s.values() if isinstance(v, torch.Tensor))),
+            offloaded=self.swapper.file_bytes if self.swapper is not None else 0,
             buffers=self.reducer.live_bucket_bytes() + (self.gatherer.gathered_bytes() if self.gatherer else 0),
         )
 

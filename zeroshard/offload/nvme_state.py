@@ -1,0 +1,185 @@
+"""Adam/AdamW moments in a swap file on NVMe, streamed through a small pool of buffers.
+
+``offload_optimizer="nvme"`` keeps each run's ``exp_avg`` and ``exp_avg_sq`` (8 bytes per
+parameter: the bulk of the training state) in one preallocated swap file per rank. The
+step walks the runs in order through a pool of three aligned buffers: while run ``i`` is
+updated by the fused CPU kernel, run ``i+1`` is being read and run ``i-1`` written, so host
+memory holds three runs' moments, not the model's (``pool_bytes``). Step counts stay in
+memory. The fp32 master values stay in memory too (for fp32 models they are the parameters
+themselves); swapping them as well is the next step (see docs/design.md).
+
+The object is also the inner optimizer's ``state`` mapping: reading ``state[run.tensor]``
+reads that run's moments from the file, assigning writes them, so state dicts and
+checkpoints stream run by run through the same code as in-memory state.
+
+The file is allocated in full at construction (``posix_fallocate``), so a disk that is too
+small fails there, with the size needed, and never in the middle of a step with half the
+runs updated. Swap files are scratch: each run creates its own (named by rank and pid) and
+state comes back from checkpoints, so a file truncated or damaged between runs is never
+read; one truncated during a run fails the next read with the path and sizes.
+"""
+from __future__ import annotations
+
+import errno
+import glob
+import os
+import re
+from collections.abc import Iterator, MutableMapping
+from typing import Any, Sequence
+
+import torch
+
+from zeroshard.io import ALIGN, AIOError, AsyncIO, DiskFullError, aligned_empty
+from zeroshard.ops import adam_step_
+
+KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def _remove_stale(nvme_path: str, rank: int) -> None:
+    """Swap files are scratch, never reused (state is restored from checkpoints), so a file
+    left by a killed run of this rank on this machine only takes space: remove it."""
+    for path in glob.glob(os.path.join(nvme_path, f"zeroshard-optim-rank{rank:05d}-pid*.swap")):
+        m = re.search(r"-pid(\d+)\.swap$", path)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+class NvmeOptimizerState(MutableMapping):
+    def __init__(self, runs: Sequence[Any], nvme_path: str, rank: int) -> None:
+        self.runs = list(runs)
+        if not os.path.isdir(nvme_path):
+            raise FileNotFoundError(f"nvme_path={nvme_path!r} is not a directory; create it or point "
+                                    "nvme_path at a directory on the NVMe drive")
+        if not os.access(nvme_path, os.W_OK):
+            raise PermissionError(f"nvme_path={nvme_path!r} is not writable by this process")
+        self.path = os.path.join(nvme_path, f"zeroshard-optim-rank{rank:05d}-pid{os.getpid()}.swap")
+        self._offset: dict[int, int] = {}
+        offset = 0
+        for run in self.runs:
+            self._offset[id(run.tensor)] = offset
+            offset += _aligned(run.tensor.numel() * 4) * len(KEYS)
+        self.file_bytes = offset
+        _remove_stale(nvme_path, rank)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        except OSError as exc:
+            raise AIOError(exc.errno, f"cannot create the swap file {self.path!r}: {exc.strerror}; "
+                           "nvme_path must be a writable directory", self.path, 0, 0) from exc
+        try:
+            if offset:
+                os.posix_fallocate(fd, 0, offset)
+        except OSError as exc:
+            os.unlink(self.path)
+            cls = DiskFullError if exc.errno in (errno.ENOSPC, errno.EDQUOT) else AIOError
+            raise cls(exc.errno, f"offload_optimizer='nvme' needs {offset / 2**30:.3f} GiB in "
+                      f"{nvme_path!r} for this rank's optimizer state, and the file system refused "
+                      f"it ({exc.strerror}); free space or use another nvme_path", self.path, 0, offset) from exc
+        finally:
+            os.close(fd)
+        self.aio = AsyncIO()
+        largest = max((_aligned(r.tensor.numel() * 4) for r in self.runs), default=ALIGN)
+        self._pool = [aligned_empty(largest * len(KEYS) // 4, torch.float32) for _ in range(3)]
+        self.pool_bytes = sum(b.numel() * 4 for b in self._pool)
+        self._steps: dict[int, torch.Tensor] = {}
+        self._keys = {id(r.tensor): r.tensor for r in self.runs}
+
+    # -- layout ---------------------------------------------------------------------------------
+    def _views(self, buf: torch.Tensor, numel: int) -> list[torch.Tensor]:
+        stride = _aligned(numel * 4) // 4
+        return [buf[k * stride:k * stride + numel] for k in range(len(KEYS))]
+
+    def _region(self, t: torch.Tensor) -> tuple[int, int]:
+        return self._offset[id(t)], _aligned(t.numel() * 4) * len(KEYS)
+
+    def _read(self, t: torch.Tensor, buf: torch.Tensor):
+        off, nbytes = self._region(t)
+        return self.aio.pread(buf[:nbytes // 4], self.path, off)
+
+    def _write(self, t: torch.Tensor, buf: torch.Tensor):
+        off, nbytes = self._region(t)
+        return self.aio.pwrite(buf[:nbytes // 4], self.path, off)
+
+    # -- the mapping the inner optimizer and the checkpoint code see ---------------------------
+    def __getitem__(self, t: torch.Tensor) -> dict:
+        if id(t) not in self._steps:
+            raise KeyError(t)
+        buf = aligned_empty(self._region(t)[1] // 4, torch.float32)
+        self._read(t, buf).wait()
+        return {"step": self._steps[id(t)].clone(),
+                **{k: v.clone() for k, v in zip(KEYS, self._views(buf, t.numel()))}}
+
+    def __setitem__(self, t: torch.Tensor, state: dict) -> None:
+        if id(t) not in self._offset:
+            raise KeyError(f"tensor of shape {tuple(t.shape)} is not a run of this optimizer")
+        missing = [k for k in ("step", *KEYS) if k not in state]
+        if missing:
+            raise ValueError(f"Adam state for an offloaded run lacks {missing}")
+        buf = aligned_empty(self._region(t)[1] // 4, torch.float32)
+        for view, k in zip(self._views(buf, t.numel()), KEYS):
+            view.copy_(state[k].reshape(-1))
+        self._write(t, buf).wait()
+        step = state["step"]
+        self._steps[id(t)] = (step if isinstance(step, torch.Tensor) else torch.tensor(float(step))).detach().clone()
+
+    def __delitem__(self, t: torch.Tensor) -> None:
+        del self._steps[id(t)]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._keys[i] for i in self._steps)
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    # -- the step ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, param_groups: Sequence[dict]) -> None:
+        """One Adam/AdamW step over every run with a gradient, pipelined through the pool."""
+        todo = [r for r in self.runs if r.tensor.grad is not None and r.unit.grad_valid and r.tensor.numel()]
+        reads: dict[int, Any] = {}
+        writes: list[Any] = [None, None, None]
+
+        def start_read(i: int) -> None:
+            slot = i % 3
+            if writes[slot] is not None:  # the buffer is still being written from run i-3
+                writes[slot].wait()
+                writes[slot] = None
+            t = todo[i].tensor
+            if id(t) in self._steps:
+                reads[i] = self._read(t, self._pool[slot])
+            else:  # first step: moments start at zero
+                self._pool[slot][:self._region(t)[1] // 4].zero_()
+        if todo:
+            start_read(0)
+        for i, run in enumerate(todo):
+            if i + 1 < len(todo):
+                start_read(i + 1)
+            if i in reads:
+                reads.pop(i).wait()
+            t = run.tensor
+            group = param_groups[run.group]
+            step = self._steps.setdefault(id(t), torch.tensor(0.0))
+            step += 1
+            beta1, beta2 = (float(b) for b in group["betas"])
+            exp_avg, exp_avg_sq = self._views(self._pool[i % 3], t.numel())
+            adam_step_(t, t.grad, exp_avg, exp_avg_sq, step=int(step.item()), lr=float(group["lr"]),
+                       beta1=beta1, beta2=beta2, eps=float(group["eps"]),
+                       weight_decay=float(group["weight_decay"]), adamw_mode=bool(group["adamw_mode"]),
+                       grad_scale=-1.0 if group.get("maximize") else 1.0)
+            writes[i % 3] = self._write(t, self._pool[i % 3])
+        for w in writes:
+            if w is not None:
+                w.wait()
+
+    def close(self) -> None:
+        self.aio.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
