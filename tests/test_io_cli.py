@@ -49,3 +49,16 @@ def test_python_m_zeroshard_io_prints_status():
     out = subprocess.run([sys.executable, "-m", "zeroshard.io"], capture_output=True, text=True, timeout=300,
                          check=True).stdout
     assert out.startswith("backend    ") and "fallback" in out and "O_DIRECT" in out
+
+
+def test_disabled_native_engine_falls_back_and_says_why(tmp_path):
+    env = dict(os.environ, ZEROSHARD_DISABLE_KERNELS="1")
+    out = subprocess.run([sys.executable, "-m", "zeroshard.io"], capture_output=True, text=True, timeout=300,
+                         check=True, env=env).stdout
+    assert "backend    python" in out and "ZEROSHARD_DISABLE_KERNELS=1" in out
+    code = ("import torch, zeroshard.io as z; io = z.AsyncIO(); t = z.aligned_empty(5000, torch.float32).fill_(3);"
+            f"io.pwrite(t, {str(tmp_path / 'f.bin')!r}).wait(); u = z.aligned_empty(5000, torch.float32);"
+            f"io.pread(u, {str(tmp_path / 'f.bin')!r}).wait(); print(io.backend, bool((u == 3).all()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True,
+                         env=env).stdout
+    assert out.split() == ["python", "True"]

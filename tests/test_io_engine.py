@@ -156,3 +156,16 @@ def test_native_requested_but_disabled_is_explained(monkeypatch):
     io = engine.AsyncIO(backend="auto")
     assert io.backend == "python"
     io.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unwaited_requests_release_files_and_report_errors(tmp_path, backend):
+    io = make_engine(backend, block_size=BLOCK)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    src = pattern(1000)
+    for i in range(50):  # never waited one by one
+        io.pwrite(src, tmp_path / f"f{i}.bin")
+    io.wait_all()
+    assert len(io._pending) == 0
+    assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
+    io.close()

@@ -117,8 +117,9 @@ class AsyncIO:
         direct_bytes = sum(t[3] for t in tasks if t[0] != t[1])
         h = Handle(op, f, tensor, path, offset, nbytes, write, direct_bytes)
         with self._lock:
-            # Completed handles are dropped here so a long-lived engine's list stays short.
-            self._pending = [p for p in self._pending if not p.done()]
+            # Completed handles close their files and leave the list here, so a long-lived engine
+            # holds neither descriptors nor tensors of finished requests; failed ones stay for wait_all.
+            self._pending = [p for p in self._pending if not p.reap()]
             self._pending.append(h)
         return h
 

@@ -47,6 +47,16 @@ class Handle:
             assert self._tensor is not None
             return self._tensor
 
+    def reap(self) -> bool:
+        """If the request has completed, closes its descriptors (records any error for
+        ``wait``) and returns True when nothing is left to report; never blocks."""
+        if not self.done():
+            return False
+        with self._lock:
+            if not self._finished:
+                self._finish()
+            return self._error is None
+
     def _finish(self) -> None:
         self._finished = True
         if self._op is not None:
