@@ -171,3 +171,15 @@ def test_o_direct_refused_at_open_uses_buffered_and_says_so(tmp_path, backend, m
     refused = engine_status()["direct_io"]["refused_by"]
     assert any("refuses O_DIRECT" in why and "buffered" in why for why in refused.values())
     io.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wait_all_reports_errors_not_yet_seen(tmp_path, backend):
+    io = make_engine(backend, block_size=BLOCK)
+    with small_filesystem(str(tmp_path), size_mb=8) as mnt:
+        io.pwrite(pattern(4 << 20), os.path.join(mnt, "a.bin"))  # never waited by the caller
+        io.pwrite(pattern(10), tmp_path / "ok.bin")
+        with pytest.raises(DiskFullError, match="a.bin"):
+            io.wait_all()
+        io.wait_all()  # reported once
+        io.close()

@@ -65,11 +65,14 @@ class AsyncIO:
         return self._submit(tensor, path, offset, write=False)
 
     def wait_all(self) -> None:
-        """Waits for every request submitted so far; raises the first error after all are done."""
+        """Waits for every request submitted so far; then raises the first error that no
+        ``Handle.wait()`` has raised yet."""
         with self._lock:
             pending, self._pending = self._pending, []
         first: Optional[BaseException] = None
         for h in pending:
+            if h.reap():
+                continue
             try:
                 h.wait()
             except OSError as exc:

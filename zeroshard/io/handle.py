@@ -27,6 +27,7 @@ class Handle:
         self._lock = threading.Lock()
         self._finished = False
         self._error: Optional[errors.AIOError] = None
+        self._reported = False  # the error reached a caller through wait()
         self.direct_bytes = direct_bytes
         """Bytes planned through O_DIRECT (the rest: unaligned tail or buffer, or no O_DIRECT)."""
         self.direct_fallbacks = 0
@@ -43,19 +44,21 @@ class Handle:
             if not self._finished:
                 self._finish()
             if self._error is not None:
+                self._reported = True
                 raise self._error
             assert self._tensor is not None
             return self._tensor
 
     def reap(self) -> bool:
         """If the request has completed, closes its descriptors (records any error for
-        ``wait``) and returns True when nothing is left to report; never blocks."""
+        ``wait``) and returns True when nothing is left to report: it succeeded, or its
+        error was already raised by ``wait()``. Never blocks."""
         if not self.done():
             return False
         with self._lock:
             if not self._finished:
                 self._finish()
-            return self._error is None
+            return self._error is None or self._reported
 
     def _finish(self) -> None:
         self._finished = True
