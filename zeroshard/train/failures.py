@@ -41,10 +41,11 @@ def is_peer_failure(exc: BaseException) -> bool:
 
 def peer_failure_message(rank: int, step: int, exc: BaseException, latest: Optional[str],
                          timeout_s: float) -> str:
+    """``step``: the step being computed (1-based) when the collective failed."""
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    resume = (f"the latest checkpoint is {latest}; run the same command again to resume from it"
-              if latest else "no checkpoint was saved yet; running the same command again starts over")
-    return (f"zeroshard: rank {rank} stopped at step {step}: a collective failed ({first_line[:300]}). "
+    resume = (f"The latest checkpoint is {latest}: run the same command again to resume from it"
+              if latest else "No checkpoint was saved yet: running the same command again starts over")
+    return (f"zeroshard: rank {rank} stopped during step {step}: a collective failed ({first_line[:300]}). "
             f"The most likely cause is that another rank died (killed, out of memory, crashed) or hung "
             f"for more than --collective-timeout={timeout_s:g}s; check that rank's log. {resume}.")
 

@@ -40,9 +40,22 @@ def setup_distributed(timeout_s: float) -> torch.device:
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(seconds=timeout_s))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 or dist.is_initialized():
+        return device
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's static rendezvous keeps one store across --max-restarts, so a restarted
+        # job would read the dead workers' gloo/NCCL addresses from it and fail to connect:
+        # give every attempt its own key space.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"zeroshard/attempt-{attempt}", store),
+                                rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
     return device
 
 
@@ -114,7 +127,7 @@ def train(cfg: FinetuneConfig) -> int:
             dist.destroy_process_group()
         return 0
     except Exception as exc:  # noqa: BLE001 - turned into an exit status with a message
-        step = loop.step if loop is not None else 0
+        step = loop.step + 1 if loop is not None else 0  # the step in progress
         log = progress.log if progress is not None else None
         if world > 1 and is_peer_failure(exc):
             exit_now(EXIT_PEER_FAILURE, peer_failure_message(rank, step, exc, zeroshard.latest_checkpoint(root),
