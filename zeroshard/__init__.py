@@ -17,3 +17,5 @@ __version__ = "0.1.0"
 __all__ = ["ZeroOptimizer", "ZeroConfig", "MemoryReport", "zero_formula", "full_state_dict",
            "init_meta_weights", "load_safetensors", "__version__"]
 __all__ += ["save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint", "wait_checkpoint"]
+from zeroshard.train.initialize import initialize  # noqa: E402 - a DeepSpeed config -> (model, optimizer, scheduler)
+__all__ += ["initialize"]
