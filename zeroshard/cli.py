@@ -23,6 +23,7 @@ class Command:
 
 SUBCOMMAND_MODULES: list[str] = [
     "zeroshard.checkpoint.commands",  # inspect, verify, export
+    "zeroshard.train.finetune",  # finetune (torchrun; reruns resume)
     "zeroshard.io.commands",  # bench (aio; BENCH_MODULES there adds memory/step)
 ]
 
