@@ -10,7 +10,7 @@ import ctypes
 import errno
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 from ._plan import Task
 
@@ -99,8 +99,7 @@ class PyEngine:
     def submit(self, tasks: list[Task], write: bool) -> PyOp:
         op = PyOp(len(tasks))
         for t in tasks:
-            fut: Future = self._pool.submit(_run, op, t, write)
-            del fut
+            self._pool.submit(_run, op, t, write)  # completion is tracked by op, not by futures
         return op
 
     def shutdown(self) -> None:

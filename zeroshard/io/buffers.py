@@ -26,9 +26,7 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, pin: Optional[bo
     # Over-allocate by one alignment unit and slice: allocators only promise 64-byte alignment.
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=bool(pin))
     skip = (-raw.data_ptr()) % ALIGN
-    out = raw[skip:skip + nbytes].view(dtype)
-    assert out.data_ptr() % ALIGN == 0  # internal invariant, not a user error
-    return out
+    return raw[skip:skip + nbytes].view(dtype)
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:

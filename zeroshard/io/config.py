@@ -27,8 +27,9 @@ class AIOConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0 or self.block_size % ALIGN:
+            near = max(ALIGN, self.block_size // ALIGN * ALIGN) if isinstance(self.block_size, int) else 8 << 20
             raise ValueError(f"block_size={self.block_size!r} must be a positive multiple of {ALIGN} "
-                             f"(O_DIRECT alignment); e.g. block_size={max(ALIGN, (int(self.block_size) // ALIGN) * ALIGN) if isinstance(self.block_size, int) else 8 << 20}")
+                             f"(O_DIRECT alignment); e.g. block_size={near}")
         if not isinstance(self.queue_depth, int) or not 1 <= self.queue_depth <= 1024:
             raise ValueError(f"queue_depth={self.queue_depth!r} must be an int in [1, 1024]; 8-32 suits NVMe disks")
         if not isinstance(self.use_direct, bool):
