@@ -23,7 +23,7 @@ from zeroshard.checkpoint import jsontree, locate, manifest, rng
 from zeroshard.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map
 from zeroshard.checkpoint.shard_file import DTYPES, ShardReader, read_json
-from zeroshard.optim.state_io import fill_run_inplace
+from zeroshard.optim.state_io import fill_run
 
 
 class _Source:
@@ -190,7 +190,7 @@ def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
 
         for run in opt.runs:
             names = {p.segment.name for p in run.unit.layout.pieces_in(run.a, run.b)}
-            fill_run_inplace(opt, run, sorted(set().union(*(keys[n] for n in names))), fetch)
+            fill_run(opt, run, sorted(set().union(*(keys[n] for n in names))), fetch)
     opt.gather_params()
 
 

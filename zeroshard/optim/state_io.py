@@ -116,56 +116,22 @@ def load_sharded(opt: "ZeroOptimizer", sd: dict) -> None:
             f"{opt.comm.rank} of {opt.comm.world_size} at stage {opt.stage}. To change world size or "
             "stage, load a checkpoint (zeroshard.load_checkpoint) or a consolidated_state_dict().")
     _set_hparams(opt, sd["param_groups"])
-    opt._load_keys = {name: list(e["state"]) for name, e in pieces.items()}
-    try:
-        for run in opt.runs:
-            _fill_run(opt, run, lambda name, a, b, key: _slice_entry(pieces[name], a, b, key))
-    finally:
-        opt._load_keys = {}
+    for run in opt.runs:
+        names = [piece.segment.name for piece in _run_pieces(run)]
+        keys = sorted(set().union(*(pieces[n]["state"] for n in names))) if names else []
+        fill_run(opt, run, keys, lambda name, a, b, key: _slice_entry(pieces[name], a, b, key))
     if opt.scaler is not None and sd.get("loss_scaler"):
         opt.scaler.load_state_dict(sd["loss_scaler"])
         opt._set_grad_factor()
 
 
 def _slice_entry(entry: dict, a: int, b: int, key: str) -> Optional[torch.Tensor]:
-    src = entry["master"] if key == "__master__" else entry["state"].get(key)
+    src = entry.get("master") if key == "__master__" else entry["state"].get(key)
     if src is None:
         return None
     if isinstance(src, torch.Tensor) and src.dim() > 0:
         return src[a - entry["start"]:b - entry["start"]]
     return src
-
-
-def _fill_run(opt: "ZeroOptimizer", run: Run, fetch) -> None:
-    """Rebuilds the inner optimizer's state (and master) of one run from per-piece data;
-    ``fetch(name, start, stop, key)`` returns that range of a tensor state, or a scalar."""
-    pieces = list(_run_pieces(run))
-    if not pieces:
-        return
-    first = pieces[0].segment.name
-    keys = _state_keys(opt, first)
-    state: dict[str, Any] = {}
-    for key in keys:
-        probe = fetch(first, pieces[0].start, pieces[0].stop, key)
-        if not isinstance(probe, torch.Tensor) or probe.dim() == 0:
-            state[key] = probe.clone() if isinstance(probe, torch.Tensor) else probe
-            continue
-        buf = torch.zeros(run.b - run.a, dtype=run.tensor.dtype, device=run.tensor.device)
-        for piece in pieces:
-            o = piece.unit_offset - run.a
-            buf[o:o + piece.numel].copy_(fetch(piece.segment.name, piece.start, piece.stop, key).reshape(-1))
-        state[key] = buf
-    if state:
-        opt.inner.state[run.tensor] = state
-    if run.unit.separate_master and fetch(first, pieces[0].start, pieces[0].stop, "__master__") is not None:
-        for piece in pieces:
-            o = piece.unit_offset - run.a
-            run.tensor[o:o + piece.numel].copy_(fetch(piece.segment.name, piece.start, piece.stop, "__master__"))
-        run.unit.write_back()
-
-
-def _state_keys(opt: "ZeroOptimizer", name: str) -> list[str]:
-    return opt._load_keys.get(name, [])
 
 
 # -- consolidated -------------------------------------------------------------------------------
@@ -238,12 +204,10 @@ def load_consolidated(opt: "ZeroOptimizer", sd: dict) -> None:
     if wrong:
         raise ValueError("optimizer state does not fit this model: " + "; ".join(wrong[:10]))
     _set_hparams(opt, sd["param_groups"])
-    opt._load_keys = {name: list(saved.get(i, {})) for name, i in index.items()}
-    try:
-        for run in opt.runs:
-            _fill_run(opt, run, lambda name, a, b, key: _slice_plain(saved.get(index[name], {}), a, b, key))
-    finally:
-        opt._load_keys = {}
+    for run in opt.runs:
+        names = [piece.segment.name for piece in _run_pieces(run)]
+        keys = sorted(set().union(*(saved.get(index[n], {}) for n in names))) if names else []
+        fill_run(opt, run, keys, lambda name, a, b, key: _slice_plain(saved.get(index[name], {}), a, b, key))
 
 
 def _slice_plain(entry: dict, a: int, b: int, key: str) -> Optional[torch.Tensor]:
@@ -254,11 +218,12 @@ def _slice_plain(entry: dict, a: int, b: int, key: str) -> Optional[torch.Tensor
 
 
 # -- in-place fill (checkpoint loading) ------------------------------------------------------
-def fill_run_inplace(opt: "ZeroOptimizer", run: Run, keys: list[str], fetch) -> None:
-    """Like ``_fill_run`` but writes into the state tensors the run already has (so state that
-    lives elsewhere, e.g. offloaded, stays where it is) and allocates without zero-filling
-    otherwise: the pieces of a run cover it exactly. ``fetch(name, start, stop, key)``
-    returns that range of a tensor state, a scalar, or None; ``keys`` are the state keys."""
+def fill_run(opt: "ZeroOptimizer", run: Run, keys: list[str], fetch) -> None:
+    """Rebuilds one run's optimizer state (and master) from per-piece data, writing into the
+    state tensors the run already has (so state that lives elsewhere, e.g. offloaded, stays
+    where it is) and allocating without zero-filling otherwise: the pieces of a run cover it
+    exactly. ``fetch(name, start, stop, key)`` returns that range of a tensor state, a scalar,
+    or None (key ``"__master__"``: the master values); ``keys`` are the state keys."""
     pieces = list(_run_pieces(run))
     if not pieces:
         return
