@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
-from safetensors.torch import load_file
 
 from zeroshard.launch import free_port
-from zeroshard.train.demo import write_corpus, write_tiny_gpt2
+from zeroshard.train.demo import bitwise_diff, load_exported, write_corpus, write_tiny_gpt2
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "examples", "finetune_causal_lm.py")
@@ -111,23 +110,7 @@ def launch_ranks(ws: Workspace, output: str, fault: Optional[str] = None,
 
 
 def exported(output: str) -> dict[str, torch.Tensor]:
-    hf = os.path.join(output, "hf")
-    tensors: dict[str, torch.Tensor] = {}
-    for name in sorted(os.listdir(hf)):
-        if name.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(hf, name)))
-    return tensors
-
-
-def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
-    """Names whose bytes differ (or that only one side has)."""
-    diff = sorted(set(a) ^ set(b))
-    for k in sorted(set(a) & set(b)):
-        x, y = a[k].contiguous(), b[k].contiguous()
-        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.view(-1).view(torch.uint8),
-                                                                       y.view(-1).view(torch.uint8)):
-            diff.append(k)
-    return diff
+    return load_exported(os.path.join(output, "hf"))
 
 
 def describe(proc: subprocess.CompletedProcess) -> str:
