@@ -1,8 +1,9 @@
 """Interleaved CPU Adam measurements shared by ``bench_adam.py`` (pytest-benchmark and CLI).
 
-Every candidate runs once per round, in rotating order, on the same buffers; we report
-medians over rounds and ratios of medians, so machine noise (other processes on the 2 cores)
-hits every candidate alike. Nothing here asserts on absolute time.
+Every candidate runs once per round, in rotating order, on the same buffers; times are
+medians over rounds, and each ratio is the median over rounds of the ratio within a round,
+so machine noise (other processes on the 2 cores, whose load drifts during a run) hits the
+candidates it compares alike. Nothing here asserts on absolute time.
 
 Two stages are measured:
 
@@ -84,8 +85,8 @@ class Buffers:
         return cls(workload, flat, views)
 
 
-def measure(candidates: dict[str, Callable[[], None]], rounds: int, warmup: int = 1) -> dict[str, float]:
-    """Median seconds per candidate over ``rounds`` interleaved rounds (rotating order)."""
+def measure(candidates: dict[str, Callable[[], None]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds per candidate and round, every candidate once per round (rotating order)."""
     names = list(candidates)
     for _ in range(warmup):
         for name in names:
@@ -97,7 +98,7 @@ def measure(candidates: dict[str, Callable[[], None]], rounds: int, warmup: int 
             start = time.perf_counter()
             candidates[name]()
             samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return samples
 
 
 def _steps(n: int) -> list[torch.Tensor]:
@@ -221,15 +222,22 @@ def inductor_stage(buf: Buffers) -> Callable[[], None]:
 
 @dataclass(frozen=True)
 class Result:
-    """Medians of one workload and one stage, and the derived ratios."""
+    """The per-round timings of one workload and one stage, and what derives from them."""
 
     stage: str
     workload: Workload
-    seconds: dict[str, float]
+    samples: dict[str, list[float]]
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Median seconds per candidate."""
+        return {name: statistics.median(s) for name, s in self.samples.items()}
 
     def ratio(self, peer: str) -> float:
-        """Speed of ours relative to ``peer`` (> 1: ours is faster)."""
-        return self.seconds[peer] / self.seconds["zeroshard"]
+        """Speed of ours relative to ``peer`` (> 1: ours is faster): the median over rounds of
+        the ratio within each round, so a load change between rounds cancels out."""
+        mine = self.samples["zeroshard"]
+        return statistics.median(p / o for p, o in zip(self.samples[peer], mine))
 
     def best_torch(self) -> str:
         torch_names = [k for k in self.seconds if k.startswith("torch")]
@@ -256,7 +264,7 @@ def format_result(res: Result) -> list[str]:
                 f"({res.gbps('zeroshard', BYTES_FP32):5.1f} GB/s)  vs torch fused {res.ratio('torch_fused'):.3f}x")
         if "deepspeed" in res.seconds:
             line += f"  vs DeepSpeedCPUAdam {res.ratio('deepspeed'):.3f}x"
-        line += f"  of sweep ceiling {res.seconds['sweep'] / res.seconds['zeroshard'] * 100:5.1f}%"
+        line += f"  of sweep ceiling {res.ratio('sweep') * 100:5.1f}%"
         lines.append(line)
     else:
         best = res.best_torch()
