@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     from zeroshard.ops import kernel_status
 
     cpu = kernel_status()["cpu_adam"]
+    # The load says how much other work shared the cores: compare runs at similar loads.
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, kernel: {cpu.get('isa', 'none')} "
           f"({cpu['source']}); bytes/param: fp32 {BYTES_FP32}, mixed {BYTES_MIXED}")
     missed: list[str] = []
@@ -95,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             for line in format_result(res):
                 print(line, flush=True)
             missed += check_targets(res)
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
     print("targets: all met" if not missed else "targets missed:\n  " + "\n  ".join(missed))
     return 0
 
