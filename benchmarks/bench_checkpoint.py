@@ -20,6 +20,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Callable
 
@@ -108,13 +109,13 @@ def timed(fn: Callable[[], object], repeats: int, before: Callable[[], None] = l
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=2.0)
-    ap.add_argument("--dir", default="/tmp/zeroshard-ckbench")
+    ap.add_argument("--dir", default=None, help="where to write (default: a new directory under /tmp)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    shutil.rmtree(args.dir, ignore_errors=True)
-    os.makedirs(args.dir)
+    args.dir = args.dir or tempfile.mkdtemp(prefix="zeroshard-ckbench-", dir="/tmp")
+    os.makedirs(args.dir, exist_ok=True)
     model, opt = build(args.size_gb)
     state = flat_state(model, opt)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())

@@ -71,8 +71,10 @@ print((hwm() - base) / 2**20)
 
 
 def test_export_streams_in_bounded_memory(tmp_path):
-    """A 256 MiB model exported in 32 MB shards: the exporting process grows by far less
-    than the model (one piece chunk and two checksum blocks, not the whole state)."""
+    """A 256 MiB model exported in 32 MB shards: the exporting process grows by less than
+    the model: a fixed ~100 MiB (one 32 MiB checksum block, two 16 MiB write buffers, piece
+    chunks) plus runtime warm-up, not the state. benchmarks/bench_checkpoint.py --export
+    measures it for a model many times max_shard_size."""
     root = str(tmp_path / "ckpt")
     model = torch.nn.ModuleList([torch.nn.Linear(2048, 4096, bias=False) for _ in range(8)])
     opt = zeroshard.ZeroOptimizer(model, torch.optim.SGD, stage=0, lr=0.1)
@@ -83,4 +85,4 @@ def test_export_streams_in_bounded_memory(tmp_path):
     assert proc.returncode == 0, proc.stderr
     grew_mib = float(proc.stdout.strip().splitlines()[-1])
     assert len([f for f in os.listdir(tmp_path / "hf") if f.endswith(".safetensors")]) == 8
-    assert grew_mib < 160, f"export grew RSS by {grew_mib:.0f} MiB for a 256 MiB model"
+    assert grew_mib < 200, f"export grew RSS by {grew_mib:.0f} MiB for a 256 MiB model"

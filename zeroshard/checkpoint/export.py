@@ -19,7 +19,7 @@ from zeroshard.checkpoint import manifest
 from zeroshard.checkpoint.pieces import PARAM
 from zeroshard.checkpoint.shard_file import DTYPES, ShardReader, header_bytes, tensor_bytes, write_stream
 
-_BLOCKS = 2
+_BLOCKS = 1
 _CHUNK_ELEMS = 2 << 20
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
