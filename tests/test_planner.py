@@ -1,0 +1,115 @@
+"""The planner (``zeroshard estimate``) without processes: formulas, placement of offloaded
+bytes, fitting, recommendation, input parsing and the command line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zeroshard import zero_formula
+from zeroshard.planner import Choice, Hardware, ModelShape, Workload, all_choices, estimate, parse_bytes, parse_count, plan
+from zeroshard.planner.commands import COMMANDS
+
+GB = 10**9
+SHAPE = ModelShape.from_params(1_000_000_000)
+BIG = Hardware(gpu_memory=10**15, n_gpus=8, cpu_memory=10**15, nvme=10**15)
+
+
+@pytest.mark.parametrize("stage", (0, 1, 2, 3))
+@pytest.mark.parametrize("precision", (None, "bf16"))
+def test_model_states_follow_the_zero_formula(stage: int, precision: str | None) -> None:
+    w = Workload(mixed_precision=precision)
+    e = estimate(Choice(stage), SHAPE, BIG, w)
+    f = zero_formula(stage, SHAPE.n_params, 8, param_bytes=w.param_bytes, mixed_precision=precision is not None)
+    assert e.gpu_states.model_states == f.model_states
+    assert e.cpu_total == e.nvme_total == 0
+
+
+def test_offload_moves_optimizer_state_and_keeps_the_total() -> None:
+    w = Workload(mixed_precision="bf16")
+    on_gpu = estimate(Choice(2), SHAPE, BIG, w)
+    cpu = estimate(Choice(2, "cpu"), SHAPE, BIG, w)
+    nvme = estimate(Choice(2, "nvme"), SHAPE, BIG, w)
+    assert cpu.gpu_states.optimizer_states == cpu.gpu_states.master_weights == cpu.gpu_states.gradients == 0
+    # the states leave the GPU and land on the host; the gradient slice goes with them
+    assert cpu.gpu_states.model_states + cpu.cpu_per_rank == on_gpu.gpu_states.model_states
+    assert nvme.nvme_per_rank == on_gpu.gpu_states.optimizer_states  # the moments; the master stays in host memory
+    assert nvme.cpu_per_rank < cpu.cpu_per_rank
+    full = estimate(Choice(3, "cpu", "cpu"), SHAPE, BIG, w)
+    assert full.gpu_states.model_states == 0 and full.gpu_states.buffers > 0
+
+
+def test_checkpointing_shrinks_activations() -> None:
+    w = Workload(micro_batch=8, seq_len=2048)
+    plain = estimate(Choice(2), SHAPE, BIG, w).activations
+    ckpt = estimate(Choice(2, activation_checkpointing=True), SHAPE, BIG, w).activations
+    assert ckpt < plain / 3
+
+
+def test_recommends_the_fastest_choice_that_fits() -> None:
+    shape = ModelShape.from_params(7_000_000_000, n_layers=32, d_model=4096)
+    hw = Hardware(gpu_memory=80 * GB, n_gpus=8, cpu_memory=1000 * GB, nvme=4000 * GB)
+    p = plan(shape, hw, Workload(micro_batch=1, seq_len=2048))
+    best = p.recommended
+    assert best is not None and best.fits
+    assert not any(e.fits for e in p.estimates if e.choice.relative_cost < best.choice.relative_cost)
+    assert not next(e for e in p.estimates if e.choice == Choice(0)).fits  # 16 bytes/param > 80 GB
+    tiny = Hardware(gpu_memory=GB, n_gpus=1, cpu_memory=GB)
+    assert plan(shape, tiny, Workload()).recommended is None
+
+
+def test_choices_are_the_valid_combinations() -> None:
+    choices = all_choices()
+    assert len(choices) == len(set(choices))
+    assert Choice(3, "cpu", "cpu") in choices and Choice(0, activation_checkpointing=True) in choices
+    with pytest.raises(ValueError, match="needs stage=3"):
+        Choice(2, None, "cpu")
+    with pytest.raises(ValueError, match="stage >= 1"):
+        Choice(0, "cpu")
+
+
+def test_bad_inputs_name_the_fix() -> None:
+    assert parse_bytes("80GB") == 80 * GB and parse_bytes("1GiB") == 2**30
+    assert parse_count("124M") == 124_000_000 and parse_count("7B") == 7 * GB
+    with pytest.raises(ValueError, match="'80GB'"):
+        parse_bytes("eighty")
+    with pytest.raises(ValueError, match="124M"):
+        parse_count("12X")
+    with pytest.raises(ValueError, match="gpu-memory"):
+        Hardware(gpu_memory=0)
+    with pytest.raises(ValueError, match="mixed_precision"):
+        Workload(mixed_precision="fp8")
+    with pytest.raises(ValueError, match="n_layers"):
+        ModelShape(n_params=10, n_layers=0, d_model=8)
+
+
+def test_shape_from_a_hugging_face_config(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=3, n_head=4, vocab_size=500, n_positions=128)
+    cfg.save_pretrained(tmp_path)
+    shape = ModelShape.from_hf_config(str(tmp_path))
+    model = transformers.GPT2LMHeadModel(cfg)
+    assert shape.n_params == sum(p.numel() for p in model.parameters())
+    assert (shape.n_layers, shape.d_model, shape.n_heads, shape.vocab) == (3, 64, 4, 500)
+    with pytest.raises(ValueError, match="config.json"):
+        ModelShape.from_hf_config(str(tmp_path / "missing"))
+
+
+def _cli(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    COMMANDS["estimate"].add_arguments(p)
+    return COMMANDS["estimate"].run(p.parse_args(argv))
+
+
+def test_estimate_command(capsys) -> None:
+    assert _cli(["--params", "1.3B", "--gpu-memory", "24GB", "--gpus", "4", "--cpu-memory", "256GB",
+                 "--nvme", "1TB", "--batch", "2", "--seq-len", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended (fastest that fits)" in out and "| stage 3 + optim→nvme |" in out
+    assert _cli(["--params", "1.3B", "--gpu-memory", "24GB", "--gpus", "4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["params"] == 1_300_000_000 and len(data["rows"]) == len(all_choices())
+    assert _cli(["--params", "lots", "--gpu-memory", "24GB"]) == 2
+    assert "cannot read 'lots'" in capsys.readouterr().err

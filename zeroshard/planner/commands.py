@@ -1,0 +1,61 @@
+"""``zeroshard estimate``: which stage/offload choice fits a model on given hardware."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from zeroshard.cli import Command
+from zeroshard.planner.estimate import Hardware, Workload, plan
+from zeroshard.planner.model_shape import ModelShape
+from zeroshard.planner.report import plan_markdown
+from zeroshard.planner.units import parse_bytes, parse_count
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--params", help="trainable parameter count, e.g. 124M or 7B")
+    model.add_argument("--hf-config", help="a Hugging Face config.json (or its directory)")
+    p.add_argument("--layers", type=int, default=0, help="with --params: transformer blocks (default: assumed)")
+    p.add_argument("--hidden", type=int, default=0, help="with --params: d_model (default: assumed)")
+    p.add_argument("--vocab", type=int, default=50257, help="with --params: vocabulary size")
+    p.add_argument("--gpu-memory", required=True, help="memory per GPU, e.g. 80GB")
+    p.add_argument("--gpus", type=int, default=1, help="number of GPUs (data-parallel ranks)")
+    p.add_argument("--cpu-memory", default="0", help="CPU memory of the node, e.g. 512GB")
+    p.add_argument("--nvme", default="0", help="free NVMe space for offload, e.g. 2TB")
+    p.add_argument("--batch", type=int, default=1, help="micro-batch per GPU (sequences)")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
+    p.add_argument("--optim-bytes", type=int, default=8, help="optimizer bytes per parameter (Adam: 8)")
+    p.add_argument("--usable", type=float, default=0.9, help="usable share of GPU/CPU memory")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _run(a: argparse.Namespace) -> int:
+    try:
+        if a.hf_config:
+            shape = ModelShape.from_hf_config(a.hf_config)
+        else:
+            shape = ModelShape.from_params(parse_count(a.params), n_layers=a.layers, d_model=a.hidden, vocab=a.vocab)
+        hw = Hardware(parse_bytes(a.gpu_memory), a.gpus, parse_bytes(a.cpu_memory), parse_bytes(a.nvme), a.usable)
+        w = Workload(a.batch, a.seq_len, None if a.precision == "fp32" else a.precision, a.optim_bytes)
+    except (ValueError, TypeError) as exc:
+        print(f"zeroshard estimate: {exc}", file=sys.stderr)
+        return 2
+    result = plan(shape, hw, w)
+    if a.json:
+        best = result.recommended
+        rows = [{"config": e.choice.label, "gpu_model_states": e.gpu_states.model_states,
+                 "gpu_buffers": e.gpu_states.buffers, "activations": e.activations, "gpu_total": e.gpu_total,
+                 "cpu_total": e.cpu_total, "nvme_total": e.nvme_total,
+                 "checkpoint_async_cpu": e.checkpoint_async_cpu, "fits": e.fits, "why_not": e.why_not}
+                for e in result.estimates]
+        print(json.dumps({"params": shape.n_params, "rows": rows,
+                          "recommended": best.choice.label if best else None}, indent=1))
+    else:
+        print(plan_markdown(result))
+    return 0
+
+
+COMMANDS = {"estimate": Command("plan which ZeRO stage/offload fits a model on given hardware",
+                                _add_arguments, _run)}

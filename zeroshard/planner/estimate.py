@@ -1,0 +1,270 @@
+"""Per-GPU, CPU and NVMe bytes of each stage/offload choice, and which ones fit.
+
+Model states follow ``zeroshard.zero_formula`` (the ZeRO paper's formulas with the byte
+widths zeroshard uses); offload moves categories off the GPU the way DeepSpeed's
+ZeRO-Offload / ZeRO-Infinity do (see ``_placement``). Activations come from
+``activations.py``; buffers from the bucket and gather sizes zeroshard allocates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from zeroshard.memory import MemoryReport, zero_formula
+from zeroshard.planner.activations import activation_bytes
+from zeroshard.planner.model_shape import ModelShape
+
+_PRECISIONS = (None, "bf16", "fp16")
+_OFFLOAD = (None, "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The machine to plan for (one node: every GPU shares its CPU memory and NVMe)."""
+
+    gpu_memory: int
+    """Bytes of memory per GPU (per rank)."""
+    n_gpus: int = 1
+    """Data-parallel ranks: the N that ZeRO divides by."""
+    cpu_memory: int = 0
+    """Bytes of CPU memory of the node, shared by all ranks."""
+    nvme: int = 0
+    """Bytes of free NVMe space for offload swap files."""
+    usable_fraction: float = 0.9
+    """Share of each memory that training may use (CUDA context, allocator fragmentation
+    and the OS take the rest)."""
+    accelerator: bool = True
+    """False when the model itself trains in CPU memory ("gpu_memory" is then that memory):
+    "cpu" offload moves nothing there and fp32 training keeps no separate master copy."""
+
+    def __post_init__(self) -> None:
+        if self.gpu_memory <= 0:
+            raise ValueError(f"gpu_memory={self.gpu_memory!r} must be > 0 bytes, e.g. --gpu-memory 80GB")
+        if self.n_gpus < 1:
+            raise ValueError(f"n_gpus={self.n_gpus!r} must be >= 1")
+        if self.cpu_memory < 0 or self.nvme < 0:
+            raise ValueError(f"cpu_memory={self.cpu_memory!r} and nvme={self.nvme!r} must be >= 0")
+        if not 0 < self.usable_fraction <= 1:
+            raise ValueError(f"usable_fraction={self.usable_fraction!r} must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """How the model is trained: what sets activation and buffer sizes."""
+
+    micro_batch: int = 1
+    """Sequences per rank per forward pass."""
+    seq_len: int = 1024
+    mixed_precision: Optional[str] = "bf16"
+    """None (fp32), "bf16" or "fp16", as ``ZeroOptimizer(mixed_precision=...)``."""
+    optim_bytes_per_param: int = 8
+    """Optimizer state per parameter: 8 for Adam/AdamW (two fp32 moments), 4 SGD momentum."""
+    bucket_size_mb: float = 25.0
+    max_inflight_buckets: int = 2
+    max_live_units: int = 2
+    eager_attention: bool = False
+    """True if attention materialises the s × s scores (no fused SDPA kernel)."""
+
+    def __post_init__(self) -> None:
+        if self.micro_batch < 1 or self.seq_len < 1:
+            raise ValueError(f"micro_batch={self.micro_batch!r} and seq_len={self.seq_len!r} must be >= 1")
+        if self.mixed_precision not in _PRECISIONS:
+            raise ValueError(f"mixed_precision={self.mixed_precision!r}; use one of {_PRECISIONS}")
+        if self.optim_bytes_per_param < 0:
+            raise ValueError(f"optim_bytes_per_param={self.optim_bytes_per_param!r} must be >= 0")
+
+    @property
+    def param_bytes(self) -> int:
+        return 4 if self.mixed_precision is None else 2
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One configuration ``ZeroOptimizer`` can run."""
+
+    stage: int
+    offload_optimizer: Optional[str] = None
+    offload_params: Optional[str] = None
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+        if self.offload_optimizer not in _OFFLOAD or self.offload_params not in _OFFLOAD:
+            raise ValueError(f"offload_optimizer={self.offload_optimizer!r}, offload_params="
+                             f"{self.offload_params!r}: use None, 'cpu' or 'nvme'")
+        if self.offload_optimizer and self.stage == 0:
+            raise ValueError("offload_optimizer needs stage >= 1 (each rank offloads the slice it owns)")
+        if self.offload_params and self.stage != 3:
+            raise ValueError(f"offload_params={self.offload_params!r} needs stage=3, got stage={self.stage}")
+
+    def zero_kwargs(self) -> dict:
+        """The ``ZeroOptimizer`` arguments of this choice (offloads only when set)."""
+        kw: dict = {"stage": self.stage}
+        kw.update({k: v for k, v in (("offload_optimizer", self.offload_optimizer),
+                                     ("offload_params", self.offload_params)) if v})
+        return kw
+
+    @property
+    def label(self) -> str:
+        parts = [f"stage {self.stage}"]
+        if self.offload_optimizer:
+            parts.append(f"optim→{self.offload_optimizer}")
+        if self.offload_params:
+            parts.append(f"params→{self.offload_params}")
+        if self.activation_checkpointing:
+            parts.append("act-ckpt")
+        return " + ".join(parts)
+
+    @property
+    def relative_cost(self) -> float:
+        """A speed *ordering*, not a prediction: compute 1.0; activation checkpointing re-runs
+        the forward (+1/3); stage 3 adds a parameter all-gather in backward (1.5× the traffic
+        of stages 0-2, which all move one all-reduce's worth); offload adds PCIe/NVMe
+        traffic and a CPU optimizer step. Ties go to the lower stage (fewer collectives)."""
+        cost = 1.0 + (1 / 3 if self.activation_checkpointing else 0.0) + (0.15 if self.stage == 3 else 0.0)
+        cost += {None: 0.0, "cpu": 0.4, "nvme": 1.2}[self.offload_optimizer]
+        cost += {None: 0.0, "cpu": 0.6, "nvme": 1.8}[self.offload_params]
+        return cost + self.stage * 1e-3
+
+
+def all_choices() -> list[Choice]:
+    out = []
+    for ckpt in (False, True):
+        out += [Choice(s, activation_checkpointing=ckpt) for s in (0, 1, 2, 3)]
+        out += [Choice(s, o, activation_checkpointing=ckpt) for s in (1, 2, 3) for o in ("cpu", "nvme")]
+        # offload_params="nvme" is not in this build of zeroshard, so it is not offered
+        out += [Choice(3, o, "cpu", activation_checkpointing=ckpt) for o in ("cpu", "nvme")]
+    return out
+
+
+@dataclass(frozen=True)
+class Estimate:
+    choice: Choice
+    gpu_states: MemoryReport
+    """Model states (and, in ``buffers``, bucket/gather buffers) on each GPU."""
+    activations: int
+    cpu_per_rank: int
+    """Offloaded model states plus pinned staging buffers, per rank."""
+    nvme_per_rank: int
+    checkpoint_async_cpu: int
+    """Extra CPU memory of the node for an async checkpoint save (staging copies of what every
+    rank saves; a synchronous save writes from the live tensors and needs none)."""
+    n_gpus: int
+    fits: bool = False
+    why_not: str = ""
+
+    @property
+    def gpu_total(self) -> int:
+        return self.gpu_states.model_states + self.gpu_states.buffers + self.activations
+
+    @property
+    def cpu_total(self) -> int:
+        return self.cpu_per_rank * self.n_gpus
+
+    @property
+    def nvme_total(self) -> int:
+        return self.nvme_per_rank * self.n_gpus
+
+
+def _placement(choice: Choice, full: MemoryReport, shard_numel: int, run_numel: int, w: Workload,
+               accelerator: bool) -> tuple[MemoryReport, int, int]:
+    """Splits the formula's per-rank bytes into (device, CPU, NVMe) as zeroshard places them
+    (``Placement`` in zeroshard/optim/flat_unit.py):
+
+    - optimizer offload: the fp32 gradient store and a separate fp32 master slice (4Ψ/N, even
+      for fp32 models: the device keeps its own parameters) live in host memory; "cpu" keeps
+      the optimizer states there too, "nvme" keeps Adam's moments in a swap file and streams
+      them through three host buffers, each the size of the largest run (a unit's slice);
+    - parameter offload (stage 3, "cpu"): the rank's parameter slice lives in host memory and
+      only gathered units (``buffers``) stay on the device.
+
+    Without an accelerator the host *is* the device: nothing moves and no master is added.
+    """
+    params, grads, master, optim = full.parameters, full.gradients, full.master_weights, full.optimizer_states
+    cpu = nvme = 0
+    if choice.offload_optimizer:
+        if accelerator:
+            cpu += grads + 4 * shard_numel
+            grads = master = 0
+        if choice.offload_optimizer == "nvme":
+            nvme += optim
+            # three buffers of the largest run, even when there are fewer than three runs
+            # (zeroshard/offload/nvme_state.py): for a one-unit model that is 3x the moments
+            pool = 3 * run_numel * w.optim_bytes_per_param
+            if accelerator:
+                cpu += pool
+                optim = 0
+            else:
+                optim = pool
+        elif accelerator:
+            cpu += optim
+            optim = 0
+    if choice.offload_params == "cpu" and accelerator:
+        cpu += params
+        params = 0
+    if choice.offload_params == "nvme":
+        nvme += params
+        params = 0
+    return MemoryReport(params, grads, master, optim), cpu, nvme
+
+
+def _buffers(choice: Choice, shape: ModelShape, w: Workload) -> int:
+    """Stage 0-2: up to ``max_inflight_buckets`` fp32 gradient buckets. Stage 3 adds the
+    gather buffers of ``max_live_units`` blocks plus the root unit (embeddings, head)."""
+    bucket_numel = int(w.bucket_size_mb * 2**20) // w.param_bytes
+    buckets = min(w.max_inflight_buckets * bucket_numel, shape.n_params) * 4
+    if choice.stage < 3:
+        return buckets
+    root = max(0, shape.n_params - shape.n_layers * shape.block_params)
+    gathered = (min(w.max_live_units, shape.n_layers) * shape.block_params + root) * w.param_bytes
+    grad_buckets = min(w.max_inflight_buckets * shape.block_params, shape.n_params) * 4
+    return gathered + grad_buckets
+
+
+def estimate(choice: Choice, shape: ModelShape, hw: Hardware, w: Workload) -> Estimate:
+    n = hw.n_gpus
+    full = zero_formula(choice.stage, shape.n_params, n, param_bytes=w.param_bytes,
+                        mixed_precision=w.mixed_precision is not None,
+                        optim_bytes_per_param=w.optim_bytes_per_param)
+    bucket_numel = int(w.bucket_size_mb * 2**20) // w.param_bytes
+    run_numel = (shape.block_params if choice.stage == 3 else min(bucket_numel, shape.n_params)) // n
+    gpu, cpu, nvme = _placement(choice, full, shape.n_params // n, run_numel, w, hw.accelerator)
+    gpu = MemoryReport(gpu.parameters, gpu.gradients, gpu.master_weights, gpu.optimizer_states,
+                       buffers=_buffers(choice, shape, w))
+    act = activation_bytes(shape, w.micro_batch, w.seq_len, w.param_bytes,
+                           checkpointing=choice.activation_checkpointing, eager_attention=w.eager_attention)
+    saved = full.parameters // (1 if choice.stage == 3 else n) + full.master_weights + full.optimizer_states
+    if choice.stage == 0:
+        saved = full.parameters // n + (full.master_weights + full.optimizer_states) // n  # ranks split the writing
+    est = Estimate(choice, gpu, act, cpu, nvme, checkpoint_async_cpu=saved * n, n_gpus=n)
+    return _judge(est, hw)
+
+
+def _judge(est: Estimate, hw: Hardware) -> Estimate:
+    over = []
+    limits = (("GPU", est.gpu_total, hw.gpu_memory), ("CPU", est.cpu_total, hw.cpu_memory),
+              ("NVMe", est.nvme_total, hw.nvme))
+    for name, need, have in limits:
+        usable = have if name == "NVMe" else int(have * hw.usable_fraction)
+        if need > usable:
+            over.append(f"{name} needs {need / max(usable, 1):.2f}x what is usable" if usable else f"no {name}")
+    return replace(est, fits=not over, why_not="; ".join(over))
+
+
+@dataclass(frozen=True)
+class Plan:
+    shape: ModelShape
+    hardware: Hardware
+    workload: Workload
+    estimates: tuple[Estimate, ...]
+
+    @property
+    def recommended(self) -> Optional[Estimate]:
+        """The fitting choice with the lowest ``Choice.relative_cost``, or None."""
+        fitting = [e for e in self.estimates if e.fits]
+        return min(fitting, key=lambda e: e.choice.relative_cost) if fitting else None
+
+
+def plan(shape: ModelShape, hw: Hardware, w: Workload, choices: Optional[list[Choice]] = None) -> Plan:
+    return Plan(shape, hw, w, tuple(estimate(c, shape, hw, w) for c in (choices or all_choices())))
