@@ -24,6 +24,7 @@ class Command:
 SUBCOMMAND_MODULES: list[str] = [
     "zeroshard.checkpoint.commands",  # inspect, verify, export
     "zeroshard.train.finetune",  # finetune (torchrun; reruns resume)
+    "zeroshard.planner.commands",  # estimate
     "zeroshard.io.commands",  # bench (aio; BENCH_MODULES there adds memory/step)
 ]
 
