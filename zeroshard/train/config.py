@@ -202,7 +202,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--async-save", action="store_const", const=True, help="write checkpoints in the background")
     a("--seed", type=int, help="default 0")
     a("--collective-timeout", type=float,
-      help="seconds before a rank waiting on a dead or hung peer gives up and exits non-zero (default 300)")
+      help="seconds a collective waits for a dead or hung peer before this rank exits with status 3; a rank "
+           "with no finished step for twice this long exits too (default 300)")
     a("--log-interval", type=int, help="log every N steps (default 1)")
     a("--progress", dest="progress_bar", action="store_const", const=True, help="always show the progress bar")
     a("--no-progress", dest="progress_bar", action="store_const", const=False, help="plain log lines, no bar")

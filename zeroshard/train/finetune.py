@@ -83,7 +83,7 @@ def train(cfg: FinetuneConfig) -> int:
         result = initialize(model, ds, **overrides)
         model, opt, sched = result
         plan = result.plan
-        finish_weights(model, source, cfg.seed)
+        finish_weights(model, source)
         micro = plan.micro_batch_size or cfg.micro_batch_size
         accum = plan.gradient_accumulation_steps
         tokenizer = load_tokenizer(source.tokenizer_dir, model.config.vocab_size, model.config.eos_token_id)
@@ -97,7 +97,10 @@ def train(cfg: FinetuneConfig) -> int:
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(blocks), batch_size=micro,
                                              sampler=sampler, drop_last=True, generator=torch.Generator())
         tokens_per_step = micro * accum * world * cfg.seq_len
-        progress = Progress(cfg.output_dir, rank, cfg.max_steps, tokens_per_step, cfg.log_interval, cfg.progress_bar)
+        # A DeepSpeed config's steps_per_print sets the log interval unless --log-interval was given.
+        log_every = plan.steps_per_print if plan.steps_per_print and "log_interval" not in cfg.explicit \
+            else cfg.log_interval
+        progress = Progress(cfg.output_dir, rank, cfg.max_steps, tokens_per_step, log_every, cfg.progress_bar)
         watchdog = StepWatchdog(2 * cfg.collective_timeout, rank, progress.log).start() if world > 1 else None
         settings = LoopSettings(max_steps=cfg.max_steps, checkpoint_root=root, grad_accum=accum,
                                 grad_clip=plan.gradient_clipping, save_interval=cfg.save_interval,

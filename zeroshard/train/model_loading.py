@@ -5,8 +5,8 @@
   ZeroOptimizer owns it, ``zeroshard.load_safetensors`` reads only each rank's ranges, so no
   rank ever holds the full model.
 - ``--model-config PATH`` (a config.json or a directory holding one): random weights from
-  ``--seed`` (stage 3: ``zeroshard.init_meta_weights``, one unit at a time). For tests and
-  for training from scratch.
+  ``--seed``, built eagerly at every stage (each rank holds the full model once, before the
+  ZeroOptimizer partitions it). For tests and small from-scratch runs.
 """
 from __future__ import annotations
 
@@ -24,8 +24,6 @@ class ModelSource:
 
     weights_dir: Optional[str]
     """A directory of safetensors to load into a meta-built model, or None."""
-    needs_init: bool
-    """A meta-built model without weights: run ``zeroshard.init_meta_weights``."""
     tokenizer_dir: Optional[str]
 
 
@@ -53,32 +51,36 @@ def build_model(model_dir: Optional[str], model_config: Optional[str], stage: in
     if model_dir is not None and not _has_weights(model_dir):
         raise FileNotFoundError(f"{model_dir} has no *.safetensors weights; use --model-config for random init")
     torch.manual_seed(seed)
-    if stage == 3:
+    if stage == 3 and model_dir is not None:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-        source = ModelSource(model_dir, model_dir is None, model_dir)
+        source = ModelSource(model_dir, model_dir)
     elif model_dir is not None:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        source = ModelSource(None, False, model_dir)
+        source = ModelSource(None, model_dir)
     else:
+        # Random init from a config is built eagerly at every stage: Hugging Face models
+        # initialise weights in ``_init_weights``, not in the modules' ``reset_parameters``
+        # that ``zeroshard.init_meta_weights`` calls (GPT-2's Conv1D has none).
         model = AutoModelForCausalLM.from_config(config)
-        source = ModelSource(None, False, None)
+        source = ModelSource(None, None)
     if activation_checkpointing:
         # Non-reentrant recomputation: zeroshard's gradient hooks need each parameter's gradient
         # once per backward (docs/design.md, "Known limits").
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.train()
     return model, source
 
 
-def finish_weights(model: nn.Module, source: ModelSource, seed: int) -> None:
+def finish_weights(model: nn.Module, source: ModelSource) -> None:
     """Stage 3: fills the meta-built model once the ZeroOptimizer has partitioned it."""
     import zeroshard
     if source.weights_dir is not None:
         zeroshard.load_safetensors(model, source.weights_dir)
-    elif source.needs_init:
-        zeroshard.init_meta_weights(model, seed=seed)
 
 
 def save_model_files(model: nn.Module, tokenizer: Any, out_dir: str) -> None:
