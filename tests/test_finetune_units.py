@@ -212,3 +212,14 @@ def test_watchdog_exits_with_a_message_when_no_step_completes():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3, proc.stderr
     assert "rank 1 made no progress for 0.5s after step 7" in proc.stderr
+
+
+def test_zeroshard_finetune_subcommand_and_shipped_ds_config(tmp_path):
+    from zeroshard.cli import build_parser
+    args = build_parser().parse_args(["finetune", "--model-config", "c.json", "--data", "d.txt", "--output-dir",
+                                      str(tmp_path), "--stage", "1", "--save-steps", "7"])
+    cfg = FinetuneConfig.from_args(args)
+    assert (cfg.stage, cfg.save_interval, cfg.explicit >= {"stage", "save_interval"}) == (1, 7, True)
+    with pytest.warns(UserWarning, match="overlap_comm"):  # only supported keys; the no-op ones are named
+        plan = translate(os.path.join(REPO, "examples", "ds_config.json"))
+    assert plan.scheduler == "WarmupCosineLR" and plan.zero["stage"] == 2
