@@ -101,7 +101,6 @@ def train(cfg: FinetuneConfig) -> int:
         log_every = plan.steps_per_print if plan.steps_per_print and "log_interval" not in cfg.explicit \
             else cfg.log_interval
         progress = Progress(cfg.output_dir, rank, cfg.max_steps, tokens_per_step, log_every, cfg.progress_bar)
-        watchdog = StepWatchdog(2 * cfg.collective_timeout, rank, progress.log).start() if world > 1 else None
         settings = LoopSettings(max_steps=cfg.max_steps, checkpoint_root=root, grad_accum=accum,
                                 grad_clip=plan.gradient_clipping, save_interval=cfg.save_interval,
                                 keep_last=cfg.keep_last, async_save=cfg.async_save)
@@ -109,16 +108,19 @@ def train(cfg: FinetuneConfig) -> int:
                      "blocks": len(blocks)}
         with PreemptionHandler() as preemption:
             loop = TrainLoop(settings, model, opt, sched, loader, sampler, _hf_loss(device), progress, preemption,
-                             watchdog, faults.from_env(), run_facts)
-            progress.log(f"{world} rank(s), {opt!r}, {sum(p.numel() for p in model.parameters()):,} local "
-                         f"parameter elements, {len(blocks)} blocks x {cfg.seq_len} tokens, global batch "
-                         f"{micro * accum * world} sequences ({micro} x {accum} accumulation x {world} ranks); "
-                         f"memory: {opt.memory_report()}", echo=True)
+                             fault=faults.from_env(), extra=run_facts)
+            progress.log(f"{world} rank(s), {opt!r}, {len(blocks)} blocks x {cfg.seq_len} tokens, global batch "
+                         f"{micro * accum * world} sequences ({micro} x {accum} accumulation x {world} ranks)",
+                         echo=True)
             resumed = loop.resume()
             progress.start(loop.step, resumed)
+            # Armed only now: loading a checkpoint may take long, a step boundary must not.
+            if world > 1:
+                loop.watchdog = StepWatchdog(2 * cfg.collective_timeout, rank, progress.log).start()
             status = loop.run()
-        if watchdog is not None:
-            watchdog.stop()
+            if loop.watchdog is not None:
+                loop.watchdog.stop()
+        progress.log(f"model state on rank {rank}: {opt.memory_report()}", echo=True)
         if status == "completed" and cfg.export and rank == 0:
             out = cfg.export_dir or os.path.join(cfg.output_dir, "hf")
             zeroshard.export_hf(zeroshard.latest_checkpoint(root), out)
