@@ -82,7 +82,7 @@ def _row(bench: MemoryBench, n_params: int, shape: ModelShape, world: int, cfg: 
     row["estimate_model_states"] = est.gpu_states.model_states + est.cpu_per_rank + est.nvme_per_rank
     # NVMe-resident state (``offloaded``) is outside model_states but inside the estimate's sum
     row["estimate_over_measured"] = row["estimate_model_states"] / (row["model_states"] + row.get("offloaded", 0))
-    row["estimate_peak"] = est.gpu_total + est.cpu_per_rank
+    row["estimate_peak"] = est.gpu_total  # device memory: model states on it + buffers + activations
     row["peak_rss"] = max(r[cfg.label]["peak_rss"] for r in per_rank)
     row["rss_growth"] = max(r[cfg.label]["rss_growth"] for r in per_rank)
     cuda = [r[cfg.label].get("cuda_max_allocated") for r in per_rank]
@@ -160,6 +160,7 @@ COLUMNS: list[tables.Column] = [
     ("÷ stage 0 (theory)", "theory_fraction_of_stage0", tables.ratio),
     ("estimate MiB", "estimate_model_states", tables.mib), ("estimate ÷ measured", "estimate_over_measured", tables.ratio),
     ("peak RSS growth MiB", "rss_growth", tables.mib), ("cuda max allocated MiB", "cuda_max_allocated", tables.mib),
+    ("estimate peak MiB", "estimate_peak", tables.mib),
 ]
 
 
@@ -177,6 +178,9 @@ def report_markdown(result: dict) -> str:
     lines = [head, "", tables.markdown(rows, columns), ""]
     lines += [f"- {'PASS' if c['passed'] else 'FAIL'}: {c['check']} (off by {c['deviation']:.1%})" for c in result["checks"]]
     lines.append("\nModel states and buffers are tensor accounting (ZeroOptimizer.memory_report, peak over "
-                 "the steps); peak RSS growth is the process's high-water mark minus its RSS before the "
-                 "model was built (activations, allocator and communication overheads included).")
+                 "the steps); NVMe is the rank's swap file (not in model states; the optimizer column then "
+                 "holds the swap buffers); peak RSS growth is the process's high-water mark minus its RSS "
+                 "before the model was built (activations, allocator and communication overheads "
+                 "included); estimate peak is the planner's device total (model states, buffers, "
+                 "activations) for the same micro-batch.")
     return "\n".join(lines)
