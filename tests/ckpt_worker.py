@@ -103,7 +103,8 @@ class Trainer:
 def _dump(path: str, rank: int, obj: dict) -> None:
     with open(f"{path}.rank{rank}", "w") as f:
         json.dump(obj, f)
-    torch.distributed.barrier()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
 
 def uninterrupted(rank: int, world: int, stages: list[int], total: int, out: str) -> None:
@@ -139,10 +140,11 @@ def resume(rank: int, world: int, stages: list[int], total: int, root: str, out:
     _dump(out, rank, res)
 
 
-def reshard_save(rank: int, world: int, stage: int, save_at: int, root: str) -> None:
+def reshard_save(rank: int, world: int, stage: int, save_at: int, root: str, out: str) -> None:
     t = Trainer(world, stage, dropout=False, grouped=False)
     t.train(save_at)
     t.save(root)
+    _dump(out, rank, t.result())
 
 
 def reshard_resume(rank: int, world: int, stage: int, total: int, root: str, out: str) -> None:
@@ -156,27 +158,3 @@ def reference(rank: int, world: int, total: int, out: str) -> None:
     t = Trainer(world, 0, dropout=False, grouped=False)
     t.train(total)
     _dump(out, rank, t.result())
-
-
-def hf_export_source(rank: int, world: int, root: str, logits_path: str) -> None:
-    """A tiny GPT-2 trained two steps at stage 2, saved; rank 0 records reference logits."""
-    from safetensors.torch import save_file
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
-    model = GPT2LMHeadModel(cfg)
-    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=1e-2, bucket_size_mb=0.01)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        x = torch.randint(0, 64, (2, 16), generator=g)
-        model(x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    zeroshard.save_checkpoint(root, 2, model=model, optimizer=opt)
-    model.eval()
-    with torch.no_grad():
-        logits = model(torch.arange(16).view(1, 16) % 64).logits
-    if rank == 0:
-        cfg.save_pretrained(logits_path + ".config")
-        save_file({"logits": logits.contiguous()}, logits_path)
-    torch.distributed.barrier()

@@ -29,13 +29,30 @@ POINTS = [
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """The children, two at a time (they are independent; two cores): {point: (root, expect
+    path, process)}."""
+    base = tmp_path_factory.mktemp("crash")
+    runs = {}
+    for k, (point, occurrence, _) in enumerate(POINTS):
+        if k >= 2:
+            list(runs.values())[k - 2][2].communicate(timeout=300)
+        root, expect = str(base / point / "ckpt"), str(base / point / "expect.json")
+        os.makedirs(base / point)
+        proc = subprocess.Popen([sys.executable, "-m", "tests.ckpt_crash_child", root, point, str(occurrence),
+                                 expect], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        runs[point] = (root, expect, proc)
+    for _, _, proc in runs.values():
+        proc.communicate(timeout=300)
+    return runs
+
+
 @pytest.mark.parametrize("point,occurrence,survivor", POINTS, ids=[p[0] for p in POINTS])
-def test_sigkill_inside_save(tmp_path, point, occurrence, survivor):
-    root, expect_path = str(tmp_path / "ckpt"), str(tmp_path / "expect.json")
-    proc = subprocess.run([sys.executable, "-m", "tests.ckpt_crash_child", root, point, str(occurrence),
-                           expect_path], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == -signal.SIGKILL, f"child was not killed at {point}: {proc.returncode} {proc.stderr}"
+def test_sigkill_inside_save(killed, point, occurrence, survivor):
+    root, expect_path, proc = killed[point]
+    assert proc.returncode == -signal.SIGKILL, f"child was not killed at {point}: {proc.returncode} {proc.stderr.read() if proc.stderr else ''}"
     expect = json.load(open(expect_path))
     assert zeroshard.latest_checkpoint(root) is not None
     model, opt = build(seed=5)

@@ -43,8 +43,8 @@ def test_reshard_from_world4_stage2(tmp_path_factory, world, stage):
     root = base / "ckpt"
     if not root.exists():
         base.mkdir(exist_ok=True)
-        spawn(ckpt_worker.reshard_save, 4, 2, SAVE_AT, str(root))
-        spawn(ckpt_worker.reference, 1, TOTAL, str(base / "ref"))
+        spawn(ckpt_worker.reshard_save, 4, 2, SAVE_AT, str(root), str(base / "saved"))
+        ckpt_worker.reference(0, 1, TOTAL, str(base / "ref"))  # one process: no spawn needed
     out = tmp_path_factory.mktemp("res")
     spawn(ckpt_worker.reshard_resume, world, stage, TOTAL, str(root), str(out / "r"))
     ref = _params(_read(str(base / "ref"), 1)[0])
@@ -55,3 +55,22 @@ def test_reshard_from_world4_stage2(tmp_path_factory, world, stage):
         # so the match is to float rounding, as in test_parity.
         diff = max((got[n] - ref[n]).abs().max().item() for n in ref)
         assert diff <= 1e-6, f"rank {rank}: max |diff| {diff} against the unsharded reference"
+
+
+def test_export_stitches_pieces_of_four_ranks(tmp_path_factory):
+    """export_hf of the world-4 / stage-2 checkpoint equals the parameters at the save."""
+    from safetensors.torch import load_file
+
+    import zeroshard
+    base = tmp_path_factory.getbasetemp() / "reshard"
+    if not (base / "ckpt").exists():
+        pytest.skip("runs after test_reshard_from_world4_stage2, which writes the checkpoint")
+    out = tmp_path_factory.mktemp("hf")
+    zeroshard.export_hf(str(base / "ckpt"), str(out), max_shard_size="1KB")
+    got = {}
+    for f in out.iterdir():
+        if f.suffix == ".safetensors":
+            got.update(load_file(str(f)))
+    saved = _params(_read(str(base / "saved"), 4)[0])
+    assert sorted(got) == sorted(saved)
+    assert all(torch.equal(got[n].reshape(-1), saved[n]) for n in saved)
