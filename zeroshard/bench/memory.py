@@ -62,13 +62,13 @@ def _rank_results(bench: MemoryBench, world: int) -> list[dict]:
         return [json.load(open(os.path.join(tmp, f"rank-{r}.json"))) for r in range(world)]
 
 
-def _row(bench: MemoryBench, n_params: int, shape: ModelShape, world: int, cfg: MemConfig, per_rank: list[dict]) -> dict:
+def _row(bench: MemoryBench, shape: ModelShape, world: int, cfg: MemConfig, per_rank: list[dict]) -> dict:
     row: dict = {"world_size": world, "config": cfg.label, "stage": cfg.stage, "offload": "+".join(o for o in (cfg.offload_optimizer, cfg.offload_params) if o)}
     errors = [r[cfg.label].get("error") for r in per_rank if r[cfg.label].get("error")]
     if errors:
         return {**row, "error": errors[0]}
     mixed = bench.mixed_precision is not None
-    theory = zero_formula(cfg.stage, n_params, world, param_bytes=2 if mixed else 4, mixed_precision=mixed)
+    theory = zero_formula(cfg.stage, shape.n_params, world, param_bytes=2 if mixed else 4, mixed_precision=mixed)
     for k in CATEGORIES + ("model_states",):
         row[k] = max(r[cfg.label]["report"].get(k, 0) for r in per_rank)
     extra = sorted({k for r in per_rank for k in r[cfg.label]["report"]} - set(CATEGORIES) - {"model_states"})
@@ -107,7 +107,7 @@ def run(bench: MemoryBench, log=print) -> dict:
     for world in bench.world_sizes:
         log(f"world size {world}: {', '.join(c.label for c in bench.configs)} ...")
         per_rank = _rank_results(bench, world)
-        rows += [_row(bench, shape.n_params, shape, world, cfg, per_rank) for cfg in bench.configs]
+        rows += [_row(bench, shape, world, cfg, per_rank) for cfg in bench.configs]
     _add_fractions(rows)
     return {"model": bench.source.name, "params": shape.n_params, "steps": bench.steps,
             "global_batch": bench.global_batch, "seq_len": bench.source.seq_len,

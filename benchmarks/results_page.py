@@ -1,0 +1,122 @@
+"""Assembles docs/results.md (the page the README links to) from ``zeroshard bench`` outputs.
+
+    python benchmarks/results_page.py --memory bench-results/memory-medium \
+        --estimate-check bench-results/memory-small,bench-results/memory-medium,bench-results/memory-large \
+        --step bench-results/step --out docs
+
+Copies the chart and CSVs next to the page (docs/results/), so the page is reproducible from
+the commands it prints and never depends on an ignored folder.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+from zeroshard.bench import memory, step, tables
+
+COMPACT: list[tables.Column] = [
+    ("world", "world_size", tables.text), ("configuration", "config", tables.text),
+    ("model states MiB/rank", "model_states", tables.mib), ("ZeRO formula MiB", "theory_model_states", tables.mib),
+    ("÷ stage 0 measured", "fraction_of_stage0", tables.ratio), ("÷ stage 0 formula", "theory_fraction_of_stage0", tables.ratio),
+    ("estimate ÷ measured", "estimate_over_measured", tables.ratio), ("peak RSS growth MiB", "rss_growth", tables.mib),
+]
+
+
+def _load(directory: str, name: str) -> dict:
+    with open(os.path.join(directory, f"{name}.json")) as f:
+        return json.load(f)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def compact_memory(result: dict, world: int) -> str:
+    rows = [r for r in result["rows"] if r["world_size"] == world]
+    return tables.markdown(rows, COMPACT)
+
+
+def estimate_section(dirs: list[str]) -> list[str]:
+    lines = ["| model | parameters | rows (stage × offload × world size) | worst estimate ÷ measured (model states) |",
+             "|---|---|---|---|"]
+    for d in dirs:
+        r = _load(d, "memory")
+        ok = [row for row in r["rows"] if not row.get("error")]
+        worst = max(ok, key=lambda row: abs(row["estimate_over_measured"] - 1))
+        lines.append(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {len(ok)} | {worst['estimate_over_measured']:.3f} "
+                     f"({worst['config']}, N={worst['world_size']}) |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--memory", required=True, help="output folder of the headline `bench memory` run")
+    ap.add_argument("--estimate-check", default="", help="comma-separated `bench memory` folders (model sizes)")
+    ap.add_argument("--step", default="", help="output folder of `bench step`")
+    ap.add_argument("--out", default="docs")
+    a = ap.parse_args(argv)
+    assets = os.path.join(a.out, "results")
+    os.makedirs(assets, exist_ok=True)
+    mem = _load(a.memory, "memory")
+    shutil.copy(os.path.join(a.memory, "memory.png"), os.path.join(assets, "memory.png"))
+    shutil.copy(os.path.join(a.memory, "memory.csv"), os.path.join(assets, "memory.csv"))
+    top = max(r["world_size"] for r in mem["rows"])
+    page = [
+        "# Results", "",
+        f"Measured {datetime.date.today().isoformat()} at commit `{_commit()}` on: {mem['machine']}. "
+        "Every figure below is reproduced by the command above its table; tables are written by "
+        "`zeroshard bench` (Markdown, CSV, JSON) and assembled by `benchmarks/results_page.py`.", "",
+        "## Memory per rank by category (`zeroshard bench memory`)", "",
+        f"```\nzeroshard bench memory --model {_model_arg(mem)} --out bench-results/memory-{_model_arg(mem)}\n```", "",
+        f"World size {top}, model states per rank as a fraction of stage 0, measured by tensor accounting "
+        "against the ZeRO formula:", "", compact_memory(mem, top), "",
+        "![model states per rank](results/memory.png)", "",
+        "Full table (all categories, world sizes 1, 2, 4, offload rows; CSV in `results/memory.csv`):", "",
+        memory.report_markdown(mem), "",
+    ]
+    if a.estimate_check:
+        dirs = a.estimate_check.split(",")
+        page += ["## `zeroshard estimate` against `bench memory`", "",
+                 "```\n" + "\n".join(f"zeroshard bench memory --model {_model_arg(_load(d, 'memory'))} --out {d}"
+                                     for d in dirs) + "\n```", "",
+                 "The planner's model-state bytes per rank for every configuration and world size, "
+                 "divided by the measured ones (target: within 10%):", "", *estimate_section(dirs), ""]
+    if a.step:
+        st = _load(a.step, "step")
+        shutil.copy(os.path.join(a.step, "step.csv"), os.path.join(assets, "step.csv"))
+        page += ["## Step time and memory against peers (`zeroshard bench step`)", "",
+                 f"```\nzeroshard bench step --model {_model_arg(st)} --world-size {st['world_size']} "
+                 f"--rounds {st['rounds']} --steps {st['steps']} --out bench-results/step\n```", "",
+                 step.report_markdown(st), "",
+                 "The machine was shared with other jobs while this ran: ratios within one run are "
+                 "meaningful, absolute seconds are not.", ""]
+    page += ["## On a GPU", "",
+             "`bash benchmarks/gpu_check.sh OUT` measures the same memory table with "
+             "`torch.cuda.max_memory_allocated` per rank (bf16 and fp32, world sizes 1, 2, 4 on the "
+             "visible GPUs) and prints the planner's table for that GPU.", ""]
+    with open(os.path.join(a.out, "results.md"), "w") as f:
+        f.write("\n".join(page))
+    print(os.path.join(a.out, "results.md"))
+    return 0
+
+
+def _model_arg(result: dict) -> str:
+    """The preset name of a TinyGPT run (the JSON keeps the model's description)."""
+    from zeroshard.bench.models import PRESETS
+
+    for name, c in PRESETS.items():
+        if result["model"] == f"TinyGPT d={c.d_model} L={c.n_layers}":
+            return name
+    return result["model"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
