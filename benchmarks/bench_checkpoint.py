@@ -96,6 +96,13 @@ def flat_state(model: torch.nn.Module, opt: zeroshard.ZeroOptimizer) -> dict[str
     return out
 
 
+def copy_into(targets: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> None:
+    """A load ends with the bytes in the training tensors (as load_checkpoint's does): for the
+    peers that return new tensors (safetensors maps the file lazily) that is this copy."""
+    for k, t in targets.items():
+        t.copy_(loaded[k])
+
+
 def timed(fn: Callable[[], object], repeats: int, before: Callable[[], None] = lambda: None) -> float:
     times = []
     for _ in range(repeats):
@@ -112,6 +119,8 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where to write (default: a new directory under /tmp)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--export-shard-mb", type=int, default=0,
+                    help="also export_hf the state in shards of this size and report peak RSS")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     args.dir = args.dir or tempfile.mkdtemp(prefix="zeroshard-ckbench-", dir="/tmp")
@@ -158,7 +167,8 @@ def main() -> None:
         torch.save(state, ts)
         fsync_tree(ts)
     res["torch_save"] = nbytes / timed(torch_save, args.repeats)
-    res["torch_load"] = nbytes / timed(lambda: torch.load(ts, weights_only=True), args.repeats, lambda: drop_cache(ts))
+    res["torch_load"] = nbytes / timed(lambda: copy_into(state, torch.load(ts, weights_only=True)), args.repeats,
+                                       lambda: drop_cache(ts))
     os.unlink(ts)
     from safetensors.torch import load_file, save_file
     st = os.path.join(d, "st.safetensors")
@@ -167,7 +177,8 @@ def main() -> None:
         save_file({k: v.contiguous() for k, v in state.items()}, st)
         fsync_tree(st)
     res["safetensors_save"] = nbytes / timed(st_save, args.repeats)
-    res["safetensors_load"] = nbytes / timed(lambda: load_file(st), args.repeats, lambda: drop_cache(st))
+    res["safetensors_load"] = nbytes / timed(lambda: copy_into(state, load_file(st)), args.repeats,
+                                             lambda: drop_cache(st))
     os.unlink(st)
     import torch.distributed.checkpoint as dcp
     dd = os.path.join(d, "dcp")
@@ -176,14 +187,42 @@ def main() -> None:
         shutil.rmtree(dd, ignore_errors=True)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(dd, thread_count=2, sync_files=True))
     res["dcp_save"] = nbytes / timed(dcp_save, args.repeats)
-    target = {k: torch.empty_like(v) for k, v in state.items()}
-    res["dcp_load"] = nbytes / timed(lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(dd)),
-                                     args.repeats, lambda: drop_cache(dd))
+    res["dcp_load"] = nbytes / timed(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(dd)),
+                                     args.repeats, lambda: drop_cache(dd))  # DCP loads in place
+    t0 = time.perf_counter()
+    fut = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(dd + "-async", thread_count=2, sync_files=True))
+    res["dcp_async_call_s"] = time.perf_counter() - t0
+    fut.result()
+    res["dcp_async_fraction"] = res["dcp_async_call_s"] / (nbytes / res["dcp_save"])
+    if args.export_shard_mb:
+        res.update(export_rss(zroot, os.path.join(d, "hf"), args.export_shard_mb))
     shutil.rmtree(args.dir, ignore_errors=True)
     report(res)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
+
+
+_RSS_CHILD = """
+import sys, time, psutil, zeroshard
+base = psutil.Process().memory_info().rss
+t0 = time.perf_counter()
+zeroshard.export_hf(sys.argv[1], sys.argv[2], max_shard_size=int(sys.argv[3]))
+took = time.perf_counter() - t0
+hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
+print(base, hwm, took)
+"""
+
+
+def export_rss(root: str, out: str, shard_mb: int) -> dict[str, float]:
+    """export_hf in a fresh process: its peak RSS (VmHWM) above the post-import baseline."""
+    proc = subprocess.run([sys.executable, "-c", _RSS_CHILD, root, out, str(shard_mb << 20)],
+                          capture_output=True, text=True, check=True)
+    base, hwm, took = (float(x) for x in proc.stdout.split())
+    size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))
+    shutil.rmtree(out)
+    return {"export_model_bytes": size, "export_shard_bytes": shard_mb << 20, "export_peak_growth": hwm - base,
+            "export_peak_rss": hwm, "export_s": took}
 
 
 def report(r: dict) -> None:
@@ -198,7 +237,12 @@ def report(r: dict) -> None:
         for k, v in peers.items():
             print(f"  {k:18s} {v / GB:.2f} GB/s ({v / raw:.0%} of raw)")
     print(f"async save: blocks {r['async_call_s'] * 1e3:.0f} ms + next step waits {r['async_step_wait_s'] * 1e3:.0f} ms "
-          f"= {r['async_stall_fraction']:.1%} of the synchronous save ({r['sync_save_s']:.2f} s)")
+          f"= {r['async_stall_fraction']:.1%} of the synchronous save ({r['sync_save_s']:.2f} s); "
+          f"DCP async_save blocks {r['dcp_async_call_s'] * 1e3:.0f} ms = {r['dcp_async_fraction']:.1%} of its save")
+    if "export_peak_growth" in r:
+        print(f"export_hf: {r['export_model_bytes'] / 2**20:.0f} MiB of weights in {r['export_shard_bytes'] / 2**20:.0f} "
+              f"MiB shards: peak RSS grew {r['export_peak_growth'] / 2**20:.0f} MiB over the post-import baseline "
+              f"(absolute peak {r['export_peak_rss'] / 2**20:.0f} MiB), {r['export_s']:.1f} s")
 
 
 if __name__ == "__main__":

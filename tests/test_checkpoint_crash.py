@@ -35,24 +35,27 @@ def killed(tmp_path_factory):
     path, process)}."""
     base = tmp_path_factory.mktemp("crash")
     runs = {}
+    errors: dict[str, str] = {}
     for k, (point, occurrence, _) in enumerate(POINTS):
         if k >= 2:
-            list(runs.values())[k - 2][2].communicate(timeout=300)
+            done = POINTS[k - 2][0]
+            errors[done] = runs[done][2].communicate(timeout=300)[1]
         root, expect = str(base / point / "ckpt"), str(base / point / "expect.json")
         os.makedirs(base / point)
         proc = subprocess.Popen([sys.executable, "-m", "tests.ckpt_crash_child", root, point, str(occurrence),
                                  expect], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
         runs[point] = (root, expect, proc)
-    for _, _, proc in runs.values():
-        proc.communicate(timeout=300)
-    return runs
+    for point, (_, _, proc) in runs.items():
+        if point not in errors:
+            errors[point] = proc.communicate(timeout=300)[1]
+    return {p: (*runs[p], errors[p]) for p in runs}
 
 
 @pytest.mark.parametrize("point,occurrence,survivor", POINTS, ids=[p[0] for p in POINTS])
 def test_sigkill_inside_save(killed, point, occurrence, survivor):
-    root, expect_path, proc = killed[point]
-    assert proc.returncode == -signal.SIGKILL, f"child was not killed at {point}: {proc.returncode} {proc.stderr.read() if proc.stderr else ''}"
+    root, expect_path, proc, stderr = killed[point]
+    assert proc.returncode == -signal.SIGKILL, f"child was not killed at {point}: {proc.returncode} {stderr}"
     expect = json.load(open(expect_path))
     assert zeroshard.latest_checkpoint(root) is not None
     model, opt = build(seed=5)
