@@ -92,6 +92,20 @@ def test_schedules_follow_deepspeed_step_by_step_and_resume_from_state(kind, par
         assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
 
 
+def test_schedule_state_is_the_position_so_a_longer_run_stretches_it():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    short = WarmupDecayLR(opt, 10, warmup_max_lr=0.1, warmup_num_steps=2, warmup_type="linear")
+    for _ in range(6):
+        opt.step()
+        short.step()
+    assert short.state_dict() == {"last_epoch": 6, "_step_count": 7}
+    opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    longer = WarmupDecayLR(opt2, 20, warmup_max_lr=0.1, warmup_num_steps=2, warmup_type="linear")
+    longer.load_state_dict(short.state_dict())
+    # iteration 5 of a decay from step 2 to 20: (20 - 5) / 18 of the peak
+    assert opt2.param_groups[0]["lr"] == pytest.approx(0.1 * 15 / 18)
+
+
 def test_schedule_errors_name_the_fix():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.01)
     with pytest.raises(ValueError, match="warmup_type='cubic'"):

@@ -9,6 +9,12 @@ runs at ``last_epoch = k``. Hence ``iteration = last_epoch - 1`` below, which re
 DeepSpeed's learning rate at every optimizer step with the usual torch loop
 ``opt.step(); sched.step()``.
 
+State (Note [position-only state]): like DeepSpeed's ``last_batch_iteration``, a checkpoint
+keeps only how far the schedule went; its parameters come from the config of the run that
+loads it. So resuming the same run reproduces every learning rate exactly, and resuming
+with a longer ``total_num_steps`` stretches the rest of the schedule instead of silently
+keeping the old end (torch's own schedulers restore every attribute).
+
 Differences from DeepSpeed, on purpose: an unknown ``warmup_type`` raises instead of
 falling back to "log" with a warning; ``WarmupCosineLR`` starts every param group at 0
 (DeepSpeed zeroes only the first group at iteration -1, an artefact of ``zip`` with a
@@ -43,6 +49,24 @@ def _check_warmup(warmup_num_steps: int, warmup_type: str) -> None:
         raise ValueError(f"warmup_num_steps={warmup_num_steps!r} must be a non-negative int")
 
 
+class _PositionState:
+    """Mixin: ``state_dict`` is the position only (Note [position-only state])."""
+
+    last_epoch: int
+    optimizer: torch.optim.Optimizer
+
+    def state_dict(self) -> dict:
+        return {"last_epoch": self.last_epoch, "_step_count": self._step_count}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.last_epoch = int(state_dict["last_epoch"])
+        self._step_count = int(state_dict.get("_step_count", self.last_epoch + 1))
+        lrs = self.get_lr()  # the value at this position under *this* run's parameters
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self._last_lr = list(lrs)
+
+
 def _warmup_fraction(iteration: int, warmup_num_steps: int, warmup_type: str) -> float:
     """DeepSpeed's gamma during warmup: log(i + 1) / log(N) or i / N (N is at least 2)."""
     if warmup_type == "log":
@@ -50,7 +74,7 @@ def _warmup_fraction(iteration: int, warmup_num_steps: int, warmup_type: str) ->
     return iteration / warmup_num_steps
 
 
-class WarmupLR(LRScheduler):
+class WarmupLR(_PositionState, LRScheduler):
     """From ``warmup_min_lr`` to ``warmup_max_lr`` over ``warmup_num_steps`` steps ("log" or
     "linear"), then constant. ``warmup_max_lr=None`` takes the optimizer's (first group) lr."""
 
@@ -101,7 +125,7 @@ class WarmupDecayLR(WarmupLR):
         return max(0.0, (self.total_num_steps - iteration) / max(1.0, self.total_num_steps - self.warmup_num_steps))
 
 
-class WarmupCosineLR(LRScheduler):
+class WarmupCosineLR(_PositionState, LRScheduler):
     """A ratio of each group's lr: from ``warmup_min_ratio`` to 1 over ``warmup_num_steps``,
     then a cosine down to ``cos_min_ratio`` at ``total_num_steps``."""
 
