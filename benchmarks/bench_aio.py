@@ -2,6 +2,7 @@
 
     python benchmarks/bench_aio.py --path /tmp                     # 4 GiB file, 8 MiB x qd 16, 5 rounds
     python benchmarks/bench_aio.py --path /tmp --size 2G --rounds 3 --json out.json
+    python benchmarks/bench_aio.py --path /tmp --peers deepspeed     # + DeepSpeed's aio (libaio-dev, long build)
     pytest benchmarks/bench_aio.py --benchmark-only                # same (ZEROSHARD_BENCH_AIO_PATH, default /tmp)
 
 Target (issue 6): sequential write and read >= 90% of fio's libaio figure at the same block
@@ -83,8 +84,36 @@ def asyncio(backend: str, size: int, block: int, depth: int, chunk: int) -> Cont
     return run
 
 
+def deepspeed(size: int, block: int, depth: int, chunk: int) -> Contender:
+    """DeepSpeed's aio handle (libaio, one thread, overlapped events) on a page-locked buffer,
+    at the same block size and queue depth. Opt-in: its op is a long JIT build (needs libaio-dev)."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    handle = AsyncIOBuilder().load(verbose=False).aio_handle(block, depth, False, True, 1)
+    buffer = handle.new_cpu_locked_tensor(chunk, torch.empty(0, dtype=torch.uint8))
+    buffer.random_(0, 256)
+
+    def run(path: str) -> tuple[float, float]:
+        if os.path.exists(path):
+            os.remove(path)
+        try:
+            t0 = time.perf_counter()
+            for off in range(0, size, chunk):
+                handle.async_pwrite(buffer, path, off)
+            handle.wait()
+            t1 = time.perf_counter()
+            for off in range(0, size, chunk):
+                handle.async_pread(buffer, path, off)
+            handle.wait()
+            t2 = time.perf_counter()
+        finally:
+            os.remove(path)
+        return size / (t1 - t0) / 1e9, size / (t2 - t1) / 1e9
+    return run
+
+
 def compare(directory: str, size: int, block: int, depth: int, rounds: int, chunk: int = 256 * MiB,
-            log: Callable[[str], None] = print) -> dict:
+            log: Callable[[str], None] = print, peers: tuple[str, ...] = ()) -> dict:
     """Median GB/s per contender and median same-round ratios of each AsyncIO backend to the raw tool."""
     raw_name = "fio" if shutil.which("fio") else "dd"
     contenders: dict[str, Contender] = {raw_name: fio(size, block, depth) if raw_name == "fio" else dd(size, block)}
@@ -92,6 +121,8 @@ def compare(directory: str, size: int, block: int, depth: int, rounds: int, chun
     if status["native"]["available"]:
         contenders["native"] = asyncio("native", size, block, depth, chunk)
     contenders["python"] = asyncio("python", size, block, depth, chunk)
+    if "deepspeed" in peers:
+        contenders["deepspeed"] = deepspeed(size, block, depth, chunk)
     names = list(contenders)
     path = os.path.join(directory, f".zeroshard-bench-aio-{os.getpid()}.dat")
     per_round: list[dict[str, tuple[float, float]]] = []
@@ -105,7 +136,10 @@ def compare(directory: str, size: int, block: int, depth: int, rounds: int, chun
     ratios = {n: {"write": statistics.median(g[n][0] / g[raw_name][0] for g in per_round),
                   "read": statistics.median(g[n][1] / g[raw_name][1] for g in per_round)}
               for n in names if n != raw_name}
-    return {"raw": raw_name, "path": directory, "file_bytes": size, "block_size": block, "queue_depth": depth,
+    vs_ds = {n: {k: statistics.median(g[n][i] / g["deepspeed"][i] for g in per_round)
+                 for i, k in enumerate(("write", "read"))}
+             for n in ("native", "python") if n in names and "deepspeed" in names}
+    return {"raw": raw_name, "median_ratio_to_deepspeed": vs_ds, "path": directory, "file_bytes": size, "block_size": block, "queue_depth": depth,
             "rounds": rounds, "median_gbps": med, "median_ratio_to_raw": ratios,
             "native": status["native"], "per_round": per_round}
 
@@ -122,6 +156,8 @@ def report(result: dict) -> str:
     best = "native" if "native" in result["median_ratio_to_raw"] else "python"
     r = result["median_ratio_to_raw"][best]
     ok = r["write"] >= TARGET and r["read"] >= TARGET
+    for name, v in result["median_ratio_to_deepspeed"].items():
+        lines.append(f"{name} / deepspeed (same rounds): write {v['write']:.2f}x, read {v['read']:.2f}x")
     lines.append(f"target: {best} >= {TARGET:.0%} of {raw} both ways: {'MET' if ok else 'NOT MET'} "
                  f"(write {r['write']:.0%}, read {r['read']:.0%})")
     return "\n".join(lines)
@@ -147,13 +183,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queue-depth", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None, help="also write the full result here")
+    ap.add_argument("--peers", default="", help="comma-separated extra contenders: deepspeed")
     a = ap.parse_args(argv)
     free = shutil.disk_usage(a.path).free
     if a.size > free // 2:
         print(f"--size {a.size} is more than half the free space on {a.path} ({free} bytes)", file=sys.stderr)
         return 2
     result = compare(a.path, a.size, a.block_size, a.queue_depth, a.rounds,
-                     log=lambda m: print(m, file=sys.stderr, flush=True))
+                     log=lambda m: print(m, file=sys.stderr, flush=True),
+                     peers=tuple(p for p in a.peers.split(",") if p))
     print(report(result))
     if a.json:
         with open(a.json, "w") as f:
