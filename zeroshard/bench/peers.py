@@ -114,15 +114,21 @@ def _deepspeed(model: nn.Module, loss: Callable, local_batch: int, stage: int) -
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
     engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        engine.backward(loss(engine, x, y))
-        engine.step()  # also clears the gradients
-
-    def memory() -> int:
+    def held() -> int:
         inner = getattr(opt, "optimizer", opt)
         flat = [t for name in ("single_partition_of_fp32_groups", "bit16_groups_flat", "averaged_gradients")
                 for t in _flatten(getattr(opt, name, None))]
         return unique_bytes(list(model.parameters()) + flat + _state_tensors(inner))
+
+    last = [0]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        engine.backward(loss(engine, x, y))
+        last[0] = held()  # engine.step() also frees the gradients: count them before it
+        engine.step()
+
+    def memory() -> int:
+        return max(last[0], held())
 
     return Trainer(step, memory)
 
