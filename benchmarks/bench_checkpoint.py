@@ -140,7 +140,8 @@ def main() -> None:
     m2, o2 = build(args.size_gb, seed=1)
     res["zs_load"] = nbytes / timed(lambda: zeroshard.load_checkpoint(zroot, model=m2, optimizer=o2),
                                     args.repeats, lambda: drop_cache(zroot))
-    assert all(torch.equal(a, b) for a, b in zip(model, m2)), "zeroshard load is not exact"
+    if not all(torch.equal(a, b) for a, b in zip(model, m2)):
+        raise RuntimeError("zeroshard load is not exact")
     del m2, o2
 
     # -- async stall: time save_checkpoint blocks + the extra wait of the next optimizer step

@@ -141,6 +141,8 @@ def resume(rank: int, world: int, stages: list[int], total: int, root: str, out:
 
 
 def reshard_save(rank: int, world: int, stage: int, save_at: int, root: str, out: str) -> None:
+    from zeroshard.checkpoint import shard_file
+    shard_file.BLOCK = 1024  # small checksum blocks, so partial reads of this tiny model show
     t = Trainer(world, stage, dropout=False, grouped=False)
     t.train(save_at)
     t.save(root)
@@ -149,9 +151,9 @@ def reshard_save(rank: int, world: int, stage: int, save_at: int, root: str, out
 
 def reshard_resume(rank: int, world: int, stage: int, total: int, root: str, out: str) -> None:
     t = Trainer(world, stage, seed=99, dropout=False, grouped=False)
-    t.load(root)
+    info = t.load(root)
     t.train(total)
-    _dump(out, rank, t.result())
+    _dump(out, rank, {**t.result(), "bytes_read": info["bytes_read"]})
 
 
 def reference(rank: int, world: int, total: int, out: str) -> None:

@@ -230,7 +230,8 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
                     scheduler: Any = None, dataloader: Any = None, load_rng: bool = True) -> dict:
     """Loads the newest valid step under a root (or exactly the given step directory) into
     ``model``/``optimizer`` at any world size and stage. Returns a dict with ``step``,
-    ``path``, ``extra``, ``skipped`` [(dir, reason)], ``resharded`` and ``rng_restored``."""
+    ``path``, ``extra``, ``skipped`` [(dir, reason)], ``resharded``, ``rng_restored`` and
+    ``bytes_read`` (by this rank: what its pieces need, rounded out to checksum blocks)."""
     from zeroshard.checkpoint.saver import wait_pending
     wait_pending()
     if model is None and optimizer is None:
@@ -271,7 +272,8 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
         return {"step": body["step"], "path": step_dir, "extra": jsontree.decode(body["trainer"].get("extra")),
                 "skipped": skipped, "world_size": body["world_size"], "stage": body["stage"],
                 "resharded": body["world_size"] != comm.world_size or
-                body["stage"] != getattr(optimizer, "stage", body["stage"]), "rng_restored": restored}
+                body["stage"] != getattr(optimizer, "stage", body["stage"]), "rng_restored": restored,
+                "bytes_read": sum(r.bytes_read for r in src.readers.values())}
     raise CheckpointCorruptError(f"no valid checkpoint under {path!r}; skipped: " +
                                  "; ".join(f"{d}: {r}" for d, r in skipped))
 

@@ -55,6 +55,7 @@ class _Checksummer:
     """Per-block crc32 of a byte stream fed in order, computed on a worker thread."""
 
     def __init__(self) -> None:
+        self.block = BLOCK  # read once: the size the manifest will record
         self.crcs: list[int] = []
         self._crc, self._filled = 0, 0
         self._q: "queue.Queue[Optional[memoryview]]" = queue.Queue(maxsize=2)
@@ -67,11 +68,11 @@ class _Checksummer:
     def _run(self) -> None:
         while (data := self._q.get()) is not None:
             while len(data):
-                take = min(len(data), BLOCK - self._filled)
+                take = min(len(data), self.block - self._filled)
                 self._crc = zlib.crc32(data[:take], self._crc)
                 self._filled += take
                 data = data[take:]
-                if self._filled == BLOCK:
+                if self._filled == self.block:
                     self.crcs.append(self._crc)
                     self._crc, self._filled = 0, 0
 
@@ -88,9 +89,10 @@ class WrittenFile:
     name: str
     bytes: int
     crc32: list[int]
+    block_size: int
 
     def to_json(self) -> dict:
-        return {"bytes": self.bytes, "block_size": BLOCK, "crc32": self.crc32}
+        return {"bytes": self.bytes, "block_size": self.block_size, "crc32": self.crc32}
 
 
 def header_bytes(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
@@ -132,7 +134,7 @@ def write_stream(path: str, head: bytes, chunks: Iterable[memoryview],
         crcs = summer.finish()
         writer.close(abort=not ok)
     written = writer.size
-    return WrittenFile(os.path.basename(path), written, crcs)
+    return WrittenFile(os.path.basename(path), written, crcs, summer.block)
 
 
 def write_shard(path: str, tensors: Iterable[tuple[str, torch.Tensor]],
@@ -153,7 +155,7 @@ def write_json(path: str, obj: object) -> WrittenFile:
         f.write(raw)
         f.flush()
         os.fsync(f.fileno())
-    return WrittenFile(os.path.basename(path), len(raw), [zlib.crc32(raw)])
+    return WrittenFile(os.path.basename(path), len(raw), [zlib.crc32(raw)], max(1, len(raw)))  # one block
 
 
 def read_json(path: str, expect: dict) -> object:
@@ -187,6 +189,7 @@ class ShardReader:
     def __init__(self, path: str, expect: dict, max_blocks: Optional[int] = None) -> None:
         self.path = path
         self.max_blocks = max_blocks  # None: keep every block read (a load applies them all)
+        self.bytes_read = 0
         self.size = int(expect["bytes"])
         self.block = int(expect["block_size"])
         self.crcs = [int(c) for c in expect["crc32"]]
@@ -203,6 +206,7 @@ class ShardReader:
         # block index -> (verified buffer holding it, file offset of that buffer's byte 0)
         self._buffers: "OrderedDict[int, tuple[torch.Tensor, int]]" = OrderedDict()
         self.entries = self._parse_header()
+        self.bytes_read = 0  # data blocks only, from here on (the header is metadata)
 
     def _parse_header(self) -> dict[str, Entry]:
         with open(self.path, "rb") as f:
@@ -254,6 +258,7 @@ class ShardReader:
         # two large requests in flight, which virtual disks need to reach their rated speed.
         start, stop = first * self.block, min(last * self.block, self.size)
         buf = aligned_empty(stop - start)
+        self.bytes_read += stop - start
 
         def read_block(i: int) -> Optional[str]:
             lo, hi = (i - first) * self.block, min((i + 1 - first) * self.block, stop - start)
