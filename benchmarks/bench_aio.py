@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from zeroshard.io import AsyncIO, aligned_empty, engine_status
-from zeroshard.io.bench import measure
+from zeroshard.io.bench import measure, time_passes
 
 MiB = 1 << 20
 TARGET = 0.90
@@ -94,21 +94,8 @@ def deepspeed(size: int, block: int, depth: int, chunk: int) -> Contender:
     buffer.random_(0, 256)
 
     def run(path: str) -> tuple[float, float]:
-        if os.path.exists(path):
-            os.remove(path)
-        try:
-            t0 = time.perf_counter()
-            for off in range(0, size, chunk):
-                handle.async_pwrite(buffer, path, off)
-            handle.wait()
-            t1 = time.perf_counter()
-            for off in range(0, size, chunk):
-                handle.async_pread(buffer, path, off)
-            handle.wait()
-            t2 = time.perf_counter()
-        finally:
-            os.remove(path)
-        return size / (t1 - t0) / 1e9, size / (t2 - t1) / 1e9
+        return time_passes(path, size, chunk, lambda off: handle.async_pwrite(buffer, path, off),
+                           lambda off: handle.async_pread(buffer, path, off), handle.wait)
     return run
 
 

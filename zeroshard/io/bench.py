@@ -32,27 +32,35 @@ class Point:
     read_gbps: float
 
 
-def measure(io: AsyncIO, path: str, file_bytes: int, buffer: torch.Tensor) -> tuple[float, float]:
-    """(write GB/s, read GB/s) of ``file_bytes`` at ``path`` through ``io``; see Note [what is measured]."""
-    chunk = buffer.numel() * buffer.element_size()
+def time_passes(path: str, file_bytes: int, chunk: int, write: Callable[[int], object],
+                read: Callable[[int], object], wait: Callable[[], object]) -> tuple[float, float]:
+    """(write GB/s, read GB/s) of one front-to-back pass each way over a fresh file at ``path``:
+    ``write(offset)``/``read(offset)`` submit one ``chunk``, ``wait()`` waits for all submitted.
+    Any engine fits (benchmarks/bench_aio.py times DeepSpeed's with it); the file is removed."""
     if file_bytes % chunk:
-        raise ValueError(f"file_bytes={file_bytes} must be a multiple of the buffer size {chunk}")
+        raise ValueError(f"file_bytes={file_bytes} must be a multiple of the chunk size {chunk}")
     if os.path.exists(path):
         os.remove(path)  # writes then allocate blocks, as a fresh offload file would
     try:
         t0 = time.perf_counter()
         for off in range(0, file_bytes, chunk):
-            io.pwrite(buffer, path, off)
-        io.wait_all()
+            write(off)
+        wait()
         t1 = time.perf_counter()
         for off in range(0, file_bytes, chunk):
-            io.pread(buffer, path, off)
-        io.wait_all()
+            read(off)
+        wait()
         t2 = time.perf_counter()
     finally:
         if os.path.exists(path):
             os.remove(path)
     return file_bytes / (t1 - t0) / 1e9, file_bytes / (t2 - t1) / 1e9
+
+
+def measure(io: AsyncIO, path: str, file_bytes: int, buffer: torch.Tensor) -> tuple[float, float]:
+    """(write GB/s, read GB/s) of ``file_bytes`` at ``path`` through ``io``; see Note [what is measured]."""
+    return time_passes(path, file_bytes, buffer.numel() * buffer.element_size(),
+                       lambda off: io.pwrite(buffer, path, off), lambda off: io.pread(buffer, path, off), io.wait_all)
 
 
 def sweep(directory: str, file_bytes: int, block_sizes: Sequence[int], queue_depths: Sequence[int],
