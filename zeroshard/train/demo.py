@@ -5,7 +5,7 @@
 It writes a tiny GPT-2 config and a text corpus, starts ``torchrun --nproc-per-node 2
 examples/finetune_causal_lm.py``, sends SIGTERM to the ranks once a few checkpoints exist
 (what a scheduler does at preemption), runs the *same* command again (it resumes by
-itself), loads the exported model with ``transformers`` and generates a few bytes, and
+itself), loads the exported model with ``transformers`` and evaluates it on a sample, and
 (unless ``--no-compare``) trains the same job without interruption to show that the final
 parameters are equal bit for bit. Each phase prints its command and how long it took.
 """
@@ -16,6 +16,7 @@ import json
 import os
 import random
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,6 +80,8 @@ def run_demo(workdir: str, nproc: int = 2, steps: int = 200, kill_after_step: in
     config = write_tiny_gpt2(os.path.join(workdir, "tiny-gpt2"))
     data = write_corpus(os.path.join(workdir, "corpus.jsonl"))
     out = os.path.join(workdir, "run")
+    for stale in (out, os.path.join(workdir, "uninterrupted")):  # the demo's own outputs of an earlier run
+        shutil.rmtree(stale, ignore_errors=True)
     args = ["--max-steps", str(steps), "--save-interval", "20", "--keep-last", "2", "--seq-len", "64",
             "--micro-batch-size", "4", "--lr", "3e-3", "--warmup-steps", "10", "--log-interval", "20",
             "--no-progress", "--collective-timeout", "60"]
@@ -110,16 +113,20 @@ def run_demo(workdir: str, nproc: int = 2, steps: int = 200, kill_after_step: in
     subprocess.run(cmd, env=env, check=True)
     figures["resume_run_s"] = round(time.monotonic() - t1, 1)
 
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     import torch
     hf = os.path.join(out, "hf")
-    model = AutoModelForCausalLM.from_pretrained(hf)
-    prompt = torch.tensor([list(b"The model ")])
-    generated = model.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=256)[0, prompt.shape[1]:]
-    text = bytes(t for t in generated.tolist() if t < 256).decode("utf-8", "replace")
+    trained = AutoModelForCausalLM.from_pretrained(hf).eval()
+    torch.manual_seed(0)
+    untrained = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf)).eval()
+    sample = torch.tensor([list(" ".join(WORDS[:40]).encode())[:64]])
+    with torch.no_grad():
+        losses = [m(input_ids=sample, labels=sample).loss.item() for m in (untrained, trained)]
+    figures["eval_loss_untrained_vs_exported"] = [round(x, 3) for x in losses]
     with open(os.path.join(out, "logs", "summary.json")) as f:
         summary = json.load(f)
-    print(f"\n--- exported model {hf} loads with transformers; greedy continuation of 'The model ': {text!r}")
+    print(f"\n--- exported model {hf} loads with transformers: loss on a sample {losses[1]:.3f} "
+          f"(an untrained model of the same config: {losses[0]:.3f})")
     if compare:
         ref = os.path.join(workdir, "uninterrupted")
         print("\n$ (the same job without interruption, for comparison)", flush=True)
@@ -128,8 +135,9 @@ def run_demo(workdir: str, nproc: int = 2, steps: int = 200, kill_after_step: in
         diff = bitwise_diff(load_exported(hf), load_exported(os.path.join(ref, "hf")))
         figures["bitwise_equal_to_uninterrupted"] = not diff
     figures["total_s"] = round(time.monotonic() - t0, 1)
+    loss = summary["final_loss"]
     print(f"--- demo: {json.dumps(figures)}; final summary: step {summary['final_step']}, loss "
-          f"{summary['final_loss']:.3f}, resumed from {summary['resumed_from']}")
+          f"{'-' if loss is None else format(loss, '.3f')}, resumed from {summary['resumed_from']}")
     return figures
 
 
