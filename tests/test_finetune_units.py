@@ -151,6 +151,28 @@ def test_translate_auto_values():
     assert plan.zero["mixed_precision"] == "bf16" and "bucket_size_mb" not in plan.zero
 
 
+def test_command_line_fills_a_hugging_face_style_all_auto_config(tmp_path):
+    hf_style = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                "fp16": {"enabled": "auto", "loss_scale": 0}, "bf16": {"enabled": "auto"},
+                "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                          "weight_decay": "auto"}},
+                "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                                  "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+                "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                      "stage3_param_persistence_threshold": "auto"}}
+    cfg = parse(["--data", "d.txt", "--output-dir", str(tmp_path), "--model-config", "c.json", "--deepspeed", "x",
+                 "--bf16", "--micro-batch-size", "3", "--warmup-steps", "7", "--max-steps", "70", "--lr", "0.01"])
+    with pytest.warns(UserWarning, match="stage3_prefetch_bucket_size"):
+        plan = translate(hf_style, world_size=2, overrides=cfg.overrides(), auto=cfg.auto_values())
+    assert plan.zero["stage"] == 3 and plan.zero["mixed_precision"] == "bf16"
+    assert plan.optimizer_kwargs == {"weight_decay": 0.0, "lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}
+    assert plan.scheduler_params == {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 7,
+                                     "total_num_steps": 70}
+    assert (plan.micro_batch_size, plan.gradient_accumulation_steps, plan.train_batch_size) == (3, 1, 6)
+    assert plan.gradient_clipping == 1.0
+
+
 def test_translate_refusals_name_the_problem():
     with pytest.raises(ValueError, match="optimizer.type='OneBitAdam'"):
         translate({"optimizer": {"type": "OneBitAdam"}})

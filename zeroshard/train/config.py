@@ -157,6 +157,15 @@ class FinetuneConfig:
             out["total_num_steps"] = self.max_steps  # keeps the schedule's end at the run's end
         return out
 
+    def auto_values(self) -> dict[str, Any]:
+        """What this command line gives a DeepSpeed config's "auto" entries (the Hugging Face
+        Trainer's choices: its defaults for Adam's betas and eps)."""
+        return {"lr": self.lr, "weight_decay": self.weight_decay, "betas": (0.9, 0.999), "eps": 1e-8,
+                "gradient_clipping": self.grad_clip, "gradient_accumulation_steps": self.grad_accum,
+                "micro_batch_size": self.micro_batch_size, "total_num_steps": self.max_steps,
+                "warmup_num_steps": self.warmup_steps,
+                "mixed_precision": None if self.precision == "fp32" else self.precision}
+
     # -- command line ------------------------------------------------------------------------
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "FinetuneConfig":

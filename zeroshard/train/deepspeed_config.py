@@ -9,7 +9,9 @@ Every key of the config ends in exactly one of three places:
   never be dropped silently.
 
 ``"auto"`` (a placeholder the Hugging Face Trainer fills in) is resolved from the matching
-override given to ``zeroshard.initialize`` (``lr=``, ``micro_batch_size=`` ...); bucket sizes
+override given to ``zeroshard.initialize`` (``lr=``, ``micro_batch_size=`` ...), else from its
+``auto=`` values (the same names; unlike overrides they never replace a value the config
+gives: the command line passes its defaults this way); bucket sizes
 fall back to zeroshard's default, ``fp16/bf16.enabled: "auto"`` means "off unless
 ``mixed_precision=`` is passed", ``train_batch_size: "auto"`` is derived. Any other
 ``"auto"`` without an override is an error that names the override to pass.
@@ -122,8 +124,8 @@ def _leaves(node: Any, prefix: str = "") -> list[str]:
 class _Reader:
     """Reads dotted paths of the raw config, remembering which keys were consumed."""
 
-    def __init__(self, raw: dict, overrides: Mapping[str, Any]) -> None:
-        self.raw, self.overrides = raw, overrides
+    def __init__(self, raw: dict, overrides: Mapping[str, Any], auto: Mapping[str, Any]) -> None:
+        self.raw, self.overrides, self.auto = raw, overrides, auto
         self.used: set[str] = set()
 
     def has(self, path: str) -> bool:
@@ -146,6 +148,8 @@ class _Reader:
         if override is not None and self.overrides.get(override) is not None:
             return self.overrides[override]
         if node == "auto":
+            if override is not None and self.auto.get(override) is not None:
+                return self.auto[override]
             if auto != "error":
                 return auto
             hint = f"pass {override}=... to zeroshard.initialize" if override else "give a value"
@@ -202,8 +206,9 @@ def _precision(r: _Reader) -> tuple[Optional[str], dict]:
     # "enabled": "auto" reads as None: on only when mixed_precision= asks for that dtype.
     fp16_flag = r.get("fp16.enabled", False, auto=None)
     bf16_flag = r.get("bf16.enabled", r.get("bfloat16.enabled", False, auto=None), auto=None)
-    fp16 = fp16_flag is True or (fp16_flag is None and forced == "fp16")
-    bf16 = bf16_flag is True or (bf16_flag is None and forced == "bf16")
+    wanted = forced if forced is not None else r.auto.get("mixed_precision")
+    fp16 = fp16_flag is True or (fp16_flag is None and wanted == "fp16")
+    bf16 = bf16_flag is True or (bf16_flag is None and wanted == "bf16")
     scaler: dict[str, Any] = {}
     if not (fp16 or forced == "fp16"):
         r.mark("fp16")  # a disabled section's other keys do not matter
@@ -317,14 +322,15 @@ def _batch(r: _Reader, world_size: int) -> tuple[Optional[int], int, Optional[in
 
 
 def translate(config: Union[None, str, os.PathLike, Mapping], world_size: int = 1,
-              overrides: Optional[Mapping[str, Any]] = None, strict: bool = True) -> DeepSpeedPlan:
+              overrides: Optional[Mapping[str, Any]] = None, strict: bool = True,
+              auto: Optional[Mapping[str, Any]] = None) -> DeepSpeedPlan:
     """The zeroshard meaning of a DeepSpeed config (path or dict). Unsupported keys raise a
     ValueError naming each one (``strict=False``: a warning); noted keys warn once."""
-    overrides = dict(overrides or {})
-    unknown = sorted(set(overrides) - set(OVERRIDES))
+    overrides, auto = dict(overrides or {}), dict(auto or {})
+    unknown = sorted((set(overrides) | set(auto)) - set(OVERRIDES))
     if unknown:
         raise TypeError(f"unknown override(s) {unknown}; accepted: {list(OVERRIDES)}")
-    r = _Reader(load_config(config), overrides)
+    r = _Reader(load_config(config), overrides, auto)
     unsupported: list[str] = []
     precision, scaler = _precision(r)
     zero = {**_zero(r, precision), "mixed_precision": precision, **scaler}

@@ -80,7 +80,7 @@ def train(cfg: FinetuneConfig) -> int:
             model.to(device)
         ds = cfg.deepspeed if cfg.deepspeed else cfg.as_deepspeed()
         overrides = cfg.overrides() if cfg.deepspeed else {}
-        result = initialize(model, ds, **overrides)
+        result = initialize(model, ds, auto=cfg.auto_values(), **overrides)
         model, opt, sched = result
         plan = result.plan
         finish_weights(model, source)

@@ -51,7 +51,7 @@ def _world_size(process_group: Optional[dist.ProcessGroup]) -> int:
 
 def initialize(model: nn.Module, config: Union[None, str, os.PathLike, Mapping] = None, *,
                model_parameters: Any = None, process_group: Optional[dist.ProcessGroup] = None,
-               strict: bool = True, **overrides: Any) -> Initialized:
+               strict: bool = True, auto: Optional[Mapping[str, Any]] = None, **overrides: Any) -> Initialized:
     """Builds a ZeroOptimizer (and a schedule, if the config has one) for ``model``.
 
     ``config``: a DeepSpeed JSON file or dict (the common subset: zero_optimization, optimizer,
@@ -63,10 +63,11 @@ def initialize(model: nn.Module, config: Union[None, str, os.PathLike, Mapping] 
     reduce_dtype, optimizer`` (a class), ``lr, weight_decay, betas, eps, momentum,
     gradient_clipping, gradient_accumulation_steps, micro_batch_size, train_batch_size,
     total_num_steps, warmup_num_steps, warmup_min_lr, scheduler`` (a schedule name).
+    ``auto``: values by the same names that only fill the config's "auto" entries.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    plan = translate(config, _world_size(process_group), overrides, strict=strict)
+    plan = translate(config, _world_size(process_group), overrides, strict=strict, auto=auto)
     if plan.optimizer_class is None:
         raise ValueError("the config has no 'optimizer' section; add one (e.g. {\"type\": \"AdamW\", \"params\": "
                          "{\"lr\": 1e-4}}) or pass optimizer=torch.optim.AdamW, lr=... to initialize")
