@@ -90,6 +90,19 @@ class AsyncIO:
             self._closed = True
             self._engine.shutdown()
 
+    def __del__(self) -> None:
+        # Dropped without close(): let the workers finish what is queued while this object's
+        # pending handles still keep the tensors alive, and release the files; never raise here.
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        try:
+            self._engine.shutdown()
+            for h in self._pending:
+                h.reap()
+        except Exception:  # interpreter teardown: nothing useful left to do
+            pass
+
     def __enter__(self) -> "AsyncIO":
         return self
 
