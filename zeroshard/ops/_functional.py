@@ -21,6 +21,7 @@ from ._reference import reference_adam_step_
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOWP_DTYPES = (torch.bfloat16, torch.float16)
+_F32 = torch.float32
 
 
 def _check_hyper(step: int, lr: float, beta1: float, beta2: float, eps: float,
@@ -64,6 +65,26 @@ def _check_tensors(i: int, p: Tensor, g: Tensor, m: Tensor, v: Tensor, out: Tens
         raise TypeError(f"tensor #{i}: out_lowp must be bfloat16 or float16, got {out.dtype=}")
 
 
+def _surely_kernel_ready(p: Tensor, g: Tensor, m: Tensor, v: Tensor, out: Tensor | None) -> bool:
+    """The common case, checked with as few attribute reads as possible: a valid tensor set the
+    kernel takes as is. False means "look closer" (maybe the reference path, maybe an error).
+    Per-tensor Python checks are the whole overhead of a many-tensor step, so this matters."""
+    try:
+        n = p.numel()
+        dev = p.device
+        if (p.dtype is not _F32 or m.dtype is not _F32 or v.dtype is not _F32 or g.dtype not in _GRAD_DTYPES
+                or m.numel() != n or v.numel() != n or g.numel() != n
+                or m.device != dev or v.device != dev or g.device != dev
+                or not (p.is_contiguous() and g.is_contiguous() and m.is_contiguous() and v.is_contiguous())):
+            return False
+        if out is not None and (out.dtype not in _LOWP_DTYPES or out.numel() != n or out.device != dev
+                                or not out.is_contiguous()):
+            return False
+        return dev.type in ("cpu", "cuda")
+    except AttributeError:  # not a tensor: the full check names the culprit
+        return False
+
+
 def _kernel_ok(p: Tensor, g: Tensor, m: Tensor, v: Tensor, out: Tensor | None) -> bool:
     if p.dtype != torch.float32 or g.dtype not in _GRAD_DTYPES or p.device.type not in ("cpu", "cuda"):
         return False
@@ -91,12 +112,13 @@ def adam_step_multi_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs
                              adamw_mode=adamw_mode, grad_scale=grad_scale, out_lowp=outs[i])
 
     batches: dict[tuple[torch.device, bool], list[int]] = {}
-    for i in range(n):
-        _check_tensors(i, params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], outs[i])
-        if _kernel_ok(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], outs[i]):
-            batches.setdefault((params[i].device, outs[i] is not None), []).append(i)
-        else:
-            reference(i)
+    for i, (p, g, m, v, out) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, outs)):
+        if not _surely_kernel_ready(p, g, m, v, out):
+            _check_tensors(i, p, g, m, v, out)
+            if not _kernel_ok(p, g, m, v, out):
+                reference(i)
+                continue
+        batches.setdefault((p.device, out is not None), []).append(i)
     for (device, has_out), idx in batches.items():
         state = REGISTRY.cpu() if device.type == "cpu" else REGISTRY.cuda()
         if state.module is None:
