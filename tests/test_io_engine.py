@@ -153,7 +153,9 @@ def test_native_requested_but_disabled_is_explained(monkeypatch):
     monkeypatch.setattr(engine, "native", _native.native)
     with pytest.raises(RuntimeError, match="disabled for this test"):
         engine.AsyncIO(backend="native")
-    io = engine.AsyncIO(backend="auto")
+    monkeypatch.setattr(engine, "_warned", False)
+    with pytest.warns(RuntimeWarning, match="disabled for this test.*Python threads"):
+        io = engine.AsyncIO(backend="auto")
     assert io.backend == "python"
     io.close()
 

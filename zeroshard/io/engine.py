@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from typing import Any, Optional, Union
 
 import torch
@@ -26,6 +27,8 @@ from .handle import Handle
 
 PathLike = Union[str, "os.PathLike[str]"]
 
+_warned = False  # the fallback is announced once per process
+
 
 def _resolve_backend(requested: str) -> tuple[str, Any]:
     """(name, engine factory) for "auto" | "native" | "python"."""
@@ -37,6 +40,12 @@ def _resolve_backend(requested: str) -> tuple[str, Any]:
     if requested == "native":
         raise RuntimeError(f"backend='native' requested but the native I/O engine is unavailable: {state.reason}. "
                            "Use backend='auto' to fall back to Python threads; `python -m zeroshard.io` explains")
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(f"zeroshard.io: native I/O engine unavailable ({state.reason}); using Python threads "
+                      "(same files and errors). Run `python -m zeroshard.io` for details.", RuntimeWarning,
+                      stacklevel=3)
     return "python", PyEngine
 
 
