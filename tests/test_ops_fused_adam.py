@@ -129,3 +129,19 @@ def test_bf16_params_use_reference_path() -> None:
 def test_bad_hyperparameters(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         FusedAdam(_model(0).parameters(), **kwargs)
+
+
+def test_step_grad_scale_equals_prescaled_grads() -> None:
+    ours, ref = _model(0), _model(0)
+    opt_o = FusedAdam(ours.parameters(), lr=1e-2)
+    opt_r = FusedAdam(ref.parameters(), lr=1e-2)
+    x = torch.randn(8, 15)
+    for _ in range(3):
+        for model in (ours, ref):
+            model.zero_grad()
+            (model(x).pow(2).mean() * 1024).backward()  # a loss-scaled backward
+        for p in ref.parameters():
+            p.grad.mul_(0.5 / 1024)
+        opt_o.step(grad_scale=0.5 / 1024)
+        opt_r.step()
+    _assert_same_params(ours, ref)

@@ -74,16 +74,20 @@ class FusedAdam(torch.optim.Optimizer):
                     st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None, *,  # type: ignore[override]
+             grad_scale: float = 1.0) -> float | None:
+        """One step. ``grad_scale`` multiplies every gradient inside the kernel (e.g. loss-scale
+        unscale x clip coefficient), which saves the separate in-place sweep over the gradients
+        that unscaling or ``clip_grad_norm_`` would otherwise make; gradients are not modified."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            self._step_group(group)
+            self._step_group(group, grad_scale)
         return loss
 
-    def _step_group(self, group: dict[str, Any]) -> None:
+    def _step_group(self, group: dict[str, Any], grad_scale: float) -> None:
         if group.get("amsgrad", False):
             raise ValueError("FusedAdam does not implement amsgrad=True (param group has amsgrad=True)")
         beta1, beta2 = (_as_float(b, "betas") for b in group["betas"])
@@ -108,4 +112,4 @@ class FusedAdam(torch.optim.Optimizer):
             adam_step_multi_(ps, gs, ms, vs, step=step, lr=_as_float(group["lr"], "lr"), beta1=beta1,
                              beta2=beta2, eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
                              adamw_mode=group["adamw_mode"],
-                             grad_scale=-1.0 if group["maximize"] else 1.0)
+                             grad_scale=-grad_scale if group["maximize"] else grad_scale)
