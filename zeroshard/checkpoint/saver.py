@@ -89,7 +89,7 @@ class CheckpointSaver:
             raise ValueError(f"keep_last={keep_last!r}: keep at least 1 checkpoint (or None to keep all)")
         comm = self._comm(opt)
         snap = _capture(step, model, opt, scheduler, dataloader, extra, comm.rank)
-        shapes = _shapes(model, opt) if comm.rank == 0 else {}
+        shapes = _shapes(model, opt)
         if not async_save:
             self.state = SaveState.WRITING
             try:
@@ -164,7 +164,11 @@ def _capture(step: int, model: Optional[nn.Module], opt: Any, scheduler: Any, da
     records: list[PieceRecord] = owned_pieces(model, opt) if opt is not None else []
     for rec in records:  # scalars (e.g. Adam's step) change in place: encode them now
         rec.scalars = {k: jsontree.encode(v, f"optimizer state {k!r}") for k, v in rec.scalars.items()}
-    full = full_tensors(model, opt)[0] if rank == 0 else {}
+    # Every rank walks the model state (should a stage hook state_dict() with a collective,
+    # all ranks take part); rank 0 alone writes the unsharded tensors.
+    full, aliases = full_tensors(model, opt)
+    if rank != 0:
+        full = {}
     snap = commit.Snapshot(step, records, full, rng.capture(), _encode_state(dataloader, "dataloader"))
     if rank == 0:
         names = name_map(model, opt) if opt is not None else {}
@@ -178,7 +182,7 @@ def _capture(step: int, model: Optional[nn.Module], opt: Any, scheduler: Any, da
             "mixed_precision": opt.config.mixed_precision if opt is not None else None,
             "optimizer": type(opt.inner).__name__ if opt is not None else None,
             "param_groups": jsontree.encode(groups, "param_groups"),
-            "aliases": full_tensors(model, opt)[1] if model is not None else {},
+            "aliases": aliases,
             "trainer": {"scheduler": _encode_state(scheduler, "scheduler"),
                         "loss_scaler": opt.scaler.state_dict() if opt is not None and opt.scaler else None,
                         "extra": jsontree.encode(extra, "extra")},
