@@ -1,10 +1,11 @@
 // Torch binding of the CPU Adam/AdamW step: validates tensors, picks the instruction set once,
 // and splits the work over OpenMP threads in one parallel region per call.
 //
-// Note [thread split]: all tensors of a call are viewed as one concatenated range that is cut
-// into one contiguous piece per thread (boundaries rounded to 64 elements), so a list of 200
-// uneven tensors is balanced as well as one big tensor, with a single fork/join, and each
-// thread streams long runs that hardware prefetchers follow.
+// Note [thread split]: all tensors of a call are viewed as one concatenated range, cut into
+// 1 MiB-per-stream chunks that the threads of a single parallel region take dynamically. So a
+// list of 200 uneven tensors is balanced as well as one big tensor with one fork/join, each
+// chunk is a long run that hardware prefetchers follow, and when the OS deschedules one thread
+// (the cores are shared) the others keep taking chunks instead of waiting for its fixed half.
 #include <omp.h>
 #include <torch/extension.h>
 
@@ -22,7 +23,7 @@ namespace {
 
 // Below this many elements a fork/join costs more than it saves.
 constexpr int64_t kMinPerThread = 1 << 15;
-constexpr int64_t kAlign = 64;
+constexpr int64_t kChunk = 1 << 18;
 
 struct Isa {
   std::string name;
@@ -73,26 +74,19 @@ int thread_count(int64_t total) {
   return static_cast<int>(std::min<int64_t>(at::get_num_threads(), by_size));
 }
 
-// Calls fn(tensor_index, begin, end) for every piece of the concatenated range owned by this
-// thread; see Note [thread split].
+// Calls fn(tensor_index, begin, end) for every piece of the concatenated range, in chunks
+// handed out dynamically; see Note [thread split].
 template <class Fn>
 void for_each_piece(const std::vector<int64_t>& prefix, int nthreads, Fn fn) {
   const int64_t total = prefix.back();
-#pragma omp parallel num_threads(nthreads)
-  {
-    const int nt = omp_get_num_threads();
-    const int t = omp_get_thread_num();
-    auto cut = [&](int k) {
-      if (k >= nt) return total;
-      return std::min(total, (total * k / nt) / kAlign * kAlign);
-    };
-    const int64_t lo = cut(t), hi = cut(t + 1);
-    if (lo < hi) {
-      size_t k = std::upper_bound(prefix.begin(), prefix.end(), lo) - prefix.begin() - 1;
-      for (; k + 1 < prefix.size() && prefix[k] < hi; ++k) {
-        const int64_t b = std::max(lo, prefix[k]), e = std::min(hi, prefix[k + 1]);
-        if (b < e) fn(k, b - prefix[k], e - prefix[k]);
-      }
+  const int64_t nchunks = (total + kChunk - 1) / kChunk;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const int64_t lo = c * kChunk, hi = std::min(total, lo + kChunk);
+    size_t k = std::upper_bound(prefix.begin(), prefix.end(), lo) - prefix.begin() - 1;
+    for (; k + 1 < prefix.size() && prefix[k] < hi; ++k) {
+      const int64_t b = std::max(lo, prefix[k]), e = std::min(hi, prefix[k + 1]);
+      if (b < e) fn(k, b - prefix[k], e - prefix[k]);
     }
   }
 }
