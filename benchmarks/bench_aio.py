@@ -7,9 +7,10 @@
 
 Target (issue 6): sequential write and read >= 90% of fio's libaio figure at the same block
 size and queue depth; the Python-thread fallback is reported beside it. Every round runs
-each contender once, in a rotated order (so none always follows the same neighbour), and
-the table shows medians; ratios are per round (ours / the raw tool in that same round), then
-the median ratio - the disk here is shared and noisy, so only same-round ratios mean anything.
+each contender once, in a shuffled order (a rotation would keep the same neighbours: whoever
+follows another pays for its file's cleanup), with os.sync() between contenders; the table
+shows medians, and ratios are per round (ours / the raw tool in that same round), then the
+median ratio - the disk here is shared and noisy, so only same-round ratios mean anything.
 O_DIRECT bypasses the page cache, so no cache dropping is needed. Set
 ZEROSHARD_BENCH_ASSERT=1 to turn the 90% target into an assertion.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -113,9 +115,16 @@ def compare(directory: str, size: int, block: int, depth: int, rounds: int, chun
     names = list(contenders)
     path = os.path.join(directory, f".zeroshard-bench-aio-{os.getpid()}.dat")
     per_round: list[dict[str, tuple[float, float]]] = []
+    shuffle = random.Random(0).shuffle
     for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        got = {n: contenders[n](path) for n in order}
+        order = list(names)
+        shuffle(order)
+        got = {}
+        for n in order:
+            got[n] = contenders[n](path)
+            # The file was just deleted: commit that (and the discards of its blocks, which this
+            # ext4 mount issues) now, so the next contender does not pay for this one's cleanup.
+            os.sync()
         per_round.append(got)
         log(f"round {r + 1}/{rounds}: " + ", ".join(f"{n} w {w:.2f} r {rd:.2f}" for n, (w, rd) in got.items()))
     med = {n: {"write_gbps": statistics.median(g[n][0] for g in per_round),
