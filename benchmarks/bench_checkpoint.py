@@ -113,11 +113,87 @@ def timed(fn: Callable[[], object], repeats: int, before: Callable[[], None] = l
     return statistics.median(times)
 
 
+class Contenders:
+    """Every save and load, as (name, run, prepare) callables over one state, so a round can
+    run each once; the state lives in one copy and every save writes the same bytes."""
+
+    def __init__(self, d: str, model: torch.nn.Module, opt: zeroshard.ZeroOptimizer,
+                 state: dict[str, torch.Tensor]) -> None:
+        self.d, self.model, self.opt, self.state = d, model, opt, state
+        self.zroot = os.path.join(d, "zs")
+        self.step = 0
+        self.paths = {"torch": os.path.join(d, "torch.pt"), "st": os.path.join(d, "st.safetensors"),
+                      "dcp": os.path.join(d, "dcp")}
+
+    def zs_save(self) -> None:
+        self.step += 1
+        zeroshard.save_checkpoint(self.zroot, self.step, model=self.model, optimizer=self.opt, keep_last=1)
+
+    def zs_load(self) -> None:
+        # In place into the live model and optimizer: the bytes land where training reads them.
+        zeroshard.load_checkpoint(self.zroot, model=self.model, optimizer=self.opt)
+
+    def torch_save(self) -> None:
+        torch.save(self.state, self.paths["torch"])
+        fsync_tree(self.paths["torch"])
+
+    def torch_load(self) -> None:
+        copy_into(self.state, torch.load(self.paths["torch"], weights_only=True))
+
+    def safetensors_save(self) -> None:
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in self.state.items()}, self.paths["st"])
+        fsync_tree(self.paths["st"])
+
+    def safetensors_load(self) -> None:
+        from safetensors.torch import load_file
+        copy_into(self.state, load_file(self.paths["st"]))
+
+    def dcp_save(self) -> None:
+        import torch.distributed.checkpoint as dcp
+        shutil.rmtree(self.paths["dcp"], ignore_errors=True)
+        dcp.save(self.state, storage_writer=dcp.FileSystemWriter(self.paths["dcp"], thread_count=2, sync_files=True))
+
+    def dcp_load(self) -> None:
+        import torch.distributed.checkpoint as dcp
+        dcp.load(self.state, storage_reader=dcp.FileSystemReader(self.paths["dcp"]))  # in place
+
+
+def async_stall(c: Contenders, sync_time: float) -> dict[str, float]:
+    """How long an async save holds training up: the call itself plus what the next
+    optimizer step waits for staging, after a forward/backward-sized stretch of compute."""
+    from zeroshard.checkpoint.saver import _SAVER
+    c.step += 1
+    t0 = time.perf_counter()
+    handle = zeroshard.save_checkpoint(c.zroot, c.step, model=c.model, optimizer=c.opt, async_save=True,
+                                       keep_last=1)
+    call = time.perf_counter() - t0
+    busy_until = time.perf_counter() + max(1.0, sync_time)
+    x = torch.randn(512, 512)
+    while time.perf_counter() < busy_until:
+        x = torch.tanh(x @ x) * 0.5
+    t0 = time.perf_counter()
+    _SAVER._staged.wait()  # what optimizer.step() waits for before it may modify the tensors
+    step_wait = time.perf_counter() - t0
+    handle.wait()
+    import torch.distributed.checkpoint as dcp
+    t0 = time.perf_counter()
+    fut = dcp.async_save(c.state, storage_writer=dcp.FileSystemWriter(c.paths["dcp"] + "-async", thread_count=2,
+                                                                       sync_files=True))
+    dcp_call = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    fut.result()
+    return {"async_call_s": call, "async_step_wait_s": step_wait, "sync_save_s": sync_time,
+            "async_stall_fraction": (call + step_wait) / sync_time, "dcp_async_call_s": dcp_call,
+            "dcp_async_total_s": dcp_call + time.perf_counter() - t0}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=2.0)
     ap.add_argument("--dir", default=None, help="where to write (default: a new directory under /tmp)")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="each round runs every contender once; the best round of each is reported")
     ap.add_argument("--json", default=None)
     ap.add_argument("--export-shard-mb", type=int, default=0,
                     help="also export_hf the state in shards of this size and report peak RSS")
@@ -126,77 +202,33 @@ def main() -> None:
     args.dir = args.dir or tempfile.mkdtemp(prefix="zeroshard-ckbench-", dir="/tmp")
     os.makedirs(args.dir, exist_ok=True)
     model, opt = build(args.size_gb)
+    expect = [p.detach().clone() for p in model]
     state = flat_state(model, opt)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    raw_w, raw_r = dd_speed(args.dir, nbytes)
-    res: dict[str, float] = {"bytes": nbytes, "raw_write": raw_w, "raw_read": raw_r}
-    d = args.dir
-
-    # -- zeroshard --------------------------------------------------------------------------
-    zroot = os.path.join(d, "zs")
-    step = iter(range(1, 1000))
-    res["zs_save"] = nbytes / timed(lambda: zeroshard.save_checkpoint(zroot, next(step), model=model, optimizer=opt,
-                                                                      keep_last=1), args.repeats)
-    m2, o2 = build(args.size_gb, seed=1)
-    res["zs_load"] = nbytes / timed(lambda: zeroshard.load_checkpoint(zroot, model=m2, optimizer=o2),
-                                    args.repeats, lambda: drop_cache(zroot))
-    if not all(torch.equal(a, b) for a, b in zip(model, m2)):
-        raise RuntimeError("zeroshard load is not exact")
-    del m2, o2
-
-    # -- async stall: time save_checkpoint blocks + the extra wait of the next optimizer step
-    sync_time = nbytes / res["zs_save"]
-    t0 = time.perf_counter()
-    handle = zeroshard.save_checkpoint(zroot, next(step), model=model, optimizer=opt, async_save=True, keep_last=1)
-    call = time.perf_counter() - t0
-    busy_until = time.perf_counter() + max(1.0, sync_time)  # a training step's forward/backward
-    x = torch.randn(512, 512)
-    while time.perf_counter() < busy_until:
-        x = torch.tanh(x @ x) * 0.5
-    t0 = time.perf_counter()
-    from zeroshard.checkpoint.saver import _SAVER
-    _SAVER._staged.wait()  # what optimizer.step() waits for before it may modify the tensors
-    step_wait = time.perf_counter() - t0
-    handle.wait()
-    res["async_call_s"], res["async_step_wait_s"], res["sync_save_s"] = call, step_wait, sync_time
-    res["async_stall_fraction"] = (call + step_wait) / sync_time
-
-    # -- peers ------------------------------------------------------------------------------
-    ts = os.path.join(d, "torch.pt")
-
-    def torch_save() -> None:
-        torch.save(state, ts)
-        fsync_tree(ts)
-    res["torch_save"] = nbytes / timed(torch_save, args.repeats)
-    res["torch_load"] = nbytes / timed(lambda: copy_into(state, torch.load(ts, weights_only=True)), args.repeats,
-                                       lambda: drop_cache(ts))
-    os.unlink(ts)
-    from safetensors.torch import load_file, save_file
-    st = os.path.join(d, "st.safetensors")
-
-    def st_save() -> None:
-        save_file({k: v.contiguous() for k, v in state.items()}, st)
-        fsync_tree(st)
-    res["safetensors_save"] = nbytes / timed(st_save, args.repeats)
-    res["safetensors_load"] = nbytes / timed(lambda: copy_into(state, load_file(st)), args.repeats,
-                                             lambda: drop_cache(st))
-    os.unlink(st)
-    import torch.distributed.checkpoint as dcp
-    dd = os.path.join(d, "dcp")
-
-    def dcp_save() -> None:
-        shutil.rmtree(dd, ignore_errors=True)
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(dd, thread_count=2, sync_files=True))
-    res["dcp_save"] = nbytes / timed(dcp_save, args.repeats)
-    res["dcp_load"] = nbytes / timed(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(dd)),
-                                     args.repeats, lambda: drop_cache(dd))  # DCP loads in place
-    t0 = time.perf_counter()
-    fut = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(dd + "-async", thread_count=2, sync_files=True))
-    res["dcp_async_call_s"] = time.perf_counter() - t0
-    fut.result()
-    res["dcp_async_fraction"] = res["dcp_async_call_s"] / (nbytes / res["dcp_save"])
+    c = Contenders(args.dir, model, opt, state)
+    names = ["zs", "torch", "safetensors", "dcp"]
+    best: dict[str, float] = {}
+    for _ in range(args.rounds):
+        # Interleaved, so every contender meets the same disk and CPU weather; the raw disk
+        # is re-measured each round too. Loads start from a cold page cache.
+        w, r = dd_speed(args.dir, nbytes)
+        best["raw_write"], best["raw_read"] = max(best.get("raw_write", 0), w), max(best.get("raw_read", 0), r)
+        for name in names:
+            for op in ("save", "load"):
+                key = f"{name}_{op}"
+                if op == "load":
+                    drop_cache(args.dir)
+                    with torch.no_grad():
+                        for p in model:
+                            p.zero_()
+                speed = nbytes / timed(getattr(c, key), 1)
+                best[key] = max(best.get(key, 0.0), speed)
+        if not all(torch.equal(a, b) for a, b in zip(model, expect)):
+            raise RuntimeError("a load did not restore the state exactly")
+    res: dict[str, float] = {"bytes": nbytes, **best, **async_stall(c, nbytes / best["zs_save"])}
+    res["dcp_async_fraction"] = res["dcp_async_call_s"] / (nbytes / best["dcp_save"])
     if args.export_shard_mb:
-        res.update(export_rss(zroot, os.path.join(d, "hf"), args.export_shard_mb))
+        res.update(export_rss(c.zroot, os.path.join(args.dir, "hf"), args.export_shard_mb))
     shutil.rmtree(args.dir, ignore_errors=True)
     report(res)
     if args.json:
@@ -227,12 +259,12 @@ def export_rss(root: str, out: str, shard_mb: int) -> dict[str, float]:
 
 
 def report(r: dict) -> None:
-    print(f"state: {r['bytes'] / GB:.2f} GB (fp32 params + AdamW moments), {os.cpu_count()} cores")
+    print(f"state: {r['bytes'] / GB:.2f} GB (fp32 params + AdamW moments), {os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.1f}; best round of each")
     print(f"raw disk (dd O_DIRECT): write {r['raw_write'] / GB:.2f} GB/s, read {r['raw_read'] / GB:.2f} GB/s")
-    peers_save = {k: r[k] for k in ("torch_save", "safetensors_save", "dcp_save")}
-    peers_load = {k: r[k] for k in ("torch_load", "safetensors_load", "dcp_load")}
-    for what, mine, raw, peers in (("save", r["zs_save"], r["raw_write"], peers_save),
-                                   ("load", r["zs_load"], r["raw_read"], peers_load)):
+    for what, raw in (("save", r["raw_write"]), ("load", r["raw_read"])):
+        mine = r[f"zs_{what}"]
+        peers = {f"{k}_{what}": r[f"{k}_{what}"] for k in ("torch", "safetensors", "dcp")}
         best = max(peers.values())
         print(f"zeroshard {what}: {mine / GB:.2f} GB/s = {mine / raw:.0%} of raw, {mine / best:.2f}x the best peer")
         for k, v in peers.items():
