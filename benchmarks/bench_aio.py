@@ -76,10 +76,7 @@ def dd(size: int, block: int) -> Contender:
     return run
 
 
-def asyncio(backend: str, size: int, block: int, depth: int, chunk: int) -> Contender:
-    buffer = aligned_empty(chunk, torch.uint8, pin=False)
-    buffer.random_(0, 256)
-
+def asyncio(backend: str, size: int, block: int, depth: int, buffer: torch.Tensor) -> Contender:
     def run(path: str) -> tuple[float, float]:
         with AsyncIO(block_size=block, queue_depth=depth, backend=backend) as io:
             return measure(io, path, size, buffer)
@@ -107,9 +104,11 @@ def compare(directory: str, size: int, block: int, depth: int, rounds: int, chun
     raw_name = "fio" if shutil.which("fio") else "dd"
     contenders: dict[str, Contender] = {raw_name: fio(size, block, depth) if raw_name == "fio" else dd(size, block)}
     status = engine_status()
+    buffer = aligned_empty(chunk, torch.uint8, pin=False)  # one buffer for both backends: same memory
+    buffer.random_(0, 256)
     if status["native"]["available"]:
-        contenders["native"] = asyncio("native", size, block, depth, chunk)
-    contenders["python"] = asyncio("python", size, block, depth, chunk)
+        contenders["native"] = asyncio("native", size, block, depth, buffer)
+    contenders["python"] = asyncio("python", size, block, depth, buffer)
     if "deepspeed" in peers:
         contenders["deepspeed"] = deepspeed(size, block, depth, chunk)
     names = list(contenders)
