@@ -49,7 +49,7 @@ def _owner_modules(model: nn.Module) -> dict[int, list[nn.Module]]:
 @torch.no_grad()
 def init_meta_weights(model: nn.Module, seed: int = 0) -> None:
     """Initialises a meta-built model's parameters with each owning module's
-    ``reset_parameters()``, one unit at a time, identically on every rank (unit ``i`` draws
+    ``reset_parameters()`` (or a Hugging Face model's ``_init_weights``), one unit at a time, identically on every rank (unit ``i`` draws
     from ``torch.manual_seed(seed + i)``). Values differ from an eager init's stream."""
     opt = optimizer_for(model)
     if opt is None:
@@ -64,21 +64,30 @@ def init_meta_weights(model: nn.Module, seed: int = 0) -> None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed + unit.layout.index)
             for module in modules.values():
-                if not hasattr(module, "reset_parameters"):
-                    raise ValueError(
-                        f"{type(module).__name__} has no reset_parameters(), so its meta parameters cannot "
-                        "be initialised here; load them with zeroshard.load_safetensors(model, path)")
+                init = _initializer(model, module)
                 for p in module._parameters.values():
                     if p is not None and id(p) in where and all(p is not t for t in temporary):
                         p.data = torch.empty(where[id(p)][1].shape, dtype=torch.float32, device=unit.device)
                         temporary.append(p)
-                module.reset_parameters()
+                init()
         for m, seg in zip(unit.members, unit.layout.segments):
             unit.load_segment(seg.offset, m.param.detach().reshape(-1).float())
         unit.needs_init = False
         for p in temporary:
             owner, seg = where[id(p)]
             restore_parameter(owner, seg, p)
+
+
+def _initializer(model: nn.Module, module: nn.Module):
+    """How to initialise one module's own parameters: its ``reset_parameters()``, or, for a
+    Hugging Face model, the model's ``_init_weights(module)`` (GPT-2's Conv1D has no reset)."""
+    if hasattr(module, "reset_parameters"):
+        return module.reset_parameters
+    if callable(getattr(model, "_init_weights", None)):
+        return lambda: model._init_weights(module)
+    raise ValueError(
+        f"{type(module).__name__} has no reset_parameters() (and the model no _init_weights), so its "
+        "meta parameters cannot be initialised here; load them with zeroshard.load_safetensors(model, path)")
 
 
 def restore_parameter(unit, seg, p: nn.Parameter) -> None:

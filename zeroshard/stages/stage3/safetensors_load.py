@@ -42,6 +42,19 @@ def _weight_map(path: str) -> dict[str, str]:
     raise FileNotFoundError(f"{path} holds neither model.safetensors.index.json nor model.safetensors")
 
 
+def _resolve_prefix(files: dict[str, str], model: nn.Module) -> dict[str, tuple[str, str]]:
+    """model name -> (file, stored name). Hub checkpoints of a base model name tensors without
+    the head model's prefix (``h.0.attn...`` for GPT2LMHeadModel's ``transformer.h.0.attn...``),
+    and the other way round; map them as Hugging Face's loader does, by ``base_model_prefix``."""
+    out = {name: (path, name) for name, path in files.items()}
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix:
+        for name, path in files.items():
+            alias = name[len(prefix) + 1:] if name.startswith(prefix + ".") else f"{prefix}.{name}"
+            out.setdefault(alias, (path, name))
+    return out
+
+
 def _read_range(f, name: str, shape: torch.Size, start: int, stop: int) -> torch.Tensor:
     """Flat range [start, stop) of a stored tensor, reading only the rows that cover it."""
     sl = f.get_slice(name)
@@ -61,14 +74,14 @@ def load_safetensors(model: nn.Module, path: str, strict: bool = True) -> list[s
     if opt is None:
         raise ValueError("load_safetensors needs the model to be managed by a ZeroOptimizer; for a "
                          "plain model use safetensors.torch.load_model")
-    files = _weight_map(path)
+    files = _resolve_prefix(_weight_map(path), model)
     handles: dict[str, object] = {}
 
     def handle(name: str):
-        fname = files[name]
+        fname, stored = files[name]
         if fname not in handles:
             handles[fname] = safe_open(fname, framework="pt")
-        return handles[fname]
+        return handles[fname], stored
 
     missing, wrong = [], []
     where = opt.segment_index()
@@ -77,21 +90,23 @@ def load_safetensors(model: nn.Module, path: str, strict: bool = True) -> list[s
             if seg.name not in files:
                 missing.append(seg.name)
                 continue
-            stored = handle(seg.name).get_slice(seg.name).get_shape()
+            f, stored_name = handle(seg.name)
+            stored = f.get_slice(stored_name).get_shape()
             if list(stored) != list(seg.shape):
                 wrong.append(f"{seg.name}: file {list(stored)} vs model {list(seg.shape)}")
                 continue
             lo, hi = (unit.owned if unit.policy.shard_parameters else (seg.offset, seg.end))
             a, b = max(lo, seg.offset), min(hi, seg.end)
             if a < b:
-                values = _read_range(handle(seg.name), seg.name, seg.shape, a - seg.offset, b - seg.offset)
+                values = _read_range(f, stored_name, seg.shape, a - seg.offset, b - seg.offset)
                 unit.load_segment(a, values.float() if unit.separate_master else values)
         unit.needs_init = False
     for key, t in model.state_dict(keep_vars=True).items():
         if id(t) in where:
             continue
         if key in files:
-            t.data.copy_(handle(key).get_tensor(key))
+            f, stored_name = handle(key)
+            t.data.copy_(f.get_tensor(stored_name))
         elif isinstance(t, nn.Parameter):
             missing.append(key)
     if opt.gatherer is not None:  # a unit gathered now holds the old values: drop it
