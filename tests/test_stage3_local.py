@@ -56,3 +56,25 @@ def test_unit_choice_by_class_and_by_size():
     assert len(opt.units) > CFG.n_layers + 1  # the blocks' linears become units
     with pytest.raises(ValueError, match="matches no module"):
         zeroshard.ZeroOptimizer(TinyGPT(CFG), torch.optim.SGD, lr=0.1, stage=3, stage3_unit_classes=["Nope"])
+
+
+def test_hugging_face_meta_init_and_base_model_files(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+                                  bos_token_id=0, eos_token_id=0)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(cfg)
+    zeroshard.ZeroOptimizer(model, torch.optim.AdamW, stage=3)
+    zeroshard.init_meta_weights(model)  # GPT-2's Conv1D has no reset_parameters: HF's _init_weights
+    assert 0.01 < zeroshard.full_state_dict(model)["transformer.h.0.attn.c_attn.weight"].std() < 0.03
+    torch.manual_seed(0)
+    base = transformers.GPT2Model(cfg).eval()
+    base.save_pretrained(tmp_path)  # names without the "transformer." prefix
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(cfg)
+    zeroshard.ZeroOptimizer(model, torch.optim.AdamW, stage=3)
+    zeroshard.load_safetensors(model, str(tmp_path))
+    x = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        got = model.eval()(x, output_hidden_states=True).hidden_states[-1]
+        assert torch.equal(got, base(x).last_hidden_state)
