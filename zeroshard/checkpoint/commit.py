@@ -13,7 +13,8 @@
 5. ``keep_last`` rotation renames old steps to ``*.trash-*`` before deleting them, so a
    half-deleted step never looks committed, and it never touches the step just written.
 
-A crash at any point leaves at worst a ``*.tmp-*``/``*.trash-*`` directory that loaders
+Every rank must see ``root`` on one shared filesystem (rank 0 renames the directory the
+others wrote into). A crash at any point leaves at worst a ``*.tmp-*``/``*.trash-*`` directory that loaders
 ignore and the next save removes; the previous step stays loadable.
 """
 from __future__ import annotations
