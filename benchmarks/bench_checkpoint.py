@@ -197,7 +197,11 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--export-shard-mb", type=int, default=0,
                     help="also export_hf the state in shards of this size and report peak RSS")
+    ap.add_argument("--export-model-gb", type=float, default=0,
+                    help="only measure export_hf of a parameters-only model this large (with --export-shard-mb)")
     args = ap.parse_args()
+    if args.export_model_gb:
+        return export_only(args.export_model_gb, args.export_shard_mb or 256)
     torch.set_num_threads(os.cpu_count() or 1)
     args.dir = args.dir or tempfile.mkdtemp(prefix="zeroshard-ckbench-", dir="/tmp")
     os.makedirs(args.dir, exist_ok=True)
@@ -256,6 +260,21 @@ def export_rss(root: str, out: str, shard_mb: int) -> dict[str, float]:
     shutil.rmtree(out)
     return {"export_model_bytes": size, "export_shard_bytes": shard_mb << 20, "export_peak_growth": hwm - base,
             "export_peak_rss": hwm, "export_s": took}
+
+
+def export_only(model_gb: float, shard_mb: int) -> None:
+    """export_hf's peak RSS for a model many times ``shard_mb``: 256 MiB parameters, no state."""
+    d = tempfile.mkdtemp(prefix="zeroshard-export-", dir="/tmp")
+    n = max(1, int(model_gb * 2**30) // (256 << 20))
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(64 << 20)) for _ in range(n)])
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.SGD, stage=0, lr=0.1)
+    zeroshard.save_checkpoint(os.path.join(d, "ck"), 1, model=model, optimizer=opt)
+    del model, opt
+    r = export_rss(os.path.join(d, "ck"), os.path.join(d, "hf"), shard_mb)
+    shutil.rmtree(d)
+    print(f"export_hf: {r['export_model_bytes'] / 2**20:.0f} MiB model, max_shard_size {shard_mb} MiB: peak RSS grew "
+          f"{r['export_peak_growth'] / 2**20:.0f} MiB over the post-import baseline (absolute peak "
+          f"{r['export_peak_rss'] / 2**20:.0f} MiB), {r['export_s']:.1f} s")
 
 
 def report(r: dict) -> None:
