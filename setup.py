@@ -11,10 +11,11 @@ environment is used at build time instead of pip fetching a new one.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 from setuptools import find_packages, setup
-from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 
 def _extensions() -> tuple[list, dict]:
@@ -47,7 +48,20 @@ def _extensions() -> tuple[list, dict]:
     return exts, {"build_ext": _OptionalBuildExt}
 
 
+class _BuildPyWithKernelSources(build_py):
+    """Ships ``csrc/`` inside the package (``zeroshard/csrc``) so an installed wheel can still
+    build the kernels just in time when setup.py could not (zeroshard.ops._build_spec.csrc_dir
+    looks there first). Editable installs read the repository's ``csrc/`` directly."""
+
+    def run(self) -> None:
+        super().run()
+        src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+        if os.path.isdir(src) and not getattr(self, "editable_mode", False):
+            shutil.copytree(src, os.path.join(self.build_lib, "zeroshard", "csrc"), dirs_exist_ok=True)
+
+
 ext_modules, cmdclass = _extensions()
+cmdclass = {**cmdclass, "build_py": _BuildPyWithKernelSources}
 
 setup(
     name="zeroshard",
@@ -57,7 +71,6 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["zeroshard", "zeroshard.*"]),
-    package_data={"zeroshard": ["csrc/*", "csrc/**/*"]},
     install_requires=[
         "torch>=2.4,<3",
         "numpy>=1.24",

@@ -24,6 +24,7 @@ def _train(stage: int, nvme: str | None, steps: int = 4, model=None, opt=None, s
                                       offload_optimizer="nvme" if nvme else None, nvme_path=nvme)
     for step in range(start, start + steps):
         model(*synthetic_batch(step, 4, CFG)).backward()
+        opt.clip_grad_norm_(0.5)  # the clip coefficient rides in the fused pass
         opt.step()
         opt.zero_grad()
     return model, opt

@@ -139,8 +139,9 @@ class NvmeOptimizerState(MutableMapping):
 
     # -- the step ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, param_groups: Sequence[dict]) -> None:
-        """One Adam/AdamW step over every run with a gradient, pipelined through the pool."""
+    def step(self, param_groups: Sequence[dict], grad_scale: float = 1.0) -> None:
+        """One Adam/AdamW step over every run with a gradient, pipelined through the pool;
+        ``grad_scale`` (a pending clip coefficient) multiplies the gradients in the kernel."""
         todo = [r for r in self.runs if r.tensor.grad is not None and r.unit.grad_valid and r.tensor.numel()]
         reads: dict[int, Any] = {}
         writes: list[Any] = [None, None, None]
@@ -171,7 +172,7 @@ class NvmeOptimizerState(MutableMapping):
             adam_step_(t, t.grad, exp_avg, exp_avg_sq, step=int(step.item()), lr=float(group["lr"]),
                        beta1=beta1, beta2=beta2, eps=float(group["eps"]),
                        weight_decay=float(group["weight_decay"]), adamw_mode=bool(group["adamw_mode"]),
-                       grad_scale=-1.0 if group.get("maximize") else 1.0)
+                       grad_scale=-grad_scale if group.get("maximize") else grad_scale)
             writes[i % 3] = self._write(t, self._pool[i % 3])
         for w in writes:
             if w is not None:

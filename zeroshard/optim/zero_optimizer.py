@@ -32,6 +32,7 @@ from zeroshard.optim.elementwise import check_elementwise
 from zeroshard.optim.flat_unit import FlatUnit, Placement
 from zeroshard.optim.grad_sync import GradientReducer
 from zeroshard.offload import NvmeOptimizerState
+from zeroshard.ops import FusedAdam
 from zeroshard.optim.params import ParamsLike, normalize_params
 from zeroshard.precision import DynamicLossScaler
 from zeroshard.stages import policy_for_stage
@@ -119,6 +120,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.reducer.on_launch.append(self.gatherer.on_unit_reduced)
         if module is not None:
             registry.register(module, self)
+        self._fused_step = isinstance(self.inner, FusedAdam)
+        self._clip_coef = 1.0  # pending clip coefficient, applied by the fused step
         self._checked_pass = -1  # reducer pass whose overflow flag is cached
         self._overflow = False
         self._scaled_pass = -1
@@ -167,7 +170,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
-        """Clips the gradients of all ranks by their global norm and returns that norm."""
+        """Clips the gradients of all ranks by their global norm and returns that norm.
+
+        With Adam/AdamW on the fused kernel the coefficient is applied inside the optimizer
+        pass rather than by rewriting the gradients (one sweep less); a second call before
+        ``step`` therefore sees the unclipped gradients again and sets the same coefficient."""
         norm_type = float(norm_type)
         overflow = self._finalize_grads()
         grads = self._owned_grads()
@@ -189,8 +196,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total.item()}")
             return total
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef)
+        if self._fused_step:  # applied inside the fused Adam pass: no extra sweep over gradients
+            self._clip_coef = float(coef)
+        else:
+            for g in grads:
+                g.mul_(coef)
         return total
 
     # -- the step --------------------------------------------------------------------------------
@@ -205,10 +215,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.scaler.update(overflow)
             self._set_grad_factor()
         if overflow or not self.reducer.grads_since_clear:
+            self._clip_coef = 1.0
             return loss
         self._sync_hyperparameters()
+        scale, self._clip_coef = self._clip_coef, 1.0
         if self.swapper is not None:
-            self.swapper.step(self.inner.param_groups)
+            self.swapper.step(self.inner.param_groups, grad_scale=scale)
+        elif self._fused_step:
+            self.inner.step(grad_scale=scale)
         else:
             self.inner.step()
         for unit in self.units:
@@ -232,6 +246,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.finalize()  # every rank must finish the collectives it started
+        self._clip_coef = 1.0
         for unit in self.units:
             unit.clear_grads(set_to_none)
         for group in self.param_groups:
