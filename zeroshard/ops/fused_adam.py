@@ -75,25 +75,27 @@ class FusedAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, *,  # type: ignore[override]
-             grad_scale: float = 1.0) -> float | None:
+             grad_scale: float = 1.0, copy_out: dict[int, Tensor] | None = None) -> float | None:
         """One step. ``grad_scale`` multiplies every gradient inside the kernel (e.g. loss-scale
         unscale x clip coefficient), which saves the separate in-place sweep over the gradients
-        that unscaling or ``clip_grad_norm_`` would otherwise make; gradients are not modified."""
+        that unscaling or ``clip_grad_norm_`` would otherwise make; gradients are not modified.
+        ``copy_out`` maps ``id(param)`` to a bf16/fp16 tensor of the same size that receives the
+        updated parameter in the same pass (the low-precision model copy of an fp32 master)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            self._step_group(group, grad_scale)
+            self._step_group(group, grad_scale, copy_out or {})
         return loss
 
-    def _step_group(self, group: dict[str, Any], grad_scale: float) -> None:
+    def _step_group(self, group: dict[str, Any], grad_scale: float, copy_out: dict[int, Tensor]) -> None:
         if group.get("amsgrad", False):
             raise ValueError("FusedAdam does not implement amsgrad=True (param group has amsgrad=True)")
         beta1, beta2 = (_as_float(b, "betas") for b in group["betas"])
         # Parameters of one group normally share their step count; grouping by it keeps the
         # result exact if some were skipped (grad None) on earlier steps.
-        by_step: dict[int, tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]] = {}
+        by_step: dict[int, tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], list]] = {}
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -105,11 +107,12 @@ class FusedAdam(torch.optim.Optimizer):
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] += 1
-            lists = by_step.setdefault(int(state["step"].item()), ([], [], [], []))
-            for lst, t in zip(lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
+            lists = by_step.setdefault(int(state["step"].item()), ([], [], [], [], []))
+            for lst, t in zip(lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"], copy_out.get(id(p)))):
                 lst.append(t)
-        for step, (ps, gs, ms, vs) in by_step.items():
+        for step, (ps, gs, ms, vs, outs) in by_step.items():
             adam_step_multi_(ps, gs, ms, vs, step=step, lr=_as_float(group["lr"], "lr"), beta1=beta1,
                              beta2=beta2, eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
                              adamw_mode=group["adamw_mode"],
-                             grad_scale=-grad_scale if group["maximize"] else grad_scale)
+                             grad_scale=-grad_scale if group["maximize"] else grad_scale,
+                             out_lowps=outs if any(o is not None for o in outs) else None)

@@ -121,6 +121,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if module is not None:
             registry.register(module, self)
         self._fused_step = isinstance(self.inner, FusedAdam)
+        # The fused pass writes the updated master straight into the low-precision shard
+        # when both sit on the CPU (the kernel's copy-out); elsewhere write_back copies.
+        self._copy_out = {id(r.tensor): r.unit.shard[r.a - r.unit.owned[0]:r.b - r.unit.owned[0]]
+                          for r in self.runs if self._copy_out_ok(r.unit)} if self._fused_step else {}
         self._clip_coef = 1.0  # pending clip coefficient, applied by the fused step
         self._checked_pass = -1  # reducer pass whose overflow flag is cached
         self._overflow = False
@@ -221,12 +225,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         scale, self._clip_coef = self._clip_coef, 1.0
         if self.swapper is not None:
             self.swapper.step(self.inner.param_groups, grad_scale=scale)
-        elif self._fused_step:
-            self.inner.step(grad_scale=scale)
+        elif self._fused_step:  # the bf16/fp16 model copy is written in the same pass
+            self.inner.step(grad_scale=scale, copy_out=self._copy_out)
         else:
             self.inner.step()
         for unit in self.units:
-            unit.write_back()
+            if not (self._fused_step and self.swapper is None and self._copy_out_ok(unit)):
+                unit.write_back()
         self.gather_params()
         return loss
 
@@ -237,6 +242,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             works = [self.comm.gather_shards(u.flat) for u in self.units]
             for w in works:
                 w.wait()
+
+    @staticmethod
+    def _copy_out_ok(unit: FlatUnit) -> bool:
+        return (unit.separate_master and unit.dtype in (torch.bfloat16, torch.float16)
+                and unit.master.device.type == "cpu" and unit.shard.device.type == "cpu")
 
     def _sync_hyperparameters(self) -> None:
         for user, inner in zip(self.param_groups, self.inner.param_groups):
