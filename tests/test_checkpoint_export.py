@@ -34,7 +34,7 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path):
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     assert "lm_head.weight" not in index["weight_map"]  # tied to wte: transformers re-ties it
-    cfg.save_pretrained(out)
+    assert os.path.exists(os.path.join(out, "config.json"))  # saved with the checkpoint
     loaded = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
     model.eval()
     x = torch.arange(16).view(1, 16) % 64

@@ -107,6 +107,9 @@ def export_hf(step_dir: str, out_dir: str, max_shard_size: Union[int, str] = "2G
         write_stream(tmp, head, chunks())
         os.replace(tmp, os.path.join(out_dir, fname))
         weight_map.update({name: fname for name, _, _ in shard})
+    if isinstance(body.get("model_config"), dict):  # saved from a Hugging Face model
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(body["model_config"], f, indent=2)
     index = os.path.join(out_dir, "model.safetensors.index.json")
     with open(index, "w") as f:
         json.dump({"metadata": {"total_size": total, "format": "pt", "zeroshard_step": body["step"]},

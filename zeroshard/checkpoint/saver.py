@@ -16,6 +16,7 @@ States: IDLE -> (sync) COMMITTING -> IDLE, or (async) STAGING -> WRITING -> IDLE
 from __future__ import annotations
 
 import enum
+import json
 import threading
 from typing import Any, Optional
 
@@ -159,6 +160,19 @@ def _encode_state(obj: Any, what: str) -> Any:
     return jsontree.encode(obj.state_dict(), what)
 
 
+def _hf_config(model: Optional[nn.Module]) -> Optional[dict]:
+    """A Hugging Face model's config, so ``export_hf`` can write ``config.json`` beside the
+    weights and the export loads with ``from_pretrained`` on its own."""
+    config = getattr(model, "config", None)
+    to_dict = getattr(config, "to_dict", None)
+    if not callable(to_dict):
+        return None
+    try:
+        return json.loads(json.dumps(to_dict(), default=str))
+    except (TypeError, ValueError):
+        return None
+
+
 def _capture(step: int, model: Optional[nn.Module], opt: Any, scheduler: Any, dataloader: Any,
              extra: Any, rank: int) -> commit.Snapshot:
     records: list[PieceRecord] = owned_pieces(model, opt) if opt is not None else []
@@ -183,6 +197,7 @@ def _capture(step: int, model: Optional[nn.Module], opt: Any, scheduler: Any, da
             "optimizer": type(opt.inner).__name__ if opt is not None else None,
             "param_groups": jsontree.encode(groups, "param_groups"),
             "aliases": aliases,
+            "model_config": _hf_config(model),
             "trainer": {"scheduler": _encode_state(scheduler, "scheduler"),
                         "loss_scaler": opt.scaler.state_dict() if opt is not None and opt.scaler else None,
                         "extra": jsontree.encode(extra, "extra")},
