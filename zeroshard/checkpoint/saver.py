@@ -15,8 +15,10 @@ States: IDLE -> (sync) COMMITTING -> IDLE, or (async) STAGING -> WRITING -> IDLE
 """
 from __future__ import annotations
 
+import datetime
 import enum
 import json
+import os
 import threading
 from typing import Any, Optional
 
@@ -78,7 +80,10 @@ class CheckpointSaver:
         key = id(base.group)
         if key not in self._comms:
             ranks = dist.get_process_group_ranks(base.group)
-            self._comms[key] = Comm(dist.new_group(ranks=ranks, backend="gloo"))
+            # The side group must give up on a dead peer as soon as training's own group does
+            # (not after gloo's 30-minute default): ZEROSHARD_PG_TIMEOUT, seconds.
+            timeout = datetime.timedelta(seconds=float(os.environ.get("ZEROSHARD_PG_TIMEOUT", "1800")))
+            self._comms[key] = Comm(dist.new_group(ranks=ranks, backend="gloo", timeout=timeout))
         return self._comms[key]
 
     def save(self, root: str, step: int, model: Optional[nn.Module], opt: Any, scheduler: Any,

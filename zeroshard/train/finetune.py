@@ -68,6 +68,7 @@ def _hf_loss(device: torch.device):
 
 def train(cfg: FinetuneConfig) -> int:
     """Runs (or resumes) the fine-tuning described by ``cfg`` on this rank; the exit status."""
+    os.environ.setdefault("ZEROSHARD_PG_TIMEOUT", str(cfg.collective_timeout))  # checkpoint side group too
     device = setup_distributed(cfg.collective_timeout)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
