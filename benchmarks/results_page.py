@@ -19,13 +19,9 @@ import sys
 
 from zeroshard.bench import memory, step, tables
 
-COMPACT: list[tables.Column] = [
-    ("world", "world_size", tables.text), ("configuration", "config", tables.text),
-    ("model states MiB/rank", "model_states", tables.mib), ("ZeRO formula MiB", "theory_model_states", tables.mib),
-    ("÷ stage 0 measured", "fraction_of_stage0", tables.ratio), ("÷ stage 0 formula", "theory_fraction_of_stage0", tables.ratio),
-    ("estimate ÷ measured", "estimate_over_measured", tables.ratio), ("peak RSS growth MiB", "rss_growth", tables.mib),
-    ("estimate peak MiB", "estimate_peak", tables.mib),
-]
+_COMPACT_KEYS = ("world_size", "config", "model_states", "theory_model_states", "fraction_of_stage0",
+                 "theory_fraction_of_stage0", "estimate_over_measured", "rss_growth", "estimate_peak")
+COMPACT: list[tables.Column] = [c for c in memory.COLUMNS if c[1] in _COMPACT_KEYS]
 
 
 def _load(directory: str, name: str) -> dict:
