@@ -53,6 +53,8 @@ def test_recommends_the_fastest_choice_that_fits() -> None:
     best = p.recommended
     assert best is not None and best.fits
     assert not any(e.fits for e in p.estimates if e.choice.relative_cost < best.choice.relative_cost)
+    tied = [e for e in p.estimates if e.fits and e.choice.relative_cost == best.choice.relative_cost]
+    assert best.gpu_total == min(e.gpu_total for e in tied)  # ties: the most headroom (stage 2 over 0/1)
     assert not next(e for e in p.estimates if e.choice == Choice(0)).fits  # 16 bytes/param > 80 GB
     tiny = Hardware(gpu_memory=GB, n_gpus=1, cpu_memory=GB)
     assert plan(shape, tiny, Workload()).recommended is None

@@ -121,11 +121,12 @@ class Choice:
         """A speed *ordering*, not a prediction: compute 1.0; activation checkpointing re-runs
         the forward (+1/3); stage 3 adds a parameter all-gather in backward (1.5× the traffic
         of stages 0-2, which all move one all-reduce's worth); offload adds PCIe/NVMe
-        traffic and a CPU optimizer step. Ties go to the lower stage (fewer collectives)."""
+        traffic and a CPU optimizer step. Stages 0-2 tie: ``Plan.recommended`` then takes the
+        one that leaves the most GPU memory free."""
         cost = 1.0 + (1 / 3 if self.activation_checkpointing else 0.0) + (0.15 if self.stage == 3 else 0.0)
         cost += {None: 0.0, "cpu": 0.4, "nvme": 1.2}[self.offload_optimizer]
         cost += {None: 0.0, "cpu": 0.6, "nvme": 1.8}[self.offload_params]
-        return cost + self.stage * 1e-3
+        return cost
 
 
 def all_choices() -> list[Choice]:
@@ -261,9 +262,10 @@ class Plan:
 
     @property
     def recommended(self) -> Optional[Estimate]:
-        """The fitting choice with the lowest ``Choice.relative_cost``, or None."""
+        """The fitting choice with the lowest ``Choice.relative_cost`` (ties: the least GPU
+        memory, i.e. the most headroom for a larger batch), or None."""
         fitting = [e for e in self.estimates if e.fits]
-        return min(fitting, key=lambda e: e.choice.relative_cost) if fitting else None
+        return min(fitting, key=lambda e: (round(e.choice.relative_cost, 6), e.gpu_total)) if fitting else None
 
 
 def plan(shape: ModelShape, hw: Hardware, w: Workload, choices: Optional[list[Choice]] = None) -> Plan:
