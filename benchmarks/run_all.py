@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         minutes = (time.monotonic() - t0) / 60
         failed += rc != 0
-        shown = " ".join(os.path.relpath(c, os.getcwd()) if os.path.isabs(c) and os.path.exists(c) else c for c in cmd)
+        here = os.getcwd() + os.sep
+        shown = " ".join(os.path.relpath(c) if c.startswith(here) else c for c in cmd)
         index.append(f"| {job.name} | {job.what} | {rc} | {minutes:.1f} | `{shown}` |")
         details += ["", f"## {job.name}", "", "```", _tail(log).rstrip(), "```"]
         print(f"   exit {rc} after {minutes:.1f} min; output in {log}", flush=True)
