@@ -96,7 +96,10 @@ class FlatUnit:
             free_storage(self.flat)
         self.grad_base = lo if policy.shard_gradients else 0
         store_numel = hi - lo if policy.shard_gradients else layout.padded_numel
-        self.grad_store = torch.zeros(store_numel, dtype=torch.float32, device=state_device,
+        # Uninitialised on purpose: grad_valid=False makes the first reduction overwrite it, and
+        # untouched pages cost no resident memory until the first backward (a model loaded for
+        # inference or resumed from a checkpoint does not pay for gradients it never computes).
+        self.grad_store = torch.empty(store_numel, dtype=torch.float32, device=state_device,
                                       pin_memory=pin and state_device.type == "cpu")
         self.grad_valid = False
         """False after zero_grad(set_to_none=True): the next reduced gradient overwrites."""

@@ -3,8 +3,8 @@
 Accepts a Hugging Face directory (``model.safetensors.index.json`` plus shards, or a single
 ``model.safetensors``) or one ``.safetensors`` file. File names come from the index and are
 checked to be plain names inside the directory (an index is data, not trusted paths).
-At stage 3 each rank reads only the rows that cover its owned pieces
-(``safe_open(...).get_slice(name)[r0:r1]``); stages 0-2 read whole tensors.
+At stage 3 each rank reads only the bytes of its owned pieces (``os.pread`` at offsets from
+the file's validated header, no memory map); stages 0-2 read whole tensors.
 """
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from typing import Optional
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from zeroshard.checkpoint.shard_file import DTYPES
 
 from zeroshard.optim.registry import optimizer_for
 
@@ -55,15 +57,51 @@ def _resolve_prefix(files: dict[str, str], model: nn.Module) -> dict[str, tuple[
     return out
 
 
-def _read_range(f, name: str, shape: torch.Size, start: int, stop: int) -> torch.Tensor:
-    """Flat range [start, stop) of a stored tensor, reading only the rows that cover it."""
-    sl = f.get_slice(name)
-    if len(shape) <= 1:
-        return sl[start:stop].reshape(-1) if len(shape) == 1 else f.get_tensor(name).reshape(-1)
-    row = shape[1:].numel()
-    r0, r1 = start // row, -(-stop // row)
-    rows = sl[r0:r1].reshape(-1)
-    return rows[start - r0 * row:stop - r0 * row]
+class _RangeReader:
+    """Reads byte ranges of the tensors of one safetensors file with ``os.pread``: exactly the
+    elements a rank owns, with no memory map (a mapped file's touched pages count as the
+    process's resident memory). The header is checked against the file before it is used."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        size = os.fstat(self.fd).st_size
+        head = os.pread(self.fd, 8, 0)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < n <= min(size - 8, 100 << 20):
+            raise ValueError(f"{path} is not a safetensors file (header length {n}, file size {size})")
+        header = json.loads(os.pread(self.fd, n, 8))
+        header.pop("__metadata__", None)
+        self.base = 8 + n
+        self.entries: dict[str, tuple[torch.dtype, list[int], int]] = {}
+        for name, e in header.items():
+            dtype = DTYPES.get(e.get("dtype"))
+            a, b = e.get("data_offsets", (-1, -1))
+            shape = [int(d) for d in e.get("shape", [])]
+            numel = 1
+            for d in shape:
+                numel *= d
+            if dtype is None or not 0 <= a <= b <= size - self.base or b - a != numel * dtype.itemsize:
+                raise ValueError(f"{path}: tensor {name!r} has an invalid header entry {e}")
+            self.entries[name] = (dtype, shape, self.base + a)
+
+    def shape(self, name: str) -> list[int]:
+        return self.entries[name][1]
+
+    def read(self, name: str, start: int, stop: int) -> torch.Tensor:
+        dtype, _, offset = self.entries[name]
+        nbytes = (stop - start) * dtype.itemsize
+        buf = bytearray(nbytes)
+        view, done = memoryview(buf), 0
+        while done < nbytes:
+            got = os.preadv(self.fd, [view[done:]], offset + start * dtype.itemsize + done)
+            if got <= 0:
+                raise ValueError(f"{self.path}: short read of {name!r}")
+            done += got
+        return torch.frombuffer(buf, dtype=dtype) if nbytes else torch.empty(0, dtype=dtype)
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 @torch.no_grad()
@@ -75,14 +113,21 @@ def load_safetensors(model: nn.Module, path: str, strict: bool = True) -> list[s
         raise ValueError("load_safetensors needs the model to be managed by a ZeroOptimizer; for a "
                          "plain model use safetensors.torch.load_model")
     files = _resolve_prefix(_weight_map(path), model)
-    handles: dict[str, object] = {}
+    handles: dict[str, _RangeReader] = {}
 
-    def handle(name: str):
+    def handle(name: str) -> tuple[_RangeReader, str]:
         fname, stored = files[name]
         if fname not in handles:
-            handles[fname] = safe_open(fname, framework="pt")
+            handles[fname] = _RangeReader(fname)
         return handles[fname], stored
+    try:
+        return _load(opt, model, path, files, handle, strict)
+    finally:
+        for h in handles.values():
+            h.close()
 
+
+def _load(opt, model: nn.Module, path: str, files: dict, handle, strict: bool) -> list[str]:
     missing, wrong = [], []
     where = opt.segment_index()
     for unit in opt.units:
@@ -91,14 +136,14 @@ def load_safetensors(model: nn.Module, path: str, strict: bool = True) -> list[s
                 missing.append(seg.name)
                 continue
             f, stored_name = handle(seg.name)
-            stored = f.get_slice(stored_name).get_shape()
+            stored = f.shape(stored_name)
             if list(stored) != list(seg.shape):
                 wrong.append(f"{seg.name}: file {list(stored)} vs model {list(seg.shape)}")
                 continue
             lo, hi = (unit.owned if unit.policy.shard_parameters else (seg.offset, seg.end))
             a, b = max(lo, seg.offset), min(hi, seg.end)
             if a < b:
-                values = _read_range(f, stored_name, seg.shape, a - seg.offset, b - seg.offset)
+                values = f.read(stored_name, a - seg.offset, b - seg.offset)
                 unit.load_segment(a, values.float() if unit.separate_master else values)
         unit.needs_init = False
     for key, t in model.state_dict(keep_vars=True).items():
@@ -106,7 +151,10 @@ def load_safetensors(model: nn.Module, path: str, strict: bool = True) -> list[s
             continue
         if key in files:
             f, stored_name = handle(key)
-            t.data.copy_(f.get_tensor(stored_name))
+            if list(f.shape(stored_name)) != list(t.shape):
+                wrong.append(f"{key}: file {f.shape(stored_name)} vs model {list(t.shape)}")
+                continue
+            t.data.copy_(f.read(stored_name, 0, t.numel()).view(t.shape))
         elif isinstance(t, nn.Parameter):
             missing.append(key)
     if opt.gatherer is not None:  # a unit gathered now holds the old values: drop it
