@@ -85,7 +85,10 @@ class NvmeOptimizerState(MutableMapping):
             os.close(fd)
         self.aio = AsyncIO()
         largest = max((_aligned(r.tensor.numel() * 4) for r in self.runs), default=ALIGN)
-        self._pool = [aligned_empty(largest * len(KEYS) // 4, torch.float32) for _ in range(3)]
+        # Three slots overlap read, update and write; fewer runs need fewer slots (a one-unit
+        # model must not hold 3x the moments it offloads).
+        self._pool = [aligned_empty(largest * len(KEYS) // 4, torch.float32)
+                      for _ in range(max(1, min(3, len(self.runs))))]
         self.pool_bytes = sum(b.numel() * 4 for b in self._pool)
         self._steps: dict[int, torch.Tensor] = {}
         self._keys = {id(r.tensor): r.tensor for r in self.runs}
@@ -144,11 +147,13 @@ class NvmeOptimizerState(MutableMapping):
         ``grad_scale`` (a pending clip coefficient) multiplies the gradients in the kernel."""
         todo = [r for r in self.runs if r.tensor.grad is not None and r.unit.grad_valid and r.tensor.numel()]
         reads: dict[int, Any] = {}
-        writes: list[Any] = [None, None, None]
+        started: set[int] = set()
+        slots = len(self._pool)
+        writes: list[Any] = [None] * slots
 
         def start_read(i: int) -> None:
-            slot = i % 3
-            if writes[slot] is not None:  # the buffer is still being written from run i-3
+            slot = i % slots
+            if writes[slot] is not None:  # the buffer is still being written from an earlier run
                 writes[slot].wait()
                 writes[slot] = None
             t = todo[i].tensor
@@ -156,10 +161,11 @@ class NvmeOptimizerState(MutableMapping):
                 reads[i] = self._read(t, self._pool[slot])
             else:  # first step: moments start at zero
                 self._pool[slot][:self._region(t)[1] // 4].zero_()
-        if todo:
-            start_read(0)
+            started.add(i)
         for i, run in enumerate(todo):
-            if i + 1 < len(todo):
+            if i not in started:
+                start_read(i)
+            if slots > 1 and i + 1 < len(todo):  # read ahead into the next free slot
                 start_read(i + 1)
             if i in reads:
                 reads.pop(i).wait()
@@ -168,12 +174,12 @@ class NvmeOptimizerState(MutableMapping):
             step = self._steps.setdefault(id(t), torch.tensor(0.0))
             step += 1
             beta1, beta2 = (float(b) for b in group["betas"])
-            exp_avg, exp_avg_sq = self._views(self._pool[i % 3], t.numel())
+            exp_avg, exp_avg_sq = self._views(self._pool[i % slots], t.numel())
             adam_step_(t, t.grad, exp_avg, exp_avg_sq, step=int(step.item()), lr=float(group["lr"]),
                        beta1=beta1, beta2=beta2, eps=float(group["eps"]),
                        weight_decay=float(group["weight_decay"]), adamw_mode=bool(group["adamw_mode"]),
                        grad_scale=-grad_scale if group.get("maximize") else grad_scale)
-            writes[i % 3] = self._write(t, self._pool[i % 3])
+            writes[i % slots] = self._write(t, self._pool[i % slots])
         for w in writes:
             if w is not None:
                 w.wait()

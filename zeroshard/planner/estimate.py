@@ -168,7 +168,7 @@ class Estimate:
         return self.nvme_per_rank * self.n_gpus
 
 
-def _placement(choice: Choice, full: MemoryReport, shard_numel: int, run_numel: int, w: Workload,
+def _placement(choice: Choice, full: MemoryReport, shard_numel: int, run_numel: int, n_runs: int, w: Workload,
                accelerator: bool) -> tuple[MemoryReport, int, int]:
     """Splits the formula's per-rank bytes into (device, CPU, NVMe) as zeroshard places them
     (``Placement`` in zeroshard/optim/flat_unit.py):
@@ -190,9 +190,8 @@ def _placement(choice: Choice, full: MemoryReport, shard_numel: int, run_numel: 
             grads = master = 0
         if choice.offload_optimizer == "nvme":
             nvme += optim
-            # three buffers of the largest run, even when there are fewer than three runs
-            # (zeroshard/offload/nvme_state.py): for a one-unit model that is 3x the moments
-            pool = 3 * run_numel * w.optim_bytes_per_param
+            # min(3, runs) buffers of the largest run (zeroshard/offload/nvme_state.py)
+            pool = min(3, n_runs) * run_numel * w.optim_bytes_per_param
             if accelerator:
                 cpu += pool
                 optim = 0
@@ -230,7 +229,8 @@ def estimate(choice: Choice, shape: ModelShape, hw: Hardware, w: Workload) -> Es
                         optim_bytes_per_param=w.optim_bytes_per_param)
     bucket_numel = int(w.bucket_size_mb * 2**20) // w.param_bytes
     run_numel = (shape.block_params if choice.stage == 3 else min(bucket_numel, shape.n_params)) // n
-    gpu, cpu, nvme = _placement(choice, full, shape.n_params // n, run_numel, w, hw.accelerator)
+    n_runs = shape.n_layers + 1 if choice.stage == 3 else -(-shape.n_params // max(1, bucket_numel))
+    gpu, cpu, nvme = _placement(choice, full, shape.n_params // n, run_numel, n_runs, w, hw.accelerator)
     gpu = MemoryReport(gpu.parameters, gpu.gradients, gpu.master_weights, gpu.optimizer_states,
                        buffers=_buffers(choice, shape, w))
     act = activation_bytes(shape, w.micro_batch, w.seq_len, w.param_bytes,
