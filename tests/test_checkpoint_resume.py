@@ -37,14 +37,19 @@ def _params(res: dict) -> dict[str, torch.Tensor]:
     return {n: torch.frombuffer(bytearray.fromhex(h), dtype=torch.float32) for n, h in res["params"].items()}
 
 
+@pytest.fixture(scope="module")
+def world4_checkpoint(tmp_path_factory):
+    """A checkpoint saved by 4 ranks at stage 2, and an unsharded reference run."""
+    base = tmp_path_factory.mktemp("reshard")
+    spawn(ckpt_worker.reshard_save, 4, 2, SAVE_AT, str(base / "ckpt"), str(base / "saved"))
+    ckpt_worker.reference(0, 1, TOTAL, str(base / "ref"))  # one process: no spawn needed
+    return base
+
+
 @pytest.mark.parametrize("world,stage", [(2, 3), (2, 1), (1, 0)])
-def test_reshard_from_world4_stage2(tmp_path_factory, world, stage):
-    base = tmp_path_factory.getbasetemp() / "reshard"
+def test_reshard_from_world4_stage2(tmp_path_factory, world4_checkpoint, world, stage):
+    base = world4_checkpoint
     root = base / "ckpt"
-    if not root.exists():
-        base.mkdir(exist_ok=True)
-        spawn(ckpt_worker.reshard_save, 4, 2, SAVE_AT, str(root), str(base / "saved"))
-        ckpt_worker.reference(0, 1, TOTAL, str(base / "ref"))  # one process: no spawn needed
     out = tmp_path_factory.mktemp("res")
     spawn(ckpt_worker.reshard_resume, world, stage, TOTAL, str(root), str(out / "r"))
     ref = _params(_read(str(base / "ref"), 1)[0])
@@ -61,14 +66,12 @@ def test_reshard_from_world4_stage2(tmp_path_factory, world, stage):
             assert res["bytes_read"] < total * 0.75, f"rank {rank} read {res['bytes_read']} of {total} bytes"
 
 
-def test_export_stitches_pieces_of_four_ranks(tmp_path_factory):
+def test_export_stitches_pieces_of_four_ranks(tmp_path_factory, world4_checkpoint):
     """export_hf of the world-4 / stage-2 checkpoint equals the parameters at the save."""
     from safetensors.torch import load_file
 
     import zeroshard
-    base = tmp_path_factory.getbasetemp() / "reshard"
-    if not (base / "ckpt").exists():
-        pytest.skip("runs after test_reshard_from_world4_stage2, which writes the checkpoint")
+    base = world4_checkpoint
     out = tmp_path_factory.mktemp("hf")
     zeroshard.export_hf(str(base / "ckpt"), str(out), max_shard_size="1KB")
     got = {}
