@@ -80,7 +80,8 @@ setup(
     extras_require={
         # transformers: the stage-3 and checkpoint tests use a small GPT-2 built from a config
         # (no download); it does not depend on torch, so it never pulls a CUDA build.
-        "test": ["pytest>=7", "pytest-benchmark>=4", "transformers>=4.40"],
+        # matplotlib: the memory chart of `zeroshard bench memory` is tested too.
+        "test": ["pytest>=7", "pytest-benchmark>=4", "transformers>=4.40", "matplotlib>=3.7"],
         "bench": ["pytest-benchmark>=4", "matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["zeroshard=zeroshard.cli:main"]},
