@@ -1,12 +1,10 @@
 """State dicts, memory accounting, fp16 overflow and schedulers on real gloo groups."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tests import features_worker
-from zeroshard.launch import spawn
+from tests.dist_results import run_ranks
 
 CHECKS = ["state_dicts", "memory", "fp16_overflow", "schedulers", "offload"]
 
@@ -17,9 +15,7 @@ def results(tmp_path_factory):
 
     def get(world: int) -> list[dict]:
         if world not in cache:
-            out = str(tmp_path_factory.mktemp(f"features{world}") / "res")
-            spawn(features_worker.run, world, out, CHECKS)
-            cache[world] = [json.load(open(f"{out}.rank{r}")) for r in range(world)]
+            cache[world] = run_ranks(features_worker.run, world, tmp_path_factory.mktemp(f"features{world}"), CHECKS)
         return cache[world]
     return get
 

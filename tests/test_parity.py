@@ -1,12 +1,10 @@
 """Parity: zeroshard on 1, 2 and 4 gloo ranks against single-process torch.optim."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tests import parity_worker
-from zeroshard.launch import spawn
+from tests.dist_results import run_ranks
 
 WORLDS = (1, 2, 4)
 
@@ -17,9 +15,7 @@ def results(tmp_path_factory):
 
     def get(world: int) -> list[dict]:
         if world not in cache:
-            out = str(tmp_path_factory.mktemp(f"parity{world}") / "res")
-            spawn(parity_worker.run, world, out)
-            cache[world] = [json.load(open(f"{out}.rank{r}")) for r in range(world)]
+            cache[world] = run_ranks(parity_worker.run, world, tmp_path_factory.mktemp(f"parity{world}"))
         return cache[world]
     return get
 

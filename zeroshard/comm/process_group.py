@@ -2,11 +2,11 @@
 
 zeroshard never builds its own transport: every byte moves through torch.distributed.
 What this wrapper adds is the choice of *which* collective expresses an operation, since
-backends differ. Measured on gloo (CPU, loopback, 100 MB fp32, 2 and 4 ranks):
-``reduce_scatter_tensor`` costs ~2x an ``all_reduce`` of the same bytes, so a gradient
-reduce-scatter is an all-reduce whose slice is kept; ``all_gather_into_tensor`` costs
-1.2-1.7x an all-reduce, while one ``broadcast`` per owner (each rank sends its slice) costs
-0.3-0.4x, so a parameter all-gather is W broadcasts. NCCL keeps the natural collectives.
+backends differ. Measured on gloo (``benchmarks/bench_collectives.py``, 100 MB fp32, 2 and
+4 ranks): ``reduce_scatter_tensor`` costs 1.8-2.0x an ``all_reduce`` of the same bytes, so a
+gradient reduce-scatter is an all-reduce whose slice is kept; ``all_gather_into_tensor``
+costs 1.6x an all-reduce, while one ``broadcast`` per owner (each rank sends its slice) costs
+0.4-0.6x, so a parameter all-gather is W broadcasts. NCCL keeps the natural collectives.
 ``benchmarks/bench_collectives.py`` re-measures the choice; ZEROSHARD_COLLECTIVES=native or
 =emulated forces one for experiments.
 """
