@@ -27,9 +27,11 @@ layout: ``AutoModelForCausalLM.from_pretrained(that_dir)``.
 All options: ``python examples/finetune_causal_lm.py --help``. The pieces (DeepSpeed-config
 translation, schedules, preemption, the loop) live in ``zeroshard/train/`` for your own loops.
 """
-import sys
+import faulthandler
 
+from zeroshard.train.failures import end_process
 from zeroshard.train.finetune import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    faulthandler.enable()  # a native crash prints every thread's Python stack
+    end_process(main())  # exits without interpreter teardown: see Note [teardown]

@@ -65,6 +65,11 @@ class ZeroConfig:
             raise ValueError(
                 f"offload_params={self.offload_params!r} needs stage=3 (parameters are only "
                 f"partitioned at stage 3), got stage={self.stage}")
+        if self.offload_params == "nvme" and self.offload_optimizer != "nvme":
+            raise ValueError(
+                f"offload_params='nvme' needs offload_optimizer='nvme' too (got {self.offload_optimizer!r}): "
+                "the fp32 master of a swapped parameter shard lives in the same swap file as the "
+                "shard, and its optimizer states are streamed beside it")
         uses_nvme = "nvme" in (self.offload_optimizer, self.offload_params)
         if uses_nvme and not self.nvme_path:
             raise ValueError("offload to 'nvme' needs nvme_path=<directory for swap files>")

@@ -23,22 +23,25 @@ from zeroshard.checkpoint import jsontree, locate, manifest, rng
 from zeroshard.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map
 from zeroshard.checkpoint.shard_file import DTYPES, ShardReader, read_json
+from zeroshard.offload.unit_swap import resident_runs
 from zeroshard.optim.state_io import fill_run
 
 
 class _Source:
     """The saved pieces of every tensor of one step, readable by (name, range, kind)."""
 
-    def __init__(self, step_dir: str, body: dict) -> None:
+    def __init__(self, step_dir: str, body: dict, max_blocks: Optional[int] = None) -> None:
         self.dir = step_dir
         self.body = body
+        self.max_blocks = max_blocks
         self.readers: dict[str, ShardReader] = {}
         self.pieces = {n: m["pieces"] for n, m in body["tensors"].items()}
         self.starts = {n: [p["start"] for p in ps] for n, ps in self.pieces.items()}
 
     def reader(self, fname: str) -> ShardReader:
         if fname not in self.readers:
-            self.readers[fname] = ShardReader(os.path.join(self.dir, fname), self.body["files"][fname])
+            self.readers[fname] = ShardReader(os.path.join(self.dir, fname), self.body["files"][fname],
+                                              self.max_blocks)
         return self.readers[fname]
 
     def overlapping(self, name: str, a: int, b: int):
@@ -167,11 +170,15 @@ def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
             values = src.fetch(name, a, b, PARAM)
             if run is None:
                 state_dict[name].view(-1).copy_(values)
+            elif getattr(run.unit, "swap", None) is not None:  # straight into the swap file
+                run.unit.swap.write_range(run.unit, "shard", piece.unit_offset, values)
             else:
                 ua = piece.unit_offset
                 run.unit.param_range(ua, ua + piece.numel).copy_(values)
         if opt is None:
             return
+        for unit in opt.units:  # every owned piece came from the checkpoint (read_phase checked)
+            unit.needs_init = False
         keys: dict[str, list[str]] = {}
         for own, name in ckpt_name.items():
             found: set[str] = set()
@@ -188,7 +195,8 @@ def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
                 f"state.{key}" in p["keys"] for p in src.pieces[name]) else None
             return t if t is not None else src.scalar(name, a, b, key)
 
-        for run in opt.runs:
+        # Swapped units come into memory one at a time and go back to their file after.
+        for run in resident_runs(opt.runs, write=True):
             names = {p.segment.name for p in run.unit.layout.pieces_in(run.a, run.b)}
             fill_run(opt, run, sorted(set().union(*(keys[n] for n in names))), fetch)
     opt.gather_params()
@@ -251,7 +259,9 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
         if body is not None:
             check_compatible(body, model, optimizer, step_dir)
             same_world = body["world_size"] == comm.world_size
-            src = _Source(step_dir, body)
+            # Offloaded state streams: verified blocks are kept a few at a time, not all,
+            # and the apply phase reads (and verifies) them again as it fills each unit.
+            src = _Source(step_dir, body, max_blocks=_STREAM_BLOCKS if _streamed(optimizer) else None)
             try:
                 read_phase(src, model, optimizer, same_world and load_rng, comm.rank)
             except (CheckpointCorruptError, OSError) as exc:
@@ -276,6 +286,15 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
                 "bytes_read": sum(r.bytes_read for r in src.readers.values())}
     raise CheckpointCorruptError(f"no valid checkpoint under {path!r}; skipped: " +
                                  "; ".join(f"{d}: {r}" for d, r in skipped))
+
+
+_STREAM_BLOCKS = 4
+"""Checksum blocks (32 MiB each) a streamed load keeps in memory per data file."""
+
+
+def _streamed(opt: Any) -> bool:
+    """The optimizer keeps its state in swap files: load without holding it all in memory."""
+    return getattr(opt, "unit_store", None) is not None
 
 
 def _world_comm() -> Any:

@@ -11,11 +11,14 @@ matches the model class), else the optimizer's parameter names.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+
+from zeroshard.checkpoint.shard_file import Deferred
 
 PARAM, MASTER = "param", "master"
 
@@ -28,7 +31,7 @@ class PieceRecord:
     name: str
     start: int
     stop: int
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    tensors: dict[str, "torch.Tensor | Deferred"] = field(default_factory=dict)
     scalars: dict[str, Any] = field(default_factory=dict)
 
     def key(self, kind: str) -> str:
@@ -67,20 +70,40 @@ def owned_pieces(model: Optional[nn.Module], opt: Any) -> list[PieceRecord]:
         lo, hi = max(run.a, wlo), min(run.b, whi)
         if lo >= hi:
             continue
-        state = opt.inner.state.get(run.tensor, {})
+        swapper = getattr(opt, "swapper", None)
+        store = getattr(run.unit, "swap", None)
+        state = swapper.scalars(run.tensor) if swapper is not None else opt.inner.state.get(run.tensor, {})
         for piece in run.unit.layout.pieces_in(lo, hi):
             ua, ub = piece.unit_offset, piece.unit_offset + piece.numel
             rec = PieceRecord(names[piece.segment.name], piece.start, piece.stop)
-            rec.tensors[PARAM] = run.unit.param_range(ua, ub)
-            if run.unit.separate_master:
-                rec.tensors[MASTER] = run.unit.master_range(ua, ub)
+            if store is not None:  # read from the swap file when the writer gets here
+                rec.tensors[PARAM] = _deferred(run.unit.dtype, store.read_range, run.unit, "shard", ua, ub)
+                if run.unit.separate_master:
+                    rec.tensors[MASTER] = _deferred(torch.float32, store.read_range, run.unit, "master", ua, ub)
+            else:
+                rec.tensors[PARAM] = run.unit.param_range(ua, ub)
+                if run.unit.separate_master:
+                    rec.tensors[MASTER] = run.unit.master_range(ua, ub)
             for k, v in state.items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     rec.tensors[f"state.{k}"] = v[ua - run.a:ub - run.a]
                 else:
                     rec.scalars[k] = v
+            if swapper is not None and state:  # the moments stream from the swap file too
+                for k in swapper.tensor_keys:
+                    rec.tensors[f"state.{k}"] = _deferred(torch.float32, swapper.read_range, run.tensor, k,
+                                                          ua - run.a, ub - run.a)
             records.append(rec)
     return records
+
+
+def _deferred(dtype: torch.dtype, read: Callable[..., torch.Tensor], *args: Any) -> Deferred:
+    lo, hi = args[-2], args[-1]
+    return Deferred(dtype, (hi - lo,), functools.partial(read, *args))
+
+
+def has_deferred(records: list[PieceRecord]) -> bool:
+    return any(isinstance(t, Deferred) for r in records for t in r.tensors.values())
 
 
 def full_tensors(model: Optional[nn.Module], opt: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

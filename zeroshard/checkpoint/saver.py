@@ -28,8 +28,8 @@ from torch import nn
 
 from zeroshard.checkpoint import commit, jsontree, manifest, rng
 from zeroshard.checkpoint.errors import CheckpointError
-from zeroshard.checkpoint.pieces import PieceRecord, full_tensors, name_map, owned_pieces
-from zeroshard.checkpoint.shard_file import CODES
+from zeroshard.checkpoint.pieces import PieceRecord, full_tensors, has_deferred, name_map, owned_pieces
+from zeroshard.checkpoint.shard_file import CODES, Deferred
 from zeroshard.comm import Comm
 
 
@@ -121,17 +121,23 @@ class CheckpointSaver:
 
     def _run(self, snap: commit.Snapshot, root: str, comm: Comm, shapes: dict, keep_last: Optional[int],
              handle: PendingSave) -> None:
+        # State in swap files (Deferred) is not copied to memory: it streams from the files,
+        # so the next optimizer step, which rewrites them, waits for the whole write.
+        streamed = has_deferred(snap.records)
         try:
             try:
                 self._stage(snap)
             finally:
-                self._staged.set()
+                if not streamed:
+                    self._staged.set()
             self.state = SaveState.WRITING
             handle.path = commit.commit(snap, root, comm, shapes, keep_last)
             self.state = SaveState.IDLE
         except BaseException as exc:  # noqa: BLE001 - surfaced by the next wait()
             self._error = exc
             self.state = SaveState.FAILED
+        finally:
+            self._staged.set()
 
     def _stage(self, snap: commit.Snapshot) -> None:
         """Copies every tensor of the snapshot into reused CPU buffers."""
@@ -139,6 +145,8 @@ class CheckpointSaver:
         used = set()
         for rec in snap.records:
             for kind, t in list(rec.tensors.items()):
+                if isinstance(t, Deferred):
+                    continue
                 rec.tensors[kind] = self._buffer(rec.key(kind), t, pin)
                 used.add(rec.key(kind))
         for name, t in list(snap.full.items()):

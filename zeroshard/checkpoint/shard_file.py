@@ -137,15 +137,35 @@ def write_stream(path: str, head: bytes, chunks: Iterable[memoryview],
     return WrittenFile(os.path.basename(path), written, crcs, summer.block)
 
 
-def write_shard(path: str, tensors: Iterable[tuple[str, torch.Tensor]],
+@dataclass(frozen=True)
+class Deferred:
+    """A tensor that is read only when the writer reaches it (state in a swap file), so a
+    checkpoint of offloaded state streams through memory instead of materialising in it."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    read: Callable[[], torch.Tensor]
+
+
+def _materialize(t: "torch.Tensor | Deferred") -> torch.Tensor:
+    if isinstance(t, Deferred):
+        out = t.read()
+        if out.dtype != t.dtype or tuple(out.shape) != t.shape:
+            raise RuntimeError(f"deferred tensor read {out.dtype}{list(out.shape)}, expected "
+                               f"{t.dtype}{list(t.shape)} (a zeroshard bug)")
+        return out
+    return t.cpu()
+
+
+def write_shard(path: str, tensors: Iterable[tuple[str, "torch.Tensor | Deferred"]],
                 metadata: Optional[dict[str, str]] = None,
                 on_chunk: Optional[Callable[[], None]] = None) -> WrittenFile:
     """Writes ``tensors`` (CPU, any layout) as one safetensors file, fsynced; returns its size
     and block checksums. Raises OSError (e.g. ENOSPC), leaving the partial file for the
     caller's cleanup of the temporary directory."""
-    items = [(k, t.detach()) for k, t in tensors]
+    items = [(k, t if isinstance(t, Deferred) else t.detach()) for k, t in tensors]
     head, _ = header_bytes([(k, t.dtype, tuple(t.shape)) for k, t in items], metadata)
-    return write_stream(path, head, (tensor_bytes(t.cpu()) for _, t in items), on_chunk)
+    return write_stream(path, head, (tensor_bytes(_materialize(t)) for _, t in items), on_chunk)
 
 
 def write_json(path: str, obj: object) -> WrittenFile:
@@ -243,8 +263,9 @@ class ShardReader:
         wanted = sorted({i for a, b in byte_ranges if b > a
                          for i in range(a // self.block, (b - 1) // self.block + 1)} - set(self._buffers))
         runs: list[list[int]] = []
+        cap = self.max_blocks or len(self.crcs) or 1  # a bounded reader also reads in bounded runs
         for i in wanted:
-            if runs and runs[-1][1] == i:
+            if runs and runs[-1][1] == i and i - runs[-1][0] < cap:
                 runs[-1][1] = i + 1
             else:
                 runs.append([i, i + 1])

@@ -5,8 +5,9 @@ parameter: the bulk of the training state) in one preallocated swap file per ran
 step walks the runs in order through a pool of three aligned buffers: while run ``i`` is
 updated by the fused CPU kernel, run ``i+1`` is being read and run ``i-1`` written, so host
 memory holds three runs' moments, not the model's (``pool_bytes``). Step counts stay in
-memory. The fp32 master values stay in memory too (for fp32 models they are the parameters
-themselves); swapping them as well is the next step (see docs/design.md).
+memory. With ``offload_params="nvme"`` the fp32 master values and gradients are swapped too
+(``zeroshard/offload/unit_swap.py``): the step then reads unit ``i+1``'s master and gradient
+while unit ``i`` is updated and writes unit ``i``'s new master back behind it.
 
 The object is also the inner optimizer's ``state`` mapping: reading ``state[run.tensor]``
 reads that run's moments from the file, assigning writes them, so state dicts and
@@ -20,71 +21,32 @@ read; one truncated during a run fails the next read with the path and sizes.
 """
 from __future__ import annotations
 
-import errno
-import glob
 import os
-import re
 from collections.abc import Iterator, MutableMapping
 from typing import Any, Sequence
 
 import torch
 
-from zeroshard.io import ALIGN, AIOError, AsyncIO, DiskFullError, aligned_empty
+from zeroshard.io import ALIGN, AsyncIO, aligned_empty
+from zeroshard.offload.swap_file import aligned, create_swap_file
 from zeroshard.ops import adam_step_
 
 KEYS = ("exp_avg", "exp_avg_sq")
 
 
-def _remove_stale(nvme_path: str, rank: int) -> None:
-    """Swap files are scratch, never reused (state is restored from checkpoints), so a file
-    left by a killed run of this rank on this machine only takes space: remove it."""
-    for path in glob.glob(os.path.join(nvme_path, f"zeroshard-optim-rank{rank:05d}-pid*.swap")):
-        m = re.search(r"-pid(\d+)\.swap$", path)
-        if m and not os.path.exists(f"/proc/{m.group(1)}"):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
-
-
 class NvmeOptimizerState(MutableMapping):
     def __init__(self, runs: Sequence[Any], nvme_path: str, rank: int) -> None:
         self.runs = list(runs)
-        if not os.path.isdir(nvme_path):
-            raise FileNotFoundError(f"nvme_path={nvme_path!r} is not a directory; create it or point "
-                                    "nvme_path at a directory on the NVMe drive")
-        if not os.access(nvme_path, os.W_OK):
-            raise PermissionError(f"nvme_path={nvme_path!r} is not writable by this process")
-        self.path = os.path.join(nvme_path, f"zeroshard-optim-rank{rank:05d}-pid{os.getpid()}.swap")
         self._offset: dict[int, int] = {}
         offset = 0
         for run in self.runs:
             self._offset[id(run.tensor)] = offset
-            offset += _aligned(run.tensor.numel() * 4) * len(KEYS)
+            offset += aligned(run.tensor.numel() * 4) * len(KEYS)
         self.file_bytes = offset
-        _remove_stale(nvme_path, rank)
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        except OSError as exc:
-            raise AIOError(exc.errno, f"cannot create the swap file {self.path!r}: {exc.strerror}; "
-                           "nvme_path must be a writable directory", self.path, 0, 0) from exc
-        try:
-            if offset:
-                os.posix_fallocate(fd, 0, offset)
-        except OSError as exc:
-            os.unlink(self.path)
-            cls = DiskFullError if exc.errno in (errno.ENOSPC, errno.EDQUOT) else AIOError
-            raise cls(exc.errno, f"offload_optimizer='nvme' needs {offset / 2**30:.3f} GiB in "
-                      f"{nvme_path!r} for this rank's optimizer state, and the file system refused "
-                      f"it ({exc.strerror}); free space or use another nvme_path", self.path, 0, offset) from exc
-        finally:
-            os.close(fd)
+        self.path = create_swap_file(nvme_path, "optim", rank, offset,
+                                     "offload_optimizer='nvme' needs {gib} GiB in {path!r} for this rank's optimizer state")
         self.aio = AsyncIO()
-        largest = max((_aligned(r.tensor.numel() * 4) for r in self.runs), default=ALIGN)
+        largest = max((aligned(r.tensor.numel() * 4) for r in self.runs), default=ALIGN)
         # Three slots overlap read, update and write; fewer runs need fewer slots (a one-unit
         # model must not hold 3x the moments it offloads).
         self._pool = [aligned_empty(largest * len(KEYS) // 4, torch.float32)
@@ -92,14 +54,15 @@ class NvmeOptimizerState(MutableMapping):
         self.pool_bytes = sum(b.numel() * 4 for b in self._pool)
         self._steps: dict[int, torch.Tensor] = {}
         self._keys = {id(r.tensor): r.tensor for r in self.runs}
+        self.tensor_keys = KEYS
 
     # -- layout ---------------------------------------------------------------------------------
     def _views(self, buf: torch.Tensor, numel: int) -> list[torch.Tensor]:
-        stride = _aligned(numel * 4) // 4
+        stride = aligned(numel * 4) // 4
         return [buf[k * stride:k * stride + numel] for k in range(len(KEYS))]
 
     def _region(self, t: torch.Tensor) -> tuple[int, int]:
-        return self._offset[id(t)], _aligned(t.numel() * 4) * len(KEYS)
+        return self._offset[id(t)], aligned(t.numel() * 4) * len(KEYS)
 
     def _read(self, t: torch.Tensor, buf: torch.Tensor):
         off, nbytes = self._region(t)
@@ -108,6 +71,21 @@ class NvmeOptimizerState(MutableMapping):
     def _write(self, t: torch.Tensor, buf: torch.Tensor):
         off, nbytes = self._region(t)
         return self.aio.pwrite(buf[:nbytes // 4], self.path, off)
+
+    # -- piecewise access (checkpoints stream through these) ------------------------------------
+    def scalars(self, t: torch.Tensor) -> dict:
+        """The run's non-tensor state (its step), without reading the file; {} before a step."""
+        return {"step": self._steps[id(t)].clone()} if id(t) in self._steps else {}
+
+    def read_range(self, t: torch.Tensor, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the run's ``key`` moment, read from the file."""
+        if key not in KEYS:
+            raise KeyError(key)
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        if hi > lo:
+            base = self._offset[id(t)] + KEYS.index(key) * aligned(t.numel() * 4)
+            self.aio.pread(out, self.path, base + lo * 4).wait()
+        return out
 
     # -- the mapping the inner optimizer and the checkpoint code see ---------------------------
     def __getitem__(self, t: torch.Tensor) -> dict:
@@ -144,8 +122,21 @@ class NvmeOptimizerState(MutableMapping):
     @torch.no_grad()
     def step(self, param_groups: Sequence[dict], grad_scale: float = 1.0) -> None:
         """One Adam/AdamW step over every run with a gradient, pipelined through the pool;
-        ``grad_scale`` (a pending clip coefficient) multiplies the gradients in the kernel."""
+        ``grad_scale`` (a pending clip coefficient) multiplies the gradients in the kernel.
+        Units kept in a swap file (``unit.swap``) are read ahead one unit and written back
+        (master, then the low-precision shard) as soon as their last run is updated."""
         todo = [r for r in self.runs if r.tensor.grad is not None and r.unit.grad_valid and r.tensor.numel()]
+        swapped = [r.unit for r in todo if getattr(r.unit, "swap", None) is not None]
+        order = list(dict.fromkeys(swapped))  # units in step order, once each
+        last_run = {id(r.unit): i for i, r in enumerate(todo)}
+        upcoming = iter(order)
+
+        def fetch_next() -> None:
+            u = next(upcoming, None)
+            if u is not None:  # a separate low-precision shard is rewritten whole: not read
+                u.swap.fetch(u, u.swap.parts_of(u), skip_read=("shard",) if u.separate_master else ())
+        fetch_next()
+        current = None
         reads: dict[int, Any] = {}
         started: set[int] = set()
         slots = len(self._pool)
@@ -169,6 +160,12 @@ class NvmeOptimizerState(MutableMapping):
                 start_read(i + 1)
             if i in reads:
                 reads.pop(i).wait()
+            unit = run.unit
+            store = getattr(unit, "swap", None)
+            if store is not None and unit is not current:
+                current = unit
+                store.wait_fetch(unit, store.parts_of(unit))
+                fetch_next()  # the next unit streams in while this one is updated
             t = run.tensor
             group = param_groups[run.group]
             step = self._steps.setdefault(id(t), torch.tensor(0.0))
@@ -180,6 +177,12 @@ class NvmeOptimizerState(MutableMapping):
                        weight_decay=float(group["weight_decay"]), adamw_mode=bool(group["adamw_mode"]),
                        grad_scale=-grad_scale if group.get("maximize") else grad_scale)
             writes[i % slots] = self._write(t, self._pool[i % slots])
+            if store is not None and last_run[id(unit)] == i:
+                unit.write_back()  # the low-precision shard from the new master
+                store.evict(unit, ("grad",))  # its file copy is current
+                store.flush(unit, [p for p in store.parts_of(unit) if p != "grad"])
+        for u in order:
+            u.swap.settle(u)
         for w in writes:
             if w is not None:
                 w.wait()

@@ -10,11 +10,15 @@ A ``FlatUnit`` owns:
   mixed precision it *is* ``shard`` (no copy, no extra memory);
 - ``grad_store``: reduced gradients, summed over ranks and micro-batches, in fp32: the
   whole unit (stages 0-1) or only the owned range (stages 2-3).
+
+With ``offload_params="nvme"`` a unit is adopted by a swap file (``swap``, see
+zeroshard/offload/unit_swap.py): ``shard``, ``master`` and ``grad_store`` then hold memory
+only while someone uses them, and the methods below read or write the file where needed.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -37,7 +41,8 @@ class Placement:
         return torch.device("cpu") if self.optimizer in ("cpu", "nvme") else model_device
 
     def param_device(self, model_device: torch.device) -> torch.device:
-        return torch.device("cpu") if self.params == "cpu" else model_device
+        # "nvme": the shard is read into host memory for the gather, then dropped.
+        return torch.device("cpu") if self.params in ("cpu", "nvme") else model_device
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -62,6 +67,8 @@ class FlatUnit:
                  placement: Optional[Placement] = None) -> None:
         self.layout = layout
         self.members = list(members)
+        self.swap: Optional[Any] = None
+        """The swap file that holds this unit's parts between uses (offload_params="nvme")."""
         self.policy = policy
         self.dtype = param_dtype
         self.device = device or self.members[0].param.device
@@ -112,7 +119,11 @@ class FlatUnit:
             self.flat[offset:end].copy_(values)
         lo, hi = self.owned
         a, b = max(lo, offset), min(hi, end)
-        if a < b:
+        if a < b and self.swap is not None:  # straight to the file: nothing becomes resident
+            self.swap.write_range(self, "shard", a, values[a - offset:b - offset])
+            if self.separate_master:
+                self.swap.write_range(self, "master", a, values[a - offset:b - offset])
+        elif a < b:
             if self.policy.shard_parameters:  # otherwise shard is a view of flat: done
                 self.shard[a - lo:b - lo].copy_(values[a - offset:b - offset])
             if self.separate_master:  # the master keeps the full-precision values
@@ -147,11 +158,15 @@ class FlatUnit:
         src = reduced[a - base:a - base + self.grad_store.numel()]
         if src.device != self.grad_store.device:  # offloaded: device -> host, per unit
             src = src.to(self.grad_store.device)
+        if self.swap is not None:  # the earlier micro-batches' sum comes back from the file
+            self.swap.load(self, ("grad",))
         if self.grad_valid:
             self.grad_store.add_(src, alpha=factor)
         else:
             torch.mul(src, factor, out=self.grad_store)
             self.grad_valid = True
+        if self.swap is not None:  # written in the background, released once written
+            self.swap.flush(self, ("grad",))
 
     def write_back(self) -> None:
         """Copy updated master values into the model-dtype shard (mixed precision)."""
@@ -161,6 +176,12 @@ class FlatUnit:
     def clear_grads(self, set_to_none: bool) -> None:
         if set_to_none:
             self.grad_valid = False
+        elif self.swap is not None:
+            self.grad_valid = False  # fetch allocates without reading; zeros go to the file
+            self.swap.load(self, ("grad",))
+            self.grad_store.zero_()
+            self.grad_valid = True
+            self.swap.flush(self, ("grad",))
         else:
             self.grad_store.zero_()
             self.grad_valid = True

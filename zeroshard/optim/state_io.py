@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from zeroshard.offload.unit_swap import resident_runs
+
 if TYPE_CHECKING:
     from zeroshard.optim.flat_unit import FlatUnit
     from zeroshard.optim.zero_optimizer import ZeroOptimizer
@@ -47,7 +49,7 @@ def _run_pieces(run: Run):
 # -- sharded ------------------------------------------------------------------------------------
 def sharded_state_dict(opt: "ZeroOptimizer") -> dict:
     pieces: dict[str, dict[str, Any]] = {}
-    for run in opt.runs:
+    for run in resident_runs(opt.runs):
         state = opt.inner.state.get(run.tensor, {})
         for piece in _run_pieces(run):
             lo, hi = piece.unit_offset - run.a, piece.unit_offset - run.a + piece.numel
@@ -116,7 +118,7 @@ def load_sharded(opt: "ZeroOptimizer", sd: dict) -> None:
             f"{opt.comm.rank} of {opt.comm.world_size} at stage {opt.stage}. To change world size or "
             "stage, load a checkpoint (zeroshard.load_checkpoint) or a consolidated_state_dict().")
     _set_hparams(opt, sd["param_groups"])
-    for run in opt.runs:
+    for run in resident_runs(opt.runs, write=True):
         names = [piece.segment.name for piece in _run_pieces(run)]
         keys = sorted(set().union(*(pieces[n]["state"] for n in names))) if names else []
         fill_run(opt, run, keys, lambda name, a, b, key: _slice_entry(pieces[name], a, b, key))
@@ -204,7 +206,7 @@ def load_consolidated(opt: "ZeroOptimizer", sd: dict) -> None:
     if wrong:
         raise ValueError("optimizer state does not fit this model: " + "; ".join(wrong[:10]))
     _set_hparams(opt, sd["param_groups"])
-    for run in opt.runs:
+    for run in resident_runs(opt.runs, write=True):
         names = [piece.segment.name for piece in _run_pieces(run)]
         keys = sorted(set().union(*(saved.get(index[n], {}) for n in names))) if names else []
         fill_run(opt, run, keys, lambda name, a, b, key: _slice_plain(saved.get(index[name], {}), a, b, key))

@@ -14,6 +14,7 @@ Lifecycle of one step (stages 0-2):
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import weakref
@@ -32,6 +33,7 @@ from zeroshard.optim.elementwise import check_elementwise
 from zeroshard.optim.flat_unit import FlatUnit, Placement
 from zeroshard.optim.grad_sync import GradientReducer
 from zeroshard.offload import NvmeOptimizerState
+from zeroshard.offload.unit_swap import NvmeUnitStore, unit_parts_bytes
 from zeroshard.ops import FusedAdam
 from zeroshard.optim.params import ParamsLike, normalize_params
 from zeroshard.precision import DynamicLossScaler
@@ -57,9 +59,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.config.stage == 3 and not isinstance(model_or_params, nn.Module):
             raise ValueError("stage=3 partitions parameters by module, so it needs the nn.Module "
                              "itself: ZeroOptimizer(model, ...), not a list of parameters or groups")
-        if self.config.offload_params == "nvme":
-            raise RuntimeError("offload_params='nvme' is not in this build yet; offload_params='cpu' "
-                               "and offload_optimizer='nvme' are")
         device = None
         meta_shapes: dict[int, torch.Size] = {}
         if isinstance(model_or_params, nn.Module):
@@ -86,8 +85,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         else:
             layouts = build_layouts(trainable, bucket_numel, self.comm.world_size)
         placement = Placement(self.config.offload_optimizer, self.config.offload_params)
-        self.units = [FlatUnit(layout, members, self.policy, self.comm.rank, param_dtype,
-                               device if meta_shapes else None, placement) for layout, members in layouts]
+        self.unit_store: Optional[NvmeUnitStore] = None
+        if self.config.offload_params == "nvme":
+            need = sum(sum(unit_parts_bytes(len(range(*layout.slice_of(self.comm.rank))), param_dtype).values())
+                       for layout, _ in layouts)
+            self.unit_store = NvmeUnitStore(self.config.nvme_path, self.comm.rank, need)
+            weakref.finalize(self, self.unit_store.close)
+        self.units = []
+        for layout, members in layouts:  # one unit at a time: a swapped unit leaves memory at once
+            unit = FlatUnit(layout, members, self.policy, self.comm.rank, param_dtype,
+                            device if meta_shapes else None, placement)
+            if self.unit_store is not None:
+                self.unit_store.adopt(unit)
+            self.units.append(unit)
         self.optimizer_class = optimizer_class
         inner_class, inner_kwargs = _pick_kernel(optimizer_class, kwargs, self.config.fused_adam)
         self.runs, self.inner = _build_inner(inner_class, groups, self.units, inner_kwargs)
@@ -124,7 +134,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # The fused pass writes the updated master straight into the low-precision shard
         # when both sit on the CPU (the kernel's copy-out); elsewhere write_back copies.
         self._copy_out = {id(r.tensor): r.unit.shard[r.a - r.unit.owned[0]:r.b - r.unit.owned[0]]
-                          for r in self.runs if self._copy_out_ok(r.unit)} if self._fused_step else {}
+                          for r in self.runs if r.unit.swap is None and self._copy_out_ok(r.unit)} if self._fused_step else {}
         self._clip_coef = 1.0  # pending clip coefficient, applied by the fused step
         self._checked_pass = -1  # reducer pass whose overflow flag is cached
         self._overflow = False
@@ -156,6 +166,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _owned_grads(self) -> list[torch.Tensor]:
         return [u.owned_grad() for u in self.units if u.grad_valid]
 
+    def _map_owned_grads(self, fn: Callable[[torch.Tensor], Any]) -> list[Any]:
+        """``fn`` of each owned gradient, reading swapped ones back one unit at a time."""
+        out = []
+        for u in self.units:
+            if not u.grad_valid:
+                continue
+            if u.swap is None:
+                out.append(fn(u.owned_grad()))
+            else:
+                with u.swap.resident(u, ("grad",)):
+                    out.append(fn(u.owned_grad()))
+        return out
+
     def _finalize_grads(self) -> bool:
         """Completes reductions; returns True when the step must be skipped (fp16 overflow)."""
         self.reducer.finalize()
@@ -167,7 +190,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     "mixed_precision='fp16' needs the loss scaled before backward: call "
                     "optimizer.backward(loss) or optimizer.scale_loss(loss).backward() instead "
                     "of loss.backward()")
-            local = any(not torch.isfinite(g.sum()) for g in self._owned_grads())
+            local = any(self._map_owned_grads(lambda g: not bool(torch.isfinite(g.sum()))))
             self._overflow = self.comm.any_true(local)
             self._checked_pass = self.reducer.passes
         return self._overflow
@@ -181,17 +204,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ``step`` therefore sees the unclipped gradients again and sets the same coefficient."""
         norm_type = float(norm_type)
         overflow = self._finalize_grads()
-        grads = self._owned_grads()
         device = self.units[0].grad_store.device if self.units else torch.device("cpu")
         if norm_type == math.inf:
-            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
+            parts = self._map_owned_grads(lambda g: g.abs().max())
+            local = torch.stack(parts).max() if parts else torch.zeros((), device=device)
             total = local.clone()
             if self.policy.shard_optimizer:
                 self.comm.all_reduce(total.view(1), op=dist.ReduceOp.MAX)
         else:
-            local = (torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) ** norm_type
-                                  for g in grads]).sum() if grads
-                     else torch.zeros((), dtype=torch.float64, device=device))
+            parts = self._map_owned_grads(lambda g: torch.linalg.vector_norm(g, norm_type, dtype=torch.float64)
+                                          ** norm_type)
+            local = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64, device=device)
             if self.policy.shard_optimizer:
                 self.comm.all_reduce(local.view(1))
             total = (local ** (1.0 / norm_type)).to(torch.float32)
@@ -202,8 +225,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if self._fused_step:  # applied inside the fused Adam pass: no extra sweep over gradients
             self._clip_coef = float(coef)
-        else:
-            for g in grads:
+        else:  # (swapped gradients imply the fused kernel: offload_optimizer="nvme")
+            for g in self._owned_grads():
                 g.mul_(coef)
         return total
 
@@ -230,8 +253,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         else:
             self.inner.step()
         for unit in self.units:
-            if not (self._fused_step and self.swapper is None and self._copy_out_ok(unit)):
-                unit.write_back()
+            if unit.swap is None and not (self._fused_step and self.swapper is None and self._copy_out_ok(unit)):
+                unit.write_back()  # (swapped units were written back inside the swapper's pass)
         self.gather_params()
         return loss
 
@@ -302,7 +325,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             optimizer_states=(self.swapper.pool_bytes if self.swapper is not None else
                               sum(tensor_bytes(v, seen) for s in self.inner.state.values()
                                   for v in s.values() if isinstance(v, torch.Tensor))),
-            offloaded=self.swapper.file_bytes if self.swapper is not None else 0,
+            offloaded=((self.swapper.file_bytes if self.swapper is not None else 0)
+                       + (self.unit_store.file_bytes if self.unit_store is not None else 0)),
             buffers=self.reducer.live_bucket_bytes() + (self.gatherer.gathered_bytes() if self.gatherer else 0),
         )
 
@@ -392,11 +416,12 @@ def _build_inner(optimizer_class: type, groups: list[dict], units: list[FlatUnit
     runs: list[list[torch.Tensor]] = [[] for _ in groups]
     all_runs = []
     for unit in units:
-        for g, a, b in unit.layout.group_runs(*unit.owned):
-            t = unit.master_range(a, b)
-            t.grad = unit.grad_range(a, b)
-            runs[g].append(t)
-            all_runs.append(state_io.Run(unit, g, a, b, t))
+        with unit.swap.sized(unit) if unit.swap is not None else contextlib.nullcontext():
+            for g, a, b in unit.layout.group_runs(*unit.owned):
+                t = unit.master_range(a, b)
+                t.grad = unit.grad_range(a, b)
+                runs[g].append(t)
+                all_runs.append(state_io.Run(unit, g, a, b, t))
     device = units[0].master.device
     inner_groups = []
     for group, ts in zip(groups, runs):

@@ -97,6 +97,8 @@ class Choice:
             raise ValueError("offload_optimizer needs stage >= 1 (each rank offloads the slice it owns)")
         if self.offload_params and self.stage != 3:
             raise ValueError(f"offload_params={self.offload_params!r} needs stage=3, got stage={self.stage}")
+        if self.offload_params == "nvme" and self.offload_optimizer != "nvme":
+            raise ValueError("offload_params='nvme' needs offload_optimizer='nvme' too (as ZeroConfig does)")
 
     def zero_kwargs(self) -> dict:
         """The ``ZeroOptimizer`` arguments of this choice (offloads only when set)."""
@@ -134,8 +136,8 @@ def all_choices() -> list[Choice]:
     for ckpt in (False, True):
         out += [Choice(s, activation_checkpointing=ckpt) for s in (0, 1, 2, 3)]
         out += [Choice(s, o, activation_checkpointing=ckpt) for s in (1, 2, 3) for o in ("cpu", "nvme")]
-        # offload_params="nvme" is not in this build of zeroshard, so it is not offered
         out += [Choice(3, o, "cpu", activation_checkpointing=ckpt) for o in ("cpu", "nvme")]
+        out.append(Choice(3, "nvme", "nvme", activation_checkpointing=ckpt))  # needs both on NVMe
     return out
 
 
@@ -178,12 +180,24 @@ def _placement(choice: Choice, full: MemoryReport, shard_numel: int, run_numel: 
       the optimizer states there too, "nvme" keeps Adam's moments in a swap file and streams
       them through three host buffers, each the size of the largest run (a unit's slice);
     - parameter offload (stage 3, "cpu"): the rank's parameter slice lives in host memory and
-      only gathered units (``buffers``) stay on the device.
+      only gathered units (``buffers``) stay on the device; "nvme" (with the optimizer on
+      NVMe too) keeps every per-parameter byte in swap files.
 
     Without an accelerator the host *is* the device: nothing moves and no master is added.
     """
     params, grads, master, optim = full.parameters, full.gradients, full.master_weights, full.optimizer_states
     cpu = nvme = 0
+    if choice.offload_params == "nvme":
+        # ZeRO-Infinity (zeroshard/offload/unit_swap.py): shard, fp32 master and gradient of
+        # every unit in one swap file, the moments in another; the host holds the moments'
+        # buffers plus about three units of shard + master + gradient (the step's pipeline).
+        host_master = 4 if w.param_bytes != 4 else 0
+        nvme += params + grads + optim + shard_numel * host_master
+        staging = (min(3, n_runs) * run_numel * (w.optim_bytes_per_param + w.param_bytes + 4 + host_master))
+        if accelerator:
+            cpu += staging
+            return MemoryReport(0, 0, 0, 0), cpu, nvme
+        return MemoryReport(0, 0, 0, staging), cpu, nvme
     if choice.offload_optimizer:
         if accelerator:
             cpu += grads + 4 * shard_numel

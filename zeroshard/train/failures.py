@@ -14,6 +14,7 @@ which can block on the dead peer.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -59,6 +60,26 @@ def exit_now(code: int, message: str, log: Optional[Callable[[str], None]] = Non
         sys.stdout.flush()
         print(message, file=sys.stderr, flush=True)
     os._exit(code)
+
+
+def end_process(code: int) -> None:
+    """Ends a training process that has finished its work: flushes output and logs, then
+    exits without interpreter teardown. See Note [teardown]."""
+    with contextlib.suppress(Exception):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
+# Note [teardown]: after a run completes, every checkpoint is committed (fsynced, renamed)
+# and the process group destroyed; nothing left to do can lose work. Interpreter teardown
+# still runs native destructors (gloo/c10d objects, thread-pool workers) in whatever order
+# the garbage collector picks, and once in CI a rank that had completed died there with
+# "terminate called without an active exception" (SIGABRT). Under torchrun that turns a
+# finished job into a failed one, or with --max-restarts into a pointless restart. So the
+# training entry points end with os._exit once their work is flushed, as the failure paths
+# (exit_now) already do.
 
 
 class StepWatchdog:

@@ -12,8 +12,8 @@ dies makes the others exit with status 3 and a message instead of hanging.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
-import sys
 import traceback
 from typing import Any, Optional, Sequence
 
@@ -25,7 +25,8 @@ from zeroshard.cli import Command
 from zeroshard.data import ResumableSampler
 from zeroshard.train import faults
 from zeroshard.train.config import FinetuneConfig, add_arguments, parse
-from zeroshard.train.failures import EXIT_PEER_FAILURE, StepWatchdog, exit_now, is_peer_failure, peer_failure_message
+from zeroshard.train.failures import (EXIT_PEER_FAILURE, StepWatchdog, end_process, exit_now, is_peer_failure,
+                                      peer_failure_message)
 from zeroshard.train.initialize import initialize
 from zeroshard.train.loop import LoopSettings, TrainLoop
 from zeroshard.train.model_loading import build_model, finish_weights, save_model_files
@@ -159,4 +160,5 @@ COMMANDS = {
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    faulthandler.enable()  # a native crash prints every thread's Python stack
+    end_process(main())

@@ -139,10 +139,22 @@ class ParameterGatherer:
                 "built on the meta device. Load weights with zeroshard.load_safetensors(model, path) "
                 "or initialise them with zeroshard.init_meta_weights(model) before the first forward.")
         alloc_storage(unit.flat)
-        lo, hi = unit.owned
-        unit.flat[lo:hi].copy_(unit.shard)
-        self._work[ui] = self.comm.gather_shards(unit.flat)
         self.state[ui] = UnitState.GATHERING
+        if unit.swap is not None:  # the shard streams in from the swap file first; the
+            unit.swap.fetch(unit, ("shard",))  # collective starts once it is here (_launch)
+            return
+        self._launch(ui)
+
+    def _launch(self, ui: int) -> None:
+        unit = self.units[ui]
+        lo, hi = unit.owned
+        if unit.swap is not None:
+            unit.swap.wait_fetch(unit, ("shard",))
+            unit.flat[lo:hi].copy_(unit.shard)
+            unit.swap.evict(unit, ("shard",))
+        else:
+            unit.flat[lo:hi].copy_(unit.shard)
+        self._work[ui] = self.comm.gather_shards(unit.flat)
 
     def prefetch(self, ui: int) -> None:
         if self.state[ui] is UnitState.RELEASED and (ui == self.root or self._live() < self.max_live):
@@ -152,6 +164,8 @@ class ParameterGatherer:
         if self.state[ui] is UnitState.RELEASED:
             self._start(ui)
         if self.state[ui] is UnitState.GATHERING:
+            if self._work[ui] is None:
+                self._launch(ui)
             self._work[ui].wait()
             self._work[ui] = None
             self.state[ui] = UnitState.GATHERED
@@ -159,10 +173,14 @@ class ParameterGatherer:
     def release(self, ui: int) -> None:
         if self.state[ui] is UnitState.RELEASED:
             return
+        unit = self.units[ui]
         if self.state[ui] is UnitState.GATHERING:  # the collective must complete on every rank
-            self._work[ui].wait()
+            if self._work[ui] is not None:
+                self._work[ui].wait()
+            elif unit.swap is not None:  # never launched (the same on every rank): drop the read
+                unit.swap.evict(unit, ("shard",))
             self._work[ui] = None
-        free_storage(self.units[ui].flat)
+        free_storage(unit.flat)
         self.state[ui] = UnitState.RELEASED
 
     def release_all(self) -> None:

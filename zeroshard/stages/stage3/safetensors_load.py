@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
 
 import torch
 from safetensors import safe_open

@@ -1,0 +1,68 @@
+"""Worker for tests/test_offload_params_nvme.py: one gloo rank trains TinyGPT at stage 3,
+in memory and with parameters + optimizer state in swap files, and reports both."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+import zeroshard
+from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+
+CFG = GPTConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, seq_len=8)
+
+
+def make(nvme: str | None, mixed_precision: str | None = None, seed: int = 0):
+    torch.manual_seed(seed)
+    model = TinyGPT(CFG)
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=3,
+                                  mixed_precision=mixed_precision, offload_optimizer="nvme" if nvme else None,
+                                  offload_params="nvme" if nvme else None, nvme_path=nvme)
+    return model, opt
+
+
+def train(model, opt, start: int, steps: int, accum: int = 1) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(start, start + steps):
+        for k in range(accum):
+            x, y = synthetic_batch(step * accum + k, 2 * world, CFG)
+            model(x[rank::world], y[rank::world]).backward()
+        opt.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+
+
+def run(rank: int, world: int, out: str, directory: str) -> None:
+    swap = os.path.join(directory, f"swap{rank}")
+    os.makedirs(swap, exist_ok=True)
+    res: dict = {}
+    for mp in (None, "bf16"):
+        ref, ref_opt = make(None, mp)
+        got, opt = make(swap, mp)
+        train(ref, ref_opt, 0, 3, accum=2)
+        train(got, opt, 0, 3, accum=2)
+        a, b = zeroshard.full_state_dict(ref, rank0_only=False), zeroshard.full_state_dict(got, rank0_only=False)
+        res[f"equal_{mp}"] = all(torch.equal(a[k], b[k]) for k in a)
+        rep = opt.memory_report()
+        res[f"resident_{mp}"] = rep.parameters + rep.gradients + rep.master_weights
+        res[f"offloaded_{mp}"] = rep.offloaded
+        # Checkpoint from the swap files, resume in a fresh swapped optimizer and in memory.
+        root = os.path.join(directory, f"ckpt_{mp}")
+        zeroshard.save_checkpoint(root, 3, model=got, optimizer=opt)
+        train(ref, ref_opt, 3, 2)
+        want = zeroshard.full_state_dict(ref, rank0_only=False)
+        for target in ("swap", "memory"):
+            m2, o2 = make(swap if target == "swap" else None, mp, seed=1)
+            zeroshard.load_checkpoint(root, model=m2, optimizer=o2)
+            train(m2, o2, 3, 2)
+            c = zeroshard.full_state_dict(m2, rank0_only=False)
+            res[f"resumed_{mp}_{target}"] = all(torch.equal(want[k], c[k]) for k in want)
+        # The plain torch.optim view of the swapped state equals the in-memory one.
+        train(got, opt, 3, 2)
+        p, q = ref_opt.consolidated_state_dict(to_rank=None), opt.consolidated_state_dict(to_rank=None)
+        res[f"consolidated_{mp}"] = all(torch.equal(v, q["state"][i][k]) for i, st in p["state"].items()
+                                        for k, v in st.items())
+    with open(f"{out}.rank{rank}", "w") as f:
+        json.dump(res, f)
