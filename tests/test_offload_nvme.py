@@ -37,7 +37,10 @@ def test_nvme_state_is_bit_identical(stage, tmp_path):
     a, b = zeroshard.full_state_dict(ref), zeroshard.full_state_dict(got)
     assert all(torch.equal(a[k], b[k]) for k in a)
     rep = opt.memory_report()
-    assert rep.offloaded > 0 and os.path.getsize(opt.swapper.path) == rep.offloaded
+    files = os.path.getsize(opt.swapper.path) + os.path.getsize(opt.unit_store.path)
+    assert rep.offloaded > 0 and files == rep.offloaded
+    assert rep.gradients == 0 and rep.master_weights == 0  # in the swap file between uses
+    assert rep.optimizer_states == opt.swapper.pool_bytes
 
 
 def test_nvme_state_round_trips_through_state_dicts_and_checkpoints(tmp_path):
@@ -115,3 +118,25 @@ def test_read_only_path():
             zeroshard.ZeroOptimizer(TinyGPT(CFG), torch.optim.AdamW, offload_optimizer="nvme", nvme_path=d)
     finally:
         subprocess.run(["umount", d])
+
+
+@pytest.mark.parametrize("stage", (1, 2, 3))
+def test_bf16_masters_and_accumulated_gradients_live_in_the_swap_file(stage, tmp_path):
+    """Mixed precision: the fp32 master and the gradients (accumulated over micro-batches)
+    go to the swap file too; training stays bit-identical to in-memory state."""
+    def run(nvme):
+        torch.manual_seed(0)
+        model = TinyGPT(CFG)
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=stage, mixed_precision="bf16",
+                                      offload_optimizer="nvme" if nvme else None, nvme_path=nvme)
+        for step in range(3):
+            for k in range(2):
+                model(*synthetic_batch(2 * step + k, 4, CFG)).backward()
+            opt.clip_grad_norm_(0.5)
+            opt.step()
+            opt.zero_grad()
+        return zeroshard.full_state_dict(model), opt
+    (a, _), (b, opt) = run(None), run(str(tmp_path))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rep = opt.memory_report()
+    assert rep.master_weights == 0 and rep.gradients == 0 and rep.offloaded > 0

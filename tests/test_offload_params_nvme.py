@@ -79,3 +79,27 @@ def test_meta_model_initialises_straight_into_the_swap_file(tmp_path):
     assert torch.isfinite(loss)
     full = zeroshard.full_state_dict(model)
     assert all(torch.isfinite(v).all() for v in full.values())
+
+
+def test_async_save_streams_while_training_goes_on(tmp_path):
+    """An asynchronous save of swapped state reads the swap files while the next forward and
+    backward run; the next step waits for it, so the checkpoint holds the saved step exactly."""
+    from tests.nvme_params_worker import train
+    import torch.distributed as dist
+    from zeroshard.launch import free_port
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model, opt = make(str(tmp_path))
+        train(model, opt, 0, 2)
+        handle = zeroshard.save_checkpoint(str(tmp_path / "ckpt"), 2, model=model, optimizer=opt, async_save=True)
+        train(model, opt, 2, 2)  # overlaps the save; its step waits for the write
+        handle.wait()
+        want = zeroshard.full_state_dict(model)
+        fresh, fopt = make(str(tmp_path), seed=5)
+        zeroshard.load_checkpoint(str(tmp_path / "ckpt"), model=fresh, optimizer=fopt)
+        train(fresh, fopt, 2, 2)
+        got = zeroshard.full_state_dict(fresh)
+        assert all(torch.equal(want[k], got[k]) for k in want)
+    finally:
+        dist.destroy_process_group()

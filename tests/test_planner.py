@@ -33,8 +33,10 @@ def test_offload_moves_optimizer_state_and_keeps_the_total() -> None:
     assert cpu.gpu_states.optimizer_states == cpu.gpu_states.master_weights == cpu.gpu_states.gradients == 0
     # the states leave the GPU and land on the host; the gradient slice goes with them
     assert cpu.gpu_states.model_states + cpu.cpu_per_rank == on_gpu.gpu_states.model_states
-    assert nvme.nvme_per_rank == on_gpu.gpu_states.optimizer_states  # the moments; the master stays in host memory
-    assert nvme.cpu_per_rank < cpu.cpu_per_rank
+    # moments, gradient slice and fp32 master go to the swap files; the host keeps buffers only
+    g = on_gpu.gpu_states
+    assert nvme.nvme_per_rank == g.optimizer_states + g.gradients + g.master_weights
+    assert nvme.cpu_per_rank < cpu.cpu_per_rank / 10
     full = estimate(Choice(3, "cpu", "cpu"), SHAPE, BIG, w)
     assert full.gpu_states.model_states == 0 and full.gpu_states.buffers > 0
 

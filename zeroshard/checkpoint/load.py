@@ -163,18 +163,31 @@ def read_phase(src: _Source, model: Optional[nn.Module], opt: Any, same_world: b
 def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
     state_dict = model.state_dict(keep_vars=True) if model is not None else {}
     ckpt_name = name_map(model, opt) if opt is not None else {}
+    streamed = _streamed(opt)
+    if streamed:  # verified in full by read_phase; now each run's blocks are read whole, once
+        for r in src.readers.values():
+            r.release()
+            r.max_blocks = None
+    later: dict[int, list] = {}  # streamed: a run's parameter pieces, applied with its state
+
+    def put_param(name: str, a: int, b: int, run: Any, piece: Any) -> None:
+        values = src.fetch(name, a, b, PARAM)
+        if run is None:
+            state_dict[name].view(-1).copy_(values)
+        elif run.unit.swapped("shard"):  # straight into the swap file
+            run.unit.swap.write_range(run.unit, "shard", piece.unit_offset, values)
+        else:
+            ua = piece.unit_offset
+            run.unit.param_range(ua, ua + piece.numel).copy_(values)
+
     with torch.no_grad():
         for name, a, b, run, piece in _needed(opt, model):
             if a == b:
                 continue
-            values = src.fetch(name, a, b, PARAM)
-            if run is None:
-                state_dict[name].view(-1).copy_(values)
-            elif getattr(run.unit, "swap", None) is not None:  # straight into the swap file
-                run.unit.swap.write_range(run.unit, "shard", piece.unit_offset, values)
+            if streamed and run is not None:
+                later.setdefault(id(run), []).append((name, a, b, run, piece))
             else:
-                ua = piece.unit_offset
-                run.unit.param_range(ua, ua + piece.numel).copy_(values)
+                put_param(name, a, b, run, piece)
         if opt is None:
             return
         for unit in opt.units:  # every owned piece came from the checkpoint (read_phase checked)
@@ -197,8 +210,12 @@ def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
 
         # Swapped units come into memory one at a time and go back to their file after.
         for run in resident_runs(opt.runs, write=True):
+            for item in later.pop(id(run), ()):
+                put_param(*item)
             names = {p.segment.name for p in run.unit.layout.pieces_in(run.a, run.b)}
             fill_run(opt, run, sorted(set().union(*(keys[n] for n in names))), fetch)
+            if streamed:
+                src.release()  # host memory holds one run's checkpoint data at a time
     opt.gather_params()
 
 
@@ -289,7 +306,7 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
 
 
 _STREAM_BLOCKS = 4
-"""Checksum blocks (32 MiB each) a streamed load keeps in memory per data file."""
+"""Checksum blocks (32 MiB each) a streamed load keeps per data file while verifying."""
 
 
 def _streamed(opt: Any) -> bool:

@@ -76,14 +76,12 @@ def owned_pieces(model: Optional[nn.Module], opt: Any) -> list[PieceRecord]:
         for piece in run.unit.layout.pieces_in(lo, hi):
             ua, ub = piece.unit_offset, piece.unit_offset + piece.numel
             rec = PieceRecord(names[piece.segment.name], piece.start, piece.stop)
-            if store is not None:  # read from the swap file when the writer gets here
-                rec.tensors[PARAM] = _deferred(run.unit.dtype, store.read_range, run.unit, "shard", ua, ub)
-                if run.unit.separate_master:
-                    rec.tensors[MASTER] = _deferred(torch.float32, store.read_range, run.unit, "master", ua, ub)
-            else:
-                rec.tensors[PARAM] = run.unit.param_range(ua, ub)
-                if run.unit.separate_master:
-                    rec.tensors[MASTER] = run.unit.master_range(ua, ub)
+            # Swapped parts are read from the swap file when the writer gets to them.
+            rec.tensors[PARAM] = (_deferred(run.unit.dtype, store.read_range, run.unit, "shard", ua, ub)
+                                  if run.unit.swapped("shard") else run.unit.param_range(ua, ub))
+            if run.unit.separate_master:
+                rec.tensors[MASTER] = (_deferred(torch.float32, store.read_range, run.unit, "master", ua, ub)
+                                       if run.unit.swapped("master") else run.unit.master_range(ua, ub))
             for k, v in state.items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     rec.tensors[f"state.{k}"] = v[ua - run.a:ub - run.a]

@@ -5,9 +5,11 @@ parameter: the bulk of the training state) in one preallocated swap file per ran
 step walks the runs in order through a pool of three aligned buffers: while run ``i`` is
 updated by the fused CPU kernel, run ``i+1`` is being read and run ``i-1`` written, so host
 memory holds three runs' moments, not the model's (``pool_bytes``). Step counts stay in
-memory. With ``offload_params="nvme"`` the fp32 master values and gradients are swapped too
-(``zeroshard/offload/unit_swap.py``): the step then reads unit ``i+1``'s master and gradient
-while unit ``i`` is updated and writes unit ``i``'s new master back behind it.
+memory. The gradients and any separate fp32 master are swapped too, in a second file
+(``zeroshard/offload/unit_swap.py``; with ``offload_params="nvme"`` the shards as well): the
+step reads unit ``i+1``'s master and gradient while unit ``i`` is updated and writes unit
+``i``'s new master back behind it. (An fp32 model's master *is* its parameters: at stages
+1-2 they stay in memory, being the model.)
 
 The object is also the inner optimizer's ``state`` mapping: reading ``state[run.tensor]``
 reads that run's moments from the file, assigning writes them, so state dicts and
@@ -28,7 +30,7 @@ from typing import Any, Sequence
 import torch
 
 from zeroshard.io import ALIGN, AsyncIO, aligned_empty
-from zeroshard.offload.swap_file import aligned, create_swap_file
+from zeroshard.offload.swap_file import aligned, create_swap_file, reserve
 from zeroshard.ops import adam_step_
 
 KEYS = ("exp_avg", "exp_avg_sq")
@@ -43,8 +45,8 @@ class NvmeOptimizerState(MutableMapping):
             self._offset[id(run.tensor)] = offset
             offset += aligned(run.tensor.numel() * 4) * len(KEYS)
         self.file_bytes = offset
-        self.path = create_swap_file(nvme_path, "optim", rank, offset,
-                                     "offload_optimizer='nvme' needs {gib} GiB in {path!r} for this rank's optimizer state")
+        self.path = create_swap_file(nvme_path, "optim", rank)
+        reserve(self.path, 0, offset, "offload_optimizer='nvme' needs {gib} GiB for this rank's optimizer state")
         self.aio = AsyncIO()
         largest = max((aligned(r.tensor.numel() * 4) for r in self.runs), default=ALIGN)
         # Three slots overlap read, update and write; fewer runs need fewer slots (a one-unit

@@ -35,10 +35,8 @@ def remove_stale_swap(nvme_path: str, kind: str, rank: int) -> None:
                 pass
 
 
-def create_swap_file(nvme_path: str, kind: str, rank: int, nbytes: int, what: str) -> str:
-    """Creates and preallocates this rank's ``kind`` swap file of ``nbytes``; returns its path.
-    ``what`` names the option and its content for the error message (e.g. "offload_optimizer='nvme'
-    ... for this rank's optimizer state")."""
+def create_swap_file(nvme_path: str, kind: str, rank: int) -> str:
+    """Creates this rank's empty ``kind`` swap file in ``nvme_path``; returns its path."""
     if not os.path.isdir(nvme_path):
         raise FileNotFoundError(f"nvme_path={nvme_path!r} is not a directory; create it or point "
                                 "nvme_path at a directory on the NVMe drive")
@@ -48,18 +46,27 @@ def create_swap_file(nvme_path: str, kind: str, rank: int, nbytes: int, what: st
     # Two optimizers of one process (a model and its resumed copy) must not share a file.
     path = os.path.join(nvme_path, f"zeroshard-{kind}-rank{rank:05d}-pid{os.getpid()}-{next(_created)}.swap")
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600))
     except OSError as exc:
         raise AIOError(exc.errno, f"cannot create the swap file {path!r}: {exc.strerror}; "
                        "nvme_path must be a writable directory", path, 0, 0) from exc
+    return path
+
+
+def reserve(path: str, offset: int, nbytes: int, what: str) -> None:
+    """Allocates bytes ``[offset, offset + nbytes)`` of a swap file on disk now, so running
+    out of space happens here. On failure the file is removed and ``what`` (formatted with
+    ``gib``, the GiB asked for) starts the error message."""
+    if nbytes <= 0:
+        return
+    fd = os.open(path, os.O_RDWR)
     try:
-        if nbytes:
-            os.posix_fallocate(fd, 0, nbytes)
+        os.posix_fallocate(fd, offset, nbytes)
     except OSError as exc:
         os.unlink(path)
         cls = DiskFullError if exc.errno in (errno.ENOSPC, errno.EDQUOT) else AIOError
-        raise cls(exc.errno, f"{what.format(gib=f'{nbytes / 2**30:.3f}', path=nvme_path)}, and the file "
-                  f"system refused it ({exc.strerror}); free space or use another nvme_path", path, 0, nbytes) from exc
+        raise cls(exc.errno, f"{what.format(gib=f'{(offset + nbytes) / 2**30:.3f}')} in "
+                  f"{os.path.dirname(path)!r}, and the file system refused it ({exc.strerror}); free space "
+                  "or use another nvme_path", path, offset, nbytes) from exc
     finally:
         os.close(fd)
-    return path

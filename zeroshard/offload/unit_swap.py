@@ -1,13 +1,14 @@
-"""Stage-3 units whose shard, fp32 master and gradient live in a swap file (ZeRO-Infinity).
+"""Units whose fp32 master, gradient and (stage 3) shard live in a swap file.
 
-``offload_params="nvme"`` (with ``offload_optimizer="nvme"``, whose ``NvmeOptimizerState``
-keeps the Adam moments) leaves no per-parameter state in memory between uses: each unit's
-tensors (``shard``, ``master`` when it is a separate fp32 copy, ``grad_store``) keep their
-storage *objects* for the unit's whole life — every view of them (the inner optimizer's
-runs, their ``.grad``) stays valid — but the storage is resized to 0 bytes while the unit
-is *swapped out*, the scheme of Note [released parameters] in
-zeroshard/stages/stage3/gatherer.py. ``fetch`` re-allocates and reads a part back,
-``flush`` writes it, ``evict`` releases it again. Who fetches what, and when:
+``offload_optimizer="nvme"`` keeps a unit's gradient and its separate fp32 master (mixed
+precision, or a master off the model's device) here, beside the Adam moments that
+``NvmeOptimizerState`` streams; ``offload_params="nvme"`` (stage 3, ZeRO-Infinity) adds the
+parameter shard, so no per-parameter state stays in memory between uses. The tensors
+(``shard``, ``master``, ``grad_store``) keep their storage *objects* for the unit's whole
+life — every view of them (the inner optimizer's runs, their ``.grad``) stays valid — but
+the storage is resized to 0 bytes while the part is *swapped out*, the scheme of Note
+[released parameters] in zeroshard/stages/stage3/gatherer.py. ``fetch`` re-allocates and
+reads a part back, ``flush`` writes it, ``evict`` releases it again. Who fetches what, when:
 
 - the gatherer reads a unit's shard just before gathering it (prefetched with the gather)
   and drops it once copied into the gathered buffer;
@@ -21,97 +22,99 @@ zeroshard/stages/stage3/gatherer.py. ``fetch`` re-allocates and reads a part bac
 
 So host memory holds a few units, never the model: the point of "bigger than memory".
 
-The file is allocated in full at construction (``posix_fallocate``): a disk that is too
-small fails then, with the size needed, never in the middle of a step. Like the moments'
-file it is scratch, named by rank and pid, and state comes back from checkpoints.
+Each unit's region is allocated on disk (``posix_fallocate``) as the optimizer is built: a
+disk that is too small fails then, with the size needed, never in the middle of a step.
+Like the moments' file it is scratch, and state comes back from checkpoints.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterable, Iterator
 from typing import Any, Optional, Sequence
 
 import torch
 
 from zeroshard.io import AsyncIO
-from zeroshard.offload.swap_file import aligned, create_swap_file
+from zeroshard.offload.swap_file import aligned, create_swap_file, reserve
 from zeroshard.optim.flat_unit import alloc_storage, free_storage, is_allocated
 
-PARTS = ("shard", "master", "grad")
-
-
-def unit_parts_bytes(numel: int, param_dtype: torch.dtype) -> dict[str, int]:
-    """Bytes each swapped part of a unit owning ``numel`` elements takes in the file."""
-    out = {"shard": aligned(numel * param_dtype.itemsize), "grad": aligned(numel * 4)}
-    if param_dtype != torch.float32:
-        out["master"] = aligned(numel * 4)
-    return out
+_MAX_PENDING_WRITES = 3
 
 
 class NvmeUnitStore:
-    def __init__(self, nvme_path: str, rank: int, total_bytes: int) -> None:
-        self.file_bytes = total_bytes
-        self.path = create_swap_file(nvme_path, "params", rank, total_bytes,
-                                     "offload_params='nvme' needs {gib} GiB in {path!r} for this rank's "
-                                     "parameter shards, master weights and gradients")
+    def __init__(self, nvme_path: str, rank: int, swap_shards: bool) -> None:
+        self.swap_shards = swap_shards
+        self.path = create_swap_file(nvme_path, "params" if swap_shards else "grads", rank)
+        self.what = ("offload_params='nvme' needs {gib} GiB for this rank's parameter shards, master weights "
+                     "and gradients" if swap_shards else
+                     "offload_optimizer='nvme' needs {gib} GiB for this rank's master weights and gradients")
         self.aio = AsyncIO()
-        self._next = 0
+        self.file_bytes = 0
+        self._parts: dict[int, tuple[str, ...]] = {}  # id(unit) -> the parts kept here
         self._regions: dict[tuple[int, str], int] = {}  # (id(unit), part) -> byte offset
         self._writes: list[tuple[Any, Any, tuple[str, ...]]] = []  # (handle, unit, parts to free)
         self._reads: dict[tuple[int, str], Any] = {}
+        self._lock = threading.RLock()
 
     # -- layout ------------------------------------------------------------------------------
     @staticmethod
     def tensor_of(unit: Any, part: str) -> torch.Tensor:
         return {"shard": unit.shard, "master": unit.master, "grad": unit.grad_store}[part]
 
-    @staticmethod
-    def parts_of(unit: Any) -> tuple[str, ...]:
-        return ("shard", "master", "grad") if unit.separate_master else ("shard", "grad")
+    def parts_of(self, unit: Any) -> tuple[str, ...]:
+        return self._parts[id(unit)]
 
-    @staticmethod
-    def state_parts(unit: Any) -> tuple[str, ...]:
-        """What loading optimizer state into a unit touches: a separate master, and the
+    def swaps(self, unit: Any, part: str) -> bool:
+        return part in self._parts.get(id(unit), ())
+
+    def state_parts(self, unit: Any) -> tuple[str, ...]:
+        """What loading optimizer state into a unit touches: a separate master, and a swapped
         low-precision shard rewritten from it (an fp32 master *is* the shard, written directly)."""
-        return ("shard", "master") if unit.separate_master else ()
+        return tuple(p for p in ("shard", "master") if unit.separate_master and self.swaps(unit, p))
 
     def adopt(self, unit: Any) -> None:
-        """Takes a freshly built unit: writes its shard (and master) to the file, releases
-        every part, and from now on serves them."""
-        sizes = unit_parts_bytes(unit.owned[1] - unit.owned[0], unit.dtype)
-        for part in self.parts_of(unit):
-            if self._next + sizes[part] > self.file_bytes:
-                raise RuntimeError(f"swap file {self.path!r} sized {self.file_bytes} bytes is too small for "
-                                   f"unit {unit.layout.index} (a zeroshard bug: the sizes disagree)")
-            self._regions[(id(unit), part)] = self._next
-            self._next += sizes[part]
+        """Takes a freshly built unit: reserves its region, writes its shard (and master) to
+        the file, releases every swapped part, and from now on serves them."""
+        parts = (("shard",) if self.swap_shards else ()) + (("master",) if unit.separate_master else ()) + ("grad",)
+        self._parts[id(unit)] = parts
+        start = self.file_bytes
+        for part in parts:
+            t = self.tensor_of(unit, part)
+            self._regions[(id(unit), part)] = self.file_bytes
+            self.file_bytes += aligned(t.numel() * t.element_size())
+        reserve(self.path, start, self.file_bytes - start, self.what)
         unit.swap = self
         if not unit.needs_init:
             handles = [self.aio.pwrite(self.tensor_of(unit, p), self.path, self._regions[(id(unit), p)])
-                       for p in self.parts_of(unit) if p != "grad"]
+                       for p in parts if p != "grad"]
             for h in handles:
                 h.wait()
-        for part in self.parts_of(unit):
+        for part in parts:
             free_storage(self.tensor_of(unit, part))
 
     def _offset(self, unit: Any, part: str, a: Optional[int] = None) -> int:
         """Byte offset of ``part`` in the file, or of its element at unit offset ``a``."""
         base = self._regions[(id(unit), part)]
-        return base if a is None else base + (a - unit.owned[0]) * self.tensor_of(unit, part).element_size()
+        if a is None:
+            return base
+        first = unit.grad_base if part == "grad" else unit.owned[0]
+        return base + (a - first) * self.tensor_of(unit, part).element_size()
 
     # -- residency -----------------------------------------------------------------------------
     def settle(self, unit: Optional[Any] = None) -> None:
         """Completes background writes (of ``unit``, or all) and releases what they wrote."""
-        keep = []
-        for h, u, parts in self._writes:
-            if unit is None or u is unit:
-                h.wait()
-                for p in parts:
-                    free_storage(self.tensor_of(u, p))
-            else:
-                keep.append((h, u, parts))
-        self._writes = keep
+        with self._lock:  # an asynchronous checkpoint save reads from another thread
+            keep = []
+            for h, u, parts in self._writes:
+                if unit is None or u is unit:
+                    h.wait()
+                    for p in parts:
+                        free_storage(self.tensor_of(u, p))
+                else:
+                    keep.append((h, u, parts))
+            self._writes = keep
 
     def fetch(self, unit: Any, parts: Iterable[str], skip_read: Iterable[str] = ()) -> None:
         """Starts reading ``parts`` of ``unit`` back into memory (``wait_fetch`` completes it).
@@ -142,12 +145,14 @@ class NvmeUnitStore:
         """Writes ``parts`` back in the background; with ``release`` their memory is freed once
         written (``settle``)."""
         parts = tuple(p for p in parts if is_allocated(self.tensor_of(unit, p)))
-        for part in parts:
-            h = self.aio.pwrite(self.tensor_of(unit, part), self.path, self._offset(unit, part))
-            self._writes.append((h, unit, (part,) if release else ()))
-        if len(self._writes) > 4 * len(PARTS):  # bound the memory waiting on writes
-            oldest = self._writes[0][1]
-            self.settle(oldest)
+        with self._lock:
+            for part in parts:
+                h = self.aio.pwrite(self.tensor_of(unit, part), self.path, self._offset(unit, part))
+                self._writes.append((h, unit, (part,) if release else ()))
+            # Bound the memory waiting on writes to about one unit's parts: enough to overlap
+            # a write with the next unit's work, never a backward's worth of gradients.
+            while len(self._writes) > _MAX_PENDING_WRITES:
+                self.settle(self._writes[0][1])
 
     def evict(self, unit: Any, parts: Iterable[str]) -> None:
         """Releases ``parts`` without writing (their file copy is current)."""
@@ -187,7 +192,7 @@ class NvmeUnitStore:
         """A fresh tensor with unit range ``[a, b)`` of ``part`` (within the owned range)."""
         self.settle(unit)
         t = self.tensor_of(unit, part)
-        out = torch.empty(b - a, dtype=t.dtype)
+        out = torch.empty(b - a, dtype=t.dtype)  # (CPU: the swap file feeds host memory)
         if b > a:
             self.aio.pread(out, self.path, self._offset(unit, part, a)).wait()
         return out

@@ -11,9 +11,10 @@ A ``FlatUnit`` owns:
 - ``grad_store``: reduced gradients, summed over ranks and micro-batches, in fp32: the
   whole unit (stages 0-1) or only the owned range (stages 2-3).
 
-With ``offload_params="nvme"`` a unit is adopted by a swap file (``swap``, see
-zeroshard/offload/unit_swap.py): ``shard``, ``master`` and ``grad_store`` then hold memory
-only while someone uses them, and the methods below read or write the file where needed.
+With ``offload_optimizer="nvme"`` a unit is adopted by a swap file (``swap``, see
+zeroshard/offload/unit_swap.py): ``grad_store``, a separate ``master`` and, with
+``offload_params="nvme"``, ``shard`` then hold memory only while someone uses them, and
+the methods below read or write the file where needed.
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ class FlatUnit:
         self.layout = layout
         self.members = list(members)
         self.swap: Optional[Any] = None
-        """The swap file that holds this unit's parts between uses (offload_params="nvme")."""
+        """The swap file that holds some of this unit's parts between uses (NVMe offload)."""
         self.policy = policy
         self.dtype = param_dtype
         self.device = device or self.members[0].param.device
@@ -111,6 +112,10 @@ class FlatUnit:
         self.grad_valid = False
         """False after zero_grad(set_to_none=True): the next reduced gradient overwrites."""
 
+    def swapped(self, part: str) -> bool:
+        """``part`` ("shard", "master" or "grad") lives in the swap file between uses."""
+        return self.swap is not None and self.swap.swaps(self, part)
+
     def load_segment(self, offset: int, values: torch.Tensor) -> None:
         """Sets the unit range starting at ``offset`` from full-precision ``values``: the
         model-dtype copy wherever this rank holds it, and the fp32 master of the owned part."""
@@ -119,14 +124,14 @@ class FlatUnit:
             self.flat[offset:end].copy_(values)
         lo, hi = self.owned
         a, b = max(lo, offset), min(hi, end)
-        if a < b and self.swap is not None:  # straight to the file: nothing becomes resident
-            self.swap.write_range(self, "shard", a, values[a - offset:b - offset])
-            if self.separate_master:
-                self.swap.write_range(self, "master", a, values[a - offset:b - offset])
-        elif a < b:
-            if self.policy.shard_parameters:  # otherwise shard is a view of flat: done
+        if a < b:  # swapped parts go straight to the file: nothing becomes resident
+            if self.swapped("shard"):
+                self.swap.write_range(self, "shard", a, values[a - offset:b - offset])
+            elif self.policy.shard_parameters:  # otherwise shard is a view of flat: done
                 self.shard[a - lo:b - lo].copy_(values[a - offset:b - offset])
-            if self.separate_master:  # the master keeps the full-precision values
+            if self.swapped("master"):
+                self.swap.write_range(self, "master", a, values[a - offset:b - offset])
+            elif self.separate_master:  # the master keeps the full-precision values
                 self.master[a - lo:b - lo].copy_(values[a - offset:b - offset])
 
     # -- ranges ---------------------------------------------------------------------------

@@ -78,6 +78,11 @@ class GradientReducer:
             self.grads_since_clear = True
             self.passes += 1
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+            # The previous micro-batch's last reductions land before this pass writes any
+            # bucket: one may be reducing in place in a gradient store (Note [in-place first
+            # pass]) that this pass would otherwise take as its bucket again and overwrite.
+            while self._inflight:
+                self._retire(self._inflight.popleft())
         grad = param.grad
         param.grad = None  # the bucket holds it now; free the model-sized copy at once
         if grad is None:
@@ -106,7 +111,7 @@ class GradientReducer:
         bucket = self._buckets[ui]
         if bucket is None:
             unit = self.units[ui]
-            in_place = (not unit.policy.shard_gradients and not unit.grad_valid
+            in_place = (not unit.policy.shard_gradients and not unit.grad_valid and not unit.swapped("grad")
                         and self.reduce_dtype == torch.float32 and unit.grad_store.device == unit.device)
             if in_place:  # Note [in-place first pass]
                 bucket = unit.grad_store

@@ -33,7 +33,7 @@ from zeroshard.optim.elementwise import check_elementwise
 from zeroshard.optim.flat_unit import FlatUnit, Placement
 from zeroshard.optim.grad_sync import GradientReducer
 from zeroshard.offload import NvmeOptimizerState
-from zeroshard.offload.unit_swap import NvmeUnitStore, unit_parts_bytes
+from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.ops import FusedAdam
 from zeroshard.optim.params import ParamsLike, normalize_params
 from zeroshard.precision import DynamicLossScaler
@@ -86,10 +86,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             layouts = build_layouts(trainable, bucket_numel, self.comm.world_size)
         placement = Placement(self.config.offload_optimizer, self.config.offload_params)
         self.unit_store: Optional[NvmeUnitStore] = None
-        if self.config.offload_params == "nvme":
-            need = sum(sum(unit_parts_bytes(len(range(*layout.slice_of(self.comm.rank))), param_dtype).values())
-                       for layout, _ in layouts)
-            self.unit_store = NvmeUnitStore(self.config.nvme_path, self.comm.rank, need)
+        if self.config.offload_optimizer == "nvme":  # gradients, masters (and shards) on NVMe
+            self.unit_store = NvmeUnitStore(self.config.nvme_path, self.comm.rank,
+                                            swap_shards=self.config.offload_params == "nvme")
             weakref.finalize(self, self.unit_store.close)
         self.units = []
         for layout, members in layouts:  # one unit at a time: a swapped unit leaves memory at once

@@ -175,10 +175,10 @@ def _placement(choice: Choice, full: MemoryReport, shard_numel: int, run_numel: 
     """Splits the formula's per-rank bytes into (device, CPU, NVMe) as zeroshard places them
     (``Placement`` in zeroshard/optim/flat_unit.py):
 
-    - optimizer offload: the fp32 gradient store and a separate fp32 master slice (4Ψ/N, even
-      for fp32 models: the device keeps its own parameters) live in host memory; "cpu" keeps
-      the optimizer states there too, "nvme" keeps Adam's moments in a swap file and streams
-      them through three host buffers, each the size of the largest run (a unit's slice);
+    - optimizer offload "cpu": the fp32 gradient store, a separate fp32 master slice (4Ψ/N,
+      even for fp32 models: the device keeps its own parameters) and the optimizer states
+      live in host memory; "nvme" keeps all three in swap files and streams them through a
+      few host buffers, each about the size of the largest run (a unit's slice);
     - parameter offload (stage 3, "cpu"): the rank's parameter slice lives in host memory and
       only gathered units (``buffers``) stay on the device; "nvme" (with the optimizer on
       NVMe too) keeps every per-parameter byte in swap files.
@@ -187,38 +187,28 @@ def _placement(choice: Choice, full: MemoryReport, shard_numel: int, run_numel: 
     """
     params, grads, master, optim = full.parameters, full.gradients, full.master_weights, full.optimizer_states
     cpu = nvme = 0
-    if choice.offload_params == "nvme":
-        # ZeRO-Infinity (zeroshard/offload/unit_swap.py): shard, fp32 master and gradient of
-        # every unit in one swap file, the moments in another; the host holds the moments'
-        # buffers plus about three units of shard + master + gradient (the step's pipeline).
-        host_master = 4 if w.param_bytes != 4 else 0
-        nvme += params + grads + optim + shard_numel * host_master
-        staging = (min(3, n_runs) * run_numel * (w.optim_bytes_per_param + w.param_bytes + 4 + host_master))
+    if choice.offload_optimizer == "nvme":
+        # Moments, gradients, a separate fp32 master and (offload_params="nvme") the shards in
+        # swap files (zeroshard/offload/nvme_state.py, unit_swap.py). The host keeps min(3,
+        # runs) buffers of the largest run for the moments (optimizer state) and, transiently
+        # (buffers), the two or three units of the step's read-update-write pipeline.
+        separate = 4 * shard_numel if accelerator else master
+        shards = params if choice.offload_params == "nvme" else 0
+        nvme += optim + grads + separate + shards
+        pool = min(3, n_runs) * run_numel * w.optim_bytes_per_param
+        unit_bytes = 4 + (4 if separate else 0) + (w.param_bytes if shards else 0)
+        working = min(3, n_runs) * run_numel * unit_bytes
+        params, grads, master = params - shards, 0, 0
         if accelerator:
-            cpu += staging
-            return MemoryReport(0, 0, 0, 0), cpu, nvme
-        return MemoryReport(0, 0, 0, staging), cpu, nvme
-    if choice.offload_optimizer:
+            cpu += pool + working
+            return MemoryReport(params, 0, 0, 0), cpu, nvme
+        return MemoryReport(params, 0, 0, pool, buffers=working), cpu, nvme
+    elif choice.offload_optimizer:
         if accelerator:
-            cpu += grads + 4 * shard_numel
-            grads = master = 0
-        if choice.offload_optimizer == "nvme":
-            nvme += optim
-            # min(3, runs) buffers of the largest run (zeroshard/offload/nvme_state.py)
-            pool = min(3, n_runs) * run_numel * w.optim_bytes_per_param
-            if accelerator:
-                cpu += pool
-                optim = 0
-            else:
-                optim = pool
-        elif accelerator:
-            cpu += optim
-            optim = 0
+            cpu += grads + 4 * shard_numel + optim
+            grads = master = optim = 0
     if choice.offload_params == "cpu" and accelerator:
         cpu += params
-        params = 0
-    if choice.offload_params == "nvme":
-        nvme += params
         params = 0
     return MemoryReport(params, grads, master, optim), cpu, nvme
 
@@ -246,7 +236,7 @@ def estimate(choice: Choice, shape: ModelShape, hw: Hardware, w: Workload) -> Es
     n_runs = shape.n_layers + 1 if choice.stage == 3 else -(-shape.n_params // max(1, bucket_numel))
     gpu, cpu, nvme = _placement(choice, full, shape.n_params // n, run_numel, n_runs, w, hw.accelerator)
     gpu = MemoryReport(gpu.parameters, gpu.gradients, gpu.master_weights, gpu.optimizer_states,
-                       buffers=_buffers(choice, shape, w))
+                       buffers=_buffers(choice, shape, w) + gpu.buffers)
     act = activation_bytes(shape, w.micro_batch, w.seq_len, w.param_bytes,
                            checkpointing=choice.activation_checkpointing, eager_attention=w.eager_attention)
     saved = full.parameters // (1 if choice.stage == 3 else n) + full.master_weights + full.optimizer_states

@@ -140,7 +140,7 @@ class ParameterGatherer:
                 "or initialise them with zeroshard.init_meta_weights(model) before the first forward.")
         alloc_storage(unit.flat)
         self.state[ui] = UnitState.GATHERING
-        if unit.swap is not None:  # the shard streams in from the swap file first; the
+        if unit.swapped("shard"):  # the shard streams in from the swap file first; the
             unit.swap.fetch(unit, ("shard",))  # collective starts once it is here (_launch)
             return
         self._launch(ui)
@@ -148,7 +148,7 @@ class ParameterGatherer:
     def _launch(self, ui: int) -> None:
         unit = self.units[ui]
         lo, hi = unit.owned
-        if unit.swap is not None:
+        if unit.swapped("shard"):
             unit.swap.wait_fetch(unit, ("shard",))
             unit.flat[lo:hi].copy_(unit.shard)
             unit.swap.evict(unit, ("shard",))
@@ -177,7 +177,7 @@ class ParameterGatherer:
         if self.state[ui] is UnitState.GATHERING:  # the collective must complete on every rank
             if self._work[ui] is not None:
                 self._work[ui].wait()
-            elif unit.swap is not None:  # never launched (the same on every rank): drop the read
+            elif unit.swapped("shard"):  # never launched (the same on every rank): drop the read
                 unit.swap.evict(unit, ("shard",))
             self._work[ui] = None
         free_storage(unit.flat)
