@@ -2,7 +2,8 @@
 
     python benchmarks/results_page.py --memory bench-results/memory-medium \
         --estimate-check bench-results/memory-small,bench-results/memory-medium,bench-results/memory-large \
-        --step bench-results/step --out docs
+        --step bench-results/step --aio docs/results/aio.json \
+        --bigger-than-memory docs/results/bigger_than_memory.json --out docs
 
 Copies the chart and CSVs next to the page (docs/results/), so the page is reproducible from
 the commands it prints and never depends on an ignored folder.
@@ -55,11 +56,54 @@ def estimate_section(dirs: list[str]) -> list[str]:
     return lines
 
 
+def offload_section(aio: str, big: str) -> list[str]:
+    """NVMe offload: the I/O engine against fio, and the bigger-than-memory run (JSON files
+    written by benchmarks/bench_aio.py --json and bench_bigger_than_memory.py --out)."""
+    lines = ["## NVMe offload", ""]
+    if aio and os.path.exists(aio):
+        with open(aio) as f:
+            r = json.load(f)
+        g, q = r["median_gbps"], r["median_ratio_to_raw"]
+        lines += [f"```\npython benchmarks/bench_aio.py --path DIR --size {r['file_bytes'] >> 30}G "
+                  f"--rounds {r['rounds']} --json {aio}\n```", "",
+                  f"Sequential I/O on one {r['file_bytes'] / 2**30:.0f} GiB file, {r['block_size'] >> 20} MiB "
+                  f"blocks x queue depth {r['queue_depth']}, O_DIRECT, medians of {r['rounds']} interleaved rounds "
+                  "(target: the engine >= 90% of fio both ways):", "",
+                  "| contender | write GB/s | read GB/s | write ÷ fio | read ÷ fio |", "|---|---|---|---|---|"]
+        for name in g:
+            ratio = q.get(name, {})
+            lines.append(f"| {name} | {g[name]['write_gbps']:.2f} | {g[name]['read_gbps']:.2f} | "
+                         f"{ratio.get('write', 1.0):.2f} | {ratio.get('read', 1.0):.2f} |")
+        lines.append("")
+    if big and os.path.exists(big):
+        with open(big) as f:
+            b = json.load(f)
+        gib = 2**30
+        lines += [f"```\nsudo python benchmarks/bench_bigger_than_memory.py --dir DIR --out {big}\n```", "",
+                  f"One process in a cgroup limited to {b['limit_bytes'] / gib:.1f} GiB trains a "
+                  f"{b['params'] / 1e9:.3f} B-parameter TinyGPT whose fp32 training state (16 B/parameter: "
+                  f"weights, gradients, two Adam moments) is {b['state_bytes'] / gib:.1f} GiB = "
+                  f"{b['state_over_limit']:.2f}x the limit, with stage 3, `offload_params=\"nvme\"`, "
+                  "`offload_optimizer=\"nvme\"`; it saves a checkpoint, and a fresh process resumes from it.", "",
+                  "| | |", "|---|---|",
+                  f"| plain `torch.optim.AdamW`, same limit | {'killed by the OOM killer' if b['plain_adamw']['killed'] else 'ran'} |",
+                  f"| peak RSS (train / resume) | {b['peak_rss']['train'] / gib:.2f} / {b['peak_rss']['resume'] / gib:.2f} GiB |",
+                  f"| seconds per step (median, after each process's first) | {b['step_s']:.1f} |",
+                  f"| raw disk (fio) write / read | {b['raw_gbps']['write']:.2f} / {b['raw_gbps']['read']:.2f} GB/s |",
+                  f"| step ÷ time to read and write the state once at raw speed ({b['disk_once_s']:.1f} s) | "
+                  f"{b['step_over_disk_once']:.2f} |",
+                  f"| checkpoint save / load (streamed through the swap files) | {b['save_s']:.1f} / {b['load_s']:.1f} s |",
+                  f"| resumed losses equal the uninterrupted run's, bit for bit | {b['resume_bitwise']} |", ""]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--memory", required=True, help="output folder of the headline `bench memory` run")
     ap.add_argument("--estimate-check", default="", help="comma-separated `bench memory` folders (model sizes)")
     ap.add_argument("--step", default="", help="output folder of `bench step`")
+    ap.add_argument("--aio", default="", help="JSON of benchmarks/bench_aio.py --json")
+    ap.add_argument("--bigger-than-memory", default="", help="JSON of benchmarks/bench_bigger_than_memory.py --out")
     ap.add_argument("--out", default="docs")
     a = ap.parse_args(argv)
     assets = os.path.join(a.out, "results")
@@ -100,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                  step.report_markdown(st), "",
                  "The machine was shared with other jobs while this ran: ratios within one run are "
                  "meaningful, absolute seconds are not.", ""]
+    if a.aio or a.bigger_than_memory:
+        page += offload_section(a.aio, a.bigger_than_memory)
     page += ["## On a GPU", "",
              "`bash benchmarks/gpu_check.sh OUT` measures the same memory table with "
              "`torch.cuda.max_memory_allocated` per rank (bf16 and fp32, world sizes 1, 2, 4 on the "

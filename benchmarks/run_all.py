@@ -49,6 +49,11 @@ def jobs(out: str, scratch: str) -> list[Job]:
                            os.path.join(scratch, "ckpt")),
             (py, b("bench_checkpoint.py"), "--dir", os.path.join(scratch, "ckpt")),
             "checkpoint save/load vs torch.save, safetensors, DCP and the raw disk"),
+        Job("bigger", (py, b("bench_bigger_than_memory.py"), "--dir", os.path.join(scratch, "big"), "--layers", "12",
+                       "--limit-gib", "3", "--fio-gib", "1"),
+            (py, b("bench_bigger_than_memory.py"), "--dir", os.path.join(scratch, "big"),
+             "--out", os.path.join(out, "bigger_than_memory.json")),
+            "NVMe offload: a model 4x a cgroup memory limit trains, saves, resumes (root)"),
     ]
 
 
@@ -61,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench-results")
     ap.add_argument("--profile", choices=("quick", "full"), default="quick")
-    ap.add_argument("--only", default="", help="comma-separated job names (memory, step, adam, collectives, aio, checkpoint)")
+    ap.add_argument("--only", default="", help="comma-separated job names (memory, step, adam, collectives, aio, checkpoint, bigger)")
     ap.add_argument("--scratch", default=None, help="directory on the disk for I/O benchmarks (default: a temp dir)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)

@@ -140,3 +140,24 @@ def test_bf16_masters_and_accumulated_gradients_live_in_the_swap_file(stage, tmp
     assert all(torch.equal(a[k], b[k]) for k in a)
     rep = opt.memory_report()
     assert rep.master_weights == 0 and rep.gradients == 0 and rep.offloaded > 0
+
+
+def test_offload_buffer_mb_bounds_the_staging_memory(tmp_path):
+    """A cap below one pipeline slot fails at construction and names the slot size; a cap of
+    one slot runs without read-ahead, with one pool buffer, and gives the same weights."""
+    with pytest.raises(ValueError, match="below one staging slot of .* MiB"):
+        zeroshard.ZeroOptimizer(TinyGPT(CFG), torch.optim.AdamW, stage=3, offload_optimizer="nvme",
+                                offload_params="nvme", nvme_path=str(tmp_path), offload_buffer_mb=0.01)
+
+    def run(cap):
+        torch.manual_seed(0)
+        model = TinyGPT(CFG)
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=3, offload_optimizer="nvme",
+                                      offload_params="nvme", nvme_path=str(tmp_path), offload_buffer_mb=cap)
+        _train(3, None, steps=3, model=model, opt=opt)
+        return zeroshard.full_state_dict(model), opt
+    full, opt3 = run(None)
+    capped, opt1 = run(0.3)  # one slot of this model (~0.2 MiB), not two
+    assert opt1.unit_store.max_in_flight == 1 and len(opt1.swapper._pool) == 1
+    assert opt1.memory_report().optimizer_states < opt3.memory_report().optimizer_states
+    assert all(torch.equal(full[k], capped[k]) for k in full)

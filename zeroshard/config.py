@@ -45,6 +45,11 @@ class ZeroConfig:
     e.g. each transformer layer)."""
     stage3_unit_numel: Optional[int] = None
     """Stage 3: instead of classes, the largest subtrees with at most this many parameters."""
+    offload_buffer_mb: Optional[float] = None
+    """NVMe offload: bound on the host memory of its staging buffers (the moments' pool and
+    the units in flight between the swap files and the step), in MiB. Each overlapped stage
+    of the read-update-write pipeline takes one slot of about the largest unit's state; None
+    allows three slots (full overlap). Too small for one slot fails at construction."""
     fused_adam: bool = True
     """Run torch.optim.Adam/AdamW on zeroshard's fused kernel (same results, one pass over
     memory). Other optimizers, or Adam options the kernel does not implement, always run
@@ -90,6 +95,8 @@ class ZeroConfig:
         if isinstance(self.stage3_unit_classes, str):
             raise TypeError(f"stage3_unit_classes={self.stage3_unit_classes!r} must be a list of "
                             "class names, e.g. ['GPT2Block']")
+        if self.offload_buffer_mb is not None and not self.offload_buffer_mb > 0:
+            raise ValueError(f"offload_buffer_mb={self.offload_buffer_mb!r} must be > 0 (MiB), or None")
         if not self.initial_loss_scale > 0:
             raise ValueError(f"initial_loss_scale={self.initial_loss_scale!r} must be > 0")
         if self.loss_scale_growth_interval < 1:

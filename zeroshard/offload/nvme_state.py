@@ -37,7 +37,7 @@ KEYS = ("exp_avg", "exp_avg_sq")
 
 
 class NvmeOptimizerState(MutableMapping):
-    def __init__(self, runs: Sequence[Any], nvme_path: str, rank: int) -> None:
+    def __init__(self, runs: Sequence[Any], nvme_path: str, rank: int, max_slots: int = 3) -> None:
         self.runs = list(runs)
         self._offset: dict[int, int] = {}
         offset = 0
@@ -51,8 +51,13 @@ class NvmeOptimizerState(MutableMapping):
         largest = max((aligned(r.tensor.numel() * 4) for r in self.runs), default=ALIGN)
         # Three slots overlap read, update and write; fewer runs need fewer slots (a one-unit
         # model must not hold 3x the moments it offloads).
-        self._pool = [aligned_empty(largest * len(KEYS) // 4, torch.float32)
-                      for _ in range(max(1, min(3, len(self.runs))))]
+        slots = max(1, min(3, max_slots, len(self.runs)))
+        try:
+            self._pool = [aligned_empty(largest * len(KEYS) // 4, torch.float32) for _ in range(slots)]
+        except RuntimeError as exc:  # e.g. pinned or aligned host memory exhausted
+            raise RuntimeError(f"offload_optimizer='nvme' could not allocate its {slots} staging buffers of "
+                               f"{largest * len(KEYS) / 2**20:.1f} MiB ({exc}); lower offload_buffer_mb, or make "
+                               "units smaller (bucket_size_mb, or stage3_unit_numel at stage 3)") from exc
         self.pool_bytes = sum(b.numel() * 4 for b in self._pool)
         self._steps: dict[int, torch.Tensor] = {}
         self._keys = {id(r.tensor): r.tensor for r in self.runs}
@@ -133,10 +138,13 @@ class NvmeOptimizerState(MutableMapping):
         last_run = {id(r.unit): i for i, r in enumerate(todo)}
         upcoming = iter(order)
 
+        def fetch(u: Any) -> None:  # a separate low-precision shard is rewritten whole: not read
+            u.swap.fetch(u, u.swap.parts_of(u), skip_read=("shard",) if u.separate_master else ())
+
         def fetch_next() -> None:
             u = next(upcoming, None)
-            if u is not None:  # a separate low-precision shard is rewritten whole: not read
-                u.swap.fetch(u, u.swap.parts_of(u), skip_read=("shard",) if u.separate_master else ())
+            if u is not None:
+                fetch(u)
         fetch_next()
         current = None
         reads: dict[int, Any] = {}
@@ -166,8 +174,10 @@ class NvmeOptimizerState(MutableMapping):
             store = getattr(unit, "swap", None)
             if store is not None and unit is not current:
                 current = unit
+                fetch(unit)  # (already in flight when read ahead)
                 store.wait_fetch(unit, store.parts_of(unit))
-                fetch_next()  # the next unit streams in while this one is updated
+                if store.max_in_flight > 1:
+                    fetch_next()  # the next unit streams in while this one is updated
             t = run.tensor
             group = param_groups[run.group]
             step = self._steps.setdefault(id(t), torch.tensor(0.0))

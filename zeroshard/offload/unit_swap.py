@@ -40,12 +40,13 @@ from zeroshard.io import AsyncIO
 from zeroshard.offload.swap_file import aligned, create_swap_file, reserve
 from zeroshard.optim.flat_unit import alloc_storage, free_storage, is_allocated
 
-_MAX_PENDING_WRITES = 3
 
 
 class NvmeUnitStore:
-    def __init__(self, nvme_path: str, rank: int, swap_shards: bool) -> None:
+    def __init__(self, nvme_path: str, rank: int, swap_shards: bool, max_in_flight: int = 3) -> None:
         self.swap_shards = swap_shards
+        self.max_in_flight = max_in_flight
+        """Units whose parts may wait on a write, or be read ahead, at once (the memory bound)."""
         self.path = create_swap_file(nvme_path, "params" if swap_shards else "grads", rank)
         self.what = ("offload_params='nvme' needs {gib} GiB for this rank's parameter shards, master weights "
                      "and gradients" if swap_shards else
@@ -151,7 +152,7 @@ class NvmeUnitStore:
                 self._writes.append((h, unit, (part,) if release else ()))
             # Bound the memory waiting on writes to about one unit's parts: enough to overlap
             # a write with the next unit's work, never a backward's worth of gradients.
-            while len(self._writes) > _MAX_PENDING_WRITES:
+            while len(self._writes) > self.max_in_flight:
                 self.settle(self._writes[0][1])
 
     def evict(self, unit: Any, parts: Iterable[str]) -> None:

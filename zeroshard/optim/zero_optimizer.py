@@ -107,7 +107,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     f"offload_optimizer='nvme' streams Adam/AdamW moments through the fused kernel; "
                     f"{optimizer_class.__name__}(**{kwargs}) does not run on it (use torch.optim.Adam "
                     "or AdamW without amsgrad/foreach/fused/capturable, or offload_optimizer='cpu')")
-            self.swapper = NvmeOptimizerState(self.runs, self.config.nvme_path, self.comm.rank)
+            slots = self._staging_slots()
+            self.swapper = NvmeOptimizerState(self.runs, self.config.nvme_path, self.comm.rank, max_slots=slots)
+            self.unit_store.max_in_flight = slots
             self.inner.state = self.swapper
             weakref.finalize(self, self.swapper.close)
         user_groups = [{**{k: v for k, v in ig.items() if k != "params"}, "params": g["params"]}
@@ -264,6 +266,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
             works = [self.comm.gather_shards(u.flat) for u in self.units]
             for w in works:
                 w.wait()
+
+    def _staging_slots(self) -> int:
+        """How many pipeline slots NVMe offload may use within ``offload_buffer_mb``: each holds
+        the largest run's moments and the largest unit's swapped parts."""
+        if self.config.offload_buffer_mb is None:
+            return 3
+        moments = max((8 * r.tensor.numel() for r in self.runs), default=0)
+        store = self.unit_store
+        parts = max((sum(store.tensor_of(u, p).numel() * store.tensor_of(u, p).element_size()
+                         for p in store.parts_of(u)) for u in self.units), default=0)
+        per_slot = moments + parts
+        slots = int(self.config.offload_buffer_mb * 2**20 // max(1, per_slot))
+        if slots < 1:
+            raise ValueError(
+                f"offload_buffer_mb={self.config.offload_buffer_mb} is below one staging slot of "
+                f"{per_slot / 2**20:.1f} MiB (the largest unit's moments, gradient and master); raise it, or make "
+                "units smaller (bucket_size_mb, or stage3_unit_numel at stage 3)")
+        return slots
 
     @staticmethod
     def _copy_out_ok(unit: FlatUnit) -> bool:
