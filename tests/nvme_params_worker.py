@@ -66,3 +66,14 @@ def run(rank: int, world: int, out: str, directory: str) -> None:
                                         for k, v in st.items())
     with open(f"{out}.rank{rank}", "w") as f:
         json.dump(res, f)
+
+
+def save_swapped(rank: int, world: int, out: str, directory: str) -> None:
+    """Trains 2 steps with parameters and state in swap files and saves a checkpoint."""
+    swap = os.path.join(directory, f"swap{rank}")
+    os.makedirs(swap, exist_ok=True)
+    model, opt = make(swap, "bf16")
+    train(model, opt, 0, 2, accum=2)
+    zeroshard.save_checkpoint(os.path.join(directory, "ckpt"), 2, model=model, optimizer=opt)
+    with open(f"{out}.rank{rank}", "w") as f:
+        json.dump({"saved": True}, f)

@@ -21,7 +21,8 @@ def test_small_run_against_zero_redundancy_optimizer() -> None:
     assert rows["zeroshard_stage2"]["step_s"] > 0 and rows["zeroshard_stage2"]["vs_ddp"] is None
     names = [c["check"] for c in result["checks"]]
     assert any("ZeroRedundancyOptimizer" in c for c in names) and any("fastest peer" in c for c in names)
-    assert next(c for c in result["checks"] if "memory" in c["check"])["passed"]
+    # The memory check, not the step-time one (a 1-step tiny run's timing is noise, reported only).
+    assert next(c for c in result["checks"] if "≤ ZeroRedundancyOptimizer" in c["check"])["passed"]
 
 
 def test_report_says_why_a_peer_could_not_run() -> None:

@@ -103,3 +103,19 @@ def test_async_save_streams_while_training_goes_on(tmp_path):
         assert all(torch.equal(want[k], got[k]) for k in want)
     finally:
         dist.destroy_process_group()
+
+
+def test_checkpoint_from_two_ranks_streams_into_one(tmp_path):
+    """A checkpoint written from the swap files of 2 ranks loads at world size 1 straight into
+    new swap files, and then holds exactly what an in-memory optimizer loads from it."""
+    from tests.nvme_params_worker import save_swapped
+    assert all(r["saved"] for r in run_ranks(save_swapped, 2, tmp_path, str(tmp_path)))
+    loaded = []
+    for nvme in (str(tmp_path), None):
+        model, opt = make(nvme, "bf16", seed=7)
+        info = zeroshard.load_checkpoint(str(tmp_path / "ckpt"), model=model, optimizer=opt)
+        assert info["resharded"] and info["step"] == 2
+        loaded.append((zeroshard.full_state_dict(model), opt.consolidated_state_dict()))
+    (a, sa), (b, sb) = loaded
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(v, sb["state"][i][k]) for i, st in sa["state"].items() for k, v in st.items())
