@@ -108,6 +108,7 @@ def compare(directory: str, size: int, block: int, depth: int, rounds: int, chun
     buffer.random_(0, 256)
     if status["native"]["available"]:
         contenders["native"] = asyncio("native", size, block, depth, buffer)
+        contenders["kaio"] = asyncio("kaio", size, block, depth, buffer)
     contenders["python"] = asyncio("python", size, block, depth, buffer)
     if "deepspeed" in peers:
         contenders["deepspeed"] = deepspeed(size, block, depth, chunk)
@@ -133,7 +134,7 @@ def compare(directory: str, size: int, block: int, depth: int, rounds: int, chun
               for n in names if n != raw_name}
     vs_ds = {n: {k: statistics.median(g[n][i] / g["deepspeed"][i] for g in per_round)
                  for i, k in enumerate(("write", "read"))}
-             for n in ("native", "python") if n in names and "deepspeed" in names}
+             for n in ("native", "kaio", "python") if n in names and "deepspeed" in names}
     return {"raw": raw_name, "median_ratio_to_deepspeed": vs_ds, "path": directory, "file_bytes": size, "block_size": block, "queue_depth": depth,
             "rounds": rounds, "median_gbps": med, "median_ratio_to_raw": ratios,
             "native": status["native"], "per_round": per_round}

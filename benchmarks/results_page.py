@@ -64,17 +64,22 @@ def offload_section(aio: str, big: str) -> list[str]:
         with open(aio) as f:
             r = json.load(f)
         g, q = r["median_gbps"], r["median_ratio_to_raw"]
+        peers = " --peers deepspeed" if r.get("median_ratio_to_deepspeed") else ""
         lines += [f"```\npython benchmarks/bench_aio.py --path DIR --size {r['file_bytes'] >> 30}G "
-                  f"--rounds {r['rounds']} --json {aio}\n```", "",
+                  f"--rounds {r['rounds']}{peers} --json {aio}\n```", "",
                   f"Sequential I/O on one {r['file_bytes'] / 2**30:.0f} GiB file, {r['block_size'] >> 20} MiB "
                   f"blocks x queue depth {r['queue_depth']}, O_DIRECT, medians of {r['rounds']} interleaved rounds "
-                  "(target: the engine >= 90% of fio both ways):", "",
+                  "(target: the engine >= 90% of fio both ways; `--peers deepspeed` adds DeepSpeed's aio handle):", "",
                   "| contender | write GB/s | read GB/s | write ÷ fio | read ÷ fio |", "|---|---|---|---|---|"]
         for name in g:
             ratio = q.get(name, {})
             lines.append(f"| {name} | {g[name]['write_gbps']:.2f} | {g[name]['read_gbps']:.2f} | "
                          f"{ratio.get('write', 1.0):.2f} | {ratio.get('read', 1.0):.2f} |")
         lines.append("")
+        for name, v in r.get("median_ratio_to_deepspeed", {}).items():
+            lines.append(f"- {name} ÷ DeepSpeed's aio (same rounds): write {v['write']:.2f}x, read {v['read']:.2f}x")
+        lines += ["", "`native` is the default engine (a pool of pread/pwrite threads), `kaio` the kernel-AIO "
+                  "one (`AsyncIO(backend=\"kaio\")`), `python` the fallback without the extension.", ""]
     if big and os.path.exists(big):
         with open(big) as f:
             b = json.load(f)

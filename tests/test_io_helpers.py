@@ -12,12 +12,12 @@ import torch
 from zeroshard.io import AsyncIO, aligned_empty
 from zeroshard.io._native import native
 
-BACKENDS = ("native", "python")
+BACKENDS = ("native", "kaio", "python")
 
 
 def make_engine(backend: str, **kwargs) -> AsyncIO:
     """An engine on ``backend``; skips (with the loader's reason) when the native one is absent."""
-    if backend == "native" and native().module is None:
+    if backend in ("native", "kaio") and native().module is None:
         pytest.skip(f"native I/O engine unavailable: {native().reason}")
     return AsyncIO(backend=backend, **kwargs)
 

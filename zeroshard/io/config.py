@@ -7,7 +7,7 @@ ALIGN = 4096
 """O_DIRECT alignment of buffers, file offsets and lengths (the logical block size of every
 disk we target; 4096 also satisfies 512-byte-sector disks)."""
 
-BACKENDS = ("auto", "native", "python")
+BACKENDS = ("auto", "native", "kaio", "python")
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,9 @@ class AIOConfig:
     """Open files with O_DIRECT (bypass the page cache). File systems that refuse it (tmpfs)
     get buffered I/O instead, and ``engine_status()`` says so."""
     backend: str = "auto"
-    """"auto" (native engine if it loads, else threads in Python), "native" or "python"."""
+    """"auto" (native engine if it loads, else threads in Python), "native" (the native
+    thread pool of pread/pwrite), "kaio" (native, Linux kernel AIO from one thread; see Note
+    [kernel AIO engine] in csrc/aio/aio_engine.cpp) or "python"."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0 or self.block_size % ALIGN:

@@ -35,6 +35,10 @@ def _resolve_backend(requested: str) -> tuple[str, Any]:
     if requested == "python":
         return "python", PyEngine
     state = native()
+    if requested == "kaio":
+        if state.module is None or not hasattr(state.module, "AioEngine"):
+            raise RuntimeError(f"backend='kaio' needs the native I/O engine, which is unavailable: {state.reason}")
+        return "kaio", state.module.AioEngine
     if state.module is not None:
         return "native", state.module.Engine
     if requested == "native":
