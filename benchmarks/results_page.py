@@ -2,7 +2,7 @@
 
     python benchmarks/results_page.py --memory bench-results/memory-medium \
         --estimate-check bench-results/memory-small,bench-results/memory-medium,bench-results/memory-large \
-        --step bench-results/step --aio docs/results/aio.json \
+        --step bench-results/step --checkpoint docs/results/checkpoint.json --aio docs/results/aio.json \
         --bigger-than-memory docs/results/bigger_than_memory.json --out docs
 
 Copies the chart and CSVs next to the page (docs/results/), so the page is reproducible from
@@ -53,6 +53,28 @@ def estimate_section(dirs: list[str]) -> list[str]:
         span = f"{min(peak):.2f}–{max(peak):.2f}" if peak else "not recorded"
         lines.append(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {len(ok)} | {worst['estimate_over_measured']:.3f} "
                      f"({worst['config']}, N={worst['world_size']}) | {span} |")
+    return lines
+
+
+def checkpoint_section(path: str) -> list[str]:
+    """Checkpoint save/load against the raw disk and peers (benchmarks/bench_checkpoint.py --json)."""
+    with open(path) as f:
+        c = json.load(f)
+    gb = c["bytes"] / 1e9
+    lines = ["## Checkpoints", "",
+             f"```\npython benchmarks/bench_checkpoint.py --size-gb {gb:.0f} --rounds 3 --json {path}\n```", "",
+             f"{gb:.1f} GB of training state (fp32 parameters + AdamW moments), best round of 3, page cache "
+             f"dropped before every load; raw = dd O_DIRECT on the same disk (write {c['raw_write'] / 1e9:.2f}, "
+             f"read {c['raw_read'] / 1e9:.2f} GB/s). Targets: save and load >= 80% of raw, async stall <= 5%.", "",
+             "| | zeroshard | torch.save/load | safetensors | DCP |", "|---|---|---|---|---|"]
+    for way, raw in (("save", c["raw_write"]), ("load", c["raw_read"])):
+        cells = [f"{c[f'{k}_{way}'] / 1e9:.2f} GB/s ({c[f'{k}_{way}'] / raw:.0%})"
+                 for k in ("zs", "torch", "safetensors", "dcp")]
+        lines.append(f"| {way} (÷ raw) | " + " | ".join(cells) + " |")
+    lines += ["", f"Async save: the training loop is blocked {c['async_call_s'] * 1e3:.0f} ms plus "
+              f"{c['async_step_wait_s'] * 1e3:.0f} ms at the next step = {c['async_stall_fraction']:.1%} of a "
+              f"synchronous save ({c['sync_save_s']:.2f} s); DCP's async_save blocks "
+              f"{c['dcp_async_call_s'] * 1e3:.0f} ms = {c['dcp_async_fraction']:.1%} of its save.", ""]
     return lines
 
 
@@ -107,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory", required=True, help="output folder of the headline `bench memory` run")
     ap.add_argument("--estimate-check", default="", help="comma-separated `bench memory` folders (model sizes)")
     ap.add_argument("--step", default="", help="output folder of `bench step`")
+    ap.add_argument("--checkpoint", default="", help="JSON of benchmarks/bench_checkpoint.py --json")
     ap.add_argument("--aio", default="", help="JSON of benchmarks/bench_aio.py --json")
     ap.add_argument("--bigger-than-memory", default="", help="JSON of benchmarks/bench_bigger_than_memory.py --out")
     ap.add_argument("--out", default="docs")
@@ -149,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                  step.report_markdown(st), "",
                  "The machine was shared with other jobs while this ran: ratios within one run are "
                  "meaningful, absolute seconds are not.", ""]
+    if a.checkpoint:
+        page += checkpoint_section(a.checkpoint)
     if a.aio or a.bigger_than_memory:
         page += offload_section(a.aio, a.bigger_than_memory)
     page += ["## On a GPU", "",
