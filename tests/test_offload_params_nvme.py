@@ -119,3 +119,26 @@ def test_checkpoint_from_two_ranks_streams_into_one(tmp_path):
     (a, sa), (b, sb) = loaded
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert all(torch.equal(v, sb["state"][i][k]) for i, st in sa["state"].items() for k, v in st.items())
+
+
+def test_files_of_a_killed_run_are_removed_by_the_next(tmp_path):
+    """A SIGKILLed run leaves its swap files behind; the next run of that rank on the same
+    nvme_path removes them (their process is gone) and never reads them."""
+    import signal
+    import subprocess
+    import sys
+    code = ("import os, signal, torch, zeroshard\n"
+            "from tests.nvme_params_worker import make, CFG\n"
+            "from zeroshard.toy import synthetic_batch\n"
+            f"model, opt = make({str(tmp_path)!r})\n"
+            "model(*synthetic_batch(0, 2, CFG)).backward(); opt.step()\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.wait(timeout=120) == -signal.SIGKILL
+    left = sorted(f for f in os.listdir(tmp_path) if f.endswith(".swap"))
+    assert len(left) == 2 and f"-pid{proc.pid}-" in left[0]  # moments + parameters
+    model, opt = make(str(tmp_path))
+    now = sorted(f for f in os.listdir(tmp_path) if f.endswith(".swap"))
+    assert not set(left) & set(now) and len(now) == 2
+    model(*synthetic_batch(0, 2, CFG)).backward()
+    opt.step()
