@@ -14,12 +14,15 @@ from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
 CFG = GPTConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, seq_len=8)
 
 
-def make(nvme: str | None, mixed_precision: str | None = None, seed: int = 0):
+def make(nvme: str | None, mixed_precision: str | None = None, seed: int = 0, stage: int = 3,
+         optimizer: str | None = "nvme", params: str | None = "nvme"):
+    """TinyGPT and its ZeroOptimizer; ``nvme=None`` keeps everything in memory."""
     torch.manual_seed(seed)
     model = TinyGPT(CFG)
-    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=3,
-                                  mixed_precision=mixed_precision, offload_optimizer="nvme" if nvme else None,
-                                  offload_params="nvme" if nvme else None, nvme_path=nvme)
+    on = nvme is not None or optimizer == "cpu"
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=stage,
+                                  mixed_precision=mixed_precision, offload_optimizer=optimizer if on else None,
+                                  offload_params=params if on and stage == 3 else None, nvme_path=nvme)
     return model, opt
 
 
@@ -77,3 +80,25 @@ def save_swapped(rank: int, world: int, out: str, directory: str) -> None:
     zeroshard.save_checkpoint(os.path.join(directory, "ckpt"), 2, model=model, optimizer=opt)
     with open(f"{out}.rank{rank}", "w") as f:
         json.dump({"saved": True}, f)
+
+
+def run_matrix(rank: int, world: int, out: str, directory: str) -> None:
+    """Every offload placement at stages 1-3 against the same run in memory, fp32 and bf16."""
+    swap = os.path.join(directory, f"matrix{rank}")
+    os.makedirs(swap, exist_ok=True)
+    res: dict = {}
+    for stage in (1, 2, 3):
+        placements = [("cpu", None), ("nvme", None)] + ([("cpu", "cpu"), ("nvme", "nvme")] if stage == 3 else [])
+        for mp in (None, "bf16"):
+            ref, ref_opt = make(None, mp, stage=stage, optimizer=None, params=None)
+            train(ref, ref_opt, 0, 2, accum=2)
+            want = zeroshard.full_state_dict(ref, rank0_only=False)
+            for optimizer, params in placements:
+                model, opt = make(swap if "nvme" in (optimizer, params) else None, mp, stage=stage,
+                                  optimizer=optimizer, params=params)
+                train(model, opt, 0, 2, accum=2)
+                got = zeroshard.full_state_dict(model, rank0_only=False)
+                res[f"stage{stage}-{mp}-optim_{optimizer}-params_{params}"] = all(
+                    torch.equal(want[k], got[k]) for k in want)
+    with open(f"{out}.rank{rank}", "w") as f:
+        json.dump(res, f)

@@ -142,3 +142,12 @@ def test_files_of_a_killed_run_are_removed_by_the_next(tmp_path):
     assert not set(left) & set(now) and len(now) == 2
     model(*synthetic_batch(0, 2, CFG)).backward()
     opt.step()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_every_offload_placement_matches_memory_bit_for_bit(world, tmp_path):
+    """offload_optimizer cpu/nvme at stages 1-3 and offload_params cpu/nvme at stage 3, fp32 and
+    bf16, gradient accumulation and clipping, on 1 and 2 gloo ranks: the same bits as in memory."""
+    from tests.nvme_params_worker import run_matrix
+    for r in run_ranks(run_matrix, world, tmp_path, str(tmp_path)):
+        assert len(r) == 2 * (2 + 2 + 4) and all(r.values()), [k for k, v in r.items() if not v]
