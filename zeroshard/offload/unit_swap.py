@@ -41,7 +41,6 @@ from zeroshard.offload.swap_file import aligned, create_swap_file, reserve
 from zeroshard.optim.flat_unit import alloc_storage, free_storage, is_allocated
 
 
-
 class NvmeUnitStore:
     def __init__(self, nvme_path: str, rank: int, swap_shards: bool, max_in_flight: int = 3) -> None:
         self.swap_shards = swap_shards
