@@ -188,3 +188,18 @@ def test_safetensors_weights_load_straight_into_the_swap_file(tmp_path):
     assert opt.memory_report().parameters == 0
     got = zeroshard.full_state_dict(model)
     assert all(torch.equal(got[k], v) for k, v in src.state_dict().items())
+
+
+def test_clipping_reads_no_gradient_back_from_the_swap_file(tmp_path):
+    """The 2-norm and the overflow check come from statistics noted when each gradient was last
+    written; only other norm types read the gradients back."""
+    model, opt = make(str(tmp_path))
+    model(*synthetic_batch(0, 2, CFG)).backward()
+    opt.reducer.finalize()
+    reads = []
+    real = opt.unit_store.aio.pread
+    opt.unit_store.aio.pread = lambda *a, **k: reads.append(a) or real(*a, **k)
+    norm = opt.clip_grad_norm_(1.0)
+    assert reads == [] and torch.isfinite(norm)
+    opt.clip_grad_norm_(1.0, norm_type=float("inf"))
+    assert len(reads) == len(opt.units)  # one read per unit for the max norm

@@ -111,6 +111,10 @@ class FlatUnit:
                                       pin_memory=pin and state_device.type == "cpu")
         self.grad_valid = False
         """False after zero_grad(set_to_none=True): the next reduced gradient overwrites."""
+        self.grad_stats: Optional[dict] = None
+        """Swapped gradients only: the owned gradient's squared 2-norm and finiteness as of its
+        last change, so clipping and the fp16 overflow check need not read it back from the
+        swap file (the same expressions the optimizer would evaluate, hence the same bits)."""
 
     def swapped(self, part: str) -> bool:
         """``part`` ("shard", "master" or "grad") lives in the swap file between uses."""
@@ -171,7 +175,13 @@ class FlatUnit:
             torch.mul(src, factor, out=self.grad_store)
             self.grad_valid = True
         if self.swap is not None:  # written in the background, released once written
+            self._note_grad_stats()
             self.swap.flush(self, ("grad",))
+
+    def _note_grad_stats(self) -> None:
+        g = self.owned_grad()
+        self.grad_stats = {"sqnorm": torch.linalg.vector_norm(g, 2.0, dtype=torch.float64) ** 2.0,
+                           "finite": bool(torch.isfinite(g.sum()))}
 
     def write_back(self) -> None:
         """Copy updated master values into the model-dtype shard (mixed precision)."""
@@ -179,6 +189,7 @@ class FlatUnit:
             self.shard.copy_(self.master)
 
     def clear_grads(self, set_to_none: bool) -> None:
+        self.grad_stats = None
         if set_to_none:
             self.grad_valid = False
         elif self.swap is not None:
@@ -186,6 +197,7 @@ class FlatUnit:
             self.swap.load(self, ("grad",))
             self.grad_store.zero_()
             self.grad_valid = True
+            self._note_grad_stats()
             self.swap.flush(self, ("grad",))
         else:
             self.grad_store.zero_()

@@ -167,14 +167,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _owned_grads(self) -> list[torch.Tensor]:
         return [u.owned_grad() for u in self.units if u.grad_valid]
 
-    def _map_owned_grads(self, fn: Callable[[torch.Tensor], Any]) -> list[Any]:
-        """``fn`` of each owned gradient, reading swapped ones back one unit at a time."""
+    def _map_owned_grads(self, fn: Callable[[torch.Tensor], Any],
+                         cached: Optional[Callable[[dict], Any]] = None) -> list[Any]:
+        """``fn`` of each owned gradient, reading swapped ones back one unit at a time unless
+        ``cached`` computes the same value from the unit's ``grad_stats``."""
         out = []
         for u in self.units:
             if not u.grad_valid:
                 continue
             if u.swap is None:
                 out.append(fn(u.owned_grad()))
+            elif cached is not None and u.grad_stats is not None:
+                out.append(cached(u.grad_stats))
             else:
                 with u.swap.resident(u, ("grad",)):
                     out.append(fn(u.owned_grad()))
@@ -191,7 +195,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     "mixed_precision='fp16' needs the loss scaled before backward: call "
                     "optimizer.backward(loss) or optimizer.scale_loss(loss).backward() instead "
                     "of loss.backward()")
-            local = any(self._map_owned_grads(lambda g: not bool(torch.isfinite(g.sum()))))
+            local = any(self._map_owned_grads(lambda g: not bool(torch.isfinite(g.sum())),
+                                              cached=lambda s: not s["finite"]))
             self._overflow = self.comm.any_true(local)
             self._checked_pass = self.reducer.passes
         return self._overflow
@@ -214,7 +219,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.comm.all_reduce(total.view(1), op=dist.ReduceOp.MAX)
         else:
             parts = self._map_owned_grads(lambda g: torch.linalg.vector_norm(g, norm_type, dtype=torch.float64)
-                                          ** norm_type)
+                                          ** norm_type,
+                                          cached=(lambda s: s["sqnorm"]) if norm_type == 2.0 else None)
             local = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64, device=device)
             if self.policy.shard_optimizer:
                 self.comm.all_reduce(local.view(1))
