@@ -164,7 +164,10 @@ class NvmeUnitStore:
     def resident(self, unit: Any, parts: Sequence[str], write: bool = False) -> Iterator[None]:
         """``parts`` of ``unit`` in memory inside the block; written back after it with ``write``."""
         parts = tuple(parts)
-        was = {p for p in parts if is_allocated(self.tensor_of(unit, p)) and (id(unit), p) not in self._reads}
+        with self._lock:  # resident before, and staying so (not just waiting on a write)
+            leaving = {p for _, u, ps in self._writes if u is unit for p in ps}
+        was = {p for p in parts if is_allocated(self.tensor_of(unit, p))
+               and (id(unit), p) not in self._reads and p not in leaving}
         self.load(unit, parts)
         try:
             yield
