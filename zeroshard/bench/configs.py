@@ -45,4 +45,4 @@ class MemConfig:
                              "e.g. '2', '2+cpu' or '3+nvme+cpu'") from None
 
 
-DEFAULT_CONFIGS = "0,1,2,3,2+cpu,2+nvme,3+cpu+cpu,3+nvme+cpu"
+DEFAULT_CONFIGS = "0,1,2,3,2+cpu,2+nvme,3+cpu+cpu,3+nvme+cpu,3+nvme+nvme"
