@@ -338,21 +338,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return state_io.consolidated_state_dict(self, to_rank)
 
     def memory_report(self) -> MemoryReport:
-        """Bytes of model state this rank holds, by category."""
+        """Bytes of model state this rank holds, by category. State kept in swap files counts
+        as ``offloaded``; its parts read into memory for a moment (the swap pipeline's working
+        set) count as ``buffers``, like the gather buffers of stage 3."""
         seen: set[int] = set()
         frozen = sum(tensor_bytes(p, seen) for g in self.param_groups for p in g["params"]
                      if not p.requires_grad)
+
+        def held(unit: FlatUnit, part: str, t: torch.Tensor) -> int:
+            return 0 if unit.swapped(part) else tensor_bytes(t, seen)
+        staging = sum(tensor_bytes(NvmeUnitStore.tensor_of(u, p), seen)
+                      for u in self.units if u.swap is not None for p in u.swap.parts_of(u))
         return MemoryReport(
-            parameters=sum(tensor_bytes(u.shard if u.policy.shard_parameters else u.flat, seen)
+            parameters=sum(held(u, "shard", u.shard if u.policy.shard_parameters else u.flat)
                            for u in self.units) + frozen,
-            gradients=sum(tensor_bytes(u.grad_store, seen) for u in self.units),
-            master_weights=sum(tensor_bytes(u.master, seen) for u in self.units if u.separate_master),
+            gradients=sum(held(u, "grad", u.grad_store) for u in self.units),
+            master_weights=sum(held(u, "master", u.master) for u in self.units if u.separate_master),
             optimizer_states=(self.swapper.pool_bytes if self.swapper is not None else
                               sum(tensor_bytes(v, seen) for s in self.inner.state.values()
                                   for v in s.values() if isinstance(v, torch.Tensor))),
             offloaded=((self.swapper.file_bytes if self.swapper is not None else 0)
                        + (self.unit_store.file_bytes if self.unit_store is not None else 0)),
-            buffers=self.reducer.live_bucket_bytes() + (self.gatherer.gathered_bytes() if self.gatherer else 0),
+            buffers=(self.reducer.live_bucket_bytes() + (self.gatherer.gathered_bytes() if self.gatherer else 0)
+                     + staging),
         )
 
     def segment_index(self) -> dict[int, tuple[FlatUnit, Segment]]:
