@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                  f"```\nzeroshard bench step --model {_model_arg(st)} --world-size {st['world_size']} "
                  f"--rounds {st['rounds']} --steps {st['steps']} --out bench-results/step\n```", "",
                  step.report_markdown(st), "",
-                 "The machine was shared with other jobs while this ran: ratios within one run are "
-                 "meaningful, absolute seconds are not.", ""]
+                 "Ratios within one run are what this measures; absolute seconds move with the "
+                 "machine's load (2 cores here, shared by both ranks and their gloo threads).", ""]
     if a.checkpoint:
         page += checkpoint_section(a.checkpoint)
     if a.aio or a.bigger_than_memory:
