@@ -145,3 +145,23 @@ def test_step_grad_scale_equals_prescaled_grads() -> None:
         opt_o.step(grad_scale=0.5 / 1024)
         opt_r.step()
     _assert_same_params(ours, ref)
+
+
+def test_step_in_portions_equals_one_step():
+    """``only=`` (the unit-by-unit step of CPU offload) gives the same result as one step."""
+    torch.manual_seed(0)
+    ps = [torch.randn(1000 + 7 * i, requires_grad=True) for i in range(4)]
+    qs = [p.detach().clone().requires_grad_(True) for p in ps]
+    for p, q in zip(ps, qs):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    a, b = FusedAdam(ps, lr=1e-2, weight_decay=0.1), FusedAdam(qs, lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        a.step(grad_scale=0.5)
+        for part in (qs[:1], qs[1:3], qs[3:]):
+            b.step(grad_scale=0.5, only={id(q) for q in part})
+    assert all(torch.equal(p, q) for p, q in zip(ps, qs))
+    untouched = FusedAdam([torch.zeros(3, requires_grad=True)], lr=1.0)
+    untouched.param_groups[0]["params"][0].grad = torch.ones(3)
+    untouched.step(only=set())
+    assert torch.equal(untouched.param_groups[0]["params"][0].detach(), torch.zeros(3))

@@ -7,7 +7,7 @@ in both directions and LR schedulers work unchanged. ``adamw_mode`` is the one e
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
@@ -75,21 +75,25 @@ class FusedAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, *,  # type: ignore[override]
-             grad_scale: float = 1.0, copy_out: dict[int, Tensor] | None = None) -> float | None:
+             grad_scale: float = 1.0, copy_out: dict[int, Tensor] | None = None,
+             only: Collection[int] | None = None) -> float | None:
         """One step. ``grad_scale`` multiplies every gradient inside the kernel (e.g. loss-scale
         unscale x clip coefficient), which saves the separate in-place sweep over the gradients
         that unscaling or ``clip_grad_norm_`` would otherwise make; gradients are not modified.
         ``copy_out`` maps ``id(param)`` to a bf16/fp16 tensor of the same size that receives the
-        updated parameter in the same pass (the low-precision model copy of an fp32 master)."""
+        updated parameter in the same pass (the low-precision model copy of an fp32 master).
+        ``only`` restricts the step to the parameters with these ids (a caller that updates
+        its parameters in portions, e.g. unit by unit, to overlap each with a transfer)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            self._step_group(group, grad_scale, copy_out or {})
+            self._step_group(group, grad_scale, copy_out or {}, only)
         return loss
 
-    def _step_group(self, group: dict[str, Any], grad_scale: float, copy_out: dict[int, Tensor]) -> None:
+    def _step_group(self, group: dict[str, Any], grad_scale: float, copy_out: dict[int, Tensor],
+                    only: Collection[int] | None = None) -> None:
         if group.get("amsgrad", False):
             raise ValueError("FusedAdam does not implement amsgrad=True (param group has amsgrad=True)")
         beta1, beta2 = (_as_float(b, "betas") for b in group["betas"])
@@ -97,7 +101,7 @@ class FusedAdam(torch.optim.Optimizer):
         # result exact if some were skipped (grad None) on earlier steps.
         by_step: dict[int, tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], list]] = {}
         for p in group["params"]:
-            if p.grad is None:
+            if p.grad is None or (only is not None and id(p) not in only):
                 continue
             if p.grad.is_sparse:
                 raise RuntimeError(f"FusedAdam does not support sparse gradients ({p.shape=})")

@@ -183,10 +183,11 @@ class FlatUnit:
         self.grad_stats = {"sqnorm": torch.linalg.vector_norm(g, 2.0, dtype=torch.float64) ** 2.0,
                            "finite": bool(torch.isfinite(g.sum()))}
 
-    def write_back(self) -> None:
-        """Copy updated master values into the model-dtype shard (mixed precision)."""
+    def write_back(self, non_blocking: bool = False) -> None:
+        """Copy updated master values into the model-dtype shard (mixed precision, or a master
+        in host memory for a shard on a device: then ``non_blocking`` from pinned memory)."""
         if self.separate_master:
-            self.shard.copy_(self.master)
+            self.shard.copy_(self.master, non_blocking=non_blocking)
 
     def clear_grads(self, set_to_none: bool) -> None:
         self.grad_stats = None

@@ -253,17 +253,33 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return loss
         self._sync_hyperparameters()
         scale, self._clip_coef = self._clip_coef, 1.0
-        if self.swapper is not None:
+        if self.swapper is not None:  # (writes swapped units back inside its pass)
             self.swapper.step(self.inner.param_groups, grad_scale=scale)
+        elif self._fused_step and self.config.offload_optimizer == "cpu":
+            self._step_unit_by_unit(scale)
         elif self._fused_step:  # the bf16/fp16 model copy is written in the same pass
             self.inner.step(grad_scale=scale, copy_out=self._copy_out)
         else:
             self.inner.step()
-        for unit in self.units:
-            if unit.swap is None and not (self._fused_step and self.swapper is None and self._copy_out_ok(unit)):
-                unit.write_back()  # (swapped units were written back inside the swapper's pass)
+        if not (self.swapper is not None or (self._fused_step and self.config.offload_optimizer == "cpu")):
+            for unit in self.units:
+                if not (self._fused_step and self._copy_out_ok(unit)):
+                    unit.write_back()
         self.gather_params()
         return loss
+
+    def _step_unit_by_unit(self, scale: float) -> None:
+        """offload_optimizer="cpu": the CPU kernel updates one unit at a time and that unit's new
+        weights start back to the device (non-blocking, from pinned memory) while the next unit
+        is updated, so transfers overlap the CPU work. Each unit's gradient already came to the
+        host as its reduction retired. On a CPU-only machine the copy is the kernel's copy-out."""
+        by_unit: dict[int, tuple[FlatUnit, set[int]]] = {}
+        for r in self.runs:
+            by_unit.setdefault(id(r.unit), (r.unit, set()))[1].add(id(r.tensor))
+        for unit, ids in by_unit.values():
+            self.inner.step(grad_scale=scale, copy_out=self._copy_out, only=ids)
+            if not self._copy_out_ok(unit):
+                unit.write_back(non_blocking=True)
 
     def gather_params(self) -> None:
         """Makes every rank's full parameters current from the owned ranges (after a step or
