@@ -257,11 +257,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.swapper.step(self.inner.param_groups, grad_scale=scale)
         elif self._fused_step and self.config.offload_optimizer == "cpu":
             self._step_unit_by_unit(scale)
-        elif self._fused_step:  # the bf16/fp16 model copy is written in the same pass
-            self.inner.step(grad_scale=scale, copy_out=self._copy_out)
         else:
-            self.inner.step()
-        if not (self.swapper is not None or (self._fused_step and self.config.offload_optimizer == "cpu")):
+            if self._fused_step:  # the bf16/fp16 model copy is written in the same pass
+                self.inner.step(grad_scale=scale, copy_out=self._copy_out)
+            else:
+                self.inner.step()
             for unit in self.units:
                 if not (self._fused_step and self._copy_out_ok(unit)):
                     unit.write_back()
