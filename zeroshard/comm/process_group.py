@@ -92,6 +92,33 @@ class Comm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0,
+                          bucket_bytes: int = 64 * 2**20) -> None:
+        """Every rank's ``tensors`` take rank ``src``'s values (meta tensors, which hold none,
+        are skipped); coalesced per dtype into buckets of about ``bucket_bytes``."""
+        if self.world_size == 1:
+            return
+        seen: set[int] = set()
+        live = [t for t in tensors if not t.is_meta and t.numel() and not (id(t) in seen or seen.add(id(t)))]
+        by_kind: dict[tuple, list[torch.Tensor]] = {}
+        for t in live:
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+        root = dist.get_global_rank(self.group, src)
+        for group in by_kind.values():
+            bucket: list[torch.Tensor] = []
+            size = 0
+            for t in group + [None]:
+                if t is not None:
+                    bucket.append(t)
+                    size += t.numel() * t.element_size()
+                if bucket and (t is None or size >= bucket_bytes):
+                    flat = torch.cat([b.detach().reshape(-1) for b in bucket])
+                    dist.broadcast(flat, src=root, group=self.group)
+                    with torch.no_grad():
+                        for b, v in zip(bucket, flat.split([b.numel() for b in bucket])):
+                            b.copy_(v.view_as(b))
+                    bucket, size = [], 0
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)

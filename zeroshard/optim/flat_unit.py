@@ -175,10 +175,10 @@ class FlatUnit:
             torch.mul(src, factor, out=self.grad_store)
             self.grad_valid = True
         if self.swap is not None:  # written in the background, released once written
-            self._note_grad_stats()
+            self.note_grad_stats()
             self.swap.flush(self, ("grad",))
 
-    def _note_grad_stats(self) -> None:
+    def note_grad_stats(self) -> None:
         g = self.owned_grad()
         self.grad_stats = {"sqnorm": torch.linalg.vector_norm(g, 2.0, dtype=torch.float64) ** 2.0,
                            "finite": bool(torch.isfinite(g.sum()))}
@@ -198,7 +198,7 @@ class FlatUnit:
             self.swap.load(self, ("grad",))
             self.grad_store.zero_()
             self.grad_valid = True
-            self._note_grad_stats()
+            self.note_grad_stats()
             self.swap.flush(self, ("grad",))
         else:
             self.grad_store.zero_()

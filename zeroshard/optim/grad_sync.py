@@ -51,6 +51,11 @@ class GradientReducer:
         """Backward passes seen so far (a pass starts with its first gradient hook)."""
         self.grad_factor = 1.0
         """Applied to every reduced gradient as it retires: 1 / (world_size * loss_scale)."""
+        self.on_pass_start: list = []
+        """Callbacks run when a backward pass reaches the first parameter, before autograd
+        accumulates anything into ``.grad``."""
+        self.on_pass_end: list = []
+        """Callbacks run once a backward pass's reductions are all complete."""
         self.on_launch: list = []
         """Callbacks ``f(unit_index)`` run when a unit's gradients are sent (stage 3 releases
         the unit's gathered parameters then)."""
@@ -58,6 +63,9 @@ class GradientReducer:
     def register_hooks(self) -> None:
         for ui, unit in enumerate(self.units):
             for m, seg in zip(unit.members, unit.layout.segments):
+                # Runs before autograd accumulates into .grad: a pass starts there, so every
+                # published .grad is detached before autograd could add into it.
+                self._handles.append(m.param.register_hook(self._on_incoming_grad))
                 self._handles.append(m.param.register_post_accumulate_grad_hook(partial(self._on_grad, ui, seg)))
 
     def remove_hooks(self) -> None:
@@ -72,17 +80,26 @@ class GradientReducer:
         self._in_backward = False
 
     # -- hooks ------------------------------------------------------------------------------
+    def _on_incoming_grad(self, grad: torch.Tensor) -> None:
+        if not self._in_backward:
+            self._start_pass()
+
+    def _start_pass(self) -> None:
+        self._in_backward = True
+        self.grads_since_clear = True
+        self.passes += 1
+        torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        # The previous micro-batch's last reductions land before this pass writes any
+        # bucket: one may be reducing in place in a gradient store (Note [in-place first
+        # pass]) that this pass would otherwise take as its bucket again and overwrite.
+        while self._inflight:
+            self._retire(self._inflight.popleft())
+        for callback in self.on_pass_start:
+            callback()
+
     def _on_grad(self, ui: int, seg: Segment, param: torch.Tensor) -> None:
         if not self._in_backward:
-            self._in_backward = True
-            self.grads_since_clear = True
-            self.passes += 1
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-            # The previous micro-batch's last reductions land before this pass writes any
-            # bucket: one may be reducing in place in a gradient store (Note [in-place first
-            # pass]) that this pass would otherwise take as its bucket again and overwrite.
-            while self._inflight:
-                self._retire(self._inflight.popleft())
+            self._start_pass()
         grad = param.grad
         param.grad = None  # the bucket holds it now; free the model-sized copy at once
         if grad is None:
@@ -105,7 +122,13 @@ class GradientReducer:
             self._launch_ready()
 
     def _on_backward_end(self) -> None:
+        # Like DDP, the pass ends with every reduction complete, so .grad is final when
+        # backward returns (Note [visible gradients] in grad_links.py).
         self.flush()
+        while self._inflight:
+            self._retire(self._inflight.popleft())
+        for callback in self.on_pass_end:
+            callback()
 
     def _bucket(self, ui: int) -> torch.Tensor:
         bucket = self._buckets[ui]

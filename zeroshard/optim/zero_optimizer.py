@@ -31,6 +31,8 @@ from zeroshard.memory import MemoryReport, tensor_bytes
 from zeroshard.optim import registry, state_io
 from zeroshard.optim.elementwise import check_elementwise
 from zeroshard.optim.flat_unit import FlatUnit, Placement
+from zeroshard.optim.grad_links import GradLinks
+from zeroshard.optim.module_guard import ModuleGuard
 from zeroshard.optim.grad_sync import GradientReducer
 from zeroshard.offload import NvmeOptimizerState
 from zeroshard.offload.unit_swap import NvmeUnitStore
@@ -67,6 +69,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         module, groups, names = normalize_params(model_or_params)
         self.module = module
         self.comm = Comm(process_group)
+        # Ranks start from one model, as with DDP and DeepSpeed: rank 0's values everywhere.
+        self.comm.broadcast_tensors([t for g in groups for t in g["params"]]
+                                    + (list(module.buffers()) if module is not None else []))
         self.policy = policy_for_stage(self.config.stage)
         trainable = _trainable(groups, names, meta_shapes)
         param_dtype = _DTYPES[self.config.mixed_precision] or _single_dtype(trainable)
@@ -122,6 +127,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                        if self.config.mixed_precision == "fp16" else None)
         self.reducer = GradientReducer(self.units, self.comm, reduce_dtype, self.config.max_inflight_buckets)
         self._set_grad_factor()
+        self.grad_links = GradLinks(self.units, self.comm)
+        self.reducer.on_pass_start.append(self._begin_pass)
+        self.reducer.on_pass_end.append(self.grad_links.publish)
         self.reducer.register_hooks()
         self.gatherer: Optional[ParameterGatherer] = None
         if self.policy.shard_parameters:
@@ -131,6 +139,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.reducer.on_launch.append(self.gatherer.on_unit_reduced)
         if module is not None:
             registry.register(module, self)
+            self.module_guard = ModuleGuard(module, [m.param for u in self.units for m in u.members],
+                                            "ZeroOptimizer")
         self._fused_step = isinstance(self.inner, FusedAdam)
         # The fused pass writes the updated master straight into the low-precision shard
         # when both sit on the CPU (the kernel's copy-out); elsewhere write_back copies.
@@ -164,6 +174,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.reducer.grad_factor = 1.0 / (self.comm.world_size * self.loss_scale)
 
     # -- gradients -------------------------------------------------------------------------------
+    def _begin_pass(self) -> None:
+        """A backward pass starts: what torch code did to ``.grad`` goes into the stores, then
+        ``.grad`` is detached so autograd accumulates this pass's gradients afresh."""
+        self.grad_links.reconcile()
+        self.grad_links.detach_all()
+
     def _owned_grads(self) -> list[torch.Tensor]:
         return [u.owned_grad() for u in self.units if u.grad_valid]
 
@@ -185,8 +201,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return out
 
     def _finalize_grads(self) -> bool:
-        """Completes reductions; returns True when the step must be skipped (fp16 overflow)."""
+        """Completes reductions and takes in what torch code did to ``.grad``; returns True
+        when the step must be skipped (fp16 overflow)."""
         self.reducer.finalize()
+        self.grad_links.reconcile()
         if self.scaler is None:
             return False
         if self._checked_pass != self.reducer.passes:
@@ -248,7 +266,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.scaler is not None:
             self.scaler.update(overflow)
             self._set_grad_factor()
-        if overflow or not self.reducer.grads_since_clear:
+        if overflow or not any(u.grad_valid for u in self.units):  # no gradient: torch.optim skips too
             self._clip_coef = 1.0
             return loss
         self._sync_hyperparameters()
@@ -321,11 +339,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.finalize()  # every rank must finish the collectives it started
         self._clip_coef = 1.0
+        had = {id(p) for group in self.param_groups for p in group["params"] if p.grad is not None}
         for unit in self.units:
             unit.clear_grads(set_to_none)
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
+        if not set_to_none:  # as torch: gradients that existed are now zeros
+            self.grad_links.publish(only=had)
+        else:
+            self.grad_links.detach_all()
         self.reducer.grads_since_clear = False
 
     def add_param_group(self, param_group: dict) -> None:

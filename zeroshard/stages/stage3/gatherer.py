@@ -7,8 +7,8 @@ Lifecycle of a unit in one iteration (``UnitState``):
 - forward: a pre-hook on the unit's module gathers it (waiting for a prefetch if one is in
   flight) and prefetches the next unit of the previous iteration's forward order; a post-hook
   releases it (the root unit, which holds what is used around the blocks, stays gathered
-  while gradients are enabled) and wraps the module's outputs in ``_PreBackward``;
-- backward: ``_PreBackward`` runs before the module's own backward and gathers the unit
+  while gradients are enabled) and hooks the module's outputs;
+- backward: the first output hook runs before the module's own backward and gathers the unit
   again, prefetching the unit that backward reaches next; the unit is released as soon as
   its gradients are sent for reduction (every parameter's gradient is then accumulated, so
   no remaining backward node reads it); an end-of-backward callback releases the rest;
@@ -23,7 +23,7 @@ Note [released parameters]: a unit's flat buffer keeps its storage *object* for 
 life and every parameter stays a view into it; releasing resizes the storage to 0 bytes and
 gathering resizes it back and refills it (the scheme of FSDP2). Tensors autograd saved in
 forward (a weight, or a view like ``weight.t()``) therefore see the re-gathered data when
-``_PreBackward`` has run, and hold no memory in between. Using a released parameter (e.g. a
+the output hook has run, and hold no memory in between. Using a released parameter (e.g. a
 weight used outside the module that owns it) fails with "data is not allocated"; the root
 forward wrapper adds which units were released.
 """
@@ -35,7 +35,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from zeroshard.comm import Comm, Work
 from zeroshard.optim.flat_unit import FlatUnit, alloc_storage, free_storage
@@ -53,18 +53,6 @@ class UnitState(enum.Enum):
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-class _PreBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gatherer: "ParameterGatherer", ui: int, *tensors: torch.Tensor):
-        ctx.gatherer, ctx.ui = gatherer, ui
-        return tensors if len(tensors) > 1 else tensors[0]
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        ctx.gatherer.before_backward(ctx.ui)
-        return (None, None, *grads)
 
 
 class ParameterGatherer:
@@ -230,15 +218,19 @@ class ParameterGatherer:
         return output
 
     def _wrap(self, ui: int, output: Any) -> Any:
-        leaves, spec = tree_flatten(output)
-        idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not idx:
-            return output
-        wrapped = _PreBackward.apply(self, ui, *[leaves[i] for i in idx])
-        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
-        for i, t in zip(idx, wrapped):
-            leaves[i] = t
-        return tree_unflatten(leaves, spec)
+        """Gathers the unit again before backward reaches the module: a hook on each output
+        that carries gradient (the first to fire does it). The outputs stay the tensors the
+        module returned, so callers may modify them in place (``loss /= k``)."""
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        fired = [False]
+
+        def before(grad: torch.Tensor) -> None:
+            if not fired[0]:
+                fired[0] = True
+                self.before_backward(ui)
+        for t in tensors:
+            t.register_hook(before)
+        return output
 
     def _check_shapes(self, ui: int) -> None:
         unit = self.units[ui]

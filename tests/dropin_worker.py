@@ -1,0 +1,144 @@
+"""Runs inside each rank: the usual PyTorch training loop, unchanged, on a Hugging Face GPT-2,
+with ZeroOptimizer in place of torch.optim.AdamW; against plain torch.optim.AdamW on one
+process with the same global batch. Writes per-cell results as JSON for test_dropin.py."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import zeroshard
+
+STEPS = 8
+GLOBAL_BATCH = 4
+SEQ = 8
+VOCAB = 64
+MAX_NORM = 0.05  # bites on every step (the gradient norm is ~1-5)
+
+
+def gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(cfg)
+
+
+def tokens(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+
+
+@dataclass(frozen=True)
+class Cell:
+    stage: int
+    scenario: str
+
+    @property
+    def key(self) -> str:
+        return f"stage{self.stage}-{self.scenario}"
+
+
+SCENARIOS = ("loop", "div_loss", "to_device", "grad_scaler", "autocast_bf16", "accumulate", "zero_grad_keep")
+
+
+def _autocast(scenario: str):
+    if scenario == "grad_scaler":
+        return torch.autocast("cpu", dtype=torch.float16)
+    if scenario == "autocast_bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, scenario: str, rank: int, world: int,
+          compiled: bool = False) -> dict:
+    """The loop as people write it; only the optimizer differs between the two runs."""
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scenario == "grad_scaler" else None
+    fwd = torch.compile(model) if compiled else model
+    per = GLOBAL_BATCH // world
+    losses, norms = [], []
+    micro = 2 if scenario == "accumulate" else 1
+    for step in range(STEPS):
+        batch = tokens(step)[rank * per:(rank + 1) * per]
+        total = 0.0
+        for part in batch.chunk(micro):
+            with _autocast(scenario):
+                loss = fwd(input_ids=part, labels=part).loss
+            if scenario == "div_loss" or micro > 1:
+                loss /= micro if micro > 1 else 2  # in place on the model's output
+            total += float(loss)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+            else:
+                loss.backward()
+        if scaler is not None:
+            scaler.unscale_(opt)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        sched.step()
+        if scenario == "zero_grad_keep":
+            model.zero_grad(set_to_none=False)
+        else:
+            model.zero_grad()
+        losses.append(_mean_over_ranks(total, world))
+        norms.append(float(norm))
+    return {"losses": losses, "norms": norms}
+
+
+def _mean_over_ranks(x: float, world: int) -> float:
+    if world == 1:
+        return x
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / world
+
+
+def weights(model: torch.nn.Module, stage: int) -> dict[str, torch.Tensor]:
+    if stage == 3:
+        return zeroshard.full_state_dict(model, rank0_only=False)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_cell(cell: Cell, rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    ref = gpt2()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_out = train(ref, ref_opt, cell.scenario, 0, 1)
+    model = gpt2()
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=cell.stage)
+    if cell.scenario == "to_device":
+        model.to("cpu:0")  # what Trainer / Accelerate do after the optimizer exists
+    out = train(model, opt, cell.scenario, rank, world)
+    ref_w = {n: p.detach() for n, p in ref.named_parameters()}
+    got_w = weights(model, cell.stage)
+    init_w = {n: p.detach() for n, p in gpt2().named_parameters()}
+    return {
+        "loss_rel": max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(out["losses"], ref_out["losses"])),
+        "norm_rel": max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(out["norms"], ref_out["norms"])),
+        "weight_diff": max(float((got_w[n].float() - ref_w[n].float()).abs().max()) for n in ref_w),
+        "moved": max(float((got_w[n].float() - init_w[n].float()).abs().max()) for n in ref_w),
+        "norms": out["norms"][:3], "ref_norms": ref_out["norms"][:3],
+        "finite": all(math.isfinite(x) for x in out["losses"]),
+    }
+
+
+def worker(rank: int, world: int, out_path: str, cells: list[tuple[int, str]]) -> None:
+    results = {}
+    for stage, scenario in cells:
+        cell = Cell(stage, scenario)
+        try:
+            results[cell.key] = run_cell(cell, rank, world)
+        except Exception as exc:  # reported per cell; the other cells still run
+            results[cell.key] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            if world > 1:
+                raise
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump(results, f)

@@ -1,0 +1,145 @@
+"""``GradLinks``: ``param.grad`` as torch code expects it, backed by zeroshard's gradient stores.
+
+Note [visible gradients]: gradients are reduced into each unit's fp32 gradient store during
+backward (zeroshard/optim/grad_sync.py). Once a backward pass has finished, every trainable
+parameter's ``.grad`` is *published* as a view of its range of that store:
+
+- stages 0-1, fp32 model, store in memory on the model's device: a plain tensor view of the
+  whole averaged gradient (no extra memory; identical on every rank);
+- otherwise a ``ShardedGrad`` (zeroshard/optim/grad_view.py): this rank's piece at stages
+  2-3, or the whole fp32 gradient behind a bf16/fp16 parameter or a swap file.
+
+Torch code may then read, scale, clip or unscale ``p.grad`` in place (it writes the store),
+replace it, or set it to None. What it left is *reconciled* into the stores before they are
+used again (the next backward, ``step``, ``clip_grad_norm_``), with torch's meaning:
+
+- still the published tensor: nothing to do (in-place changes are already in the store);
+- None (``model.zero_grad()``, the Hugging Face Trainer's way): that parameter's gradient is
+  gone, so the next backward starts it from zero and a step with no gradient at all is skipped;
+- another tensor: its values become the gradient.
+
+At the start of each backward pass every ``p.grad`` is detached (set to None) before autograd
+accumulates into it, so autograd never adds a local, unreduced gradient into an averaged
+store; accumulation across micro-batches happens in the stores (grad_sync.py).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional, Sequence
+
+import torch
+
+from zeroshard.optim.flat_unit import FlatUnit
+from zeroshard.optim.grad_view import ShardedGrad
+
+
+class GradLinks:
+    def __init__(self, units: Sequence[FlatUnit], comm: Any) -> None:
+        self.units = list(units)
+        self.comm = comm
+        self.entries = [(u, seg, m.param) for u in self.units for m, seg in zip(u.members, u.layout.segments)]
+        self._published: dict[int, torch.Tensor] = {}
+
+    # -- publishing ---------------------------------------------------------------------------
+    def view(self, unit: FlatUnit, seg: Any, param: torch.Tensor) -> torch.Tensor:
+        """The tensor that stands for ``param``'s gradient in ``unit``'s store."""
+        store = unit.grad_store
+        if not unit.policy.shard_gradients:
+            if not unit.swap and store.dtype == param.dtype and store.device == param.device:
+                return store[seg.offset:seg.end].view(seg.shape)
+            return ShardedGrad(store[seg.offset:seg.end], seg.shape, param.dtype, param.device, 0,
+                               None, unit)
+        lo, hi = unit.owned
+        a, b = max(lo, seg.offset), min(hi, seg.end)
+        local = unit.grad_range(a, b) if a < b else store[:0]
+        comm = self.comm if self.comm.world_size > 1 else None
+        return ShardedGrad(local, seg.shape, param.dtype, param.device, max(0, a - seg.offset), comm, unit)
+
+    def publish(self, only: Optional[set[int]] = None) -> None:
+        """Every parameter of a unit holding a gradient gets its view as ``.grad``; others None.
+        ``only``: publish just these parameters (by id), leave the rest None."""
+        self._published.clear()
+        for unit, seg, p in self.entries:
+            if unit.grad_valid and (only is None or id(p) in only):
+                t = self.view(unit, seg, p)
+                p.grad = t
+                self._published[id(p)] = t
+            else:
+                p.grad = None
+
+    def detach_all(self) -> None:
+        for _, _, p in self.entries:
+            p.grad = None
+        self._published.clear()
+
+    # -- reconciling what torch code did --------------------------------------------------------
+    def reconcile(self) -> None:
+        """Folds what torch code did to ``.grad`` since publishing into the stores."""
+        by_unit: dict[int, tuple[FlatUnit, list, list]] = {}
+        for unit, seg, p in self.entries:
+            g, pub = p.grad, self._published.get(id(p))
+            if g is pub:
+                continue
+            cleared, replaced = by_unit.setdefault(id(unit), (unit, [], []))[1:]
+            if g is None:
+                cleared.append(seg)
+            else:
+                replaced.append((seg, p, g))
+        for unit, cleared, replaced in by_unit.values():
+            self._reconcile_unit(unit, cleared, replaced)
+        for _, _, p in self.entries:  # what is in p.grad now stands for the store again
+            if p.grad is not None:
+                self._published[id(p)] = p.grad
+
+    def _reconcile_unit(self, unit: FlatUnit, cleared: list, replaced: list) -> None:
+        if not unit.grad_valid and not replaced:
+            return
+        if not replaced and len(cleared) == len(unit.layout.segments):
+            unit.grad_valid = False  # every gradient of the unit was set to None
+            return
+        swap = unit.swap if unit.swapped("grad") else None
+        with swap.resident(unit, ("grad",), write=True) if swap else contextlib.nullcontext():
+            if not unit.grad_valid:  # a tensor assigned where there was no gradient
+                unit.grad_store.zero_()
+                unit.grad_valid = True
+            for seg in cleared:
+                self._range(unit, seg).zero_()
+            for seg, p, g in replaced:
+                _check_assigned(seg, p, g)
+                dst = self._range(unit, seg)
+                dst.copy_(_piece(g, seg, unit, dst.numel()))
+            if swap is not None:
+                unit.note_grad_stats()
+
+    @staticmethod
+    def _range(unit: FlatUnit, seg: Any) -> torch.Tensor:
+        """This rank's part of ``seg`` in the store (the whole segment at stages 0-1)."""
+        if not unit.policy.shard_gradients:
+            return unit.grad_store[seg.offset:seg.end]
+        lo, hi = unit.owned
+        a, b = max(lo, seg.offset), min(hi, seg.end)
+        return unit.grad_range(a, b) if a < b else unit.grad_store[:0]
+
+
+def _piece(g: torch.Tensor, seg: Any, unit: FlatUnit, n: int) -> torch.Tensor:
+    """The values of an assigned gradient ``g`` for this rank's part of ``seg`` (``n`` elements)."""
+    if isinstance(g, ShardedGrad):
+        if g.local.numel() == n and (not g.sharded or not unit.policy.shard_gradients):
+            return g.local.reshape(-1)
+        if g.sharded and g.local.numel() == n:
+            return g.local
+        g = g.full()
+    flat = g.detach().reshape(-1)
+    if not unit.policy.shard_gradients:
+        return flat
+    lo, _ = unit.owned
+    start = max(lo, seg.offset) - seg.offset
+    return flat[start:start + n]
+
+
+def _check_assigned(seg: Any, p: torch.Tensor, g: torch.Tensor) -> None:
+    if tuple(g.shape) != tuple(seg.shape):
+        raise RuntimeError(f"{seg.name}.grad was set to a tensor of shape {tuple(g.shape)}; the parameter "
+                           f"has shape {tuple(seg.shape)}")
+    if g.is_sparse:
+        raise RuntimeError(f"{seg.name}.grad was set to a sparse tensor; zeroshard keeps dense gradients")

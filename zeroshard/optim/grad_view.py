@@ -1,0 +1,298 @@
+"""``ShardedGrad``: what ``param.grad`` is when it cannot be a plain view of the gradient store.
+
+After backward, ``param.grad`` holds the averaged gradient at every stage (Note [visible
+gradients] in zeroshard/optim/grad_links.py). At stages 0-1 with an fp32 model that is a
+plain view into the unit's gradient store. Otherwise it is this wrapper: it has the
+parameter's shape, dtype and device (so autograd, ``clip_grad_norm_`` and ``GradScaler``
+accept it) and holds ``local``, the part of the fp32 gradient this rank keeps:
+
+- sharded (stages 2-3): ``local`` is the piece ``[start, start + local.numel())`` of the
+  parameter's flattened gradient that this rank owns; the other pieces live on other ranks;
+- whole (stages 0-1 under bf16/fp16, or a gradient kept in a swap file): ``local`` is the
+  whole gradient in fp32, and ops run on ``local.view(shape)``.
+
+Note [sharded gradient ops]: what torch code does with gradients is answered exactly,
+like DTensor answers it, but with zeroshard's element-range shards:
+- pointwise ops (``mul_`` by a clip coefficient, ``abs``, ``isfinite``, ``zero_``, ...) run on
+  the local piece; results stay sharded;
+- full reductions (``linalg_vector_norm``, ``norm``, ``sum``, ``amax``, ``all``, ...) reduce
+  the local piece, then across ranks, and return an ordinary tensor with the global value;
+- ``GradScaler``'s unscale-and-check runs on the local pieces and the found-inf flag is
+  agreed by all ranks (MAX), so every rank skips the same steps;
+- anything else gathers the parameter's whole gradient (a collective, with a warning once per
+  op), runs the op on it and, for an in-place op, keeps the local piece of the result.
+Every rank must therefore run the same gradient ops in the same order (SPMD code does; code
+that inspects gradients on rank 0 only must use ``local_grad(p)``, which never communicates).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+aten = torch.ops.aten
+
+_ALIASES = {aten.detach.default, aten.alias.default}
+_WARNED: set[str] = set()
+
+
+class ShardedGrad(torch.Tensor):
+    local: torch.Tensor
+    start: int
+    comm: Any
+    unit: Any
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+                start: int, comm: Any = None, unit: Any = None) -> "ShardedGrad":
+        r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
+        r.local, r.start, r.comm, r.unit = local, start, comm, unit
+        return r
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+
+    @property
+    def sharded(self) -> bool:
+        """Whether other ranks hold other pieces (False: ``local`` is the whole gradient)."""
+        return self.comm is not None
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # never a collective
+        where = (f"elements [{self.start}, {self.start + self.local.numel()}) of {math.prod(self.shape)} on this rank"
+                 if self.sharded else "whole")
+        return f"ShardedGrad(shape={tuple(self.shape)}, dtype={self.dtype}, {where})"
+
+    def like(self, local: torch.Tensor, dtype: Optional[torch.dtype] = None) -> "ShardedGrad":
+        return ShardedGrad(local, self.shape, dtype or self.dtype, self.device, self.start, self.comm, self.unit)
+
+    def full(self) -> torch.Tensor:
+        """The whole gradient as an ordinary tensor (a collective when sharded)."""
+        if not self.sharded:
+            return self.local.view(self.shape)
+        buf = torch.zeros(math.prod(self.shape), dtype=self.local.dtype, device=self.local.device)
+        buf[self.start:self.start + self.local.numel()] = self.local
+        self.comm.all_reduce(buf)  # other ranks add exact zeros: a copy, bit for bit
+        return buf.view(self.shape)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        grads = [a for a in _flat(args, kwargs) if isinstance(a, ShardedGrad)]
+        with _resident(grads, _mutates(func)):
+            return _dispatch(func, args, kwargs, grads)
+
+
+def local_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """This rank's part of ``param.grad`` with no communication: the whole gradient where this
+    rank holds it, or the flat owned piece at stages 2-3 (possibly empty)."""
+    g = param.grad
+    return g.local if isinstance(g, ShardedGrad) else g
+
+
+# -- dispatch -----------------------------------------------------------------------------------
+def _dispatch(func: Any, args: tuple, kwargs: dict, grads: list[ShardedGrad]) -> Any:
+    if func in _ALIASES:
+        return args[0].like(args[0].local)
+    if not any(g.sharded for g in grads):  # whole gradients: the op runs on them as they are
+        out = func(*_sub(args, _whole), **_sub(kwargs, _whole))
+        _note_writes(func, grads)
+        return out
+    packet = func.overloadpacket
+    if packet in _REDUCTIONS and _is_full_reduction(func, args, kwargs):
+        return _REDUCTIONS[packet](*args, **kwargs)
+    if func is aten._foreach_norm.Scalar:
+        return [_norm(g, args[1] if len(args) > 1 else 2) for g in args[0]]
+    if func is aten._amp_foreach_non_finite_check_and_unscale_.default:
+        func(*_sub(args, lambda g: g.local), **_sub(kwargs, lambda g: g.local))
+        args[1].copy_(_agree(grads[0], args[1], dist.ReduceOp.MAX))
+        _note_writes(func, grads)
+        return None
+    layout = _same_layout(grads)
+    if layout is not None and _pointwise_ok(func, args, kwargs, layout):
+        return _pointwise(func, args, kwargs, layout, grads)
+    return _gathered(func, args, kwargs, grads)
+
+
+def _pointwise(func: Any, args: tuple, kwargs: dict, layout: ShardedGrad, grads: list) -> Any:
+    def local(x: Any) -> Any:
+        if isinstance(x, ShardedGrad):
+            return x.local
+        if isinstance(x, torch.Tensor) and x.shape == layout.shape and x.dim() > 0:
+            return x.reshape(-1)[layout.start:layout.start + layout.local.numel()]
+        if isinstance(x, torch.Tensor) and x.dim() == 0:
+            return x.to(layout.local.device)
+        return x
+    out = func(*tree_map(local, args), **tree_map(local, kwargs))
+    _note_writes(func, grads)
+    if _mutates(func):
+        return args[0]
+    if isinstance(out, torch.Tensor):
+        dtype = layout.dtype if out.dtype == layout.local.dtype else out.dtype
+        return layout.like(out, dtype)
+    return out
+
+
+def _gathered(func: Any, args: tuple, kwargs: dict, grads: list[ShardedGrad]) -> Any:
+    name = str(func)
+    if name not in _WARNED:
+        _WARNED.add(name)
+        warnings.warn(f"zeroshard: {name} on a sharded gradient (stages 2-3) gathers the parameter's "
+                      "whole gradient from all ranks to compute it; every rank must make the same call",
+                      stacklevel=3)
+    full = {id(g): g.full() for g in grads}
+    swap = lambda x: full[id(x)] if isinstance(x, ShardedGrad) else x  # noqa: E731
+    out = func(*tree_map(swap, args), **tree_map(swap, kwargs))
+    for g in grads:  # an in-place op changed the gathered copy: keep this rank's piece of it
+        if full[id(g)].data_ptr() != 0 and _mutates(func):
+            g.local.copy_(full[id(g)].reshape(-1)[g.start:g.start + g.local.numel()])
+    _note_writes(func, grads)
+    if _mutates(func) and args and isinstance(args[0], ShardedGrad):
+        return args[0]
+    return out
+
+
+# -- reductions ---------------------------------------------------------------------------------
+def _norm(g: ShardedGrad, ord: Any = 2, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> torch.Tensor:
+    ord = float(2 if ord is None else ord)
+    x = g.local
+    if ord == math.inf:
+        part, op = (x.abs().max() if x.numel() else x.new_zeros(())), dist.ReduceOp.MAX
+    elif ord == -math.inf:
+        part, op = (x.abs().min() if x.numel() else x.new_full((), math.inf)), dist.ReduceOp.MIN
+    elif ord == 0:
+        part, op = (x != 0).sum().to(torch.float64), dist.ReduceOp.SUM
+    else:
+        part, op = torch.linalg.vector_norm(x, ord, dtype=torch.float64) ** ord, dist.ReduceOp.SUM
+    total = _agree(g, part, op)
+    if ord not in (0.0, math.inf, -math.inf):
+        total = total ** (1.0 / ord)
+    return total.to(dtype or g.dtype)
+
+
+def _norm_op(g: ShardedGrad, p: Any = 2, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> torch.Tensor:
+    return _norm(g, p, dim, keepdim, dtype)
+
+
+def _sum(g: ShardedGrad, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> torch.Tensor:
+    return _agree(g, g.local.sum(dtype=torch.float64), dist.ReduceOp.SUM).to(dtype or g.dtype)
+
+
+def _mean(g: ShardedGrad, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> torch.Tensor:
+    return (_sum(g, dtype=torch.float64) / math.prod(g.shape)).to(dtype or g.dtype)
+
+
+def _extreme(op: Any, empty: float) -> Any:
+    def reduce(g: ShardedGrad, *rest: Any, **kw: Any) -> torch.Tensor:
+        x = g.local
+        part = (x.max() if op is dist.ReduceOp.MAX else x.min()) if x.numel() else x.new_full((), empty)
+        return _agree(g, part, op).to(g.dtype)
+    return reduce
+
+
+def _logical(op: Any) -> Any:
+    def reduce(g: ShardedGrad, *rest: Any, **kw: Any) -> torch.Tensor:
+        x = g.local
+        part = (x.all() if op is dist.ReduceOp.MIN else x.any()).to(torch.int32)
+        return _agree(g, part, op).to(torch.bool)
+    return reduce
+
+
+_REDUCTIONS = {
+    aten.linalg_vector_norm: _norm, aten.norm: _norm_op, aten.sum: _sum, aten.mean: _mean,
+    aten.max: _extreme(dist.ReduceOp.MAX, -math.inf), aten.amax: _extreme(dist.ReduceOp.MAX, -math.inf),
+    aten.min: _extreme(dist.ReduceOp.MIN, math.inf), aten.amin: _extreme(dist.ReduceOp.MIN, math.inf),
+    aten.all: _logical(dist.ReduceOp.MIN), aten.any: _logical(dist.ReduceOp.MAX),
+}
+
+
+def _is_full_reduction(func: Any, args: tuple, kwargs: dict) -> bool:
+    """The op reduces every element of a sharded gradient to one value (no ``dim``, or all)."""
+    if not (args and isinstance(args[0], ShardedGrad)):
+        return False
+    names = [a.name for a in func._schema.arguments]
+    if "out" in names or len(func._schema.returns) != 1:
+        return False
+    dim = kwargs.get("dim", args[names.index("dim")] if "dim" in names and names.index("dim") < len(args) else None)
+    if dim is None or dim == []:
+        return True
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return sorted(d % max(1, args[0].dim()) for d in dims) == list(range(args[0].dim())) and not kwargs.get("keepdim")
+
+
+def _agree(g: ShardedGrad, value: torch.Tensor, op: Any) -> torch.Tensor:
+    """``value`` reduced with ``op`` over the ranks that hold pieces of ``g``."""
+    t = value.detach().clone().reshape(1)
+    g.comm.all_reduce(t, op=op)
+    return t.reshape(())
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def _flat(args: tuple, kwargs: dict) -> list:
+    out: list = []
+    tree_map(out.append, (args, kwargs))
+    return out
+
+
+def _sub(tree: Any, fn: Any) -> Any:
+    return tree_map(lambda x: fn(x) if isinstance(x, ShardedGrad) else x, tree)
+
+
+def _whole(g: ShardedGrad) -> torch.Tensor:
+    return g.local.view(g.shape)
+
+
+def _mutates(func: Any) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+
+
+def _same_layout(grads: list[ShardedGrad]) -> Optional[ShardedGrad]:
+    first = grads[0]
+    for g in grads[1:]:
+        if g.shape != first.shape or g.start != first.start or g.local.numel() != first.local.numel():
+            return None
+    return first
+
+
+def _pointwise_ok(func: Any, args: tuple, kwargs: dict, layout: ShardedGrad) -> bool:
+    if torch.Tag.pointwise not in func.tags and func.overloadpacket not in (aten.zero_, aten.copy_, aten.fill_,
+                                                                             aten.clone):
+        return False
+    for x in _flat(args, kwargs):  # other tensors must be 0-dim or of the gradient's shape
+        if isinstance(x, torch.Tensor) and not isinstance(x, ShardedGrad) and x.dim() > 0 and x.shape != layout.shape:
+            return False
+    return True
+
+
+def _note_writes(func: Any, grads: list[ShardedGrad]) -> None:
+    """Swapped gradients keep their norm and finiteness noted (clipping reads those)."""
+    if _mutates(func):
+        for g in grads:
+            if g.unit is not None and g.unit.swap is not None:
+                g.unit.note_grad_stats()
+
+
+class _resident:
+    """Swapped gradients (NVMe offload) are read in for the op and written back after a write."""
+
+    def __init__(self, grads: list[ShardedGrad], write: bool) -> None:
+        self.ctxs = []
+        seen: set[int] = set()
+        for g in grads:
+            u = g.unit
+            if u is not None and u.swap is not None and u.swapped("grad") and id(u) not in seen:
+                seen.add(id(u))
+                self.ctxs.append(u.swap.resident(u, ("grad",), write=write))
+
+    def __enter__(self) -> None:
+        for c in self.ctxs:
+            c.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for c in reversed(self.ctxs):
+            c.__exit__(*exc)
