@@ -42,7 +42,8 @@ class Cell:
         return f"stage{self.stage}-{self.scenario}"
 
 
-SCENARIOS = ("loop", "div_loss", "to_device", "grad_scaler", "autocast_bf16", "accumulate", "zero_grad_keep")
+SCENARIOS = ("loop", "div_loss", "to_device", "grad_scaler", "autocast_bf16", "accumulate", "zero_grad_keep",
+             "compile")
 
 
 def _autocast(scenario: str):
@@ -111,12 +112,12 @@ def run_cell(cell: Cell, rank: int, world: int) -> dict:
     torch.manual_seed(0)
     ref = gpt2()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    ref_out = train(ref, ref_opt, cell.scenario, 0, 1)
+    ref_out = train(ref, ref_opt, cell.scenario, 0, 1, compiled=cell.scenario == "compile")
     model = gpt2()
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=cell.stage)
     if cell.scenario == "to_device":
         model.to("cpu:0")  # what Trainer / Accelerate do after the optimizer exists
-    out = train(model, opt, cell.scenario, rank, world)
+    out = train(model, opt, cell.scenario, rank, world, compiled=cell.scenario == "compile")
     ref_w = {n: p.detach() for n, p in ref.named_parameters()}
     got_w = weights(model, cell.stage)
     init_w = {n: p.detach() for n, p in gpt2().named_parameters()}
@@ -142,3 +143,52 @@ def worker(rank: int, world: int, out_path: str, cells: list[tuple[int, str]]) -
                 raise
     with open(f"{out_path}.rank{rank}", "w") as f:
         json.dump(results, f)
+
+
+def grad_ops_worker(rank: int, world: int, out_path: str, stage: int) -> None:
+    """What torch code computes from ``p.grad`` after backward, against the same expressions
+    on a single-process reference with the whole batch."""
+    import warnings
+    ref = gpt2()
+    ref(input_ids=tokens(0), labels=tokens(0)).loss.backward()
+    model = gpt2()
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=stage)
+    per = GLOBAL_BATCH // world
+    part = tokens(0)[rank * per:(rank + 1) * per]
+    model(input_ids=part, labels=part).loss.backward()
+    exprs = {
+        "norm2": lambda g: torch.linalg.vector_norm(g),
+        "norm1": lambda g: torch.linalg.vector_norm(g, 1),
+        "norminf": lambda g: torch.linalg.vector_norm(g, float("inf")),
+        "norm0": lambda g: torch.linalg.vector_norm(g, 0),
+        "tensor_norm": lambda g: g.norm(),
+        "sum": lambda g: g.sum(),
+        "mean": lambda g: g.mean(),
+        "absmax": lambda g: g.abs().max(),
+        "sq_sum": lambda g: g.pow(2).sum(),
+        "finite": lambda g: torch.isfinite(g).all().float(),
+        "flip_first": lambda g: g.flatten().flip(0)[0],  # no sharded rule: gathered
+    }
+    worst: dict[str, float] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            # Sums cancel: their error is measured against the sum of magnitudes, an element's
+            # against the largest magnitude (the scale of the rounding in each).
+            scale = {"sum": float(q.grad.abs().sum()), "mean": float(q.grad.abs().mean()),
+                     "flip_first": float(q.grad.abs().max())}
+            for key, fn in exprs.items():
+                a, b = float(fn(p.grad)), float(fn(q.grad))
+                worst[key] = max(worst.get(key, 0.0), abs(a - b) / max(abs(b), scale.get(key, 0.0), 1e-30))
+        total = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+        ref_total = float(torch.nn.utils.get_total_norm([q.grad for q in ref.parameters()]))
+        worst["get_total_norm"] = abs(total - ref_total) / ref_total
+        # Replacing and clearing .grad: torch semantics after reconcile.
+        p0 = next(model.parameters())
+        p0.grad = p0.grad * 2  # a new tensor: its values become the gradient
+        doubled = float(torch.linalg.vector_norm(p0.grad))
+        opt.clip_grad_norm_(1e9)  # reconciles
+        worst["replaced"] = abs(float(torch.linalg.vector_norm(p0.grad)) - doubled) / doubled
+        repr(p0.grad)  # never a collective (would hang if one rank did it alone)
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump({"worst": worst, "type": type(p0.grad).__name__}, f)

@@ -4,7 +4,8 @@ against plain torch.optim.AdamW on one process with the same global batch
 (tests/dropin_worker.py runs the cells).
 
 Bounds. fp32 cells: loss within 1e-6 relative and weights within 1e-5 after 8 steps, with
-clipping that bites on every step. Autocast cells (fp16 with GradScaler, bf16): the ranks
+clipping that bites on every step; ``compile`` runs ``torch.compile(model)`` with default
+options against the eager reference. Autocast cells (fp16 with GradScaler, bf16): the ranks
 compute their half batches in 16-bit, the reference the whole batch, so matmul blocking
 rounds differently; Adam turns a rounding flip of a near-zero gradient into a full-size
 update of that element, so weights are compared by the loss trajectory (within 1e-3
@@ -17,7 +18,7 @@ import pytest
 from tests import dropin_worker as w
 from tests.dist_results import run_ranks
 
-FP32 = ("loop", "div_loss", "to_device", "accumulate", "zero_grad_keep")
+FP32 = ("loop", "div_loss", "to_device", "accumulate", "zero_grad_keep", "compile")
 AUTOCAST = ("grad_scaler", "autocast_bf16")
 CELLS = [(s, c) for s in (0, 1, 2, 3) for c in FP32 + AUTOCAST]
 
@@ -45,3 +46,14 @@ def test_loop_matches_torch_optim(results, stage, scenario):
         else:
             assert res["loss_rel"] < 1e-3, res
             assert res["norm_rel"] < 1e-2, res
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_grad_expressions_equal_torch(tmp_path, stage, world):
+    """Norms of every order, sums, extremes, finiteness, an op with no sharded rule
+    (gathered), get_total_norm and replacing .grad give torch's values from p.grad."""
+    for r in run_ranks(w.grad_ops_worker, world, tmp_path, stage):
+        assert r["type"] == ("Tensor" if stage < 2 else "ShardedGrad")
+        for key, rel in r["worst"].items():
+            assert rel < 1e-5, (key, rel)

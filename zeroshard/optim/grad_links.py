@@ -47,13 +47,12 @@ class GradLinks:
         if not unit.policy.shard_gradients:
             if not unit.swap and store.dtype == param.dtype and store.device == param.device:
                 return store[seg.offset:seg.end].view(seg.shape)
-            return ShardedGrad(store[seg.offset:seg.end], seg.shape, param.dtype, param.device, 0,
-                               None, unit)
+            return ShardedGrad(store, seg.offset, seg.numel, seg.shape, param.dtype, param.device, 0, None, unit)
         lo, hi = unit.owned
         a, b = max(lo, seg.offset), min(hi, seg.end)
-        local = unit.grad_range(a, b) if a < b else store[:0]
         comm = self.comm if self.comm.world_size > 1 else None
-        return ShardedGrad(local, seg.shape, param.dtype, param.device, max(0, a - seg.offset), comm, unit)
+        return ShardedGrad(store, a - unit.grad_base if a < b else 0, max(0, b - a), seg.shape, param.dtype,
+                           param.device, max(0, a - seg.offset), comm, unit)
 
     def publish(self, only: Optional[set[int]] = None) -> None:
         """Every parameter of a unit holding a gradient gets its view as ``.grad``; others None.
@@ -82,14 +81,17 @@ class GradLinks:
                 continue
             cleared, replaced = by_unit.setdefault(id(unit), (unit, [], []))[1:]
             if g is None:
-                cleared.append(seg)
+                cleared.append((seg, p))
             else:
                 replaced.append((seg, p, g))
         for unit, cleared, replaced in by_unit.values():
             self._reconcile_unit(unit, cleared, replaced)
-        for _, _, p in self.entries:  # what is in p.grad now stands for the store again
-            if p.grad is not None:
-                self._published[id(p)] = p.grad
+            for _, p in cleared:
+                self._published.pop(id(p), None)
+            for seg, p, _ in replaced:  # linked again: later in-place changes reach the store
+                t = self.view(unit, seg, p)
+                p.grad = t
+                self._published[id(p)] = t
 
     def _reconcile_unit(self, unit: FlatUnit, cleared: list, replaced: list) -> None:
         if not unit.grad_valid and not replaced:
@@ -102,7 +104,7 @@ class GradLinks:
             if not unit.grad_valid:  # a tensor assigned where there was no gradient
                 unit.grad_store.zero_()
                 unit.grad_valid = True
-            for seg in cleared:
+            for seg, _ in cleared:
                 self._range(unit, seg).zero_()
             for seg, p, g in replaced:
                 _check_assigned(seg, p, g)
@@ -123,18 +125,12 @@ class GradLinks:
 
 def _piece(g: torch.Tensor, seg: Any, unit: FlatUnit, n: int) -> torch.Tensor:
     """The values of an assigned gradient ``g`` for this rank's part of ``seg`` (``n`` elements)."""
+    start = max(unit.owned[0], seg.offset) - seg.offset if unit.policy.shard_gradients else 0
     if isinstance(g, ShardedGrad):
-        if g.local.numel() == n and (not g.sharded or not unit.policy.shard_gradients):
-            return g.local.reshape(-1)
-        if g.sharded and g.local.numel() == n:
+        if g.sharded and g.n == n and g.start == start:
             return g.local
-        g = g.full()
-    flat = g.detach().reshape(-1)
-    if not unit.policy.shard_gradients:
-        return flat
-    lo, _ = unit.owned
-    start = max(lo, seg.offset) - seg.offset
-    return flat[start:start + n]
+        g = g.full() if g.sharded else g.local.view(g.shape)
+    return g.detach().reshape(-1)[start:start + n]
 
 
 def _check_assigned(seg: Any, p: torch.Tensor, g: torch.Tensor) -> None:

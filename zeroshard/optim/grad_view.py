@@ -41,20 +41,28 @@ _WARNED: set[str] = set()
 
 
 class ShardedGrad(torch.Tensor):
-    local: torch.Tensor
+    store: torch.Tensor
+    lo: int
+    n: int
     start: int
     comm: Any
     unit: Any
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, shape: torch.Size, dtype: torch.dtype, device: torch.device,
-                start: int, comm: Any = None, unit: Any = None) -> "ShardedGrad":
+    def __new__(cls, store: torch.Tensor, lo: int, n: int, shape: torch.Size, dtype: torch.dtype,
+                device: torch.device, start: int, comm: Any = None, unit: Any = None) -> "ShardedGrad":
         r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
-        r.local, r.start, r.comm, r.unit = local, start, comm, unit
+        r.store, r.lo, r.n, r.start, r.comm, r.unit = store, lo, n, start, comm, unit
         return r
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
+
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's part, 1-D. Sliced on each use: a swapped store has no memory between
+        uses (dispatch reads it in first), so a view made earlier could not exist."""
+        return self.store[self.lo:self.lo + self.n]
 
     @property
     def sharded(self) -> bool:
@@ -62,19 +70,21 @@ class ShardedGrad(torch.Tensor):
         return self.comm is not None
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # never a collective
-        where = (f"elements [{self.start}, {self.start + self.local.numel()}) of {math.prod(self.shape)} on this rank"
+        where = (f"elements [{self.start}, {self.start + self.n}) of {math.prod(self.shape)} on this rank"
                  if self.sharded else "whole")
         return f"ShardedGrad(shape={tuple(self.shape)}, dtype={self.dtype}, {where})"
 
     def like(self, local: torch.Tensor, dtype: Optional[torch.dtype] = None) -> "ShardedGrad":
-        return ShardedGrad(local, self.shape, dtype or self.dtype, self.device, self.start, self.comm, self.unit)
+        """A tensor with this one's layout over ``local`` (an op's result, in memory)."""
+        return ShardedGrad(local, 0, local.numel(), self.shape, dtype or self.dtype, self.device, self.start,
+                           self.comm, None)
 
     def full(self) -> torch.Tensor:
         """The whole gradient as an ordinary tensor (a collective when sharded)."""
         if not self.sharded:
             return self.local.view(self.shape)
         buf = torch.zeros(math.prod(self.shape), dtype=self.local.dtype, device=self.local.device)
-        buf[self.start:self.start + self.local.numel()] = self.local
+        buf[self.start:self.start + self.n] = self.local
         self.comm.all_reduce(buf)  # other ranks add exact zeros: a copy, bit for bit
         return buf.view(self.shape)
 
@@ -98,7 +108,8 @@ def local_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
 # -- dispatch -----------------------------------------------------------------------------------
 def _dispatch(func: Any, args: tuple, kwargs: dict, grads: list[ShardedGrad]) -> Any:
     if func in _ALIASES:
-        return args[0].like(args[0].local)
+        g = args[0]
+        return ShardedGrad(g.store, g.lo, g.n, g.shape, g.dtype, g.device, g.start, g.comm, g.unit)
     if not any(g.sharded for g in grads):  # whole gradients: the op runs on them as they are
         out = func(*_sub(args, _whole), **_sub(kwargs, _whole))
         _note_writes(func, grads)
@@ -124,7 +135,7 @@ def _pointwise(func: Any, args: tuple, kwargs: dict, layout: ShardedGrad, grads:
         if isinstance(x, ShardedGrad):
             return x.local
         if isinstance(x, torch.Tensor) and x.shape == layout.shape and x.dim() > 0:
-            return x.reshape(-1)[layout.start:layout.start + layout.local.numel()]
+            return x.reshape(-1)[layout.start:layout.start + layout.n]
         if isinstance(x, torch.Tensor) and x.dim() == 0:
             return x.to(layout.local.device)
         return x
@@ -150,7 +161,7 @@ def _gathered(func: Any, args: tuple, kwargs: dict, grads: list[ShardedGrad]) ->
     out = func(*tree_map(swap, args), **tree_map(swap, kwargs))
     for g in grads:  # an in-place op changed the gathered copy: keep this rank's piece of it
         if full[id(g)].data_ptr() != 0 and _mutates(func):
-            g.local.copy_(full[id(g)].reshape(-1)[g.start:g.start + g.local.numel()])
+            g.local.copy_(full[id(g)].reshape(-1)[g.start:g.start + g.n])
     _note_writes(func, grads)
     if _mutates(func) and args and isinstance(args[0], ShardedGrad):
         return args[0]
@@ -254,7 +265,7 @@ def _mutates(func: Any) -> bool:
 def _same_layout(grads: list[ShardedGrad]) -> Optional[ShardedGrad]:
     first = grads[0]
     for g in grads[1:]:
-        if g.shape != first.shape or g.start != first.start or g.local.numel() != first.local.numel():
+        if g.shape != first.shape or g.start != first.start or g.n != first.n:
             return None
     return first
 

@@ -19,6 +19,13 @@ At most ``max_live`` non-root units are gathered or gathering at once; prefetch 
 exceeds it. Every rank makes the same gather calls in the same order (same model, same
 graph), which the collectives require. See Note [released parameters].
 
+Note [compiled stage 3]: under ``torch.compile`` the hooks that gather and release units run
+eagerly (``torch.compiler.disable``): resizing storage and issuing collectives are not
+traceable, and a graph break at each unit boundary leaves every module's own computation
+compiled. Dynamo does not guard on module hooks by default (``skip_nnmodule_hook_guards``), so
+code it compiled for another, hook-free instance of the same model class would be reused and
+run the blocks with released parameters; ``register`` turns those guards on.
+
 Note [released parameters]: a unit's flat buffer keeps its storage *object* for its whole
 life and every parameter stays a view into it; releasing resizes the storage to 0 bytes and
 gathering resizes it back and refills it (the scheme of FSDP2). Tensors autograd saved in
@@ -78,6 +85,8 @@ class ParameterGatherer:
 
     # -- registration ------------------------------------------------------------------------
     def register(self) -> None:
+        import torch._dynamo.config as dynamo_config  # Note [compiled stage 3]
+        dynamo_config.skip_nnmodule_hook_guards = False
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre_forward))
         self._handles.append(self.model.register_forward_hook(self._root_post_forward))
         for ui, module in enumerate(self.modules):
@@ -102,7 +111,7 @@ class ParameterGatherer:
     def _guarded_forward(self, forward: Any, args: tuple, kwargs: dict) -> Any:
         try:
             return forward(*args, **kwargs)
-        except Stage3UsageError:
+        except (Stage3UsageError, torch._dynamo.exc.TorchDynamoException):
             raise
         except RuntimeError as exc:
             released = [seg.name for i, u in enumerate(self.units) if self.state[i] is UnitState.RELEASED
@@ -179,6 +188,7 @@ class ParameterGatherer:
         return sum(u.flat.untyped_storage().nbytes() for u in self.units)
 
     # -- forward hooks --------------------------------------------------------------------------
+    @torch.compiler.disable  # Note [compiled stage 3]
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         if not _in_backward():
             if self._order:
@@ -189,6 +199,7 @@ class ParameterGatherer:
         if self._last_order and not _in_backward():
             self.prefetch(self._last_order[0])
 
+    @torch.compiler.disable  # Note [compiled stage 3]
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.root is None or _in_backward():
             return output
@@ -198,6 +209,7 @@ class ParameterGatherer:
         self.release(self.root)
         return output
 
+    @torch.compiler.disable  # Note [compiled stage 3]
     def _pre_forward(self, ui: int, module: nn.Module, args: Any) -> None:
         if not _in_backward():
             self._order.append(ui)
@@ -208,6 +220,7 @@ class ParameterGatherer:
         else:
             self.ensure(ui)
 
+    @torch.compiler.disable  # Note [compiled stage 3]
     def _post_forward(self, ui: int, module: nn.Module, args: Any, output: Any) -> Any:
         self._check_shapes(ui)
         if _in_backward():  # activation recomputation: the recomputed graph needs the unit
