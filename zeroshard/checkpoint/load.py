@@ -254,13 +254,12 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
         try:
             body = locate.check_step(step_dir)  # the checks latest_checkpoint makes, first
             check_compatible(body, model, optimizer, step_dir)
-            same_world = body["world_size"] == comm.world_size
             # Offloaded state streams: verified blocks are kept a few at a time, not all,
             # and the apply phase reads (and verifies) them again as it fills each unit.
             src = _Source(step_dir, body, max_blocks=_STREAM_BLOCKS if _streamed(optimizer) else None)
             read_phase(src, model, optimizer)
-            plan = trainer_state.prepare(body, optimizer, scheduler, dataloader, step_dir, comm.rank, same_world,
-                                         load_rng)
+            plan = trainer_state.prepare(body, optimizer, scheduler, dataloader, step_dir, comm.rank,
+                                         comm.world_size, load_rng)
         except CheckpointMismatchError as exc:
             error = ("mismatch", str(exc))
         except (CheckpointCorruptError, OSError) as exc:

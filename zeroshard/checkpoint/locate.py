@@ -14,7 +14,7 @@ from zeroshard.checkpoint import manifest, rng
 from zeroshard.checkpoint.commit import committed_steps
 from zeroshard.checkpoint.errors import CheckpointCorruptError
 from zeroshard.checkpoint.safe_fs import is_real_dir, read_small, regular_size
-from zeroshard.checkpoint.shard_file import read_json, verify_file
+from zeroshard.checkpoint.shard_file import ShardReader, read_json, verify_file
 
 
 def is_step_dir(path: str) -> bool:
@@ -46,22 +46,35 @@ def quick_check(step_dir: str) -> Optional[str]:
     return None
 
 
+def check_structure(step_dir: str) -> dict:
+    """``check_step``, every RNG state and every data file's header against the pieces
+    stored in it (reads the headers' blocks, not the data): what a load checks before it
+    reads tensor data, without a model. Returns the manifest; raises CheckpointCorruptError."""
+    body = check_step(step_dir)
+    by_file: dict[str, list] = {}
+    for name, meta in body["tensors"].items():
+        for p in meta["pieces"]:
+            by_file.setdefault(p["file"], []).append((name, p, meta["dtype"]))
+    for name, meta in body["files"].items():
+        path = os.path.join(step_dir, name)
+        if name.endswith(".json"):
+            rng.check(read_json(path, meta), path)
+        else:
+            reader = ShardReader(path, meta)
+            for piece in by_file.get(name, ()):
+                reader.check_piece(*piece)
+            reader.release()
+    return body
+
+
 def full_check(step_dir: str) -> Optional[str]:
-    """``check_step``, every block checksum of every file (reads the whole checkpoint), every
-    data file's header against the pieces stored in it, and every RNG state: all a load
-    checks without a model. None when the step is intact, else the reason."""
+    """``check_structure`` and every block checksum of every file (reads the whole
+    checkpoint): all a load checks without a model. None when intact, else the reason."""
     try:
-        body = check_step(step_dir)
-        by_file: dict[str, list] = {}
-        for name, meta in body["tensors"].items():
-            for p in meta["pieces"]:
-                by_file.setdefault(p["file"], []).append((name, p, meta["dtype"]))
+        body = check_structure(step_dir)
         for name, meta in body["files"].items():
-            path = os.path.join(step_dir, name)
-            if name.endswith(".json"):
-                rng.check(read_json(path, meta), path)
-            else:
-                verify_file(path, meta, by_file.get(name, ()))
+            if name.endswith(".safetensors"):
+                verify_file(os.path.join(step_dir, name), meta)
     except CheckpointCorruptError as exc:
         return str(exc)
     return None

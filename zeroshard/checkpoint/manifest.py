@@ -26,8 +26,9 @@ STEP_RE = re.compile(r"step-([0-9]{8,})", re.ASCII)
 """A committed step's directory name, matched with ``fullmatch`` (ASCII digits only, nothing
 after them: ``step-0000٩`` and ``step-00000009\\n`` are not steps)."""
 FILE_RE = re.compile(r"(rank|rng)-[0-9]{5}\.(safetensors|json)", re.ASCII)
-MAX_MANIFEST = 1 << 30
-"""Bytes a manifest may have: about 200 bytes per piece, so millions of pieces fit."""
+MAX_MANIFEST = 256 << 20
+"""Bytes a manifest may have (read whole, so this bounds the memory a hostile one costs): about
+200 bytes per piece, so a million pieces fit."""
 
 
 def step_of(name: str) -> Optional[int]:

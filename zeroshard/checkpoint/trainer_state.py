@@ -38,11 +38,12 @@ class TrainerPlan:
     extra: Any
 
 
-def prepare(body: dict, opt: Any, scheduler: Any, dataloader: Any, src_dir: str, rank: int,
-            same_world: bool, load_rng: bool) -> TrainerPlan:
+def prepare(body: dict, opt: Any, scheduler: Any, dataloader: Any, src_dir: str, rank: int, world: int,
+            load_rng: bool) -> TrainerPlan:
     """Raises CheckpointCorruptError (malformed: the root falls back) or CheckpointMismatchError
     (the caller passed an object the checkpoint holds no state for)."""
     trainer = body["trainer"]
+    same_world = body["world_size"] == world
     where = os.path.join(src_dir, manifest.MANIFEST)
     groups = scaler = sched = loader = None
     if opt is not None:
@@ -68,11 +69,15 @@ def prepare(body: dict, opt: Any, scheduler: Any, dataloader: Any, src_dir: str,
             raise CheckpointMismatchError(f"{src_dir} holds no data position for rank {rank}")
         if hasattr(dataloader, "state_dict"):
             compatible(dataloader.state_dict(), loader, f"{where}: trainer.dataloader")
+    # Every saved RNG file is checked (rank r of this world takes r, r + world, ...), needed
+    # or not: a step with a malformed file is damaged, whatever world size loads it.
     state = None
-    if same_world and load_rng:
-        fname = manifest.rng_file(rank)
+    for r in range(rank, body["world_size"], world):
+        fname = manifest.rng_file(r)
         path = os.path.join(src_dir, fname)
-        state = rng.check(read_json(path, body["files"][fname]), path)
+        checked = rng.check(read_json(path, body["files"][fname]), path)
+        if r == rank and same_world and load_rng:
+            state = checked
     extra = jsontree.decode(trainer.get("extra"), f"{where}: trainer.extra")
     return TrainerPlan(groups, scaler, sched, loader, not same_world, state, extra)
 

@@ -35,6 +35,8 @@ _NUMBER_KEYS = {"lr", "weight_decay", "eps", "momentum", "dampening", "alpha", "
 _PAIR_KEYS = {"betas", "etas", "step_sizes"}
 _FLAG_KEYS = {"amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "nesterov",
               "decoupled_weight_decay"}
+_SAMPLER_INTS = {"epoch", "consumed", "seed", "dataset_len", "num_replicas"}
+_SAMPLER_FLAGS = {"shuffle", "drop_last"}
 _STEP_LIKE = re.compile(r"step-\d+\s*")  # Unicode digits, trailing whitespace: names to compare
 
 
@@ -139,8 +141,13 @@ def check_trainer(trainer: Any, world: int, path: str, with_dataloader: bool) ->
         if not isinstance(states, list) or len(states) != world:
             raise fail(path, f"trainer.dataloader is not a list of {world} per-rank states")
         for r, s in enumerate(states):
-            if not isinstance(jsontree.decode(s, f"{path}: trainer.dataloader[{r}]"), (dict, type(None))):
+            state = jsontree.decode(s, f"{path}: trainer.dataloader[{r}]")
+            if not isinstance(state, (dict, type(None))):
                 raise fail(path, f"trainer.dataloader[{r}] is not a state dict")
+            for k, v in (state or {}).items():  # zeroshard.data.ResumableSampler's own keys
+                if k in _SAMPLER_INTS and not is_int(v) or k in _SAMPLER_FLAGS and not isinstance(v, bool):
+                    raise fail(path, f"trainer.dataloader[{r}][{k!r}]={v!r} is not "
+                                     f"{'an int' if k in _SAMPLER_INTS else 'true/false'}")
 
 
 def check_files(body: dict, path: str) -> None:
