@@ -187,6 +187,12 @@ def check_schedule_params(name: str, params: dict, where: str = "scheduler.param
     for key in ("warmup_min_ratio", "cos_min_ratio"):
         if key in params and params[key] > 1:
             raise ValueError(f"{where}{key}={params[key]!r} is a fraction of the lr: use a value in [0, 1]")
+    if name == "WarmupCosineLR" and "total_num_steps" in params and \
+            params["total_num_steps"] <= max(2, params.get("warmup_num_steps", 1000)):
+        raise ValueError(f"{where}total_num_steps={params['total_num_steps']} must exceed warmup_num_steps="
+                         f"{max(2, params.get('warmup_num_steps', 1000))} for a cosine decay")
+    if name != "WarmupLR" and "total_num_steps" not in params:
+        raise ValueError(f"{where}total_num_steps is missing: {name} needs the run's optimizer steps")
     if "warmup_type" in params and params["warmup_type"] not in WARMUP_TYPES:
         raise ValueError(f"{where}warmup_type={params['warmup_type']!r} is not a DeepSpeed warmup; use one of "
                          f"{WARMUP_TYPES}")
