@@ -259,6 +259,8 @@ class SwapFile:
         try:
             if hasattr(self, "aio"):
                 self.aio.close()
+        except OSError:  # a failed request of a file being discarded loses nothing
+            pass
         finally:
             try:
                 named = os.stat(self.path)
