@@ -124,7 +124,7 @@ def test_manifest_piece_pointing_past_the_data(ckpt):
         p = body["tensors"]["fc1.weight"]["pieces"][0]
         p["keys"]["param"] = body["tensors"]["gain"]["pieces"][0]["keys"]["param"]  # a 1-element entry
     _rewrite_manifest(_step(root, 2), edit)
-    _expect_refused(_step(root, 2), "wrong size")
+    _expect_refused(_step(root, 2), "wrong size|is stored under")
 
 
 def test_different_model_lists_mismatches(ckpt):

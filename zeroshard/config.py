@@ -5,12 +5,53 @@ message that names the offending value and the fix, not deep inside the first st
 """
 from __future__ import annotations
 
+import math
+import numbers
+import os
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Any, Optional
 
 _STAGES = (0, 1, 2, 3)
 _OFFLOAD = (None, "cpu", "nvme")
 _PRECISIONS = (None, "bf16", "fp16")
+_MAX_LOSS_SCALE = 2.0**64  # beyond it fp16 gradients overflow at any loss: every step would be skipped
+
+
+def _member(value: Any, allowed: tuple) -> bool:
+    """``value in allowed`` without equal-but-different types (True == 1, 2.0 == 2)."""
+    return any(value is a or (type(value) is type(a) and value == a) for a in allowed)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_real(name: str, value: Any, low: Optional[float] = None, strict: bool = False,
+               high: Optional[float] = None, unit: str = "") -> None:
+    """``value`` is a finite real number (not a bool or a string) within the bounds; else an
+    error naming ``name`` and what to pass."""
+    bounds = " and ".join(b for b in ((f"> {low:g}" if strict else f">= {low:g}") if low is not None else "",
+                                       f"<= {high:g}" if high is not None else "") if b)
+    want = f"a finite number{' ' + bounds if bounds else ''}{' (' + unit + ')' if unit else ''}"
+    if not _is_real(value):
+        raise TypeError(f"{name}={value!r} must be {want}, not a {type(value).__name__}")
+    if not math.isfinite(value) or (low is not None and (value <= low if strict else value < low)) or \
+            (high is not None and value > high):
+        raise ValueError(f"{name}={value!r} must be {want}")
+
+
+def check_int(name: str, value: Any, low: Optional[int] = None) -> None:
+    """``value`` is an int (a bool is not) >= ``low``."""
+    want = f"an int{f' >= {low}' if low is not None else ''}"
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be {want}, not a {type(value).__name__}")
+    if low is not None and value < low:
+        raise ValueError(f"{name}={value!r} must be {want}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be True or False, not a {type(value).__name__}")
 
 
 @dataclass(frozen=True)
@@ -60,11 +101,11 @@ class ZeroConfig:
     """fp16 only: overflow-free steps before the loss scale doubles."""
 
     def __post_init__(self) -> None:
-        if self.stage not in _STAGES:
-            raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; use one of {_STAGES}")
+        if isinstance(self.stage, bool) or self.stage not in _STAGES or not isinstance(self.stage, int):
+            raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; use one of {_STAGES} (an int)")
         for name in ("offload_optimizer", "offload_params"):
             value = getattr(self, name)
-            if value not in _OFFLOAD:
+            if not _member(value, _OFFLOAD):
                 raise ValueError(f"{name}={value!r} is not supported; use one of {_OFFLOAD}")
         if self.offload_params is not None and self.stage != 3:
             raise ValueError(
@@ -76,32 +117,34 @@ class ZeroConfig:
                 "the fp32 master of a swapped parameter shard lives in the same swap file as the "
                 "shard, and its optimizer states are streamed beside it")
         uses_nvme = "nvme" in (self.offload_optimizer, self.offload_params)
+        if self.nvme_path is not None and not isinstance(self.nvme_path, (str, os.PathLike)):
+            raise TypeError(f"nvme_path={self.nvme_path!r} must be a directory path (a str)")
         if uses_nvme and not self.nvme_path:
             raise ValueError("offload to 'nvme' needs nvme_path=<directory for swap files>")
-        if self.mixed_precision not in _PRECISIONS:
+        if self.nvme_path is not None and not uses_nvme:
+            raise ValueError(f"nvme_path={self.nvme_path!r} is only used by NVMe offload; pass "
+                             "offload_optimizer='nvme' to use it, or drop nvme_path")
+        if not _member(self.mixed_precision, _PRECISIONS):
             raise ValueError(
                 f"mixed_precision={self.mixed_precision!r} is not supported; use one of {_PRECISIONS}")
-        if self.reduce_dtype not in (None, "fp32", "bf16", "fp16"):
+        if not _member(self.reduce_dtype, (None, "fp32", "bf16", "fp16")):
             raise ValueError(
                 f"reduce_dtype={self.reduce_dtype!r} is not supported; use None, 'fp32', 'bf16' or 'fp16'")
-        if not self.bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb={self.bucket_size_mb!r} must be > 0")
-        if self.max_inflight_buckets < 1:
-            raise ValueError(f"max_inflight_buckets={self.max_inflight_buckets!r} must be >= 1")
-        if self.max_live_units < 1:
-            raise ValueError(f"max_live_units={self.max_live_units!r} must be >= 1")
-        if self.stage3_unit_numel is not None and self.stage3_unit_numel < 1:
-            raise ValueError(f"stage3_unit_numel={self.stage3_unit_numel!r} must be >= 1")
-        if isinstance(self.stage3_unit_classes, str):
-            raise TypeError(f"stage3_unit_classes={self.stage3_unit_classes!r} must be a list of "
+        check_real("bucket_size_mb", self.bucket_size_mb, low=0.0, strict=True, unit="MiB")
+        check_int("max_inflight_buckets", self.max_inflight_buckets, low=1)
+        check_int("max_live_units", self.max_live_units, low=1)
+        if self.stage3_unit_numel is not None:
+            check_int("stage3_unit_numel", self.stage3_unit_numel, low=1)
+        classes = self.stage3_unit_classes
+        if classes is not None and (isinstance(classes, str) or not isinstance(classes, (list, tuple, set, frozenset))
+                                    or not all(isinstance(c, str) and c for c in classes)):
+            raise TypeError(f"stage3_unit_classes={classes!r} must be a list of "
                             "class names, e.g. ['GPT2Block']")
-        if self.offload_buffer_mb is not None and not self.offload_buffer_mb > 0:
-            raise ValueError(f"offload_buffer_mb={self.offload_buffer_mb!r} must be > 0 (MiB), or None")
-        if not self.initial_loss_scale > 0:
-            raise ValueError(f"initial_loss_scale={self.initial_loss_scale!r} must be > 0")
-        if self.loss_scale_growth_interval < 1:
-            raise ValueError(
-                f"loss_scale_growth_interval={self.loss_scale_growth_interval!r} must be >= 1")
+        if self.offload_buffer_mb is not None:
+            check_real("offload_buffer_mb", self.offload_buffer_mb, low=0.0, strict=True, unit="MiB, or None")
+        check_bool("fused_adam", self.fused_adam)
+        check_real("initial_loss_scale", self.initial_loss_scale, low=0.0, strict=True, high=_MAX_LOSS_SCALE)
+        check_int("loss_scale_growth_interval", self.loss_scale_growth_interval, low=1)
 
     @classmethod
     def field_names(cls) -> frozenset[str]:

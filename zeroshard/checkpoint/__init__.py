@@ -5,8 +5,10 @@ Files, one object or concern each:
 - ``commit``: the write/fsync/rename protocol that makes a step visible only when complete;
 - ``pieces``: which pieces a rank owns and writes, and the names they are stored under;
 - ``shard_file``: safetensors written with block checksums, read back by verified range;
-- ``manifest``: the table of contents, validated before anything is trusted;
+- ``manifest``: the table of contents; ``validate``: every field of it checked before
+  anything is trusted (and at save time); ``safe_fs``: regular files only, no links, bounded;
 - ``load``/``locate``: loading at any world size and stage, falling back past damaged steps;
+  ``trainer_state``: the small state, decoded and checked first, applied with a way back;
 - ``export``: streaming to the Hugging Face layout.
 
 What a stage must provide to be saved and loaded (stages 0-2 do; stage 3 and offload must

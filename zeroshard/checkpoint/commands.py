@@ -6,9 +6,10 @@ import json
 import os
 import sys
 import time
+from typing import Callable
 
-from zeroshard.checkpoint import locate, manifest
-from zeroshard.checkpoint.errors import CheckpointCorruptError
+from zeroshard.checkpoint import locate
+from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.export import export_hf
 from zeroshard.checkpoint.shard_file import DTYPES
 from zeroshard.cli import Command
@@ -27,7 +28,7 @@ def _steps(path: str) -> list[str]:
 
 
 def _summary(step_dir: str) -> dict:
-    body = manifest.read(step_dir)
+    body = locate.check_step(step_dir)
     tensors = {}
     for name, meta in body["tensors"].items():
         kinds = sorted({k for p in meta["pieces"] for k in p["keys"]})
@@ -93,7 +94,7 @@ def _verify(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         reason = locate.full_check(d)
         if reason is None:
-            size = sum(m["bytes"] for m in manifest.read(d)["files"].values())
+            size = sum(m["bytes"] for m in locate.check_step(d)["files"].values())
             print(f"OK       {d} ({_human(size)} in {time.perf_counter() - t0:.2f} s)")
         else:
             bad += 1
@@ -152,18 +153,31 @@ def _export(args: argparse.Namespace) -> int:
     try:
         index = export_hf(args.ckpt, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype,
                           progress=bar)
-    except (CheckpointCorruptError, FileNotFoundError, ValueError) as exc:
+    finally:
         bar.close()
-        print(f"export failed: {exc}", file=sys.stderr)
-        return 1
-    bar.close()
-    files = json.load(open(index))["weight_map"]
+    with open(index) as f:
+        files = json.load(f)["weight_map"]
     print(f"wrote {len(set(files.values()))} shard(s) and {os.path.basename(index)} to {args.out}")
     return 0
 
 
+def _one_line(name: str, run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A refused checkpoint or path is one line on stderr and exit status 1, not a traceback
+    (the errors are the loader's own, naming the file and the problem)."""
+    def guarded(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except (CheckpointError, OSError, ValueError) as exc:
+            print(f"zeroshard {name}: {exc}", file=sys.stderr)
+            return 1
+    return guarded
+
+
 COMMANDS = {
-    "inspect": Command("show a checkpoint's steps, world size, stage, tensors and sizes", _inspect_args, _inspect),
-    "verify": Command("check every file's checksums; non-zero exit on damage", _verify_args, _verify),
-    "export": Command("write a step's weights in the Hugging Face safetensors layout", _export_args, _export),
+    "inspect": Command("show a checkpoint's steps, world size, stage, tensors and sizes", _inspect_args,
+                       _one_line("inspect", _inspect)),
+    "verify": Command("check every file's checksums; non-zero exit on damage", _verify_args,
+                      _one_line("verify", _verify)),
+    "export": Command("write a step's weights in the Hugging Face safetensors layout", _export_args,
+                      _one_line("export", _export)),
 }

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -30,6 +31,7 @@ import torch
 from zeroshard.checkpoint import manifest
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.pieces import PieceRecord
+from zeroshard.checkpoint.safe_fs import is_real_dir
 from zeroshard.checkpoint.shard_file import CODES, WrittenFile, write_json, write_shard
 
 FaultHook = Optional[Callable[[str], None]]
@@ -114,7 +116,10 @@ def commit(snap: Snapshot, root: str, comm: Any, shapes: dict[str, dict], keep_l
     errors = [r for r in results if isinstance(r, str)]
     failure = None  # rank 0's commit error, if any
     if rank == 0:
-        failure = _finish(snap, root, tmp, final, results, shapes, keep_last) if not errors else None
+        try:
+            failure = _finish(snap, root, tmp, final, results, shapes, keep_last) if not errors else None
+        except Exception as exc:  # noqa: BLE001 - the other ranks wait for the verdict below
+            failure = f"rank 0: {type(exc).__name__}: {exc}"
         if errors or failure:
             shutil.rmtree(tmp, ignore_errors=True)
     failure = comm.broadcast_object(failure)
@@ -134,46 +139,75 @@ def _finish(snap: Snapshot, root: str, tmp: str, final: str, results: list, shap
     body["files"] = {f["name"]: WrittenFile(**f).to_json() for files, _, _ in results for f in files}
     body["tensors"] = gather_table([entries for _, entries, _ in results], shapes)
     body["trainer"] = {**body.get("trainer", {}), "dataloader": [dl for _, _, dl in results]}
+    committed = False  # True once `latest` names the new step: from then on it is the checkpoint
+    trash = None
+    # The loader's own checks, so a save never commits a manifest a load would refuse.
+    manifest.validate(body, os.path.join(tmp, manifest.MANIFEST))
     try:
         manifest.write(os.path.join(tmp, manifest.MANIFEST), body)
         _fsync_dir(tmp)
         _point("before_rename")
-        trash = None
         if os.path.exists(final):  # re-saving a step: move the old one aside first
             trash = f"{final}.trash-{uuid.uuid4().hex[:12]}"
             os.rename(final, trash)
         os.rename(tmp, final)
         _fsync_dir(root)
         _point("after_rename")
-        _set_latest(root, os.path.basename(final))
+        committed = _set_latest(root, os.path.basename(final))
         _point("after_latest")
         if trash:
             shutil.rmtree(trash, ignore_errors=True)
         if keep_last is not None:
             rotate(root, keep_last, keep=os.path.basename(final))
     except OSError as exc:
-        return f"rank 0: {exc.strerror or exc} committing {exc.filename or tmp}"
+        what = f"{exc.strerror or exc} at {exc.filename or tmp}"
+        if committed:  # cleanup after the commit point failed: the step itself is saved
+            warnings.warn(f"checkpoint of step {snap.step} was committed to {final}, but cleaning up "
+                          f"after it failed ({what}); older steps may remain on disk", RuntimeWarning,
+                          stacklevel=2)
+            return None
+        _undo(final, tmp, trash)
+        return f"rank 0: {what} committing {tmp}"
     return None
 
 
-def _set_latest(root: str, name: str) -> None:
+def _undo(final: str, tmp: str, trash: Optional[str]) -> None:
+    """Before the commit point: take the new step out of sight again and put back the step
+    it replaced, so "nothing was committed" is true."""
+    if os.path.isdir(final) and not os.path.isdir(tmp):
+        try:
+            os.rename(final, tmp)  # the caller removes tmp
+        except OSError:
+            pass
+    if trash is not None and not os.path.exists(final):
+        try:
+            os.rename(trash, final)
+        except OSError:
+            pass
+
+
+def _set_latest(root: str, name: str) -> bool:
     tmp = os.path.join(root, f"{manifest.LATEST}.tmp-{uuid.uuid4().hex[:12]}")
     with open(tmp, "w") as f:
         f.write(name + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(root, manifest.LATEST))
-    _fsync_dir(root)
+    try:
+        _fsync_dir(root)
+    except OSError as exc:  # the replace happened: the step is committed, if not yet durable
+        warnings.warn(f"{root}: fsync after pointing latest at {name} failed ({exc})", RuntimeWarning,
+                      stacklevel=3)
+    return True
 
 
 def committed_steps(root: str) -> list[tuple[int, str]]:
     """(step, directory name) of every committed-looking step under root, oldest first."""
     try:
         names = os.listdir(root)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    out = [(int(m.group(1)), n) for n in names if (m := manifest.STEP_RE.match(n))]
-    return sorted(out)
+    return sorted((step, n) for n in names if (step := manifest.step_of(n)) is not None)
 
 
 def rotate(root: str, keep_last: int, keep: str) -> None:
@@ -193,7 +227,7 @@ def _remove_stale(root: str) -> None:
     for n in os.listdir(root):
         if (".tmp-" in n or ".trash-" in n) and n.startswith(("step-", manifest.LATEST)):
             path = os.path.join(root, n)
-            if os.path.isdir(path):
+            if is_real_dir(path):  # a symlink is unlinked, never followed
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 os.unlink(path)

@@ -104,9 +104,9 @@ class DirectWriter:
 def read_into(path: str, offset: int, out: torch.Tensor) -> int:
     """Reads ``len(out)`` bytes at ``offset`` into ``out`` (uint8; aligned via aligned_empty
     for the direct path, with room for the tail rounded up to ALIGN); returns bytes read."""
+    from zeroshard.checkpoint.safe_fs import open_regular  # checkpoint input: regular files only
     n = out.numel()
-    fd, direct = (open_direct(path, os.O_RDONLY) if offset % ALIGN == 0 and out.data_ptr() % ALIGN == 0
-                  else (os.open(path, os.O_RDONLY), False))
+    fd, direct = open_regular(path, direct=offset % ALIGN == 0 and out.data_ptr() % ALIGN == 0)
     try:
         mv = memoryview(out.numpy())
         got = 0

@@ -15,7 +15,6 @@ from typing import Callable, Iterator, Optional, Union
 
 import torch
 
-from zeroshard.checkpoint import manifest
 from zeroshard.checkpoint.pieces import PARAM
 from zeroshard.checkpoint.shard_file import DTYPES, ShardReader, header_bytes, tensor_bytes, write_stream
 
@@ -76,16 +75,46 @@ def export_hf(step_dir: str, out_dir: str, max_shard_size: Union[int, str] = "2G
     """Writes the checkpoint's model weights to ``out_dir`` in the Hugging Face layout and
     returns the index path. ``dtype`` casts floating-point tensors (default: as saved).
     ``progress(done_bytes, total_bytes)`` is called as data is written."""
-    from zeroshard.checkpoint.locate import is_step_dir, latest_checkpoint
-    if not is_step_dir(step_dir):
-        found = latest_checkpoint(step_dir)
-        if found is None:
-            raise FileNotFoundError(f"{step_dir!r} is neither a step directory nor a root holding one")
-        step_dir = found
-    body = manifest.read(step_dir)
+    step_dir, body = _choose(step_dir)
     shards = plan_shards(body, parse_size(max_shard_size), dtype)
-    os.makedirs(out_dir, exist_ok=True)
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise FileExistsError(f"output {out_dir!r} exists and is not a directory")
     readers: dict[str, ShardReader] = {}
+    try:
+        return _write(step_dir, body, shards, out_dir, readers, progress)
+    finally:
+        for r in readers.values():
+            r.release()
+
+
+def _choose(path: str) -> tuple[str, dict]:
+    """The step to export and its manifest: the given step, or the newest under a root
+    passing every check short of reading the data (``locate.check_structure``: the step a
+    load would take). Data checksums are verified as the data is read."""
+    from zeroshard.checkpoint.errors import CheckpointCorruptError
+    from zeroshard.checkpoint.locate import candidates, check_structure, is_step_dir
+    if is_step_dir(path):
+        return path, check_structure(path)
+    reasons = []
+    for step_dir in candidates(path):
+        try:
+            return step_dir, check_structure(step_dir)
+        except CheckpointCorruptError as exc:
+            reasons.append(str(exc))
+    if reasons:
+        raise CheckpointCorruptError(f"no valid checkpoint under {path!r}: " + "; ".join(reasons))
+    raise FileNotFoundError(f"{path!r} is neither a step directory nor a root holding one")
+
+
+def _reader(step_dir: str, body: dict, readers: dict[str, ShardReader], fname: str) -> ShardReader:
+    if fname not in readers:
+        readers[fname] = ShardReader(os.path.join(step_dir, fname), body["files"][fname], max_blocks=_BLOCKS)
+    return readers[fname]
+
+
+def _write(step_dir: str, body: dict, shards: list, out_dir: str, readers: dict[str, ShardReader],
+           progress: Optional[Progress]) -> str:
+    os.makedirs(out_dir, exist_ok=True)
     total = sum(_nbytes(d, s) for shard in shards for _, d, s in shard)
     done = 0
     weight_map = {}
@@ -104,7 +133,12 @@ def export_hf(step_dir: str, out_dir: str, max_shard_size: Union[int, str] = "2G
                         progress(done, total)
 
         tmp = os.path.join(out_dir, fname + ".tmp")
-        write_stream(tmp, head, chunks())
+        try:
+            write_stream(tmp, head, chunks())
+        except BaseException:
+            if os.path.exists(tmp):  # a damaged block mid-file: leave no partial shard behind
+                os.unlink(tmp)
+            raise
         os.replace(tmp, os.path.join(out_dir, fname))
         weight_map.update({name: fname for name, _, _ in shard})
     if isinstance(body.get("model_config"), dict):  # saved from a Hugging Face model
@@ -128,13 +162,8 @@ def _pieces(step_dir: str, body: dict, readers: dict[str, ShardReader], name: st
             out: torch.dtype) -> Iterator[memoryview]:
     """The bytes of tensor ``name`` in ``out`` dtype, one saved piece at a time."""
     for p in body["tensors"][name]["pieces"]:
-        fname = p["file"]
-        if fname not in readers:
-            readers[fname] = ShardReader(os.path.join(step_dir, fname), body["files"][fname], max_blocks=_BLOCKS)
-        key = p["keys"].get(PARAM)
-        reader = readers[fname]
-        if key not in reader.entries or reader.entries[key].numel != p["stop"] - p["start"]:
-            raise ValueError(f"{step_dir}/{fname} lacks {key!r} for {name}; the checkpoint is damaged")
+        key = p["keys"][PARAM]  # present and matching the header: checked before writing
+        reader = _reader(step_dir, body, readers, p["file"])
         n = p["stop"] - p["start"]
         for lo in range(0, n, _CHUNK_ELEMS):  # a tensor bigger than a shard streams in chunks too
             yield tensor_bytes(reader.get(key, lo, min(n, lo + _CHUNK_ELEMS)).to(out))

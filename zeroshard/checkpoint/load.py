@@ -1,28 +1,33 @@
 """Loading a checkpoint into a model and ZeroOptimizer of any world size and stage.
 
-Two phases, so that a damaged checkpoint loads nothing:
-1. *read*: every rank validates the manifest against its model, works out which saved
-   ranges its owned pieces overlap (plus the unsharded tensors), reads exactly the blocks
-   holding them and verifies their checksums; the ranks agree that all succeeded;
-2. *apply*: owned parameter pieces, masters and optimizer states are filled from memory,
-   then ``gather_params`` rebuilds full parameters, then hyperparameters, scheduler, loss
-   scaler, data position and (same world size only) RNG states.
+Three phases, so that a damaged or malformed checkpoint loads nothing:
+1. *read*: every rank runs ``locate.check_step`` (the whole manifest validated, every file a
+   regular file of its size), checks the manifest against its model, works out which saved
+   ranges its owned pieces overlap (plus the unsharded tensors), checks those pieces against
+   the data files' headers, reads exactly the blocks holding them and verifies their
+   checksums, and decodes and checks the small state (hyperparameters against the live
+   param groups, scheduler, data position, RNG); the ranks agree that all succeeded;
+2. *small state*: hyperparameters, loss scaler, scheduler, data position and (same world
+   size only) RNG states are applied, undone on every rank if any object refuses its state;
+3. *tensors*: owned parameter pieces, masters and optimizer states are filled from memory,
+   then ``gather_params`` rebuilds full parameters. Nothing here can fail on a value.
 Given a root, a step that fails phase 1 is skipped (with the reason) for the next newest.
 """
 from __future__ import annotations
 
 import bisect
 import os
+import struct
 import warnings
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from zeroshard.checkpoint import jsontree, locate, manifest, rng
+from zeroshard.checkpoint import jsontree, locate, trainer_state
 from zeroshard.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map
-from zeroshard.checkpoint.shard_file import DTYPES, ShardReader, read_json
+from zeroshard.checkpoint.shard_file import DTYPES, ShardReader
 from zeroshard.offload.unit_swap import resident_runs
 from zeroshard.optim.state_io import fill_run
 
@@ -52,20 +57,14 @@ class _Source:
                 yield ps[i]
             i += 1
 
-    def _check_key(self, p: dict, key: str, name: str) -> None:
-        e = self.reader(p["file"]).entries.get(key)
-        if e is None or e.numel != p["stop"] - p["start"]:
-            raise CheckpointCorruptError(f"{self.dir}/{p['file']}: entry {key!r} for {name}[{p['start']}:"
-                                         f"{p['stop']}] is missing or has the wrong size")
-
     def plan(self, name: str, a: int, b: int, kinds: Optional[set[str]]) -> None:
         """Reads and verifies the blocks holding ``name[a:b]`` for ``kinds`` (None: all)."""
         for p in self.overlapping(name, a, b):
+            self.reader(p["file"]).check_piece(name, p, self.body["tensors"][name]["dtype"])
             lo, hi = max(a, p["start"]) - p["start"], min(b, p["stop"]) - p["start"]
             ranges = []
             for kind, key in p["keys"].items():
                 if kinds is None or kind in kinds:
-                    self._check_key(p, key, name)
                     ranges.append(self.reader(p["file"]).byte_range(key, lo, hi))
             self.reader(p["file"]).load(ranges)
 
@@ -149,15 +148,15 @@ def _needed(opt: Any, model: Optional[nn.Module]):
             yield n, 0, t.numel(), None, None
 
 
-def read_phase(src: _Source, model: Optional[nn.Module], opt: Any, same_world: bool, rank: int) -> None:
+def read_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
+    """Reads and verifies every block this rank's pieces need (the RNG file is read and
+    checked by ``trainer_state.prepare``)."""
     for name, a, b, run, _ in _needed(opt, model):
         if a == b:
             continue
         kinds = None if run is not None and run.unit.separate_master else {PARAM} | {
             k for p in src.pieces[name] for k in p["keys"] if k.startswith("state.")}
         src.plan(name, a, b, kinds)
-    if same_world:
-        read_json(os.path.join(src.dir, manifest.rng_file(rank)), src.body["files"][manifest.rng_file(rank)])
 
 
 def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
@@ -219,36 +218,10 @@ def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
     opt.gather_params()
 
 
-def apply_trainer(body: dict, opt: Any, scheduler: Any, dataloader: Any, src_dir: str,
-                  rank: int, same_world: bool, load_rng: bool) -> bool:
-    """Hyperparameters, loss scaler, scheduler, data position, RNG; True if RNG was restored."""
-    trainer = body.get("trainer", {})
-    if opt is not None:
-        groups = jsontree.decode(body.get("param_groups", []))
-        for saved, mine in zip(groups, opt.param_groups):
-            for k, v in saved.items():
-                if k != "params":
-                    mine[k] = v
-        opt._sync_hyperparameters()
-        if opt.scaler is not None and trainer.get("loss_scaler"):
-            opt.scaler.load_state_dict(trainer["loss_scaler"])
-            opt._set_grad_factor()
-    if scheduler is not None:
-        if trainer.get("scheduler") is None:
-            raise CheckpointMismatchError(f"{src_dir} holds no scheduler state; pass scheduler=None")
-        scheduler.load_state_dict(jsontree.decode(trainer["scheduler"]))
-    if dataloader is not None:
-        states = trainer.get("dataloader") or []
-        if not states or states[0] is None:
-            raise CheckpointMismatchError(f"{src_dir} holds no data position; pass dataloader=None")
-        if not same_world and not getattr(dataloader, "reshardable", False):
-            warnings.warn(f"{type(dataloader).__name__} state was saved at world size {len(states)}; "
-                          "using rank 0's position (a ResumableSampler reshards exactly)", stacklevel=3)
-        dataloader.load_state_dict(jsontree.decode(states[rank if same_world else 0]))
-    if same_world and load_rng:
-        fname = manifest.rng_file(rank)
-        rng.restore(read_json(os.path.join(src_dir, fname), body["files"][fname]))
-    return same_world and load_rng
+_MALFORMED = (ValueError, TypeError, KeyError, IndexError, AttributeError, struct.error, RecursionError,
+              OverflowError)
+"""What reading a malformed file could still raise past the validators (a safety net: each
+becomes CheckpointCorruptError naming the step, so the root falls back instead of crashing)."""
 
 
 def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: Any = None,
@@ -256,11 +229,20 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
     """Loads the newest valid step under a root (or exactly the given step directory) into
     ``model``/``optimizer`` at any world size and stage. Returns a dict with ``step``,
     ``path``, ``extra``, ``skipped`` [(dir, reason)], ``resharded``, ``rng_restored`` and
-    ``bytes_read`` (by this rank: what its pieces need, rounded out to checksum blocks)."""
+    ``bytes_read`` (by this rank: what its pieces need, rounded out to checksum blocks).
+
+    Everything is read, decoded and checked on every rank before anything is applied; a
+    step that fails (damaged, malformed) is skipped for the next newest, and nothing of it
+    reaches the model, the optimizer or any other object passed in."""
     from zeroshard.checkpoint.saver import wait_pending
     wait_pending()
     if model is None and optimizer is None:
         raise ValueError("load_checkpoint needs model=... and/or optimizer=...")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path={path!r}: a checkpoint path must be a str or os.PathLike")
+    if not isinstance(load_rng, bool):
+        raise TypeError(f"load_rng={load_rng!r} must be True or False")
+    path = os.fspath(path)
     comm = optimizer.comm if optimizer is not None else _world_comm()
     exact = locate.is_step_dir(path)
     todo = [path] if exact else locate.candidates(path)
@@ -268,41 +250,57 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
         raise CheckpointError(f"no checkpoint under {path!r} (expected step-NNNNNNNN directories)")
     skipped: list[tuple[str, str]] = []
     for step_dir in todo:
-        error = None
+        src, plan, error = None, None, None
         try:
-            body = manifest.read(step_dir)
-        except CheckpointCorruptError as exc:
-            body, error = None, str(exc)
-        if body is not None:
+            body = locate.check_step(step_dir)  # the checks latest_checkpoint makes, first
             check_compatible(body, model, optimizer, step_dir)
-            same_world = body["world_size"] == comm.world_size
             # Offloaded state streams: verified blocks are kept a few at a time, not all,
             # and the apply phase reads (and verifies) them again as it fills each unit.
             src = _Source(step_dir, body, max_blocks=_STREAM_BLOCKS if _streamed(optimizer) else None)
-            try:
-                read_phase(src, model, optimizer, same_world and load_rng, comm.rank)
-            except (CheckpointCorruptError, OSError) as exc:
-                error = str(exc)
+            read_phase(src, model, optimizer)
+            plan = trainer_state.prepare(body, optimizer, scheduler, dataloader, step_dir, comm.rank,
+                                         comm.world_size, load_rng)
+        except CheckpointMismatchError as exc:
+            error = ("mismatch", str(exc))
+        except (CheckpointCorruptError, OSError) as exc:
+            error = ("corrupt", str(exc))
+        except _MALFORMED as exc:
+            error = ("corrupt", f"{step_dir}: malformed checkpoint ({type(exc).__name__}: {exc})")
         errors = [e for e in comm.all_gather_object(error) if e]
-        if errors:
-            if exact:
-                raise CheckpointCorruptError(f"cannot load {step_dir}: {errors[0]}")
-            skipped.append((step_dir, errors[0]))
-            warnings.warn(f"skipping checkpoint {step_dir}: {errors[0]}", stacklevel=2)
-            continue
-        try:
-            apply_phase(src, model, optimizer)
-        finally:
+        if not errors:  # every rank read everything: apply the small state, agreed, with a way back
+            failed, undo = trainer_state.apply(plan, optimizer, scheduler, dataloader)
+            refused = [e for e in comm.all_gather_object(failed) if e]
+            if refused:
+                if failed is None:
+                    undo()
+                src.release()
+                raise CheckpointMismatchError(f"{step_dir}: the scheduler, data loader or optimizer refused the "
+                                              f"saved state ({refused[0]}); nothing was loaded")
+            break
+        if src is not None:
             src.release()
-        restored = apply_trainer(body, optimizer, scheduler, dataloader, step_dir, comm.rank, same_world,
-                                 load_rng)
-        return {"step": body["step"], "path": step_dir, "extra": jsontree.decode(body["trainer"].get("extra")),
-                "skipped": skipped, "world_size": body["world_size"], "stage": body["stage"],
-                "resharded": body["world_size"] != comm.world_size or
-                body["stage"] != getattr(optimizer, "stage", body["stage"]), "rng_restored": restored,
-                "bytes_read": sum(r.bytes_read for r in src.readers.values())}
-    raise CheckpointCorruptError(f"no valid checkpoint under {path!r}; skipped: " +
-                                 "; ".join(f"{d}: {r}" for d, r in skipped))
+        mismatch = [m for kind, m in errors if kind == "mismatch"]
+        if mismatch:
+            raise CheckpointMismatchError(mismatch[0])
+        if exact:
+            raise CheckpointCorruptError(f"cannot load {step_dir}: {errors[0][1]}")
+        skipped.append((step_dir, errors[0][1]))
+        warnings.warn(f"skipping checkpoint {step_dir}: {errors[0][1]}", stacklevel=2)
+    else:
+        raise CheckpointCorruptError(f"no valid checkpoint under {path!r}; skipped: " +
+                                     "; ".join(f"{d}: {r}" for d, r in skipped))
+    try:
+        apply_phase(src, model, optimizer)
+    except (CheckpointError, OSError) as exc:  # only I/O can fail here: every value was checked
+        raise CheckpointError(f"loading {step_dir} failed while writing the state in ({exc}); the model and "
+                              "optimizer are partly loaded: load again before training") from exc
+    finally:
+        src.release()
+    return {"step": body["step"], "path": step_dir, "extra": plan.extra,
+            "skipped": skipped, "world_size": body["world_size"], "stage": body["stage"],
+            "resharded": body["world_size"] != comm.world_size or
+            body["stage"] != getattr(optimizer, "stage", body["stage"]), "rng_restored": plan.rng is not None,
+            "bytes_read": sum(r.bytes_read for r in src.readers.values())}
 
 
 _STREAM_BLOCKS = 4

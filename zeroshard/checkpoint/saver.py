@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroshard.checkpoint import commit, jsontree, manifest, rng
-from zeroshard.checkpoint.errors import CheckpointError
+from zeroshard.checkpoint import commit, jsontree, manifest, rng, validate
+from zeroshard.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from zeroshard.checkpoint.pieces import PieceRecord, full_tensors, has_deferred, name_map, owned_pieces
 from zeroshard.checkpoint.shard_file import CODES, Deferred
 from zeroshard.comm import Comm
@@ -89,13 +89,21 @@ class CheckpointSaver:
     def save(self, root: str, step: int, model: Optional[nn.Module], opt: Any, scheduler: Any,
              dataloader: Any, extra: Any, async_save: bool, keep_last: Optional[int]) -> PendingSave:
         self.wait()
-        if not isinstance(step, int) or step < 0:
-            raise ValueError(f"step={step!r}: a checkpoint step must be a non-negative int")
-        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-            raise ValueError(f"keep_last={keep_last!r}: keep at least 1 checkpoint (or None to keep all)")
+        root = _check_arguments(root, step, keep_last, async_save)
         comm = self._comm(opt)
-        snap = _capture(step, model, opt, scheduler, dataloader, extra, comm.rank)
-        shapes = _shapes(model, opt)
+        # Capture and the loader's checks on every rank, then agree: a rank that cannot save
+        # (a lambda in its sampler state) must not leave the others waiting in the commit.
+        error: Optional[BaseException] = None
+        try:
+            snap = _capture(step, model, opt, scheduler, dataloader, extra, comm.rank)
+            shapes = _shapes(model, opt)
+        except (TypeError, ValueError, CheckpointError) as exc:
+            error = exc
+        others = [e for e in comm.all_gather_object(None if error is None else f"rank {comm.rank}: {error}") if e]
+        if error is not None:
+            raise error
+        if others:
+            raise CheckpointError(f"checkpoint of step {step} was not saved: {others[0]}. Nothing was committed")
         if not async_save:
             self.state = SaveState.WRITING
             try:
@@ -197,25 +205,45 @@ def _capture(step: int, model: Optional[nn.Module], opt: Any, scheduler: Any, da
     if rank != 0:
         full = {}
     snap = commit.Snapshot(step, records, full, rng.capture(), _encode_state(dataloader, "dataloader"))
-    if rank == 0:
-        names = name_map(model, opt) if opt is not None else {}
-        groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": [names[opt.param_names[id(p)]] for p in g["params"]]}
-                  for g in opt.param_groups] if opt is not None else []
-        snap.header = {
-            "format": manifest.FORMAT, "version": manifest.VERSION, "step": step,
-            "world_size": opt.comm.world_size if opt is not None else Comm(None).world_size,
-            "stage": opt.stage if opt is not None else 0,
-            "mixed_precision": opt.config.mixed_precision if opt is not None else None,
-            "optimizer": type(opt.inner).__name__ if opt is not None else None,
-            "param_groups": jsontree.encode(groups, "param_groups"),
-            "aliases": aliases,
-            "model_config": _hf_config(model),
-            "trainer": {"scheduler": _encode_state(scheduler, "scheduler"),
-                        "loss_scaler": opt.scaler.state_dict() if opt is not None and opt.scaler else None,
-                        "extra": jsontree.encode(extra, "extra")},
-        }
+    # Every rank builds and checks the header (cheap, and all refuse alike); rank 0 writes it.
+    names = name_map(model, opt) if opt is not None else {}
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [names[opt.param_names[id(p)]] for p in g["params"]]}
+              for g in opt.param_groups] if opt is not None else []
+    snap.header = {
+        "format": manifest.FORMAT, "version": manifest.VERSION, "step": step,
+        "world_size": opt.comm.world_size if opt is not None else Comm(None).world_size,
+        "stage": opt.stage if opt is not None else 0,
+        "mixed_precision": opt.config.mixed_precision if opt is not None else None,
+        "optimizer": type(opt.inner).__name__ if opt is not None else None,
+        "param_groups": jsontree.encode(groups, "param_groups"),
+        "aliases": aliases,
+        "model_config": _hf_config(model),
+        "trainer": {"scheduler": _encode_state(scheduler, "scheduler"),
+                    "loss_scaler": opt.scaler.state_dict() if opt is not None and opt.scaler else None,
+                    "extra": jsontree.encode(extra, "extra")},
+    }
+    try:
+        validate.check_header(snap.header, f"step {step}")
+    except CheckpointCorruptError as exc:
+        raise ValueError(f"refusing to save {exc}: load_checkpoint would refuse it") from None
+    if rank != 0:
+        snap.header = {}
     return snap
+
+
+def _check_arguments(root: Any, step: Any, keep_last: Any, async_save: Any) -> str:
+    """The save's own arguments, refused by name (the step with the loader's range)."""
+    if not isinstance(root, (str, os.PathLike)):
+        raise TypeError(f"root={root!r}: a checkpoint root must be a path (str or os.PathLike)")
+    reason = validate.step_value(step)
+    if reason is not None:
+        raise ValueError(reason)
+    if keep_last is not None and (not validate.is_int(keep_last) or keep_last < 1):
+        raise ValueError(f"keep_last={keep_last!r}: keep at least 1 checkpoint (an int, or None to keep all)")
+    if not isinstance(async_save, bool):
+        raise TypeError(f"async_save={async_save!r} must be True or False")
+    return os.fspath(root)
 
 
 def _shapes(model: Optional[nn.Module], opt: Any) -> dict[str, dict]:

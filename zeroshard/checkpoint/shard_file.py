@@ -28,6 +28,7 @@ import torch
 
 from zeroshard.checkpoint.direct_io import DirectWriter, aligned_empty, read_into
 from zeroshard.checkpoint.errors import CheckpointCorruptError
+from zeroshard.checkpoint.safe_fs import parse_json, read_small, regular_size
 
 BLOCK = 32 << 20
 """Checksum granularity in bytes: large enough that crc bookkeeping is noise, small enough
@@ -179,12 +180,12 @@ def write_json(path: str, obj: object) -> WrittenFile:
 
 
 def read_json(path: str, expect: dict) -> object:
-    """Reads a small JSON file written by ``write_json`` after checking size and checksum."""
-    with open(path, "rb") as f:
-        raw = f.read(int(expect["bytes"]) + 1)
+    """Reads a small JSON file written by ``write_json`` after checking size and checksum
+    (``expect`` is its validated manifest entry)."""
+    raw = read_small(path, int(expect["bytes"]))
     if len(raw) != expect["bytes"] or [zlib.crc32(raw)] != list(expect["crc32"]):
         raise CheckpointCorruptError(f"{path}: size or checksum differs from the manifest (file damaged)")
-    return json.loads(raw)
+    return parse_json(raw, path)
 
 
 @dataclass(frozen=True)
@@ -212,14 +213,11 @@ class ShardReader:
         self.bytes_read = 0
         self.size = int(expect["bytes"])
         self.block = int(expect["block_size"])
-        self.crcs = [int(c) for c in expect["crc32"]]
+        self.crcs = list(expect["crc32"])
         if self.block <= 0 or len(self.crcs) != -(-self.size // self.block):
             raise CheckpointCorruptError(f"{path}: manifest gives {len(self.crcs)} checksums of "
                                          f"{self.block}-byte blocks for {self.size} bytes")
-        try:
-            actual = os.path.getsize(path)
-        except FileNotFoundError:
-            raise CheckpointCorruptError(f"{path} is missing; the checkpoint is incomplete") from None
+        actual = regular_size(path)
         if actual != self.size:
             raise CheckpointCorruptError(f"{path} has {actual} bytes, the manifest says {self.size}: "
                                          f"the file is {'truncated' if actual < self.size else 'damaged'}")
@@ -229,34 +227,77 @@ class ShardReader:
         self.bytes_read = 0  # data blocks only, from here on (the header is metadata)
 
     def _parse_header(self) -> dict[str, Entry]:
-        with open(self.path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > min(_MAX_HEADER, self.size - 8):
-                raise CheckpointCorruptError(f"{self.path}: header length {n} exceeds the file")
-            raw = f.read(n)
-        # The header is covered by the first block(s): verify before trusting it.
-        self.load([(0, 8 + n)])
+        if self.size < 8:
+            raise CheckpointCorruptError(f"{self.path} has {self.size} bytes: too short for a safetensors header")
+        head = aligned_empty(8)
+        if read_into(self.path, 0, head) != 8:
+            raise CheckpointCorruptError(f"{self.path}: file shrank while reading its header")
+        (n,) = struct.unpack("<Q", head.numpy().tobytes())
+        if n > min(_MAX_HEADER, self.size - 8):
+            raise CheckpointCorruptError(f"{self.path}: header length {n} exceeds the file")
+        # The header is covered by the first block(s): verify before trusting it (all of
+        # them at once, even for a reader that keeps fewer blocks later).
+        bound, self.max_blocks = self.max_blocks, None
         try:
-            header = json.loads(raw)
-        except ValueError as exc:
-            raise CheckpointCorruptError(f"{self.path}: unreadable header ({exc})") from None
+            self.load([(0, 8 + n)])
+            raw = self._bytes(8, 8 + n)
+        finally:
+            self.max_blocks = bound
+            while bound is not None and len(self._buffers) > bound:
+                self._buffers.popitem(last=False)
+        header = parse_json(raw, self.path)
+        if not isinstance(header, dict):
+            raise CheckpointCorruptError(f"{self.path}: the header is a {type(header).__name__}, not an object")
         entries = {}
         for key, e in header.items():
             if key == "__metadata__":
                 continue
-            try:
-                dtype = DTYPES[e["dtype"]]
-                shape = tuple(int(d) for d in e["shape"])
-                a, b = (int(x) + 8 + n for x in e["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointCorruptError(f"{self.path}: malformed header entry {key!r}: {e!r}") from None
-            entry = Entry(dtype, shape, a, b)
-            if any(d < 0 for d in shape) or not 8 + n <= a <= b <= self.size or \
-                    b - a != entry.numel * dtype.itemsize:
-                raise CheckpointCorruptError(f"{self.path}: entry {key!r} (shape {list(shape)}, bytes "
-                                             f"[{a}, {b})) does not fit the file of {self.size} bytes")
+            entry = self._entry(key, e, 8 + n)
             entries[key] = entry
+        # safetensors refuses overlapping entries: two keys reading the same bytes is not a file it wrote
+        spans = sorted((e.begin, e.end, k) for k, e in entries.items() if e.end > e.begin)
+        for (_, end, k1), (begin, _, k2) in zip(spans, spans[1:]):
+            if begin < end:
+                raise CheckpointCorruptError(f"{self.path}: entries {k1!r} and {k2!r} overlap; the file is not "
+                                             "a valid safetensors file")
         return entries
+
+    def _entry(self, key: str, e: object, data_start: int) -> "Entry":
+        ok = isinstance(e, dict) and isinstance(e.get("dtype"), str) and e["dtype"] in DTYPES and \
+            isinstance(e.get("shape"), list) and len(e["shape"]) <= 16 and \
+            all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= self.size for d in e["shape"]) and \
+            isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2 and \
+            all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= self.size for x in e["data_offsets"])
+        if not ok:
+            raise CheckpointCorruptError(f"{self.path}: malformed header entry {key!r}: {str(e)[:200]}")
+        a, b = (x + data_start for x in e["data_offsets"])
+        entry = Entry(DTYPES[e["dtype"]], tuple(e["shape"]), a, b)
+        if not data_start <= a <= b <= self.size or b - a != entry.numel * entry.dtype.itemsize:
+            raise CheckpointCorruptError(f"{self.path}: entry {key!r} (shape {list(entry.shape)}, bytes "
+                                         f"[{a}, {b})) does not fit the file of {self.size} bytes")
+        return entry
+
+    def _bytes(self, a: int, b: int) -> bytes:
+        """Bytes ``[a, b)`` of the file from verified blocks."""
+        out = bytearray()
+        pos = a
+        while pos < b:
+            buf, base = self._buffers[pos // self.block]
+            take = min(b, (pos // self.block + 1) * self.block) - pos
+            out += buf[pos - base:pos - base + take].numpy().tobytes()
+            pos += take
+        return bytes(out)
+
+    def check_piece(self, name: str, p: dict, dtype: str) -> None:
+        """Each entry a manifest piece names exists here with the piece's element count, and
+        a parameter entry has the tensor's dtype (a master: fp32), so nothing is reinterpreted."""
+        for kind, key in p["keys"].items():
+            e = self.entries.get(key)
+            want = DTYPES[dtype] if kind == "param" else torch.float32 if kind == "master" else None
+            if e is None or e.numel != p["stop"] - p["start"] or want is not None and e.dtype != want:
+                raise CheckpointCorruptError(
+                    f"{self.path}: entry {key!r} for {name}[{p['start']}:{p['stop']}] is missing or has the "
+                    f"wrong size or dtype ({'absent' if e is None else f'{CODES[e.dtype]}, {e.numel} elements'})")
 
     def load(self, byte_ranges: Iterable[tuple[int, int]]) -> None:
         """Reads and verifies every block touched by ``byte_ranges``, contiguous runs at once."""
@@ -337,8 +378,21 @@ class ShardReader:
 
 
 def verify_file(path: str, expect: dict) -> None:
-    """Streams a whole data file through its block checksums; raises CheckpointCorruptError."""
-    reader = ShardReader(path, expect)
-    for i in range(len(reader.crcs)):
-        reader.load([(i * reader.block, min((i + 1) * reader.block, reader.size))])
-        reader._buffers.pop(i, None)  # keep memory at one block
+    """Streams a whole data file through its block checksums (memory: one read chunk, not
+    one block); raises CheckpointCorruptError."""
+    size, block, crcs = regular_size(path), int(expect["block_size"]), expect["crc32"]
+    if size != expect["bytes"]:
+        raise CheckpointCorruptError(f"{path} has {size} bytes, the manifest says {expect['bytes']}")
+    buf = aligned_empty(min(_CHUNK, block))
+    for i, want in enumerate(crcs):
+        start, stop = i * block, min((i + 1) * block, size)
+        crc, pos = 0, start
+        while pos < stop:
+            view = buf[:min(len(buf), stop - pos)]
+            if read_into(path, pos, view) != len(view):
+                raise CheckpointCorruptError(f"{path}: file shrank while reading at byte {pos}")
+            crc = zlib.crc32(memoryview(view.numpy()), crc)
+            pos += len(view)
+        if crc != want:
+            raise CheckpointCorruptError(f"{path}: checksum mismatch in bytes [{start}, {stop}): the file "
+                                         "is damaged; restore it or load an earlier step")

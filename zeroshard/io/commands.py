@@ -14,7 +14,8 @@ import os
 import shutil
 import sys
 
-from zeroshard.cli import Command
+from zeroshard.cli import Command, add_debug_flag, one_line_usage
+from zeroshard.io.config import ALIGN
 
 BENCH_MODULES: list[str] = [
     "zeroshard.io.commands",  # aio
@@ -25,20 +26,44 @@ MiB = 1 << 20
 
 
 def _size(text: str) -> int:
-    """Bytes from "4096", "8M", "8MiB", "1G", "1GB" (binary units)."""
+    """Bytes from "4096", "8M", "8MiB", "1G", "1GB" (binary units): a positive whole number."""
     t = text.strip().lower().removesuffix("b").removesuffix("i")
-    scale = {"k": 1 << 10, "m": MiB, "g": 1 << 30}.get(t[-1:], 1)
+    scale = {"k": 1 << 10, "m": MiB, "g": 1 << 30, "t": 1 << 40}.get(t[-1:], 1)
     try:
-        return int(float(t[:-1] if scale > 1 else t) * scale)
+        value = float(t[:-1] if scale > 1 else t) * scale
+        if not 0 < value < 1 << 60 or value != int(value):
+            raise ValueError
+        return int(value)
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size in bytes; use e.g. 4096, 8M or 1G") \
+            from None
+
+
+def _block_sizes(text: str) -> list[int]:
+    sizes = [_size(s) for s in text.split(",") if s.strip()]
+    bad = [s for s in sizes if s % ALIGN]
+    if not sizes or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated block sizes, each a multiple of {ALIGN} "
+                                         "bytes, e.g. 1M,4M")
+    return sizes
+
+
+def _depths(text: str) -> list[int]:
+    try:
+        depths = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; use e.g. 4096, 8M or 1G") from None
+        depths = []
+    if not depths or min(depths) < 1 or max(depths) > 1024:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated queue depths from 1 to 1024, e.g. 4,16")
+    return depths
 
 
 def _aio_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--path", required=True, help="directory on the disk to measure (a temporary file is written there)")
     p.add_argument("--size", type=_size, default=1 << 30, help="bytes per measurement, e.g. 1G (default 1G)")
-    p.add_argument("--block-sizes", default="1M,4M,8M,16M", help="comma-separated block sizes to try")
-    p.add_argument("--queue-depths", default="4,8,16,32", help="comma-separated queue depths to try")
+    p.add_argument("--block-sizes", type=_block_sizes, default="1M,4M,8M,16M",
+                   help="comma-separated block sizes to try")
+    p.add_argument("--queue-depths", type=_depths, default="4,8,16,32", help="comma-separated queue depths to try")
     p.add_argument("--backend", default="auto", choices=("auto", "native", "python"))
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
@@ -51,13 +76,12 @@ def _aio(args: argparse.Namespace) -> int:
         print(f"--path {args.path!r} is not a directory; create it or pass a directory on the disk to measure",
               file=sys.stderr)
         return 2
-    block_sizes = [_size(s) for s in args.block_sizes.split(",") if s.strip()]
-    depths = [int(s) for s in args.queue_depths.split(",") if s.strip()]
+    block_sizes, depths = args.block_sizes, args.queue_depths
     chunk = min(256 * MiB, args.size)
     free = shutil.disk_usage(args.path).free
-    if args.size % chunk or args.size > free // 2:
-        print(f"--size {args.size} must be a multiple of {chunk} and at most half the free space ({free} bytes)",
-              file=sys.stderr)
+    if args.size % chunk or args.size % ALIGN or args.size > free // 2:
+        print(f"--size {args.size} must be a multiple of {ALIGN if args.size % ALIGN else chunk} and at most half "
+              f"the free space ({free} bytes)", file=sys.stderr)
         return 2
     status = engine_status()
     if not args.json:
@@ -96,7 +120,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                 raise
             continue  # a listed module not shipped in this installation
         for name, cmd in commands.items():
-            q = sub.add_parser(name, help=cmd.help, description=cmd.help)
+            q = one_line_usage(sub.add_parser(name, help=cmd.help, description=cmd.help))
+            add_debug_flag(q)
             cmd.add_arguments(q)
             q.set_defaults(_run=cmd.run)  # argparse copies an action's defaults over the group's
 
@@ -104,5 +129,5 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 COMMANDS: dict[str, Command] = {
     # The group's own run is never called: the chosen action's `_run` default replaces it.
     "bench": Command("benchmarks: " + ", ".join(f"`bench {n}`" for n in ("aio", "memory", "step")),
-                     _bench_args, lambda args: args._run(args)),
+                     _bench_args, lambda args: args._run(args), one_line_errors=True),
 }

@@ -19,18 +19,18 @@ The file is allocated in full at construction (``posix_fallocate``), so a disk t
 small fails there, with the size needed, and never in the middle of a step with half the
 runs updated. Swap files are scratch: each run creates its own (named by rank and pid) and
 state comes back from checkpoints, so a file truncated or damaged between runs is never
-read; one truncated during a run fails the next read with the path and sizes.
+read; one deleted, truncated or zero-filled during a run fails the next read, naming it
+(Note [guarded swap files] in ``swap_file.py``).
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, MutableMapping
 from typing import Any, Sequence
 
 import torch
 
-from zeroshard.io import ALIGN, AsyncIO, aligned_empty
-from zeroshard.offload.swap_file import aligned, create_swap_file, reserve
+from zeroshard.io import ALIGN, aligned_empty
+from zeroshard.offload.swap_file import SwapFile, aligned
 from zeroshard.ops import adam_step_
 
 KEYS = ("exp_avg", "exp_avg_sq")
@@ -45,9 +45,10 @@ class NvmeOptimizerState(MutableMapping):
             self._offset[id(run.tensor)] = offset
             offset += aligned(run.tensor.numel() * 4) * len(KEYS)
         self.file_bytes = offset
-        self.path = create_swap_file(nvme_path, "optim", rank)
-        reserve(self.path, 0, offset, "offload_optimizer='nvme' needs {gib} GiB for this rank's optimizer state")
-        self.aio = AsyncIO()
+        self.file = SwapFile(nvme_path, "optim", rank)
+        self.path = self.file.path
+        self.file.reserve(0, offset, "offload_optimizer='nvme' needs {gib} GiB for this rank's optimizer state")
+        self.aio = self.file.aio
         largest = max((aligned(r.tensor.numel() * 4) for r in self.runs), default=ALIGN)
         # Three slots overlap read, update and write; fewer runs need fewer slots (a one-unit
         # model must not hold 3x the moments it offloads).
@@ -73,11 +74,11 @@ class NvmeOptimizerState(MutableMapping):
 
     def _read(self, t: torch.Tensor, buf: torch.Tensor):
         off, nbytes = self._region(t)
-        return self.aio.pread(buf[:nbytes // 4], self.path, off)
+        return self.file.pread(buf[:nbytes // 4], off)
 
     def _write(self, t: torch.Tensor, buf: torch.Tensor):
         off, nbytes = self._region(t)
-        return self.aio.pwrite(buf[:nbytes // 4], self.path, off)
+        return self.file.pwrite(buf[:nbytes // 4], off)
 
     # -- piecewise access (checkpoints stream through these) ------------------------------------
     def scalars(self, t: torch.Tensor) -> dict:
@@ -91,7 +92,7 @@ class NvmeOptimizerState(MutableMapping):
         out = torch.empty(hi - lo, dtype=torch.float32)
         if hi > lo:
             base = self._offset[id(t)] + KEYS.index(key) * aligned(t.numel() * 4)
-            self.aio.pread(out, self.path, base + lo * 4).wait()
+            self.file.pread(out, base + lo * 4).wait()
         return out
 
     # -- the mapping the inner optimizer and the checkpoint code see ---------------------------
@@ -200,8 +201,4 @@ class NvmeOptimizerState(MutableMapping):
                 w.wait()
 
     def close(self) -> None:
-        self.aio.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        self.file.close()

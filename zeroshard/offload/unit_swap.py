@@ -24,20 +24,19 @@ So host memory holds a few units, never the model: the point of "bigger than mem
 
 Each unit's region is allocated on disk (``posix_fallocate``) as the optimizer is built: a
 disk that is too small fails then, with the size needed, never in the middle of a step.
-Like the moments' file it is scratch, and state comes back from checkpoints.
+Like the moments' file it is scratch, and state comes back from checkpoints; damage to it
+while training is an error naming it (Note [guarded swap files] in ``swap_file.py``).
 """
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any, Optional, Sequence
 
 import torch
 
-from zeroshard.io import AsyncIO
-from zeroshard.offload.swap_file import aligned, create_swap_file, reserve
+from zeroshard.offload.swap_file import SwapFile, aligned
 from zeroshard.optim.flat_unit import alloc_storage, free_storage, is_allocated
 
 
@@ -46,11 +45,12 @@ class NvmeUnitStore:
         self.swap_shards = swap_shards
         self.max_in_flight = max_in_flight
         """Units whose parts may wait on a write, or be read ahead, at once (the memory bound)."""
-        self.path = create_swap_file(nvme_path, "params" if swap_shards else "grads", rank)
+        self.file = SwapFile(nvme_path, "params" if swap_shards else "grads", rank)
+        self.path = self.file.path
         self.what = ("offload_params='nvme' needs {gib} GiB for this rank's parameter shards, master weights "
                      "and gradients" if swap_shards else
                      "offload_optimizer='nvme' needs {gib} GiB for this rank's master weights and gradients")
-        self.aio = AsyncIO()
+        self.aio = self.file.aio
         self.file_bytes = 0
         self._parts: dict[int, tuple[str, ...]] = {}  # id(unit) -> the parts kept here
         self._regions: dict[tuple[int, str], int] = {}  # (id(unit), part) -> byte offset
@@ -84,10 +84,10 @@ class NvmeUnitStore:
             t = self.tensor_of(unit, part)
             self._regions[(id(unit), part)] = self.file_bytes
             self.file_bytes += aligned(t.numel() * t.element_size())
-        reserve(self.path, start, self.file_bytes - start, self.what)
+        self.file.reserve(start, self.file_bytes - start, self.what)
         unit.swap = self
         if not unit.needs_init:
-            handles = [self.aio.pwrite(self.tensor_of(unit, p), self.path, self._regions[(id(unit), p)])
+            handles = [self.file.pwrite(self.tensor_of(unit, p), self._regions[(id(unit), p)])
                        for p in parts if p != "grad"]
             for h in handles:
                 h.wait()
@@ -128,7 +128,7 @@ class NvmeUnitStore:
             alloc_storage(t)
             if part in skip_read or (part == "grad" and not unit.grad_valid):
                 continue
-            self._reads[(id(unit), part)] = self.aio.pread(t, self.path, self._offset(unit, part))
+            self._reads[(id(unit), part)] = self.file.pread(t, self._offset(unit, part))
 
     def wait_fetch(self, unit: Any, parts: Iterable[str]) -> None:
         for part in parts:
@@ -147,7 +147,7 @@ class NvmeUnitStore:
         parts = tuple(p for p in parts if is_allocated(self.tensor_of(unit, p)))
         with self._lock:
             for part in parts:
-                h = self.aio.pwrite(self.tensor_of(unit, part), self.path, self._offset(unit, part))
+                h = self.file.pwrite(self.tensor_of(unit, part), self._offset(unit, part))
                 self._writes.append((h, unit, (part,) if release else ()))
             # Bound the memory waiting on writes to about one unit's parts: enough to overlap
             # a write with the next unit's work, never a backward's worth of gradients.
@@ -197,7 +197,7 @@ class NvmeUnitStore:
         t = self.tensor_of(unit, part)
         out = torch.empty(b - a, dtype=t.dtype)  # (CPU: the swap file feeds host memory)
         if b > a:
-            self.aio.pread(out, self.path, self._offset(unit, part, a)).wait()
+            self.file.pread(out, self._offset(unit, part, a)).wait()
         return out
 
     def write_range(self, unit: Any, part: str, a: int, values: torch.Tensor) -> None:
@@ -208,17 +208,15 @@ class NvmeUnitStore:
             t[a - lo:a - lo + values.numel()].copy_(values)
         src = values.detach().to(dtype=t.dtype, device="cpu").contiguous()
         if src.numel():
-            self.aio.pwrite(src, self.path, self._offset(unit, part, a)).wait()
+            self.file.pwrite(src, self._offset(unit, part, a)).wait()
 
     def close(self) -> None:
         try:
             self.settle()
+        except OSError:  # closing discards the file: a failed write there loses nothing
+            pass
         finally:
-            self.aio.close()
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            self.file.close()
 
 
 def resident_runs(runs: Sequence[Any], write: bool = False) -> Iterator[Any]:

@@ -34,6 +34,7 @@ from zeroshard.optim.flat_unit import FlatUnit, Placement
 from zeroshard.optim.grad_links import GradLinks
 from zeroshard.optim.module_guard import ModuleGuard
 from zeroshard.optim.grad_sync import GradientReducer
+from zeroshard.optim.hyperparams import check_inputs
 from zeroshard.offload import NvmeOptimizerState
 from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.ops import FusedAdam
@@ -58,6 +59,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                  mixed_precision=mixed_precision, **config_kwargs)
         check_elementwise(optimizer_class)
         _check_optimizer_kwargs(optimizer_class, kwargs)
+        model_or_params = check_inputs(model_or_params, self.config.stage, kwargs)
         if self.config.stage == 3 and not isinstance(model_or_params, nn.Module):
             raise ValueError("stage=3 partitions parameters by module, so it needs the nn.Module "
                              "itself: ZeroOptimizer(model, ...), not a list of parameters or groups")

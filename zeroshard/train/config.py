@@ -8,6 +8,7 @@ dict (``as_deepspeed``), so a run configured by flags and a run configured by
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Sequence
 
@@ -79,9 +80,21 @@ class FinetuneConfig:
         for name in ("seq_len", "micro_batch_size", "grad_accum", "max_steps", "save_interval", "keep_last",
                      "log_interval"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={value!r} must be a positive integer")
-        if self.stage not in (0, 1, 2, 3):
+        for name in ("lr", "weight_decay", "min_lr_ratio", "grad_clip", "collective_timeout", "bucket_size_mb"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                          and math.isfinite(value)):
+                raise ValueError(f"--{name.replace('_', '-')}={value!r} must be a finite number")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"--seed={self.seed!r} must be an int in [0, 2**63)")
+        if not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool):
+            raise ValueError(f"--warmup-steps={self.warmup_steps!r} must be an int")
+        for name in ("data", "output_dir", "text_field"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)!r} must be a non-empty string")
+        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3) or not isinstance(self.stage, int):
             raise ValueError(f"--stage={self.stage!r}: use 0, 1, 2 or 3")
         checks = (("lr_schedule", _SCHEDULES), ("precision", _PRECISIONS), ("optimizer", tuple(_OPTIMIZERS)),
                   ("offload_optimizer", _OFFLOAD), ("offload_params", _OFFLOAD))
@@ -97,10 +110,15 @@ class FinetuneConfig:
         if self.lr <= 0 or self.grad_clip < 0 or self.weight_decay < 0:
             raise ValueError(f"--lr={self.lr} must be > 0, --grad-clip={self.grad_clip} and --weight-decay="
                              f"{self.weight_decay} >= 0")
-        if self.collective_timeout <= 0:
-            raise ValueError(f"--collective-timeout={self.collective_timeout} must be > 0 seconds")
+        if self.collective_timeout <= 0 or self.collective_timeout > 7 * 24 * 3600:
+            raise ValueError(f"--collective-timeout={self.collective_timeout} must be > 0 seconds (and at most a week)")
+        if self.bucket_size_mb is not None and self.bucket_size_mb <= 0:
+            raise ValueError(f"--bucket-size-mb={self.bucket_size_mb} must be > 0 (MiB)")
         if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
             raise ValueError("--offload-* nvme needs --nvme-path DIR for the swap files")
+        if self.nvme_path and "nvme" not in (self.offload_optimizer, self.offload_params) and not self.deepspeed:
+            raise ValueError(f"--nvme-path {self.nvme_path} is only used by NVMe offload; add --offload-optimizer "
+                             "nvme, or drop --nvme-path")
         if self.offload_params != "none" and self.stage != 3:
             raise ValueError(f"--offload-params {self.offload_params} needs --stage 3 (got {self.stage})")
 

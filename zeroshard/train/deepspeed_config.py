@@ -21,11 +21,16 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import stat
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
 import torch
+
+from zeroshard.config import check_int, check_real
+from zeroshard.optim.hyperparams import check_hyperparameters
+from zeroshard.train.schedules import check_schedule_params
 
 # Keys accepted without effect, and why (what zeroshard does instead).
 NOTED: dict[str, str] = {
@@ -97,20 +102,75 @@ class DeepSpeedPlan:
     """Dotted path -> why it has no effect."""
 
 
+MAX_CONFIG_BYTES = 16 << 20
+"""A DeepSpeed config is a few KiB; anything this large is the wrong file."""
+MAX_DEPTH = 32
+"""Sections nest three or four deep; deeper is the wrong file (and would recurse without end)."""
+
+
+def _depth(node: Any, limit: int = MAX_DEPTH) -> int:
+    """Nesting depth of a JSON value, without recursion (a hostile file may nest 100k deep)."""
+    deepest, todo = 0, [(node, 1)]
+    while todo:
+        n, d = todo.pop()
+        deepest = max(deepest, d)
+        if d > limit:
+            return d
+        if isinstance(n, Mapping):
+            todo.extend((v, d + 1) for v in n.values())
+        elif isinstance(n, (list, tuple)):
+            todo.extend((v, d + 1) for v in n)
+    return deepest
+
+
+def _read_json_file(path: str) -> Any:
+    """A regular file of at most MAX_CONFIG_BYTES of UTF-8 JSON; errors name the file."""
+    try:  # O_NONBLOCK: a FIFO must not hang start-up; it is refused below as not a regular file
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise ValueError(f"cannot open the DeepSpeed config {path!r}: {exc.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"the DeepSpeed config {path!r} is not a regular file; pass a .json file")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ValueError(f"the DeepSpeed config {path!r} is over {MAX_CONFIG_BYTES >> 20} MiB: not a config file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"the DeepSpeed config {path!r} is not UTF-8 text (byte {exc.start}); pass a JSON file") \
+            from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"the DeepSpeed config {path!r} nests deeper than a config does; pass a DeepSpeed "
+                         "JSON file") from None
+
+
 def load_config(config: Union[None, str, os.PathLike, Mapping]) -> dict:
     if config is None:
         return {}
     if isinstance(config, Mapping):
-        return json.loads(json.dumps(config))  # a private deep copy; refuses non-JSON values early
+        if _depth(config) > MAX_DEPTH:
+            raise ValueError(f"the config dict nests more than {MAX_DEPTH} levels deep; a DeepSpeed config does not")
+        try:
+            return json.loads(json.dumps(config))  # a private deep copy; refuses non-JSON values early
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"the config dict holds a value JSON cannot hold ({exc}); use numbers, strings, "
+                            "booleans, lists and dicts") from None
     if not isinstance(config, (str, os.PathLike)):
         raise TypeError(f"config={config!r}: pass a path to a DeepSpeed JSON file or a dict")
-    with open(config, encoding="utf-8") as f:
-        try:
-            raw = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{config} is not valid JSON: {exc}") from exc
+    path = os.fspath(config)
+    raw = _read_json_file(path)
     if not isinstance(raw, dict):
-        raise ValueError(f"{config} holds a {type(raw).__name__}; a DeepSpeed config is a JSON object")
+        raise ValueError(f"{path} holds a {type(raw).__name__}; a DeepSpeed config is a JSON object")
+    if _depth(raw) > MAX_DEPTH:
+        raise ValueError(f"the DeepSpeed config {path!r} nests more than {MAX_DEPTH} levels deep; a config does not")
     return raw
 
 
@@ -164,11 +224,18 @@ class _Reader:
             self.used.update(_leaves(node, path + "."))
 
 
+def _named(r: _Reader, path: str, override: Optional[str]) -> str:
+    """How to name a setting in an error: the override if one was given, else the config key."""
+    return override if override is not None and r.overrides.get(override) is not None else path
+
+
 def _offload(r: _Reader, section: str) -> tuple[Optional[str], Optional[str]]:
     device = r.get(f"zero_optimization.{section}.device", "none")
-    if device not in ("none", "cpu", "nvme", None):
+    if not isinstance(device, (str, type(None))) or device not in ("none", "cpu", "nvme", None):
         raise ValueError(f"zero_optimization.{section}.device={device!r}: use 'none', 'cpu' or 'nvme'")
     path = r.get(f"zero_optimization.{section}.nvme_path")
+    if path is not None and (not isinstance(path, str) or not path):
+        raise ValueError(f"zero_optimization.{section}.nvme_path={path!r} must be a directory path (a string)")
     ratio = r.get(f"zero_optimization.{section}.ratio", 1.0)
     if ratio != 1.0:
         r.used.discard(f"zero_optimization.{section}.ratio")  # partial offload: left as unsupported
@@ -176,8 +243,13 @@ def _offload(r: _Reader, section: str) -> tuple[Optional[str], Optional[str]]:
 
 
 def _zero(r: _Reader, precision: Optional[str]) -> dict:
-    out: dict[str, Any] = {"stage": int(r.get("zero_optimization.stage", 0, override="stage"))}
+    stage = r.get("zero_optimization.stage", 0, override="stage")
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"{_named(r, 'zero_optimization.stage', 'stage')}={stage!r}: use 0, 1, 2 or 3 (an int)")
+    out: dict[str, Any] = {"stage": stage}
     legacy_cpu = r.get("zero_optimization.cpu_offload", False)
+    if not isinstance(legacy_cpu, bool):
+        raise ValueError(f"zero_optimization.cpu_offload={legacy_cpu!r} must be true or false")
     opt_dev, opt_path = _offload(r, "offload_optimizer")
     par_dev, par_path = _offload(r, "offload_param")
     out["offload_optimizer"] = r.overrides.get("offload_optimizer") or opt_dev or ("cpu" if legacy_cpu else None)
@@ -187,6 +259,8 @@ def _zero(r: _Reader, precision: Optional[str]) -> dict:
         raise ValueError(f"offload_optimizer.nvme_path and offload_param.nvme_path differ ({sorted(paths)}); "
                          "zeroshard uses one swap directory: make them equal or pass nvme_path=...")
     out["nvme_path"] = r.overrides.get("nvme_path") or (paths.pop() if paths else None)
+    if "nvme" not in (out["offload_optimizer"], out["offload_params"]) and not r.overrides.get("nvme_path"):
+        out["nvme_path"] = None  # (DeepSpeed ignores an nvme_path beside device "cpu" or "none" too)
     # DeepSpeed sizes buckets in elements; zeroshard in MiB of parameter data.
     elements = r.get("zero_optimization.reduce_bucket_size", None, auto=None)
     gather = r.get("zero_optimization.allgather_bucket_size", None, auto=None)
@@ -194,8 +268,9 @@ def _zero(r: _Reader, precision: Optional[str]) -> dict:
     if r.overrides.get("bucket_size_mb") is not None:
         out["bucket_size_mb"] = float(r.overrides["bucket_size_mb"])
     elif elements is not None:
-        if not isinstance(elements, (int, float)) or elements <= 0:
-            raise ValueError(f"zero_optimization.reduce_bucket_size={elements!r} must be a positive element count")
+        if isinstance(elements, bool) or not isinstance(elements, (int, float)) or not 0 < elements < 2**62:
+            key = "reduce_bucket_size" if r.has("zero_optimization.reduce_bucket_size") else "allgather_bucket_size"
+            raise ValueError(f"zero_optimization.{key}={elements!r} must be a positive element count, e.g. 5e8")
         itemsize = 4 if precision is None else 2
         out["bucket_size_mb"] = float(elements) * itemsize / 2**20
     return out
@@ -206,6 +281,12 @@ def _precision(r: _Reader) -> tuple[Optional[str], dict]:
     # "enabled": "auto" reads as None: on only when mixed_precision= asks for that dtype.
     fp16_flag = r.get("fp16.enabled", False, auto=None)
     bf16_flag = r.get("bf16.enabled", r.get("bfloat16.enabled", False, auto=None), auto=None)
+    for key, flag in (("fp16.enabled", fp16_flag), ("bf16.enabled" if r.has("bf16") else "bfloat16.enabled", bf16_flag)):
+        if flag is not None and not isinstance(flag, bool):
+            raise ValueError(f"{key}={flag!r} must be true, false or \"auto\"")
+    for section in ("fp16", "bf16", "bfloat16"):
+        if r.has(section) and not isinstance(r.raw[section], dict):
+            raise ValueError(f"{section}={r.raw[section]!r} must be an object, e.g. {{\"enabled\": true}}")
     wanted = forced if forced is not None else r.auto.get("mixed_precision")
     fp16 = fp16_flag is True or (fp16_flag is None and wanted == "fp16")
     bf16 = bf16_flag is True or (bf16_flag is None and wanted == "bf16")
@@ -215,8 +296,14 @@ def _precision(r: _Reader) -> tuple[Optional[str], dict]:
     else:
         if r.get("fp16.loss_scale", 0) != 0:
             r.used.discard("fp16.loss_scale")  # static loss scale: unsupported (dynamic only)
-        scaler["initial_loss_scale"] = 2.0 ** r.get("fp16.initial_scale_power", 16)
-        scaler["loss_scale_growth_interval"] = int(r.get("fp16.loss_scale_window", 1000))
+        power = r.get("fp16.initial_scale_power", 16)
+        if isinstance(power, bool) or not isinstance(power, int) or not 0 <= power <= 64:
+            raise ValueError(f"fp16.initial_scale_power={power!r} must be an int in [0, 64] (the scale is 2**power)")
+        window = r.get("fp16.loss_scale_window", 1000)
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"fp16.loss_scale_window={window!r} must be a positive int (steps)")
+        scaler["initial_loss_scale"] = 2.0 ** power
+        scaler["loss_scale_growth_interval"] = window
         if r.get("fp16.min_loss_scale", 1) != 1:
             r.used.discard("fp16.min_loss_scale")
         if r.get("fp16.auto_cast", False):
@@ -234,16 +321,25 @@ def _optimizer(r: _Reader, unsupported: list[str]) -> tuple[Optional[type], dict
     cls = r.overrides.get("optimizer")
     name = r.get("optimizer.type")
     kwargs: dict[str, Any] = {}
-    params = r.raw.get("optimizer", {}).get("params", {}) if isinstance(r.raw.get("optimizer"), dict) else {}
+    if r.has("optimizer") and not isinstance(r.raw["optimizer"], dict):
+        raise ValueError(f"optimizer={r.raw['optimizer']!r} must be an object with \"type\" and \"params\"")
+    params = r.raw.get("optimizer", {}).get("params", {})
+    if not isinstance(params, dict):
+        raise ValueError(f"optimizer.params={params!r} must be an object, e.g. {{\"lr\": 1e-4}}")
     if cls is None and name is None:
         return None, {}
+    if cls is None and not isinstance(name, str):
+        raise ValueError(f"optimizer.type={name!r} must be a name such as \"AdamW\"")
     if cls is None:
         key = str(name).lower()
         if key in _REFUSED_OPTIMIZERS or (key not in _OPTIMIZERS and not hasattr(torch.optim, str(name))):
             raise ValueError(f"optimizer.type={name!r} is not supported; use one of "
                              f"{sorted(_OPTIMIZERS.values())} or another elementwise torch.optim class")
         if key == "adam":  # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false
-            cls = torch.optim.AdamW if r.get("optimizer.params.adam_w_mode", True) else torch.optim.Adam
+            mode = r.get("optimizer.params.adam_w_mode", True)
+            if not isinstance(mode, bool):
+                raise ValueError(f"optimizer.params.adam_w_mode={mode!r} must be true or false")
+            cls = torch.optim.AdamW if mode else torch.optim.Adam
         else:
             cls = getattr(torch.optim, _OPTIMIZERS.get(key, str(name)))
         if key in ("adam", "adamw"):
@@ -262,10 +358,12 @@ def _optimizer(r: _Reader, unsupported: list[str]) -> tuple[Optional[type], dict
             unsupported.append(path)
             continue
         value = r.get(path, override=key if key in OVERRIDES else None)
-        kwargs[key] = tuple(value) if key == "betas" else value
+        kwargs[key] = tuple(value) if key == "betas" and isinstance(value, list) else value
     for key in ("lr", "weight_decay", "betas", "eps", "momentum"):
         if r.overrides.get(key) is not None:
             kwargs[key] = r.overrides[key]
+    check_hyperparameters({k: v for k, v in kwargs.items() if k not in r.overrides}, where="optimizer.params.")
+    check_hyperparameters({k: v for k, v in kwargs.items() if k in r.overrides})
     return cls, kwargs
 
 
@@ -273,9 +371,11 @@ def _scheduler(r: _Reader) -> tuple[Optional[str], dict]:
     name = r.overrides.get("scheduler") or r.get("scheduler.type")
     if name is None:
         return None, {}
-    if name not in _SCHEDULERS:
+    if not isinstance(name, str) or name not in _SCHEDULERS:
         raise ValueError(f"scheduler.type={name!r} is not supported; use one of {list(_SCHEDULERS)}")
     raw = r.raw.get("scheduler", {}).get("params", {}) if isinstance(r.raw.get("scheduler"), dict) else {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"scheduler.params={raw!r} must be an object, e.g. {{\"warmup_num_steps\": 100}}")
     params: dict[str, Any] = {}
     for key in raw:
         path = f"scheduler.params.{key}"
@@ -290,6 +390,7 @@ def _scheduler(r: _Reader) -> tuple[Optional[str], dict]:
             params[key] = r.overrides[key]
     if name == "WarmupLR":
         params.pop("total_num_steps", None)  # WarmupLR has no end: a total is meaningless here
+    check_schedule_params(name, {k: v for k, v in params.items() if k != "last_batch_iteration"})
     return name, params
 
 
@@ -297,10 +398,12 @@ def _batch(r: _Reader, world_size: int) -> tuple[Optional[int], int, Optional[in
     micro = r.get("train_micro_batch_size_per_gpu", None, override="micro_batch_size")
     accum = r.get("gradient_accumulation_steps", None, override="gradient_accumulation_steps")
     total = r.get("train_batch_size", None, override="train_batch_size", auto=None)
-    for name, v in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accum),
-                    ("train_batch_size", total)):
-        if v is not None and (not isinstance(v, int) or v < 1):
-            raise ValueError(f"{name}={v!r} must be a positive int")
+    for name, override, v in (("train_micro_batch_size_per_gpu", "micro_batch_size", micro),
+                              ("gradient_accumulation_steps", "gradient_accumulation_steps", accum),
+                              ("train_batch_size", "train_batch_size", total)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{_named(r, name, override)}={v!r} must be a positive int"
+                             + (" (a bool is not one)" if isinstance(v, bool) else ""))
     # DeepSpeed's rule: train_batch_size = micro * accumulation * world size; derive the missing one.
     if total is not None and micro is not None and accum is not None:
         if total != micro * accum * world_size:
@@ -337,17 +440,22 @@ def translate(config: Union[None, str, os.PathLike, Mapping], world_size: int = 
     comm_dtype = r.get("communication_data_type", None, override="reduce_dtype")
     if comm_dtype is not None:
         names = {"fp32": None, "float32": None, "fp16": "fp16", "float16": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
-        if comm_dtype not in names:
+        if not isinstance(comm_dtype, str) or comm_dtype not in names:
             raise ValueError(f"communication_data_type={comm_dtype!r}: use one of {sorted(names)}")
         zero["reduce_dtype"] = names[comm_dtype]
     opt_cls, opt_kwargs = _optimizer(r, unsupported)
     sched, sched_params = _scheduler(r)
     micro, accum, total = _batch(r, world_size)
     clip = r.get("gradient_clipping", None, override="gradient_clipping")
+    if clip is not None:
+        # A negative max norm would flip every gradient (ascent); 0 means no clipping.
+        check_real("gradient_clipping", clip, low=0.0, unit="the max global gradient norm; 0 disables clipping")
     for path, neutral in (("prescale_gradients", False), ("gradient_predivide_factor", 1.0)):
         if r.get(path, neutral) != neutral:
             r.used.discard(path)
     steps_per_print = r.get("steps_per_print")
+    if steps_per_print is not None:
+        check_int("steps_per_print", steps_per_print, low=1)
     noted = {p: NOTED[p] for p in NOTED if r.has(p)}
     noted.update({p: "DeepSpeed async-I/O tuning; zeroshard sizes its own I/O" for s in NOTED_SECTIONS
                   if r.has(s) for p in _leaves(r.raw[s], s + ".")})

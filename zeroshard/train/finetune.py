@@ -11,6 +11,7 @@ dies makes the others exit with status 3 and a message instead of hanging.
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import faulthandler
 import os
@@ -21,15 +22,15 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
-from zeroshard.cli import Command
+from zeroshard.cli import Command, add_debug_flag, one_line_usage, report_error
 from zeroshard.data import ResumableSampler
 from zeroshard.train import faults
-from zeroshard.train.config import FinetuneConfig, add_arguments, parse
+from zeroshard.train.config import FinetuneConfig, add_arguments
 from zeroshard.train.failures import (EXIT_PEER_FAILURE, StepWatchdog, end_process, exit_now, is_peer_failure,
                                       peer_failure_message)
 from zeroshard.train.initialize import initialize
 from zeroshard.train.loop import LoopSettings, TrainLoop
-from zeroshard.train.model_loading import build_model, finish_weights, save_model_files
+from zeroshard.train.model_loading import build_model, finish_weights, max_positions, save_model_files
 from zeroshard.train.preemption import PreemptionHandler
 from zeroshard.train.progress import Progress
 from zeroshard.train.text_data import load_blocks, load_tokenizer
@@ -62,7 +63,7 @@ def setup_distributed(timeout_s: float) -> torch.device:
 
 def _hf_loss(device: torch.device):
     def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        ids = batch[0].to(device, non_blocking=True)
+        ids = batch[0].to(device, non_blocking=True).long()  # blocks are int32 (text_data)
         return model(input_ids=ids, labels=ids).loss
     return loss_fn
 
@@ -77,7 +78,15 @@ def train(cfg: FinetuneConfig) -> int:
     loop: Optional[TrainLoop] = None
     root = os.path.join(cfg.output_dir, "checkpoints")
     try:
+        if os.path.exists(cfg.output_dir) and not os.path.isdir(cfg.output_dir):
+            raise ValueError(f"--output-dir {cfg.output_dir!r} exists and is not a directory; give a directory "
+                             "(created if missing)")
         model, source = build_model(cfg.model, cfg.model_config, cfg.stage, cfg.seed, cfg.activation_checkpointing)
+        positions = max_positions(model)
+        if positions is not None and cfg.seq_len > positions:
+            raise ValueError(f"--seq-len {cfg.seq_len} is longer than the model's {positions} positions "
+                             "(max_position_embeddings in its config.json); use --seq-len <= "
+                             f"{positions}")
         if cfg.stage != 3:
             model.to(device)
         ds = cfg.deepspeed if cfg.deepspeed else cfg.as_deepspeed()
@@ -148,14 +157,25 @@ def train(cfg: FinetuneConfig) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return train(parse(argv))
+    """The command line of ``examples/finetune_causal_lm.py``: an error is one line on stderr
+    and exit status 1 (``--debug``: the traceback), as ``zeroshard finetune``."""
+    parser = one_line_usage(argparse.ArgumentParser(prog="finetune_causal_lm", description=__doc__))
+    add_debug_flag(parser)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    if getattr(args, "debug", False):
+        return train(FinetuneConfig.from_args(args))
+    try:
+        return train(FinetuneConfig.from_args(args))
+    except Exception as exc:  # noqa: BLE001 - one line; --debug shows the traceback
+        return report_error("finetune", exc)
 
 
 COMMANDS = {
     "finetune": Command(
         help="fine-tune a Hugging Face causal LM on a text file (launch with torchrun; reruns resume)",
         add_arguments=add_arguments,
-        run=lambda args: train(FinetuneConfig.from_args(args))),
+        run=lambda args: train(FinetuneConfig.from_args(args)), one_line_errors=True),
 }
 
 

@@ -27,15 +27,31 @@ class ModelSource:
     tokenizer_dir: Optional[str]
 
 
+def _first_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:400] or type(exc).__name__
+
+
 def load_config(model_dir: Optional[str], model_config: Optional[str]) -> Any:
     from transformers import AutoConfig
     path = model_dir or model_config
+    flag = "--model" if model_dir else "--model-config"
     if path is None:
         raise ValueError("give --model DIR (config.json + safetensors) or --model-config PATH (config.json)")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path!r} does not exist; --model takes a directory with config.json and "
+        raise FileNotFoundError(f"{flag} {path!r} does not exist; --model takes a directory with config.json and "
                                 "*.safetensors, --model-config a config.json (nothing is downloaded)")
-    return AutoConfig.from_pretrained(path)
+    if model_dir is not None and not os.path.isdir(model_dir):
+        raise ValueError(f"--model {model_dir!r} is not a directory; give the directory holding config.json and "
+                         "*.safetensors (or --model-config FILE for random weights)")
+    config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(config_file):
+        raise ValueError(f"{flag} {path!r} has no config.json (a regular file); nothing is downloaded")
+    if os.path.getsize(config_file) > 16 << 20:
+        raise ValueError(f"{flag}: {config_file!r} is over 16 MiB: not a model config")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError, JSON errors...
+        raise ValueError(f"{flag}: cannot read the model config {config_file!r}: {_first_line(exc)}") from exc
 
 
 def _has_weights(model_dir: str) -> bool:
@@ -49,21 +65,29 @@ def build_model(model_dir: Optional[str], model_config: Optional[str], stage: in
     config = load_config(model_dir, model_config)
     config.use_cache = False  # a KV cache is useless in training and conflicts with recomputation
     if model_dir is not None and not _has_weights(model_dir):
-        raise FileNotFoundError(f"{model_dir} has no *.safetensors weights; use --model-config for random init")
+        raise FileNotFoundError(f"--model {model_dir} has no *.safetensors weights; use --model-config for random "
+                                "init")
     torch.manual_seed(seed)
-    if stage == 3 and model_dir is not None:
-        with torch.device("meta"):
+    flag = "--model" if model_dir else "--model-config"
+    try:
+        if stage == 3 and model_dir is not None:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+            source = ModelSource(model_dir, model_dir)
+        elif model_dir is not None:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            source = ModelSource(None, model_dir)
+        else:
+            # Random init from a config is built eagerly at every stage: Hugging Face models
+            # initialise weights in ``_init_weights``, not in the modules' ``reset_parameters``
+            # that ``zeroshard.init_meta_weights`` calls (GPT-2's Conv1D has none).
             model = AutoModelForCausalLM.from_config(config)
-        source = ModelSource(model_dir, model_dir)
-    elif model_dir is not None:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        source = ModelSource(None, model_dir)
-    else:
-        # Random init from a config is built eagerly at every stage: Hugging Face models
-        # initialise weights in ``_init_weights``, not in the modules' ``reset_parameters``
-        # that ``zeroshard.init_meta_weights`` calls (GPT-2's Conv1D has none).
-        model = AutoModelForCausalLM.from_config(config)
-        source = ModelSource(None, None)
+            source = ModelSource(None, None)
+    except (MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as exc:  # noqa: BLE001 - unsupported architectures, damaged weights, bad sizes...
+        raise ValueError(f"{flag} {model_dir or model_config}: cannot build a causal LM from it: "
+                         f"{_first_line(exc)}") from exc
     if activation_checkpointing:
         # Non-reentrant recomputation: zeroshard's gradient hooks need each parameter's gradient
         # once per backward (docs/design.md, "Known limits").
@@ -74,6 +98,16 @@ def build_model(model_dir: Optional[str], model_config: Optional[str], stage: in
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.train()
     return model, source
+
+
+def max_positions(model: nn.Module) -> Optional[int]:
+    """The longest sequence the model's position embeddings cover, if its config says."""
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def finish_weights(model: nn.Module, source: ModelSource) -> None:

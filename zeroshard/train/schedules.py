@@ -28,6 +28,8 @@ from typing import Optional, Sequence, Union
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from zeroshard.config import check_int, check_real
+
 WARMUP_TYPES = ("log", "linear")
 Number = Union[float, int]
 
@@ -165,11 +167,41 @@ class WarmupCosineLR(_PositionState, LRScheduler):
 SCHEDULES: dict[str, type] = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR}
 
 
+_INT_PARAMS = ("total_num_steps", "warmup_num_steps")
+_REAL_PARAMS = ("warmup_min_lr", "warmup_max_lr", "warmup_min_ratio", "cos_min_ratio")
+
+
+def check_schedule_params(name: str, params: dict, where: str = "scheduler.params.") -> None:
+    """Types and ranges of a schedule's parameters, checked before any state is built; errors
+    name the key (``where`` + key) and the fix."""
+    if not isinstance(name, str) or name not in SCHEDULES:
+        raise ValueError(f"scheduler type {name!r} is not supported; use one of {sorted(SCHEDULES)}")
+    for key in _INT_PARAMS:
+        if key in params:
+            check_int(where + key, params[key], low=0 if key == "warmup_num_steps" else 1)
+    for key in _REAL_PARAMS:
+        value = params.get(key)
+        for v in (value if isinstance(value, (list, tuple)) else [value]):
+            if v is not None:
+                check_real(where + key, v, low=0.0)
+    for key in ("warmup_min_ratio", "cos_min_ratio"):
+        if key in params and params[key] > 1:
+            raise ValueError(f"{where}{key}={params[key]!r} is a fraction of the lr: use a value in [0, 1]")
+    if name == "WarmupCosineLR" and "total_num_steps" in params and \
+            params["total_num_steps"] <= max(2, params.get("warmup_num_steps", 1000)):
+        raise ValueError(f"{where}total_num_steps={params['total_num_steps']} must exceed warmup_num_steps="
+                         f"{max(2, params.get('warmup_num_steps', 1000))} for a cosine decay")
+    if name != "WarmupLR" and "total_num_steps" not in params:
+        raise ValueError(f"{where}total_num_steps is missing: {name} needs the run's optimizer steps")
+    if "warmup_type" in params and params["warmup_type"] not in WARMUP_TYPES:
+        raise ValueError(f"{where}warmup_type={params['warmup_type']!r} is not a DeepSpeed warmup; use one of "
+                         f"{WARMUP_TYPES}")
+
+
 def build_schedule(name: str, optimizer: torch.optim.Optimizer, params: Optional[dict] = None) -> LRScheduler:
     """The schedule called ``name`` (a DeepSpeed ``scheduler.type``) over ``optimizer``."""
-    if name not in SCHEDULES:
-        raise ValueError(f"scheduler type {name!r} is not supported; use one of {sorted(SCHEDULES)}")
     params = dict(params or {})
+    check_schedule_params(name, {k: v for k, v in params.items() if k != "last_batch_iteration"}, where="")
     last = params.pop("last_batch_iteration", -1)
     if last != -1:
         raise ValueError(f"scheduler.params.last_batch_iteration={last!r}: resume "

@@ -6,12 +6,14 @@ the model's tokenizer when its directory has one, else with ``ByteTokenizer`` (U
 as ids 0-255), joined with the end-of-sequence id, and cut into blocks of ``seq_len``
 tokens (the tail shorter than a block is dropped). Blocks are what the sampler shuffles.
 
-Tokenising is done once: rank 0 writes the blocks to a cache file keyed by the input's
+Token ids are int32 (every vocabulary fits; half the memory of int64); the loss function
+widens a batch to int64. Tokenising is done once: rank 0 writes the blocks to a cache file keyed by the input's
 path, size, mtime, the tokenizer and ``seq_len``, the other ranks wait and read it (a
 restarted run reads it too).
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -32,8 +34,8 @@ class ByteTokenizer:
     def __init__(self, eos_token_id: Optional[int] = None) -> None:
         self.eos_token_id = eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
 
 
 def has_tokenizer(model_dir: Optional[str]) -> bool:
@@ -53,40 +55,116 @@ def load_tokenizer(model_dir: Optional[str], vocab_size: int, eos_token_id: Opti
     return ByteTokenizer(eos)
 
 
-def read_documents(path: str, text_field: str = "text") -> Iterator[str]:
-    if not os.path.isfile(path):
+PIECE_CHARS = 1 << 20
+"""Text is tokenised in pieces of about this many characters (memory stays a few pieces, not
+the file: a 64 MiB line as a Python list of ints would take about 2 GB)."""
+
+
+def _cut(text: str, final: bool) -> int:
+    """Where to end the piece of ``text`` sent now: before the last whitespace of a long text
+    (a word-level tokenizer sees whole words, and GPT-2's keeps the space with the word after
+    it), all of it when ``final``."""
+    if final or len(text) <= PIECE_CHARS:
+        return len(text) if final else 0
+    cut = max(text.rfind(" ", 0, PIECE_CHARS), text.rfind("\n", 0, PIECE_CHARS))
+    return cut if cut > 0 else PIECE_CHARS
+
+
+def _pieces(chunks: Iterator[str]) -> Iterator[str]:
+    """Re-cuts a stream of text chunks into pieces ending before whitespace (see ``_cut``)."""
+    carry = ""
+    for chunk in chunks:
+        carry += chunk
+        while True:
+            n = _cut(carry, final=False)
+            if n == 0:
+                break
+            yield carry[:n]
+            carry = carry[n:]
+    if carry:
+        yield carry
+
+
+def _data_file(path: str) -> None:
+    if not os.path.exists(path):
         raise FileNotFoundError(f"--data {path!r} does not exist; give a .txt or .jsonl file")
-    if path.endswith((".jsonl", ".json", ".ndjson")):
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{n} is not a JSON object ({exc}); JSON Lines need one per line") from exc
-                if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
-                    keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-                    raise ValueError(f"{path}:{n} has no string field {text_field!r} (it has {keys}); "
-                                     "choose the field with --text-field")
-                yield obj[text_field]
-    else:
-        with open(path, encoding="utf-8") as f:
-            yield f.read()
+    if not os.path.isfile(path):  # a directory, FIFO or device would hang or fail deep inside
+        raise ValueError(f"--data {path!r} is not a regular file; give a .txt or .jsonl file")
 
 
-def tokenize_blocks(path: str, encode: Callable[[str], list[int]], eos: Optional[int], seq_len: int,
+def read_documents(path: str, text_field: str = "text") -> Iterator[Iterator[str]]:
+    """The documents of ``path``, each as an iterator of text pieces (see ``PIECE_CHARS``)."""
+    _data_file(path)
+    try:
+        if path.endswith((".jsonl", ".json", ".ndjson")):
+            with open(path, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        obj = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise ValueError(f"{path}:{n} is not a JSON object ({exc}); JSON Lines need one per "
+                                         "line") from None
+                    except RecursionError:
+                        raise ValueError(f"{path}:{n} nests too deeply to be a document; JSON Lines hold one "
+                                         "object with a text field per line") from None
+                    if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
+                        keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+                        raise ValueError(f"{path}:{n} has no string field {text_field!r} (it has {keys}); "
+                                         "choose the field with --text-field")
+                    text = obj[text_field]
+                    del obj, line
+                    yield _pieces(text[i:i + PIECE_CHARS] for i in range(0, len(text), PIECE_CHARS))
+        else:
+            with open(path, encoding="utf-8") as f:
+                yield _pieces(_chunks(f, path))
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(path, exc) from None
+
+
+def _not_utf8(path: str, exc: UnicodeDecodeError) -> ValueError:
+    return ValueError(f"--data {path!r} is not UTF-8 text ({exc.reason}); give a .txt or .jsonl file")
+
+
+def _chunks(f: Any, path: str) -> Iterator[str]:
+    """A text file in chunks of PIECE_CHARS characters (read as the consumer asks for them)."""
+    while True:
+        try:
+            chunk = f.read(PIECE_CHARS)
+        except UnicodeDecodeError as exc:
+            raise _not_utf8(path, exc) from None
+        if not chunk:
+            return
+        yield chunk
+
+
+def tokenize_blocks(path: str, encode: Callable[[str], Any], eos: Optional[int], seq_len: int,
                     text_field: str = "text") -> np.ndarray:
-    ids: list[int] = []
+    """``[n, seq_len]`` int32 token ids; the tokens are kept as int32 arrays piece by piece."""
+    parts: collections.deque[np.ndarray] = collections.deque()
+    total = 0
+    eos_part = np.asarray([eos], dtype=np.int32) if eos is not None else None
     for doc in read_documents(path, text_field):
-        ids.extend(encode(doc))
-        if eos is not None:
-            ids.append(eos)
-    n = len(ids) // seq_len
+        for piece in doc:
+            ids = encode(piece)  # (the byte tokenizer's uint8 arrays stay a byte per token until copied)
+            ids = ids if isinstance(ids, np.ndarray) and ids.dtype.kind in "iu" else np.asarray(ids, dtype=np.int32)
+            parts.append(ids)
+            total += ids.size
+        if eos_part is not None:
+            parts.append(eos_part)
+            total += 1
+    n = total // seq_len
     if n == 0:
-        raise ValueError(f"{path} gives {len(ids)} tokens, fewer than one block of --seq-len {seq_len}; "
+        raise ValueError(f"{path} gives {total} tokens, fewer than one block of --seq-len {seq_len}; "
                          "use more text or a shorter --seq-len")
-    return np.asarray(ids[:n * seq_len], dtype=np.int64).reshape(n, seq_len)
+    out = np.empty(n * seq_len, dtype=np.int32)
+    pos = 0
+    while parts and pos < out.size:  # filled piece by piece, each freed once copied
+        ids = parts.popleft()[:out.size - pos]
+        out[pos:pos + ids.size] = ids
+        pos += ids.size
+    return out.reshape(n, seq_len)
 
 
 def _cache_key(path: str, tokenizer: Any, seq_len: int, text_field: str) -> str:
@@ -98,9 +176,10 @@ def _cache_key(path: str, tokenizer: Any, seq_len: int, text_field: str) -> str:
 
 
 def load_blocks(path: str, tokenizer: Any, seq_len: int, cache_dir: str, text_field: str = "text") -> torch.Tensor:
-    """``[n_blocks, seq_len]`` int64 token ids, the same on every rank (see module docstring)."""
+    """``[n_blocks, seq_len]`` int32 token ids, the same on every rank (see module docstring)."""
     if seq_len < 2:
         raise ValueError(f"seq_len={seq_len} must be >= 2 (a causal LM predicts the next token)")
+    _data_file(path)
     os.makedirs(cache_dir, exist_ok=True)
     cache = os.path.join(cache_dir, f"blocks-{_cache_key(path, tokenizer, seq_len, text_field)}.npy")
     distributed = dist.is_available() and dist.is_initialized()
@@ -115,6 +194,7 @@ def load_blocks(path: str, tokenizer: Any, seq_len: int, cache_dir: str, text_fi
             with open(tmp, "wb") as f:
                 np.save(f, blocks, allow_pickle=False)
             os.replace(tmp, cache)
+            del blocks  # read back below: never two copies at once
         except (OSError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
     if distributed:  # the other ranks wait for the cache, and learn about rank 0's error

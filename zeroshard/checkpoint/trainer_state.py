@@ -1,0 +1,138 @@
+"""The small state of a load (hyperparameters, loss scaler, scheduler, data position, RNG):
+decoded and checked against the live objects before anything is applied, then applied
+all together with a way back.
+
+Why two steps: the live objects' ``load_state_dict`` are other people's code and may
+refuse a value (a sampler built for another dataset); applying them before the tensors,
+with a snapshot to restore, means such a refusal leaves model, optimizer and every other
+object as they were, on every rank (the caller agrees on the outcome before going on).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import random
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from zeroshard.checkpoint import jsontree, manifest, rng
+from zeroshard.checkpoint.errors import CheckpointMismatchError
+from zeroshard.checkpoint.shard_file import read_json
+from zeroshard.checkpoint.validate import compatible
+
+
+@dataclass
+class TrainerPlan:
+    """Decoded, checked values a load will apply (None: leave that object alone)."""
+
+    groups: Optional[list[dict]]
+    scaler: Optional[dict]
+    scheduler: Optional[dict]
+    dataloader: Any
+    dataloader_resharded: bool
+    rng: Optional[dict]
+    extra: Any
+
+
+def prepare(body: dict, opt: Any, scheduler: Any, dataloader: Any, src_dir: str, rank: int, world: int,
+            load_rng: bool) -> TrainerPlan:
+    """Raises CheckpointCorruptError (malformed: the root falls back) or CheckpointMismatchError
+    (the caller passed an object the checkpoint holds no state for)."""
+    trainer = body["trainer"]
+    same_world = body["world_size"] == world
+    where = os.path.join(src_dir, manifest.MANIFEST)
+    groups = scaler = sched = loader = None
+    if opt is not None:
+        groups = jsontree.decode(body.get("param_groups", []), f"{where}: param_groups")
+        for i, (saved, mine) in enumerate(zip(groups, opt.param_groups)):
+            for k, v in saved.items():
+                if k != "params" and k in mine:
+                    compatible(mine[k], v, f"{where}: param_groups[{i}][{k!r}]")
+        if opt.scaler is not None and trainer.get("loss_scaler"):
+            scaler = trainer["loss_scaler"]
+            compatible(opt.scaler.state_dict(), scaler, f"{where}: trainer.loss_scaler")
+    if scheduler is not None:
+        if trainer.get("scheduler") is None:
+            raise CheckpointMismatchError(f"{src_dir} holds no scheduler state; pass scheduler=None")
+        sched = jsontree.decode(trainer["scheduler"], f"{where}: trainer.scheduler")
+        compatible(scheduler.state_dict(), sched, f"{where}: trainer.scheduler")
+    states = trainer.get("dataloader") or []
+    if dataloader is not None:
+        if not states or states[0] is None:
+            raise CheckpointMismatchError(f"{src_dir} holds no data position; pass dataloader=None")
+        loader = jsontree.decode(states[rank if same_world else 0], f"{where}: trainer.dataloader")
+        if loader is None:
+            raise CheckpointMismatchError(f"{src_dir} holds no data position for rank {rank}")
+        if hasattr(dataloader, "state_dict"):
+            compatible(dataloader.state_dict(), loader, f"{where}: trainer.dataloader")
+    # Every saved RNG file is checked (rank r of this world takes r, r + world, ...), needed
+    # or not: a step with a malformed file is damaged, whatever world size loads it.
+    state = None
+    for r in range(rank, body["world_size"], world):
+        fname = manifest.rng_file(r)
+        path = os.path.join(src_dir, fname)
+        checked = rng.check(read_json(path, body["files"][fname]), path)
+        if r == rank and same_world and load_rng:
+            state = checked
+    extra = jsontree.decode(trainer.get("extra"), f"{where}: trainer.extra")
+    return TrainerPlan(groups, scaler, sched, loader, not same_world, state, extra)
+
+
+def apply(plan: TrainerPlan, opt: Any, scheduler: Any, dataloader: Any) -> tuple[Optional[str], Callable[[], None]]:
+    """Applies the plan; returns (error or None, undo). On an error the plan is already
+    undone; ``undo`` puts everything back if another rank failed."""
+    undo = _snapshot(opt, scheduler, dataloader)
+    try:
+        if plan.groups is not None:
+            for saved, mine in zip(plan.groups, opt.param_groups):
+                for k, v in saved.items():
+                    if k != "params":
+                        mine[k] = v
+            opt._sync_hyperparameters()
+        if plan.scaler is not None:
+            opt.scaler.load_state_dict(plan.scaler)
+            opt._set_grad_factor()
+        if plan.scheduler is not None:
+            scheduler.load_state_dict(plan.scheduler)
+        if plan.dataloader is not None:
+            if plan.dataloader_resharded and not getattr(dataloader, "reshardable", False):
+                warnings.warn(f"{type(dataloader).__name__} state was saved at another world size; using "
+                              "rank 0's position (a ResumableSampler reshards exactly)", stacklevel=4)
+            dataloader.load_state_dict(plan.dataloader)
+        if plan.rng is not None:
+            rng.restore(plan.rng)
+    except Exception as exc:  # noqa: BLE001 - a live object refused its state: undo, report
+        undo()
+        return f"{type(exc).__name__}: {exc}", undo
+    return None, undo
+
+
+def _snapshot(opt: Any, scheduler: Any, dataloader: Any) -> Callable[[], None]:
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] if opt is not None else None
+    scaler = copy.deepcopy(opt.scaler.state_dict()) if opt is not None and opt.scaler is not None else None
+    sched = copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None
+    loader = copy.deepcopy(dataloader.state_dict()) if dataloader is not None else None
+    gens = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+
+    def undo() -> None:
+        if groups is not None:
+            for saved, mine in zip(groups, opt.param_groups):
+                for k in [k for k in mine if k != "params" and k not in saved]:
+                    del mine[k]
+                mine.update(saved)
+            opt._sync_hyperparameters()
+        if scaler is not None:
+            opt.scaler.load_state_dict(scaler)
+            opt._set_grad_factor()
+        if sched is not None:
+            scheduler.load_state_dict(sched)
+        if loader is not None:
+            dataloader.load_state_dict(loader)
+        random.setstate(gens[0])
+        np.random.set_state(gens[1])
+        torch.set_rng_state(gens[2])
+    return undo
