@@ -43,7 +43,7 @@ class Cell:
 
 
 SCENARIOS = ("loop", "div_loss", "to_device", "grad_scaler", "autocast_bf16", "accumulate", "zero_grad_keep",
-             "compile")
+             "compile", "state_dict")
 
 
 def _autocast(scenario: str):
@@ -91,7 +91,29 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, scenario: str, ran
             model.zero_grad()
         losses.append(_mean_over_ranks(total, world))
         norms.append(float(norm))
-    return {"losses": losses, "norms": norms}
+        if scenario == "state_dict" and step == 3:
+            probes = _touch_state(model)
+    out = {"losses": losses, "norms": norms}
+    if scenario == "state_dict":
+        out["probes"] = probes
+    return out
+
+
+def _touch_state(model: torch.nn.Module) -> dict:
+    """Mid-training, what torch code does with a model's parameters and state dict: read a
+    parameter, print it, torch.save / torch.load / load_state_dict its own state dict, then
+    load a full state dict with other values (the initial weights) and train on from there."""
+    import io
+    w = model.transformer.h[0].mlp.c_fc.weight
+    probe = {"read_sum": float(w.sum()), "read_norm": float(w.norm()), "repr": len(repr(w)) > 0}
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    probe["saved_bytes"] = buf.tell()
+    buf.seek(0)
+    model.load_state_dict(torch.load(buf))  # weights_only: nothing is unpickled but tensors
+    model.load_state_dict(gpt2().state_dict())
+    probe["after_load_sum"] = float(model.transformer.h[0].mlp.c_fc.weight.sum())
+    return probe
 
 
 def _mean_over_ranks(x: float, world: int) -> float:
@@ -127,6 +149,7 @@ def run_cell(cell: Cell, rank: int, world: int) -> dict:
         "weight_diff": max(float((got_w[n].float() - ref_w[n].float()).abs().max()) for n in ref_w),
         "moved": max(float((got_w[n].float() - init_w[n].float()).abs().max()) for n in ref_w),
         "norms": out["norms"][:3], "ref_norms": ref_out["norms"][:3],
+        "probes": out.get("probes"), "ref_probes": ref_out.get("probes"),
         "finite": all(math.isfinite(x) for x in out["losses"]),
     }
 

@@ -4,7 +4,9 @@ against plain torch.optim.AdamW on one process with the same global batch
 (tests/dropin_worker.py runs the cells).
 
 Bounds. fp32 cells: loss within 1e-6 relative and weights within 1e-5 after 8 steps, with
-clipping that bites on every step; ``compile`` runs ``torch.compile(model)`` with default
+clipping that bites on every step; ``state_dict`` reads a parameter, torch.save /
+torch.load / load_state_dict the model's own state dict and loads a full one (the initial
+weights) mid-training; ``compile`` runs ``torch.compile(model)`` with default
 options against the eager reference. Autocast cells (fp16 with GradScaler, bf16): the ranks
 compute their half batches in 16-bit, the reference the whole batch, so matmul blocking
 rounds differently; Adam turns a rounding flip of a near-zero gradient into a full-size
@@ -18,7 +20,7 @@ import pytest
 from tests import dropin_worker as w
 from tests.dist_results import run_ranks
 
-FP32 = ("loop", "div_loss", "to_device", "accumulate", "zero_grad_keep", "compile")
+FP32 = ("loop", "div_loss", "to_device", "accumulate", "zero_grad_keep", "compile", "state_dict")
 AUTOCAST = ("grad_scaler", "autocast_bf16")
 CELLS = [(s, c) for s in (0, 1, 2, 3) for c in FP32 + AUTOCAST]
 
@@ -46,6 +48,12 @@ def test_loop_matches_torch_optim(results, stage, scenario):
         else:
             assert res["loss_rel"] < 1e-3, res
             assert res["norm_rel"] < 1e-2, res
+        if scenario == "state_dict":  # reads are global values; the saved file holds this rank's part
+            got, ref = res["probes"], res["ref_probes"]
+            for key in ("read_sum", "read_norm", "after_load_sum"):
+                assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), (key, got, ref)
+            share = got["saved_bytes"] / ref["saved_bytes"]
+            assert (share > 0.9) if (stage < 3 or world == 1) else (0.3 < share < 0.8), (share, got, ref)
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -54,6 +62,22 @@ def test_grad_expressions_equal_torch(tmp_path, stage, world):
     """Norms of every order, sums, extremes, finiteness, an op with no sharded rule
     (gathered), get_total_norm and replacing .grad give torch's values from p.grad."""
     for r in run_ranks(w.grad_ops_worker, world, tmp_path, stage):
-        assert r["type"] == ("Tensor" if stage < 2 else "ShardedGrad")
+        assert r["type"] == ("Tensor" if stage < 2 else "ShardedTensor")
         for key, rel in r["worst"].items():
             assert rel < 1e-5, (key, rel)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_safetensors_savers_keep_every_tensor(tmp_path, stage):
+    """Parameters are views of one flat buffer; model.state_dict() still gives each its own
+    storage, so safetensors (Accelerate's save_state) saves and reloads every tensor."""
+    import safetensors.torch as st
+    import torch
+    import zeroshard
+    model = w.gpt2()
+    zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, stage=stage)
+    sd = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied: HF drops it too
+    st.save_file(sd, str(tmp_path / "m.safetensors"))
+    back = st.load_file(str(tmp_path / "m.safetensors"))
+    assert sorted(back) == sorted(sd)
+    assert all(torch.equal(back[k], v) for k, v in sd.items())

@@ -6,7 +6,7 @@ parameter's ``.grad`` is *published* as a view of its range of that store:
 
 - stages 0-1, fp32 model, store in memory on the model's device: a plain tensor view of the
   whole averaged gradient (no extra memory; identical on every rank);
-- otherwise a ``ShardedGrad`` (zeroshard/optim/grad_view.py): this rank's piece at stages
+- otherwise a ``ShardedTensor`` (zeroshard/optim/sharded_tensor.py): this rank's piece at stages
   2-3, or the whole fp32 gradient behind a bf16/fp16 parameter or a swap file.
 
 Torch code may then read, scale, clip or unscale ``p.grad`` in place (it writes the store),
@@ -25,19 +25,22 @@ store; accumulation across micro-batches happens in the stores (grad_sync.py).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from zeroshard.optim.flat_unit import FlatUnit
-from zeroshard.optim.grad_view import ShardedGrad
+from zeroshard.optim.sharded_tensor import ShardedTensor
 
 
 class GradLinks:
-    def __init__(self, units: Sequence[FlatUnit], comm: Any) -> None:
+    def __init__(self, units: Sequence[FlatUnit], comm: Any,
+                 visible: Callable[[torch.Tensor], torch.Tensor] = lambda p: p) -> None:
         self.units = list(units)
         self.comm = comm
-        self.entries = [(u, seg, m.param) for u in self.units for m, seg in zip(u.members, u.layout.segments)]
+        # .grad is published on the parameter torch code holds: at stage 3 the sharded one
+        # (Note [sharded parameters] in zeroshard/stages/stage3/gatherer.py).
+        self.entries = [(u, seg, visible(m.param)) for u in self.units for m, seg in zip(u.members, u.layout.segments)]
         self._published: dict[int, torch.Tensor] = {}
 
     # -- publishing ---------------------------------------------------------------------------
@@ -47,11 +50,11 @@ class GradLinks:
         if not unit.policy.shard_gradients:
             if not unit.swap and store.dtype == param.dtype and store.device == param.device:
                 return store[seg.offset:seg.end].view(seg.shape)
-            return ShardedGrad(store, seg.offset, seg.numel, seg.shape, param.dtype, param.device, 0, None, unit)
+            return ShardedTensor(store, seg.offset, seg.numel, seg.shape, param.dtype, param.device, 0, None, unit)
         lo, hi = unit.owned
         a, b = max(lo, seg.offset), min(hi, seg.end)
         comm = self.comm if self.comm.world_size > 1 else None
-        return ShardedGrad(store, a - unit.grad_base if a < b else 0, max(0, b - a), seg.shape, param.dtype,
+        return ShardedTensor(store, a - unit.grad_base if a < b else 0, max(0, b - a), seg.shape, param.dtype,
                            param.device, max(0, a - seg.offset), comm, unit)
 
     def publish(self, only: Optional[set[int]] = None) -> None:
@@ -126,7 +129,7 @@ class GradLinks:
 def _piece(g: torch.Tensor, seg: Any, unit: FlatUnit, n: int) -> torch.Tensor:
     """The values of an assigned gradient ``g`` for this rank's part of ``seg`` (``n`` elements)."""
     start = max(unit.owned[0], seg.offset) - seg.offset if unit.policy.shard_gradients else 0
-    if isinstance(g, ShardedGrad):
+    if isinstance(g, ShardedTensor):
         if g.sharded and g.n == n and g.start == start:
             return g.local
         g = g.full() if g.sharded else g.local.view(g.shape)

@@ -13,6 +13,14 @@ that holds managed parameters:
   gradients and applies to everything else (buffers, parameters zeroshard does not manage);
 - a conversion that would move or cast them fails with a message saying to move the model
   before building the optimizer, rather than training a detached copy.
+
+Note [state dicts of flat parameters]: at stages 0-2 every parameter is a view of one flat
+buffer, so ``model.state_dict()`` would hand out tensors that all share one storage.
+safetensors-based savers (Accelerate's ``save_state``, ``save_model``) then keep one tensor of
+the group, or refuse. The guard's state-dict hook gives each such entry its own storage (a
+copy, the size of the model's weights, for the duration of the caller's use); with
+``keep_vars=True`` (the Parameters themselves) nothing is copied. Stage 3 shows sharded
+parameters instead (Note [sharded parameters] in zeroshard/stages/stage3/gatherer.py).
 """
 from __future__ import annotations
 
@@ -23,13 +31,24 @@ from torch import nn
 
 
 class ModuleGuard:
-    def __init__(self, model: nn.Module, params: Iterable[torch.Tensor], what: str) -> None:
+    def __init__(self, model: nn.Module, params: Iterable[torch.Tensor], what: str,
+                 flat_buffers: Iterable[torch.Tensor] = ()) -> None:
         self.what = what
         self.managed = {id(p): p for p in params}
         self._modules: list[nn.Module] = []
         for module in model.modules():
             if any(id(p) in self.managed for p in module._parameters.values() if p is not None):
                 self._wrap(module)
+        self._flat = {b.untyped_storage().data_ptr() for b in flat_buffers if b.untyped_storage().nbytes()}
+        # (a function, not a bound method: torch marks public hooks with an attribute)
+        self._hooks = ([model.register_state_dict_post_hook(lambda *a: self._own_storage(*a))]
+                       if self._flat else [])
+
+    def _own_storage(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        for key, t in state_dict.items():  # Note [state dicts of flat parameters]
+            if (type(t) is torch.Tensor and t.untyped_storage().nbytes()
+                    and t.untyped_storage().data_ptr() in self._flat):
+                state_dict[key] = t.clone()
 
     def _wrap(self, module: nn.Module) -> None:
         original = module._apply
@@ -57,6 +76,9 @@ class ModuleGuard:
                     "model.to(device); opt = ZeroOptimizer(model, ...)")
 
     def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
         for module in self._modules:
             module.__dict__.pop("_apply", None)  # the class's method shows again
         self._modules.clear()

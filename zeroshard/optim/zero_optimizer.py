@@ -119,30 +119,33 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.unit_store.max_in_flight = slots
             self.inner.state = self.swapper
             weakref.finalize(self, self.swapper.close)
-        user_groups = [{**{k: v for k, v in ig.items() if k != "params"}, "params": g["params"]}
+        self.gatherer: Optional[ParameterGatherer] = None
+        if self.policy.shard_parameters:  # from here on torch code sees sharded parameters
+            self.gatherer = ParameterGatherer(self.units, unit_modules, module, self.comm,
+                                              self.config.max_live_units)
+        show = self.gatherer.visible if self.gatherer is not None else (lambda p: p)
+        user_groups = [{**{k: v for k, v in ig.items() if k != "params"}, "params": [show(p) for p in g["params"]]}
                        for g, ig in zip(groups, self.inner.param_groups)]
         super().__init__(user_groups, dict(self.inner.defaults))
         self._zero_initialized = True
-        self.param_names = names
+        self.param_names = {**names, **{id(show(p)): names[id(p)] for g in groups for p in g["params"]}}
         self.scaler = (DynamicLossScaler(self.config.initial_loss_scale,
                                          growth_interval=self.config.loss_scale_growth_interval)
                        if self.config.mixed_precision == "fp16" else None)
         self.reducer = GradientReducer(self.units, self.comm, reduce_dtype, self.config.max_inflight_buckets)
         self._set_grad_factor()
-        self.grad_links = GradLinks(self.units, self.comm)
+        self.grad_links = GradLinks(self.units, self.comm, show)
         self.reducer.on_pass_start.append(self._begin_pass)
         self.reducer.on_pass_end.append(self.grad_links.publish)
         self.reducer.register_hooks()
-        self.gatherer: Optional[ParameterGatherer] = None
-        if self.policy.shard_parameters:
-            self.gatherer = ParameterGatherer(self.units, unit_modules, module, self.comm,
-                                              self.config.max_live_units)
+        if self.gatherer is not None:
             self.gatherer.register()
             self.reducer.on_launch.append(self.gatherer.on_unit_reduced)
         if module is not None:
             registry.register(module, self)
-            self.module_guard = ModuleGuard(module, [m.param for u in self.units for m in u.members],
-                                            "ZeroOptimizer")
+            members = [m.param for u in self.units for m in u.members]
+            self.module_guard = ModuleGuard(module, members + [show(p) for p in members], "ZeroOptimizer",
+                                            [u.flat for u in self.units] if self.gatherer is None else [])
         self._fused_step = isinstance(self.inner, FusedAdam)
         # The fused pass writes the updated master straight into the low-precision shard
         # when both sit on the CPU (the kernel's copy-out); elsewhere write_back copies.
@@ -406,7 +409,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def segment_index(self) -> dict[int, tuple[FlatUnit, Segment]]:
         """Where each trainable parameter lives: id(param) -> (unit, segment)."""
-        return {id(m.param): (u, seg) for u in self.units for m, seg in zip(u.members, u.layout.segments)}
+        out = {id(m.param): (u, seg) for u in self.units for m, seg in zip(u.members, u.layout.segments)}
+        if self.gatherer is not None:  # and the sharded parameters torch code sees between uses
+            out.update({id(self.gatherer.visible(m.param)): (u, seg) for u in self.units for m, seg
+                        in zip(u.members, u.layout.segments)})
+        return out
 
     def __repr__(self) -> str:
         return (f"ZeroOptimizer(stage={self.stage}, world_size={self.comm.world_size}, "

@@ -32,9 +32,10 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True)
     for ui, unit in enumerate(opt.units):
         was_released = gatherer.state[ui].value == "released"
         gatherer.ensure(ui)
-        if keep:
+        if keep:  # read the gathered buffer: live[key] is the sharded parameter shown between uses
             for key in by_unit.get(unit.layout.index, []):
-                t = live[key].detach()
+                seg = where[id(live[key])][1]
+                t = unit.flat[seg.offset:seg.end].view(seg.shape)
                 out[key] = (t.cpu() if cpu else t).clone()
         if was_released:
             gatherer.release(ui)

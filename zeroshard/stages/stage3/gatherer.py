@@ -26,6 +26,18 @@ compiled. Dynamo does not guard on module hooks by default (``skip_nnmodule_hook
 code it compiled for another, hook-free instance of the same model class would be reused and
 run the blocks with released parameters; ``register`` turns those guards on.
 
+Note [sharded parameters]: outside the forward and backward of its unit a parameter is
+registered in its module as a ``ShardedTensor`` Parameter over the owned piece of the unit's
+shard (the scheme of FSDP2's sharded DTensor parameters), so torch code that reads it, prints
+it, calls ``model.state_dict()`` / ``torch.save`` / ``load_state_dict`` or ``model.to()`` sees
+real memory and global values (zeroshard/optim/sharded_tensor.py), and the optimizer's param
+groups and ``.grad`` are those objects. While a unit is gathered its modules hold the
+*unsharded* parameters instead: views into the gathered flat buffer that autograd saves and
+accumulates into (the reducer's hooks are on them). The swap is of registrations only
+(``module._parameters``), at gather and release; tied parameters are swapped in every module
+that registers them. Code compiled for another instance of the model class cannot run the
+blocks on released storage: a sharded parameter fails the compiled code's tensor guards.
+
 Note [released parameters]: a unit's flat buffer keeps its storage *object* for its whole
 life and every parameter stays a view into it; releasing resizes the storage to 0 bytes and
 gathering resizes it back and refills it (the scheme of FSDP2). Tensors autograd saved in
@@ -46,6 +58,7 @@ from torch.utils._pytree import tree_flatten
 
 from zeroshard.comm import Comm, Work
 from zeroshard.optim.flat_unit import FlatUnit, alloc_storage, free_storage
+from zeroshard.optim.sharded_tensor import ShardedTensor
 
 
 class Stage3UsageError(RuntimeError):
@@ -82,6 +95,47 @@ class ParameterGatherer:
         self._handles: list[Any] = []
         self._orig_forward = None
         self.unit_of_module = {id(m): i for i, m in enumerate(modules) if m is not None}
+        self._forwarding = False
+        self.sharded: dict[int, nn.Parameter] = {}
+        """id(unsharded parameter) -> the sharded Parameter shown outside use (Note [sharded parameters])."""
+        self._regs: list[list[tuple[nn.Module, str, nn.Parameter]]] = [[] for _ in self.units]
+        self._make_sharded()
+
+    # -- sharded parameters (Note [sharded parameters]) -------------------------------------------
+    def _make_sharded(self) -> None:
+        comm = self.comm if self.comm.world_size > 1 else None
+        where: dict[int, int] = {}
+        for ui, unit in enumerate(self.units):
+            lo, hi = unit.owned
+            for m, seg in zip(unit.members, unit.layout.segments):
+                a, b = max(lo, seg.offset), min(hi, seg.end)
+                t = ShardedTensor(unit.shard, a - lo if a < b else 0, max(0, b - a), seg.shape, unit.dtype,
+                                  m.param.device, max(0, a - seg.offset), comm, unit, part="shard")
+                sp = nn.Parameter(t, requires_grad=m.param.requires_grad)
+                sp.on_use = functools.partial(self._check_use, seg.name)
+                self.sharded[id(m.param)] = sp
+                where[id(m.param)] = ui
+        for module in self.model.modules():
+            for name, p in module._parameters.items():
+                if p is not None and id(p) in where:
+                    self._regs[where[id(p)]].append((module, name, p))
+        for ui in range(len(self.units)):
+            self.show(ui, sharded=True)
+
+    def show(self, ui: int, sharded: bool) -> None:
+        for module, name, p in self._regs[ui]:
+            module._parameters[name] = self.sharded[id(p)] if sharded else p
+
+    def visible(self, p: torch.Tensor) -> torch.Tensor:
+        """What torch code sees of managed parameter ``p`` between uses."""
+        return self.sharded.get(id(p), p)
+
+    def _check_use(self, name: str, func: Any) -> None:
+        if self._forwarding or _in_backward():
+            raise Stage3UsageError(
+                f"{name} was used by {func} while its unit was released: a parameter used outside the "
+                "module that owns it is not gathered there. Make the module that uses it part of a "
+                "larger unit (stage3_unit_classes=[...]) or let it stay in the root unit.")
 
     # -- registration ------------------------------------------------------------------------
     def register(self) -> None:
@@ -109,6 +163,8 @@ class ParameterGatherer:
             self._orig_forward = None
 
     def _guarded_forward(self, forward: Any, args: tuple, kwargs: dict) -> Any:
+        outer = self._forwarding
+        self._forwarding = True
         try:
             return forward(*args, **kwargs)
         except (Stage3UsageError, torch._dynamo.exc.TorchDynamoException):
@@ -123,6 +179,8 @@ class ParameterGatherer:
                 f"partitioned tensors were released (e.g. {released[:4]}). A parameter used outside "
                 "the module that owns it is not gathered there: make the module that uses it part "
                 "of a larger unit (stage3_unit_classes=[...]) or let it stay in the root unit.") from exc
+        finally:
+            self._forwarding = outer
 
     # -- gather / release ---------------------------------------------------------------------
     def _live(self) -> int:
@@ -166,6 +224,7 @@ class ParameterGatherer:
             self._work[ui].wait()
             self._work[ui] = None
             self.state[ui] = UnitState.GATHERED
+            self.show(ui, sharded=False)
 
     def release(self, ui: int) -> None:
         if self.state[ui] is UnitState.RELEASED:
@@ -179,6 +238,7 @@ class ParameterGatherer:
             self._work[ui] = None
         free_storage(unit.flat)
         self.state[ui] = UnitState.RELEASED
+        self.show(ui, sharded=True)
 
     def release_all(self) -> None:
         for ui in range(len(self.units)):

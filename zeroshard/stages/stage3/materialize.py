@@ -56,11 +56,14 @@ def init_meta_weights(model: nn.Module, seed: int = 0) -> None:
         raise ValueError("init_meta_weights needs the model to be managed by a ZeroOptimizer first")
     owners = _owner_modules(model)
     where = opt.segment_index()
-    for unit in opt.units:
+    for ui, unit in enumerate(opt.units):
         if not unit.needs_init:
             continue
-        modules = {id(mod): mod for m in unit.members for mod in owners.get(id(m.param), [])}
+        shown = opt.gatherer.visible if opt.gatherer is not None else (lambda p: p)  # what modules hold now
+        modules = {id(mod): mod for m in unit.members for mod in owners.get(id(shown(m.param)), [])}
         temporary: list[nn.Parameter] = []
+        if opt.gatherer is not None:  # the initialisers see the unsharded parameters
+            opt.gatherer.show(ui, sharded=False)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed + unit.layout.index)
             for module in modules.values():
@@ -76,6 +79,8 @@ def init_meta_weights(model: nn.Module, seed: int = 0) -> None:
         for p in temporary:
             owner, seg = where[id(p)]
             restore_parameter(owner, seg, p)
+        if opt.gatherer is not None:
+            opt.gatherer.show(ui, sharded=True)
 
 
 def _initializer(model: nn.Module, module: nn.Module):

@@ -1,28 +1,34 @@
-"""``ShardedGrad``: what ``param.grad`` is when it cannot be a plain view of the gradient store.
+"""``ShardedTensor``: a parameter or gradient whose elements are spread over the ranks.
 
-After backward, ``param.grad`` holds the averaged gradient at every stage (Note [visible
-gradients] in zeroshard/optim/grad_links.py). At stages 0-1 with an fp32 model that is a
-plain view into the unit's gradient store. Otherwise it is this wrapper: it has the
-parameter's shape, dtype and device (so autograd, ``clip_grad_norm_`` and ``GradScaler``
-accept it) and holds ``local``, the part of the fp32 gradient this rank keeps:
+Two uses, one type:
+- ``param.grad`` when it cannot be a plain view of the gradient store (Note [visible
+  gradients] in zeroshard/optim/grad_links.py): this rank's fp32 piece at stages 2-3, or the
+  whole fp32 gradient behind a bf16/fp16 parameter or a swap file;
+- a stage-3 parameter outside the forward and backward of its unit (Note [sharded
+  parameters] in zeroshard/stages/stage3/gatherer.py): the owned piece of the unit's shard.
 
-- sharded (stages 2-3): ``local`` is the piece ``[start, start + local.numel())`` of the
-  parameter's flattened gradient that this rank owns; the other pieces live on other ranks;
-- whole (stages 0-1 under bf16/fp16, or a gradient kept in a swap file): ``local`` is the
-  whole gradient in fp32, and ops run on ``local.view(shape)``.
+It has the full tensor's shape, dtype and device (so autograd, ``nn.Module``,
+``clip_grad_norm_`` and ``GradScaler`` accept it) and reads ``local``, its part:
+- sharded: the piece ``[start, start + n)`` of the flattened tensor that this rank owns; the
+  other pieces live on other ranks (``comm``);
+- whole: ``local`` is everything, and ops run on ``local.view(shape)``.
 
-Note [sharded gradient ops]: what torch code does with gradients is answered exactly,
-like DTensor answers it, but with zeroshard's element-range shards:
-- pointwise ops (``mul_`` by a clip coefficient, ``abs``, ``isfinite``, ``zero_``, ...) run on
-  the local piece; results stay sharded;
+Note [sharded tensor ops]: what torch code does with these is answered exactly, as DTensor
+answers it, but over zeroshard's element-range shards:
+- pointwise ops (``mul_`` by a clip coefficient, ``abs``, ``isfinite``, ``zero_``, ``copy_``
+  from a full tensor, ...) run on the local piece; results stay sharded;
 - full reductions (``linalg_vector_norm``, ``norm``, ``sum``, ``amax``, ``all``, ...) reduce
   the local piece, then across ranks, and return an ordinary tensor with the global value;
 - ``GradScaler``'s unscale-and-check runs on the local pieces and the found-inf flag is
   agreed by all ranks (MAX), so every rank skips the same steps;
-- anything else gathers the parameter's whole gradient (a collective, with a warning once per
-  op), runs the op on it and, for an in-place op, keeps the local piece of the result.
-Every rank must therefore run the same gradient ops in the same order (SPMD code does; code
-that inspects gradients on rank 0 only must use ``local_grad(p)``, which never communicates).
+- anything else gathers the whole tensor (a collective, with a warning once per op), runs the
+  op on it and, for an in-place op, keeps the local piece of the result;
+- an in-place op on a parameter writes through its unit (``FlatUnit.load_segment``), so the
+  fp32 master, a gathered copy and a swap file all follow (``model.load_state_dict``).
+Every rank must therefore run the same ops in the same order (SPMD code does; code that
+inspects gradients on rank 0 only must use ``local_part(t)``, which never communicates).
+``torch.save`` stores this rank's piece (``local`` and where it sits); loading it back on the
+same rank and world size restores it through ``load_state_dict``.
 """
 from __future__ import annotations
 
@@ -40,19 +46,25 @@ _ALIASES = {aten.detach.default, aten.alias.default}
 _WARNED: set[str] = set()
 
 
-class ShardedGrad(torch.Tensor):
+class ShardedTensor(torch.Tensor):
     store: torch.Tensor
     lo: int
     n: int
     start: int
+    whole: bool
     comm: Any
     unit: Any
+    part: str
+    on_use: Any
 
     @staticmethod
     def __new__(cls, store: torch.Tensor, lo: int, n: int, shape: torch.Size, dtype: torch.dtype,
-                device: torch.device, start: int, comm: Any = None, unit: Any = None) -> "ShardedGrad":
-        r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
-        r.store, r.lo, r.n, r.start, r.comm, r.unit = store, lo, n, start, comm, unit
+                device: torch.device, start: int, comm: Any = None, unit: Any = None, *,
+                whole: Optional[bool] = None, part: str = "grad", requires_grad: bool = False) -> "ShardedTensor":
+        r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=requires_grad)
+        r.store, r.lo, r.n, r.start, r.comm, r.unit, r.part = store, lo, n, start, comm, unit, part
+        r.whole = comm is None if whole is None else whole
+        r.on_use = None
         return r
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -64,25 +76,32 @@ class ShardedGrad(torch.Tensor):
         uses (dispatch reads it in first), so a view made earlier could not exist."""
         return self.store[self.lo:self.lo + self.n]
 
+    def __reduce_ex__(self, protocol: int) -> Any:
+        with _resident([self], False):
+            local = self.local.detach().clone()
+        return _rebuild_piece, (local, tuple(self.shape), self.dtype, self.start, self.whole)
+
     @property
     def sharded(self) -> bool:
-        """Whether other ranks hold other pieces (False: ``local`` is the whole gradient)."""
-        return self.comm is not None
+        """Whether other ranks hold other pieces (False: ``local`` is the whole tensor)."""
+        return not self.whole
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # never a collective
         where = (f"elements [{self.start}, {self.start + self.n}) of {math.prod(self.shape)} on this rank"
                  if self.sharded else "whole")
-        return f"ShardedGrad(shape={tuple(self.shape)}, dtype={self.dtype}, {where})"
+        kind = "Parameter" if isinstance(self, torch.nn.Parameter) else "ShardedTensor"
+        return f"{kind}(shape={tuple(self.shape)}, dtype={self.dtype}, {where})"
 
-    def like(self, local: torch.Tensor, dtype: Optional[torch.dtype] = None) -> "ShardedGrad":
+    def like(self, local: torch.Tensor, dtype: Optional[torch.dtype] = None) -> "ShardedTensor":
         """A tensor with this one's layout over ``local`` (an op's result, in memory)."""
-        return ShardedGrad(local, 0, local.numel(), self.shape, dtype or self.dtype, self.device, self.start,
-                           self.comm, None)
+        return ShardedTensor(local, 0, local.numel(), self.shape, dtype or self.dtype, self.device, self.start,
+                             self.comm, None, whole=self.whole)
 
     def full(self) -> torch.Tensor:
         """The whole gradient as an ordinary tensor (a collective when sharded)."""
         if not self.sharded:
             return self.local.view(self.shape)
+        _need_comm(self)
         buf = torch.zeros(math.prod(self.shape), dtype=self.local.dtype, device=self.local.device)
         buf[self.start:self.start + self.n] = self.local
         self.comm.all_reduce(buf)  # other ranks add exact zeros: a copy, bit for bit
@@ -93,23 +112,62 @@ class ShardedGrad(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        grads = [a for a in _flat(args, kwargs) if isinstance(a, ShardedGrad)]
+        grads = [a for a in _flat(args, kwargs) if isinstance(a, ShardedTensor)]
+        for g in grads:
+            if g.on_use is not None and func not in _ALIASES:
+                g.on_use(func)
+        if _mutates(func) and args and isinstance(args[0], ShardedTensor) and args[0].part == "shard":
+            return _write_params(func, args, kwargs, grads)
         with _resident(grads, _mutates(func)):
             return _dispatch(func, args, kwargs, grads)
 
 
-def local_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
-    """This rank's part of ``param.grad`` with no communication: the whole gradient where this
-    rank holds it, or the flat owned piece at stages 2-3 (possibly empty)."""
-    g = param.grad
-    return g.local if isinstance(g, ShardedGrad) else g
+def local_part(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """This rank's part of ``t`` (e.g. ``param.grad``) with no communication: the whole tensor
+    where this rank holds it, or the flat owned piece at stages 2-3 (possibly empty)."""
+    return t.local if isinstance(t, ShardedTensor) else t
+
+
+def _rebuild_piece(local: torch.Tensor, shape: tuple, dtype: torch.dtype, start: int, whole: bool) -> ShardedTensor:
+    """What ``torch.save`` stored: a piece that knows where it sits, detached from any run."""
+    return ShardedTensor(local, 0, local.numel(), torch.Size(shape), dtype, local.device, start, None, None,
+                         whole=whole, part="saved")
+
+
+torch.serialization.add_safe_globals([_rebuild_piece])  # torch.load(weights_only=True) may build pieces
+
+
+def _need_comm(t: ShardedTensor) -> None:
+    if t.comm is None:
+        raise RuntimeError(
+            f"{t!r} is a piece saved by one rank (torch.save of a stage-3 model.state_dict()); its other "
+            "pieces are not here. Load it with model.load_state_dict() on the same rank and world size, "
+            "or save whole tensors with zeroshard.full_state_dict(model) or zeroshard.save_checkpoint")
+
+
+def _write_params(func: Any, args: tuple, kwargs: dict, grads: list[ShardedTensor]) -> Any:
+    """An in-place op on stage-3 parameters: computed on a copy of each piece, then written
+    through the unit so its fp32 master, a gathered copy and a swap file follow."""
+    targets = {id(args[0]): args[0]} if args[0].unit is not None else {}
+    with _resident(grads, False):
+        temps = {i: ShardedTensor(g.local.clone(), 0, g.n, g.shape, g.dtype, g.device, g.start, g.comm,
+                                  None, whole=g.whole, part="tmp") for i, g in targets.items()}
+    swap = lambda x: temps.get(id(x), x)  # noqa: E731
+    new_args, new_kwargs = tree_map(swap, args), tree_map(swap, kwargs)
+    _dispatch(func, new_args, new_kwargs, [swap(g) for g in grads])
+    with torch.no_grad():
+        for i, g in targets.items():
+            if g.n:
+                g.unit.load_segment(g.lo + g.unit.owned[0], temps[i].local)
+    return args[0]
 
 
 # -- dispatch -----------------------------------------------------------------------------------
-def _dispatch(func: Any, args: tuple, kwargs: dict, grads: list[ShardedGrad]) -> Any:
-    if func in _ALIASES:
+def _dispatch(func: Any, args: tuple, kwargs: dict, grads: list[ShardedTensor]) -> Any:
+    if func in _ALIASES:  # (detach: what state_dict() returns; a piece, not a Parameter)
         g = args[0]
-        return ShardedGrad(g.store, g.lo, g.n, g.shape, g.dtype, g.device, g.start, g.comm, g.unit)
+        return ShardedTensor(g.store, g.lo, g.n, g.shape, g.dtype, g.device, g.start, g.comm, g.unit,
+                             whole=g.whole, part=g.part)
     if not any(g.sharded for g in grads):  # whole gradients: the op runs on them as they are
         out = func(*_sub(args, _whole), **_sub(kwargs, _whole))
         _note_writes(func, grads)
@@ -130,9 +188,9 @@ def _dispatch(func: Any, args: tuple, kwargs: dict, grads: list[ShardedGrad]) ->
     return _gathered(func, args, kwargs, grads)
 
 
-def _pointwise(func: Any, args: tuple, kwargs: dict, layout: ShardedGrad, grads: list) -> Any:
+def _pointwise(func: Any, args: tuple, kwargs: dict, layout: ShardedTensor, grads: list) -> Any:
     def local(x: Any) -> Any:
-        if isinstance(x, ShardedGrad):
+        if isinstance(x, ShardedTensor):
             return x.local
         if isinstance(x, torch.Tensor) and x.shape == layout.shape and x.dim() > 0:
             return x.reshape(-1)[layout.start:layout.start + layout.n]
@@ -149,7 +207,7 @@ def _pointwise(func: Any, args: tuple, kwargs: dict, layout: ShardedGrad, grads:
     return out
 
 
-def _gathered(func: Any, args: tuple, kwargs: dict, grads: list[ShardedGrad]) -> Any:
+def _gathered(func: Any, args: tuple, kwargs: dict, grads: list[ShardedTensor]) -> Any:
     name = str(func)
     if name not in _WARNED:
         _WARNED.add(name)
@@ -157,19 +215,19 @@ def _gathered(func: Any, args: tuple, kwargs: dict, grads: list[ShardedGrad]) ->
                       "whole gradient from all ranks to compute it; every rank must make the same call",
                       stacklevel=3)
     full = {id(g): g.full() for g in grads}
-    swap = lambda x: full[id(x)] if isinstance(x, ShardedGrad) else x  # noqa: E731
+    swap = lambda x: full[id(x)] if isinstance(x, ShardedTensor) else x  # noqa: E731
     out = func(*tree_map(swap, args), **tree_map(swap, kwargs))
     for g in grads:  # an in-place op changed the gathered copy: keep this rank's piece of it
         if full[id(g)].data_ptr() != 0 and _mutates(func):
             g.local.copy_(full[id(g)].reshape(-1)[g.start:g.start + g.n])
     _note_writes(func, grads)
-    if _mutates(func) and args and isinstance(args[0], ShardedGrad):
+    if _mutates(func) and args and isinstance(args[0], ShardedTensor):
         return args[0]
     return out
 
 
 # -- reductions ---------------------------------------------------------------------------------
-def _norm(g: ShardedGrad, ord: Any = 2, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> torch.Tensor:
+def _norm(g: ShardedTensor, ord: Any = 2, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> torch.Tensor:
     ord = float(2 if ord is None else ord)
     x = g.local
     if ord == math.inf:
@@ -186,20 +244,20 @@ def _norm(g: ShardedGrad, ord: Any = 2, dim: Any = None, keepdim: bool = False, 
     return total.to(dtype or g.dtype)
 
 
-def _norm_op(g: ShardedGrad, p: Any = 2, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> torch.Tensor:
+def _norm_op(g: ShardedTensor, p: Any = 2, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> torch.Tensor:
     return _norm(g, p, dim, keepdim, dtype)
 
 
-def _sum(g: ShardedGrad, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> torch.Tensor:
+def _sum(g: ShardedTensor, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> torch.Tensor:
     return _agree(g, g.local.sum(dtype=torch.float64), dist.ReduceOp.SUM).to(dtype or g.dtype)
 
 
-def _mean(g: ShardedGrad, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> torch.Tensor:
+def _mean(g: ShardedTensor, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> torch.Tensor:
     return (_sum(g, dtype=torch.float64) / math.prod(g.shape)).to(dtype or g.dtype)
 
 
 def _extreme(op: Any, empty: float) -> Any:
-    def reduce(g: ShardedGrad, *rest: Any, **kw: Any) -> torch.Tensor:
+    def reduce(g: ShardedTensor, *rest: Any, **kw: Any) -> torch.Tensor:
         x = g.local
         part = (x.max() if op is dist.ReduceOp.MAX else x.min()) if x.numel() else x.new_full((), empty)
         return _agree(g, part, op).to(g.dtype)
@@ -207,7 +265,7 @@ def _extreme(op: Any, empty: float) -> Any:
 
 
 def _logical(op: Any) -> Any:
-    def reduce(g: ShardedGrad, *rest: Any, **kw: Any) -> torch.Tensor:
+    def reduce(g: ShardedTensor, *rest: Any, **kw: Any) -> torch.Tensor:
         x = g.local
         part = (x.all() if op is dist.ReduceOp.MIN else x.any()).to(torch.int32)
         return _agree(g, part, op).to(torch.bool)
@@ -224,7 +282,7 @@ _REDUCTIONS = {
 
 def _is_full_reduction(func: Any, args: tuple, kwargs: dict) -> bool:
     """The op reduces every element of a sharded gradient to one value (no ``dim``, or all)."""
-    if not (args and isinstance(args[0], ShardedGrad)):
+    if not (args and isinstance(args[0], ShardedTensor)):
         return False
     names = [a.name for a in func._schema.arguments]
     if "out" in names or len(func._schema.returns) != 1:
@@ -236,8 +294,9 @@ def _is_full_reduction(func: Any, args: tuple, kwargs: dict) -> bool:
     return sorted(d % max(1, args[0].dim()) for d in dims) == list(range(args[0].dim())) and not kwargs.get("keepdim")
 
 
-def _agree(g: ShardedGrad, value: torch.Tensor, op: Any) -> torch.Tensor:
+def _agree(g: ShardedTensor, value: torch.Tensor, op: Any) -> torch.Tensor:
     """``value`` reduced with ``op`` over the ranks that hold pieces of ``g``."""
+    _need_comm(g)
     t = value.detach().clone().reshape(1)
     g.comm.all_reduce(t, op=op)
     return t.reshape(())
@@ -251,10 +310,10 @@ def _flat(args: tuple, kwargs: dict) -> list:
 
 
 def _sub(tree: Any, fn: Any) -> Any:
-    return tree_map(lambda x: fn(x) if isinstance(x, ShardedGrad) else x, tree)
+    return tree_map(lambda x: fn(x) if isinstance(x, ShardedTensor) else x, tree)
 
 
-def _whole(g: ShardedGrad) -> torch.Tensor:
+def _whole(g: ShardedTensor) -> torch.Tensor:
     return g.local.view(g.shape)
 
 
@@ -262,7 +321,7 @@ def _mutates(func: Any) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
 
 
-def _same_layout(grads: list[ShardedGrad]) -> Optional[ShardedGrad]:
+def _same_layout(grads: list[ShardedTensor]) -> Optional[ShardedTensor]:
     first = grads[0]
     for g in grads[1:]:
         if g.shape != first.shape or g.start != first.start or g.n != first.n:
@@ -270,35 +329,37 @@ def _same_layout(grads: list[ShardedGrad]) -> Optional[ShardedGrad]:
     return first
 
 
-def _pointwise_ok(func: Any, args: tuple, kwargs: dict, layout: ShardedGrad) -> bool:
+def _pointwise_ok(func: Any, args: tuple, kwargs: dict, layout: ShardedTensor) -> bool:
+    if _mutates(func) and not isinstance(args[0], ShardedTensor):  # a full tensor is written
+        return False
     if torch.Tag.pointwise not in func.tags and func.overloadpacket not in (aten.zero_, aten.copy_, aten.fill_,
                                                                              aten.clone):
         return False
     for x in _flat(args, kwargs):  # other tensors must be 0-dim or of the gradient's shape
-        if isinstance(x, torch.Tensor) and not isinstance(x, ShardedGrad) and x.dim() > 0 and x.shape != layout.shape:
+        if isinstance(x, torch.Tensor) and not isinstance(x, ShardedTensor) and x.dim() > 0 and x.shape != layout.shape:
             return False
     return True
 
 
-def _note_writes(func: Any, grads: list[ShardedGrad]) -> None:
+def _note_writes(func: Any, grads: list[ShardedTensor]) -> None:
     """Swapped gradients keep their norm and finiteness noted (clipping reads those)."""
     if _mutates(func):
         for g in grads:
-            if g.unit is not None and g.unit.swap is not None:
+            if g.part == "grad" and g.unit is not None and g.unit.swap is not None:
                 g.unit.note_grad_stats()
 
 
 class _resident:
-    """Swapped gradients (NVMe offload) are read in for the op and written back after a write."""
+    """Swapped parts (NVMe offload) are read in for the op and written back after a write."""
 
-    def __init__(self, grads: list[ShardedGrad], write: bool) -> None:
+    def __init__(self, grads: list[ShardedTensor], write: bool) -> None:
         self.ctxs = []
-        seen: set[int] = set()
+        seen: set[tuple[int, str]] = set()
         for g in grads:
             u = g.unit
-            if u is not None and u.swap is not None and u.swapped("grad") and id(u) not in seen:
-                seen.add(id(u))
-                self.ctxs.append(u.swap.resident(u, ("grad",), write=write))
+            if u is not None and u.swap is not None and u.swapped(g.part) and (id(u), g.part) not in seen:
+                seen.add((id(u), g.part))
+                self.ctxs.append(u.swap.resident(u, (g.part,), write=write))
 
     def __enter__(self) -> None:
         for c in self.ctxs:
