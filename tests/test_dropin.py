@@ -81,3 +81,37 @@ def test_safetensors_savers_keep_every_tensor(tmp_path, stage):
     back = st.load_file(str(tmp_path / "m.safetensors"))
     assert sorted(back) == sorted(sd)
     assert all(torch.equal(back[k], v) for k, v in sd.items())
+
+
+@pytest.mark.parametrize("how", ["load_checkpoint", "load_state_dict"])
+@pytest.mark.parametrize("stage,precision", [(0, "bf16"), (1, "bf16"), (2, "bf16"), (3, "bf16"), (3, None)])
+def test_weights_only_loads_update_whatever_holds_them(tmp_path, stage, precision, how):
+    """Loading weights without the optimizer (zeroshard.load_checkpoint(path, model=m) or
+    model.load_state_dict) must reach the fp32 masters and stage 3's shards: a following step
+    with lr=0 keeps exactly the loaded weights (stale masters would write the old ones back)."""
+    import torch
+    import zeroshard
+    model = w.gpt2()
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=stage, mixed_precision=precision)
+
+    def step(i: int) -> None:
+        ids = w.tokens(i)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    step(0)
+    saved = zeroshard.full_state_dict(model, rank0_only=False)
+    if how == "load_checkpoint":
+        zeroshard.save_checkpoint(str(tmp_path), 1, model=model, optimizer=opt)
+    step(1)
+    step(2)
+    if how == "load_checkpoint":
+        zeroshard.load_checkpoint(str(tmp_path), model=model)
+    else:
+        model.load_state_dict(saved)
+    for g in opt.param_groups:
+        g["lr"], g["weight_decay"] = 0.0, 0.0
+    step(3)
+    now = zeroshard.full_state_dict(model, rank0_only=False)
+    for k, v in saved.items():
+        assert torch.equal(now[k], v), k

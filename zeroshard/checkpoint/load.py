@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from zeroshard.optim.registry import optimizer_for
 from zeroshard.checkpoint import jsontree, locate, trainer_state
 from zeroshard.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map
@@ -171,8 +172,9 @@ def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
 
     def put_param(name: str, a: int, b: int, run: Any, piece: Any) -> None:
         values = src.fetch(name, a, b, PARAM)
-        if run is None:
-            state_dict[name].view(-1).copy_(values)
+        if run is None:  # whole tensors; a sharded stage-3 parameter takes its piece (and its master)
+            t = state_dict[name]
+            t.copy_(values.view(t.shape))
         elif run.unit.swapped("shard"):  # straight into the swap file
             run.unit.swap.write_range(run.unit, "shard", piece.unit_offset, values)
         else:
@@ -188,6 +190,9 @@ def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
             else:
                 put_param(name, a, b, run, piece)
         if opt is None:
+            managed = optimizer_for(model) if model is not None else None
+            if managed is not None:  # the weights alone changed: whatever else holds them follows
+                managed.model_weights_changed()
             return
         for unit in opt.units:  # every owned piece came from the checkpoint (read_phase checked)
             unit.needs_init = False

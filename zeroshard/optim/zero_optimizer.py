@@ -143,6 +143,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.reducer.on_launch.append(self.gatherer.on_unit_reduced)
         if module is not None:
             registry.register(module, self)
+            # (a function, not a bound method: torch marks public hooks with an attribute)
+            self._load_hook = module.register_load_state_dict_post_hook(
+                lambda mod, incompatible: self.model_weights_changed())
             members = [m.param for u in self.units for m in u.members]
             self.module_guard = ModuleGuard(module, members + [show(p) for p in members], "ZeroOptimizer",
                                             [u.flat for u in self.units] if self.gatherer is None else [])
@@ -184,6 +187,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ``.grad`` is detached so autograd accumulates this pass's gradients afresh."""
         self.grad_links.reconcile()
         self.grad_links.detach_all()
+
+    def model_weights_changed(self) -> None:
+        """The model's parameters were written from outside (``model.load_state_dict``, a
+        weights-only ``load_checkpoint``): the fp32 masters of stages 0-2 take the new values, or
+        the next step would write the old ones back. (Stage-3 parameters write through their
+        unit already: Note [sharded tensor ops].)"""
+        if self.gatherer is not None:
+            return
+        with torch.no_grad():
+            for unit in self.units:
+                if unit.separate_master:
+                    lo, hi = unit.owned
+                    unit.load_segment(lo, unit.flat[lo:hi].float())
 
     def _owned_grads(self) -> list[torch.Tensor]:
         return [u.owned_grad() for u in self.units if u.grad_valid]
