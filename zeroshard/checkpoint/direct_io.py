@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from zeroshard.checkpoint.safe_fs import open_regular
+
 ALIGN = 4096
 _BUF = 16 << 20
 _READ = 64 << 20  # bytes per read request: large, as dd bs=64M
@@ -104,8 +106,8 @@ class DirectWriter:
 def read_into(path: str, offset: int, out: torch.Tensor) -> int:
     """Reads ``len(out)`` bytes at ``offset`` into ``out`` (uint8; aligned via aligned_empty
     for the direct path, with room for the tail rounded up to ALIGN); returns bytes read."""
-    from zeroshard.checkpoint.safe_fs import open_regular  # checkpoint input: regular files only
     n = out.numel()
+    # Checkpoint files are input: regular files only, never through a link (safe_fs).
     fd, direct = open_regular(path, direct=offset % ALIGN == 0 and out.data_ptr() % ALIGN == 0)
     try:
         mv = memoryview(out.numpy())

@@ -115,7 +115,7 @@ def _snapshot(opt: Any, scheduler: Any, dataloader: Any) -> Callable[[], None]:
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] if opt is not None else None
     scaler = copy.deepcopy(opt.scaler.state_dict()) if opt is not None and opt.scaler is not None else None
     sched = copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None
-    loader = copy.deepcopy(dataloader.state_dict()) if dataloader is not None else None
+    loader = copy.deepcopy(dataloader.state_dict()) if hasattr(dataloader, "state_dict") else None
     gens = (random.getstate(), np.random.get_state(), torch.get_rng_state())
 
     def undo() -> None:
