@@ -215,3 +215,31 @@ def grad_ops_worker(rank: int, world: int, out_path: str, stage: int) -> None:
         repr(p0.grad)  # never a collective (would hang if one rank did it alone)
     with open(f"{out_path}.rank{rank}", "w") as f:
         json.dump({"worst": worst, "type": type(p0.grad).__name__}, f)
+
+
+def scaler_skip_worker(rank: int, world: int, out_path: str, stage: int) -> None:
+    """GradScaler with an overflow on one rank only (rank 1's loss is inf at step 1): every
+    rank must skip that step and halve the scale, as one process with the whole batch does."""
+    def run(model: torch.nn.Module, opt: torch.optim.Optimizer, r: int, w: int) -> float:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+        per = GLOBAL_BATCH // w
+        for step in range(3):
+            part = tokens(step)[r * per:(r + 1) * per]
+            loss = model(input_ids=part, labels=part).loss
+            if step == 1 and (r == 1 or w == 1):
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            scaler.step(opt)
+            scaler.update()
+            model.zero_grad()
+        return scaler.get_scale()
+    ref = gpt2()
+    ref_scale = run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), 0, 1)
+    model = gpt2()
+    scale = run(model, zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=stage), rank, world)
+    got = weights(model, stage)
+    diff = max(float((got[n] - p.detach()).abs().max()) for n, p in ref.named_parameters())
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump({"scale": scale, "ref_scale": ref_scale, "diff": diff}, f)

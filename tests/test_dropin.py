@@ -115,3 +115,12 @@ def test_weights_only_loads_update_whatever_holds_them(tmp_path, stage, precisio
     now = zeroshard.full_state_dict(model, rank0_only=False)
     for k, v in saved.items():
         assert torch.equal(now[k], v), k
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_grad_scaler_skips_an_overflow_on_one_rank_everywhere(tmp_path, stage):
+    """Rank 1 alone overflows at step 1: the inf check is agreed, both ranks skip the step and
+    halve the scale, and training goes on like one process that skipped it."""
+    for r in run_ranks(w.scaler_skip_worker, 2, tmp_path, stage):
+        assert r["scale"] == r["ref_scale"] == 2.0**9, r
+        assert r["diff"] < 1e-5, r

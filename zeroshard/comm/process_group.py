@@ -93,7 +93,7 @@ class Comm:
         return out
 
     def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0,
-                          bucket_bytes: int = 64 * 2**20) -> None:
+                          bucket_bytes: int = 16 * 2**20) -> None:
         """Every rank's ``tensors`` take rank ``src``'s values (meta tensors, which hold none,
         are skipped); coalesced per dtype into buckets of about ``bucket_bytes``."""
         if self.world_size == 1:
