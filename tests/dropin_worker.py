@@ -243,3 +243,19 @@ def scaler_skip_worker(rank: int, world: int, out_path: str, stage: int) -> None
     diff = max(float((got[n] - p.detach()).abs().max()) for n, p in ref.named_parameters())
     with open(f"{out_path}.rank{rank}", "w") as f:
         json.dump({"scale": scale, "ref_scale": ref_scale, "diff": diff}, f)
+
+
+def comm_worker(rank: int, world: int, out_path: str, stage: int) -> None:
+    """Bytes each collective kind moves in one training step, for the pytest side to check
+    against what the stage's design says it must move."""
+    model = gpt2()
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=stage)
+    opt.comm_report(reset=True)  # (construction's broadcast of rank 0's values)
+    part = tokens(0)[rank * 2:(rank + 1) * 2]
+    model(input_ids=part, labels=part).loss.backward()
+    opt.step()
+    units = [{"padded": u.layout.padded_numel, "elsize": u.flat.element_size(), "root": u is (
+        opt.units[opt.gatherer.root] if opt.gatherer is not None and opt.gatherer.root is not None else None)}
+        for u in opt.units]
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump({"report": opt.comm_report(), "units": units}, f)

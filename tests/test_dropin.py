@@ -124,3 +124,20 @@ def test_grad_scaler_skips_an_overflow_on_one_rank_everywhere(tmp_path, stage):
     for r in run_ranks(w.scaler_skip_worker, 2, tmp_path, stage):
         assert r["scale"] == r["ref_scale"] == 2.0**9, r
         assert r["diff"] < 1e-5, r
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_comm_report_counts_what_each_stage_moves(tmp_path, stage):
+    """One step at world 2: gradients are reduced once per unit in fp32 (all-reduce at stages
+    0-1, reduce-scatter at 2-3); stages 1-2 gather every unit's parameters after the step;
+    stage 3 gathers each block in forward and again in backward, the root unit once."""
+    for r in run_ranks(w.comm_worker, 2, tmp_path, stage):
+        rep, units = r["report"], r["units"]
+        grads = sum(u["padded"] * 4 for u in units)
+        params = sum(u["padded"] * u["elsize"] for u in units)
+        kind = "all_reduce" if stage < 2 else "reduce_scatter"
+        assert rep[kind]["bytes"] == grads and rep[kind]["calls"] == len(units), rep
+        gathers = {0: 0, 1: params, 2: params,
+                   3: sum(u["padded"] * u["elsize"] * (1 if u["root"] else 2) for u in units)}[stage]
+        assert rep.get("all_gather", {"bytes": 0})["bytes"] == gathers, rep
+        assert all(v["dimension"] == "dp" for v in rep.values())

@@ -1,4 +1,4 @@
 """The collectives zeroshard issues, over an ordinary torch.distributed process group."""
-from zeroshard.comm.process_group import Comm, Work
+from zeroshard.comm.process_group import Comm, Traffic, Work
 
-__all__ = ["Comm", "Work"]
+__all__ = ["Comm", "Traffic", "Work"]

@@ -13,6 +13,7 @@ costs 1.6x an all-reduce, while one ``broadcast`` per owner (each rank sends its
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Optional, Protocol
 
 import torch
@@ -42,10 +43,28 @@ class _AllOf:
         return True
 
 
-class Comm:
-    """Rank, world size and collectives of one process group (or of a single process)."""
+@dataclass
+class Traffic:
+    """What one kind of collective moved on this rank: calls, and bytes of the tensors each
+    rank contributed (the logical operation's size; an emulated all-gather counts once, not
+    per broadcast). ``dimension`` names the process group it crossed ("dp": the data-parallel
+    group; a hybrid mesh adds its own dimensions)."""
 
-    def __init__(self, process_group: Optional[dist.ProcessGroup] = None) -> None:
+    calls: int = 0
+    bytes: int = 0
+    dimension: str = "dp"
+
+
+class Comm:
+    """Rank, world size and collectives of one process group (or of a single process).
+
+    Every collective is counted in ``traffic`` (by kind) so the communication a configuration
+    costs is measured, not asserted (``ZeroOptimizer.comm_report``). A world of one process
+    moves nothing and counts nothing."""
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, dimension: str = "dp") -> None:
+        self.dimension = dimension
+        self.traffic: dict[str, Traffic] = {}
         initialized = dist.is_available() and dist.is_initialized()
         if process_group is not None and not initialized:
             raise RuntimeError(
@@ -64,11 +83,19 @@ class Comm:
             raise ValueError(f"ZEROSHARD_COLLECTIVES={forced!r}; use 'native' or 'emulated'")
         self.emulate_collectives = forced == "emulated" or (forced == "" and self.backend == "gloo")
 
+    def _count(self, kind: str, nbytes: int) -> None:
+        t = self.traffic.get(kind)
+        if t is None:
+            t = self.traffic[kind] = Traffic(dimension=self.dimension)
+        t.calls += 1
+        t.bytes += nbytes
+
     # -- plain collectives ---------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
                    async_op: bool = False) -> Work:
         if self.world_size == 1:
             return _Done()
+        self._count("all_reduce", _nbytes(tensor))
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
         return work if async_op else _Done()
 
@@ -81,6 +108,7 @@ class Comm:
     def broadcast_object(self, obj: object, src: int = 0) -> object:
         if self.world_size == 1:
             return obj
+        self._count("broadcast_object", 0)
         box = [obj]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src), group=self.group)
         return box[0]
@@ -88,6 +116,7 @@ class Comm:
     def all_gather_object(self, obj: object) -> list:
         if self.world_size == 1:
             return [obj]
+        self._count("all_gather_object", 0)
         out: list = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
@@ -113,6 +142,7 @@ class Comm:
                     size += t.numel() * t.element_size()
                 if bucket and (t is None or size >= bucket_bytes):
                     flat = torch.cat([b.detach().reshape(-1) for b in bucket])
+                    self._count("broadcast", _nbytes(flat))
                     dist.broadcast(flat, src=root, group=self.group)
                     with torch.no_grad():
                         for b, v in zip(bucket, flat.split([b.numel() for b in bucket])):
@@ -134,6 +164,7 @@ class Comm:
             if shard_out is not None and not self.result_in_full:
                 shard_out.copy_(full)
             return _Done()
+        self._count("reduce_scatter", _nbytes(full))
         if self.result_in_full:
             return dist.all_reduce(full, group=self.group, async_op=True)
         return dist.reduce_scatter_tensor(shard_out, full, group=self.group, async_op=True)
@@ -147,9 +178,14 @@ class Comm:
         holds its data; on completion every slice does, on every rank."""
         if self.world_size == 1:
             return _Done()
+        self._count("all_gather", _nbytes(full))
         n = full.numel() // self.world_size
         lo, hi = self.rank * n, (self.rank + 1) * n
         if self.emulate_collectives:
             return _AllOf([dist.broadcast(full[i * n:(i + 1) * n], src=dist.get_global_rank(self.group, i),
                                           group=self.group, async_op=True) for i in range(self.world_size)])
         return dist.all_gather_into_tensor(full, full[lo:hi], group=self.group, async_op=True)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

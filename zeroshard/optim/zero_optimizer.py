@@ -423,6 +423,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
                      + staging),
         )
 
+    def comm_report(self, reset: bool = False) -> dict[str, dict]:
+        """``memory_report``'s sibling: what this rank's collectives moved since construction
+        (or the last ``reset``), by kind: calls, bytes and the group dimension crossed."""
+        out = {kind: {"calls": t.calls, "bytes": t.bytes, "dimension": t.dimension}
+               for kind, t in sorted(self.comm.traffic.items())}
+        if reset:
+            self.comm.traffic.clear()
+        return out
+
     def segment_index(self) -> dict[int, tuple[FlatUnit, Segment]]:
         """Where each trainable parameter lives: id(param) -> (unit, segment)."""
         out = {id(m.param): (u, seg) for u in self.units for m, seg in zip(u.members, u.layout.segments)}
