@@ -43,6 +43,9 @@ def check_hyperparameters(options: Mapping[str, Any], where: str = "") -> None:
         ok = isinstance(betas, (tuple, list)) and len(betas) == 2
         if not ok:
             raise TypeError(f"{where}betas={betas!r} must be a pair of numbers in [0, 1), e.g. betas=(0.9, 0.999)")
+        if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+            raise ValueError(f"{where}betas={tuple(betas)!r}: betas must be either both floats or both "
+                             "Tensors (as torch.optim requires)")
         for i, b in enumerate(betas):
             b = float(b) if isinstance(b, torch.Tensor) and b.numel() == 1 else b
             check_real(f"{where}betas[{i}]", b, low=0.0)
