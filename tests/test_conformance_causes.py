@@ -263,6 +263,8 @@ def test_torch_refusals_mixed_names_and_mixed_betas():
     named = list(model.named_parameters())
     with pytest.raises(ValueError, match="with/without names"):
         zeroshard.ZeroOptimizer(named[:2] + [p for _, p in named[2:]], torch.optim.SGD, lr=0.1)
+    with pytest.raises(TypeError, match="ordered collections"):
+        zeroshard.ZeroOptimizer(set(model.parameters()), torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match="both floats or both Tensors"):
         zeroshard.ZeroOptimizer(model, torch.optim.Adam, lr=0.1, betas=(0.9, torch.tensor(0.99)))
 

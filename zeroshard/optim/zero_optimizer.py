@@ -15,7 +15,6 @@ Lifecycle of one step (stages 0-2):
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import weakref
 from typing import Any, Callable, Optional
@@ -26,7 +25,7 @@ from torch import nn
 
 from zeroshard.comm import Comm
 from zeroshard.config import ZeroConfig
-from zeroshard.layout import NamedParam, Segment, build_layouts, layouts_for
+from zeroshard.layout import Segment, build_layouts, layouts_for
 from zeroshard.memory import MemoryReport, tensor_bytes
 from zeroshard.optim import hooks, kernel_choice, lifecycle, registry, state_io, untouched
 from zeroshard.optim.elementwise import check_elementwise
@@ -34,7 +33,7 @@ from zeroshard.optim.flat_unit import FlatUnit, Placement
 from zeroshard.optim.grad_links import GradLinks
 from zeroshard.optim.module_guard import ModuleGuard
 from zeroshard.optim.grad_sync import GradientReducer
-from zeroshard.optim.hyperparams import check_inputs
+from zeroshard.optim.hyperparams import check_inputs, check_optimizer_kwargs, single_dtype, trainable_params
 from zeroshard.offload import NvmeOptimizerState
 from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.ops import FusedAdam
@@ -59,7 +58,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                  offload_params=offload_params, nvme_path=nvme_path,
                                  mixed_precision=mixed_precision, **config_kwargs)
         check_elementwise(optimizer_class)
-        _check_optimizer_kwargs(optimizer_class, kwargs)
+        check_optimizer_kwargs(optimizer_class, kwargs)
         model_or_params = check_inputs(model_or_params, self.config.stage, kwargs)
         if self.config.stage == 3 and not isinstance(model_or_params, nn.Module):
             raise ValueError("stage=3 partitions parameters by module, so it needs the nn.Module "
@@ -76,9 +75,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.comm.broadcast_tensors([t for g in groups for t in g["params"]]
                                     + (list(module.buffers()) if module is not None else []))
         self.policy = policy_for_stage(self.config.stage)
-        trainable = _trainable(groups, names, meta_shapes, self.policy.shard_parameters)
+        trainable = trainable_params(groups, names, meta_shapes, self.policy.shard_parameters)
         lifecycle.check_unclaimed([m.param for m in trainable], names)
-        param_dtype = _DTYPES[self.config.mixed_precision] or _single_dtype(trainable)
+        param_dtype = _DTYPES[self.config.mixed_precision] or single_dtype(trainable)
         if self.config.mixed_precision is not None:  # frozen weights compute in the model dtype too
             for g in groups:
                 for p in g["params"]:
@@ -484,61 +483,3 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return (f"ZeroOptimizer(stage={self.stage}, world_size={self.comm.world_size}, "
                 f"units={len(self.units)}, optimizer={self.optimizer_class.__name__}, "
                 f"runs_on={self.inner.__class__.__name__})")
-
-
-def _check_optimizer_kwargs(optimizer_class: type, kwargs: dict) -> None:
-    try:
-        sig = inspect.signature(optimizer_class.__init__)
-    except (TypeError, ValueError):
-        return
-    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-        return
-    accepted = {n for n in sig.parameters if n not in ("self", "params")}
-    unknown = sorted(set(kwargs) - accepted)
-    if unknown:
-        raise ValueError(
-            f"unknown option(s) {unknown}: not a ZeroOptimizer setting ({sorted(ZeroConfig.field_names())}) "
-            f"nor an argument of {optimizer_class.__name__} ({sorted(accepted)})")
-
-
-def _trainable(groups: list[dict], names: dict[int, str], shapes: dict[int, torch.Size],
-               skip_empty: bool = False) -> list[NamedParam]:
-    seen: dict[int, int] = {}
-    devices: dict[str, str] = {}
-    out = []
-    for gi, group in enumerate(groups):
-        for p in group["params"]:
-            if not isinstance(p, torch.Tensor) or not p.is_leaf:
-                raise TypeError(f"{names.get(id(p), '?')} is not a leaf tensor; optimizers take leaf parameters")
-            if id(p) in seen:
-                raise ValueError(f"parameter {names[id(p)]!r} appears in param groups {seen[id(p)]} and {gi}; "
-                                 "a parameter may belong to one group only")
-            seen[id(p)] = gi
-            devices.setdefault(str(p.device), names[id(p)])
-            if p.is_sparse or p.layout != torch.strided:
-                raise TypeError(f"parameter {names[id(p)]!r} has layout {p.layout}; ZeroOptimizer lays "
-                                "parameters out in flat dense buffers, so sparse parameters are not supported")
-            # Stage 3: a parameter with no elements has nothing to shard or update; it stays an
-            # ordinary (empty) tensor outside the units.
-            if skip_empty and p.requires_grad and shapes.get(id(p), p.shape).numel() == 0:
-                continue
-            if p.requires_grad:
-                if not p.is_floating_point():
-                    raise TypeError(f"parameter {names[id(p)]!r} has dtype {p.dtype}; only floating "
-                                    "point parameters can be trained")
-                out.append(NamedParam(names[id(p)], p, gi, shapes.get(id(p))))
-    if len(devices) > 1:
-        where = ", ".join(f"{d} (e.g. {n!r})" for d, n in devices.items())
-        raise ValueError(f"parameters are on different devices: {where}; a ZeroOptimizer needs all "
-                         "of its parameters on one device (move the model with .to(device) first)")
-    if not out:
-        raise ValueError("no parameter requires grad; nothing to optimize")
-    return out
-
-
-def _single_dtype(trainable: list[NamedParam]) -> torch.dtype:
-    dtypes = {m.param.dtype for m in trainable}
-    if len(dtypes) > 1:
-        raise TypeError(f"trainable parameters mix dtypes {sorted(map(str, dtypes))}; cast the model "
-                        "to one dtype, or use mixed_precision='bf16'/'fp16' to let zeroshard do it")
-    return dtypes.pop()
