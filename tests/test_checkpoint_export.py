@@ -33,13 +33,20 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path):
     index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
-    assert "lm_head.weight" not in index["weight_map"]  # tied to wte: transformers re-ties it
+    # The tied alias is exported too (issue 12: a strict load_state_dict needs every key).
+    assert "lm_head.weight" in index["weight_map"] and "transformer.wte.weight" in index["weight_map"]
     assert os.path.exists(os.path.join(out, "config.json"))  # saved with the checkpoint
     loaded = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
     model.eval()
     x = torch.arange(16).view(1, 16) % 64
     with torch.no_grad():
         assert torch.equal(loaded(x).logits, model(x).logits)
+    from safetensors.torch import load_file
+    exported = {}
+    for shard in shards:
+        exported.update(load_file(os.path.join(out, shard)))
+    strict = transformers.GPT2LMHeadModel(cfg)
+    strict.load_state_dict(exported, strict=True)  # failed before: lm_head.weight was missing
 
 
 def test_export_dtype_and_cli(tmp_path):

@@ -50,13 +50,16 @@ def _out_dtype(dtype: Union[None, str, torch.dtype], saved: torch.dtype) -> torc
 
 
 def plan_shards(body: dict, max_bytes: int, dtype) -> list[list[tuple[str, torch.dtype, tuple[int, ...]]]]:
-    """Tensors grouped greedily into shards of at most ``max_bytes`` (a bigger tensor alone)."""
-    aliases = set(body.get("aliases", {}))
+    """Tensors grouped greedily into shards of at most ``max_bytes`` (a bigger tensor alone).
+    Tied aliases are written too (a copy of their target each), so a strict
+    ``model.load_state_dict`` of the export finds every key of ``model.state_dict()``;
+    transformers re-ties them on load either way."""
+    aliases = body.get("aliases", {})
     shards: list[list] = [[]]
     size = 0
-    for name, meta in body["tensors"].items():
-        if name in aliases:
-            continue  # tied weights: transformers re-ties them from the config
+    entries = [(n, m) for n, m in body["tensors"].items() if n not in aliases]
+    entries += [(alias, body["tensors"][target]) for alias, target in aliases.items() if target in body["tensors"]]
+    for name, meta in entries:
         out = _out_dtype(dtype, DTYPES[meta["dtype"]])
         shape = tuple(meta["shape"])
         n = out.itemsize
@@ -161,7 +164,7 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
 def _pieces(step_dir: str, body: dict, readers: dict[str, ShardReader], name: str,
             out: torch.dtype) -> Iterator[memoryview]:
     """The bytes of tensor ``name`` in ``out`` dtype, one saved piece at a time."""
-    for p in body["tensors"][name]["pieces"]:
+    for p in body["tensors"][body.get("aliases", {}).get(name, name)]["pieces"]:
         key = p["keys"][PARAM]  # present and matching the header: checked before writing
         reader = _reader(step_dir, body, readers, p["file"])
         n = p["stop"] - p["start"]

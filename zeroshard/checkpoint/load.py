@@ -30,7 +30,7 @@ from zeroshard.checkpoint.errors import CheckpointCorruptError, CheckpointError,
 from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map
 from zeroshard.checkpoint.shard_file import DTYPES, ShardReader
 from zeroshard.offload.unit_swap import resident_runs
-from zeroshard.optim.state_io import fill_run
+from zeroshard.optim.state_io import fill_run, normalize_loaded
 
 
 class _Source:
@@ -220,6 +220,7 @@ def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
             fill_run(opt, run, sorted(set().union(*(keys[n] for n in names))), fetch)
             if streamed:
                 src.release()  # host memory holds one run's checkpoint data at a time
+    normalize_loaded(opt)
     opt.gather_params()
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from zeroshard.checkpoint.shard_file import Deferred
+from zeroshard.optim.state_io import elementwise_state
 
 PARAM, MASTER = "param", "master"
 
@@ -83,7 +84,7 @@ def owned_pieces(model: Optional[nn.Module], opt: Any) -> list[PieceRecord]:
                 rec.tensors[MASTER] = (_deferred(torch.float32, store.read_range, run.unit, "master", ua, ub)
                                        if run.unit.swapped("master") else run.unit.master_range(ua, ub))
             for k, v in state.items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                if elementwise_state(v, run.tensor):
                     rec.tensors[f"state.{k}"] = v[ua - run.a:ub - run.a]
                 else:
                     rec.scalars[k] = v

@@ -80,7 +80,10 @@ class FlatUnit:
         pin = placement.pin and self.device.type != "cpu"
         self.owned = layout.slice_of(rank) if policy.shard_optimizer else (0, layout.padded_numel)
         lo, hi = self.owned
-        self.separate_master = param_dtype != torch.float32
+        # fp32 masters and gradients under a narrower model dtype; a wider one (float64) keeps
+        # its own precision, as torch.optim does (a 1e-9 update on 1.0 is lost in fp32).
+        self.state_dtype = torch.float64 if param_dtype == torch.float64 else torch.float32
+        self.separate_master = param_dtype != self.state_dtype
         self.needs_init = any(m.param.is_meta or m.param.numel() != m.true_shape.numel() for m in self.members)
         """Parameters had no values (meta device): the owner must initialise the shard."""
         self.flat = torch.zeros(layout.padded_numel, dtype=param_dtype, device=self.device)
@@ -92,7 +95,7 @@ class FlatUnit:
         # fp32 master and optimizer state live where the placement says; a master on another
         # device than the model (CPU offload with a GPU model) is a separate copy.
         self.separate_master = self.separate_master or state_device != self.shard.device
-        self.master = (torch.zeros(hi - lo, dtype=torch.float32, device=state_device,
+        self.master = (torch.zeros(hi - lo, dtype=self.state_dtype, device=state_device,
                                    pin_memory=pin and state_device.type == "cpu")
                        if self.separate_master else self.shard)
         with torch.no_grad():
@@ -107,7 +110,7 @@ class FlatUnit:
         # Uninitialised on purpose: grad_valid=False makes the first reduction overwrite it, and
         # untouched pages cost no resident memory until the first backward (a model loaded for
         # inference or resumed from a checkpoint does not pay for gradients it never computes).
-        self.grad_store = torch.empty(store_numel, dtype=torch.float32, device=state_device,
+        self.grad_store = torch.empty(store_numel, dtype=self.state_dtype, device=state_device,
                                       pin_memory=pin and state_device.type == "cpu")
         self.grad_valid = False
         """False after zero_grad(set_to_none=True): the next reduced gradient overwrites."""

@@ -45,6 +45,9 @@ class GradientReducer:
         self._handles = []
         self._inflight: deque[_Pending] = deque()
         self._reset_pass()
+        self.touched: list[list[bool]] = [[False] * len(u.layout.segments) for u in self.units]
+        """Per unit and segment: a gradient arrived for it since the last clear (see
+        zeroshard/optim/untouched.py; parameters no rank saw a gradient for are not stepped)."""
         self.grads_since_clear = False
         """Whether any backward reached the optimizer since the last zero_grad."""
         self.passes = 0
@@ -62,11 +65,11 @@ class GradientReducer:
 
     def register_hooks(self) -> None:
         for ui, unit in enumerate(self.units):
-            for m, seg in zip(unit.members, unit.layout.segments):
+            for si, (m, seg) in enumerate(zip(unit.members, unit.layout.segments)):
                 # Runs before autograd accumulates into .grad: a pass starts there, so every
                 # published .grad is detached before autograd could add into it.
                 self._handles.append(m.param.register_hook(self._on_incoming_grad))
-                self._handles.append(m.param.register_post_accumulate_grad_hook(partial(self._on_grad, ui, seg)))
+                self._handles.append(m.param.register_post_accumulate_grad_hook(partial(self._on_grad, ui, si, seg)))
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -96,14 +99,29 @@ class GradientReducer:
             self._retire(self._inflight.popleft())
         for callback in self.on_pass_start:
             callback()
+        for ui, unit in enumerate(self.units):  # gradients cleared since (model.zero_grad())
+            if not unit.grad_valid:
+                self.clear_touched(ui)
 
-    def _on_grad(self, ui: int, seg: Segment, param: torch.Tensor) -> None:
+    def clear_touched(self, ui: int | None = None) -> None:
+        for i in range(len(self.units)) if ui is None else (ui,):
+            self.touched[i] = [False] * len(self.touched[i])
+
+    def mark_touched(self, ui: int, si: int) -> None:
+        self.touched[ui][si] = True
+
+    def _on_grad(self, ui: int, si: int, seg: Segment, param: torch.Tensor) -> None:
         if not self._in_backward:
             self._start_pass()
         grad = param.grad
         param.grad = None  # the bucket holds it now; free the model-sized copy at once
         if grad is None:
             return
+        if grad.layout != torch.strided:
+            raise RuntimeError(
+                f"{seg.name!r} got a {grad.layout} gradient (e.g. nn.Embedding(sparse=True)); ZeroOptimizer "
+                "reduces dense flat buffers, so build the module with sparse=False")
+        self.touched[ui][si] = True
         if ui < self._next:
             raise RuntimeError(
                 f"the gradient of {seg.name!r} arrived after its unit {ui} was already sent for "
@@ -135,7 +153,7 @@ class GradientReducer:
         if bucket is None:
             unit = self.units[ui]
             in_place = (not unit.policy.shard_gradients and not unit.grad_valid and not unit.swapped("grad")
-                        and self.reduce_dtype == torch.float32 and unit.grad_store.device == unit.device)
+                        and self.reduce_dtype == unit.grad_store.dtype and unit.grad_store.device == unit.device)
             if in_place:  # Note [in-place first pass]
                 bucket = unit.grad_store
             else:

@@ -15,7 +15,10 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-from zeroshard.config import check_bool, check_real
+import inspect
+
+from zeroshard.config import ZeroConfig, check_bool, check_real
+from zeroshard.layout import NamedParam
 
 # Non-negative real hyperparameters of torch.optim's elementwise optimizers.
 _NON_NEGATIVE = ("lr", "eps", "weight_decay", "momentum", "dampening", "alpha", "lr_decay",
@@ -43,6 +46,9 @@ def check_hyperparameters(options: Mapping[str, Any], where: str = "") -> None:
         ok = isinstance(betas, (tuple, list)) and len(betas) == 2
         if not ok:
             raise TypeError(f"{where}betas={betas!r} must be a pair of numbers in [0, 1), e.g. betas=(0.9, 0.999)")
+        if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+            raise ValueError(f"{where}betas={tuple(betas)!r}: betas must be either both floats or both "
+                             "Tensors (as torch.optim requires)")
         for i, b in enumerate(betas):
             b = float(b) if isinstance(b, torch.Tensor) and b.numel() == 1 else b
             check_real(f"{where}betas[{i}]", b, low=0.0)
@@ -54,6 +60,12 @@ def check_hyperparameters(options: Mapping[str, Any], where: str = "") -> None:
     for key in _OPTIONAL_FLAGS:
         if key in options and options[key] is not None:
             check_bool(f"{where}{key}", options[key])
+
+
+# torch.optim's refusal: parameter order decides checkpoint keys and layout, and a set's
+# iteration order changes between runs.
+_SET_REFUSAL = ("optimizer parameters need to be organized in ordered collections, but the ordering "
+                "of tensors in sets will change between runs; use a list instead")
 
 
 def _meta_refusal(names: list[str], stage: int) -> ValueError:
@@ -79,6 +91,8 @@ def check_inputs(model_or_params: Any, stage: int, kwargs: Mapping[str, Any]) ->
             f"a value of type {type(model_or_params).__name__}"
         raise TypeError(f"model_or_params must be an nn.Module, an iterable of parameters, of (name, parameter) "
                         f"pairs or of param groups (dicts with 'params'); got {what}")
+    if isinstance(model_or_params, (set, frozenset)):
+        raise TypeError(_SET_REFUSAL)
     items = list(model_or_params)
     meta: list[str] = []
     real = 0  # parameters with values (a mix with meta ones is refused later as "different devices")
@@ -97,6 +111,8 @@ def check_inputs(model_or_params: Any, stage: int, kwargs: Mapping[str, Any]) ->
         if isinstance(params, (str, bytes, Mapping)) or not (isinstance(params, torch.Tensor)
                                                               or isinstance(params, Iterable)):
             raise TypeError(f"param group {gi}: 'params' is a {type(params).__name__}; give a list of tensors")
+        if isinstance(params, (set, frozenset)):
+            raise TypeError(f"param group {gi}: {_SET_REFUSAL}")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         items[gi] = {**item, "params": params}  # a generator in a group is read here, once
         for k, entry in enumerate(params):
@@ -107,3 +123,61 @@ def check_inputs(model_or_params: Any, stage: int, kwargs: Mapping[str, Any]) ->
     if meta and not real:
         raise _meta_refusal(meta, stage)
     return items
+
+
+def check_optimizer_kwargs(optimizer_class: type, kwargs: dict) -> None:
+    try:
+        sig = inspect.signature(optimizer_class.__init__)
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return
+    accepted = {n for n in sig.parameters if n not in ("self", "params")}
+    unknown = sorted(set(kwargs) - accepted)
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {unknown}: not a ZeroOptimizer setting ({sorted(ZeroConfig.field_names())}) "
+            f"nor an argument of {optimizer_class.__name__} ({sorted(accepted)})")
+
+
+def trainable_params(groups: list[dict], names: dict[int, str], shapes: dict[int, torch.Size],
+               skip_empty: bool = False) -> list[NamedParam]:
+    seen: dict[int, int] = {}
+    devices: dict[str, str] = {}
+    out = []
+    for gi, group in enumerate(groups):
+        for p in group["params"]:
+            if not isinstance(p, torch.Tensor) or not p.is_leaf:
+                raise TypeError(f"{names.get(id(p), '?')} is not a leaf tensor; optimizers take leaf parameters")
+            if id(p) in seen:
+                raise ValueError(f"parameter {names[id(p)]!r} appears in param groups {seen[id(p)]} and {gi}; "
+                                 "a parameter may belong to one group only")
+            seen[id(p)] = gi
+            devices.setdefault(str(p.device), names[id(p)])
+            if p.is_sparse or p.layout != torch.strided:
+                raise TypeError(f"parameter {names[id(p)]!r} has layout {p.layout}; ZeroOptimizer lays "
+                                "parameters out in flat dense buffers, so sparse parameters are not supported")
+            # Stage 3: a parameter with no elements has nothing to shard or update; it stays an
+            # ordinary (empty) tensor outside the units.
+            if skip_empty and p.requires_grad and shapes.get(id(p), p.shape).numel() == 0:
+                continue
+            if p.requires_grad:
+                if not p.is_floating_point():
+                    raise TypeError(f"parameter {names[id(p)]!r} has dtype {p.dtype}; only floating "
+                                    "point parameters can be trained")
+                out.append(NamedParam(names[id(p)], p, gi, shapes.get(id(p))))
+    if len(devices) > 1:
+        where = ", ".join(f"{d} (e.g. {n!r})" for d, n in devices.items())
+        raise ValueError(f"parameters are on different devices: {where}; a ZeroOptimizer needs all "
+                         "of its parameters on one device (move the model with .to(device) first)")
+    if not out:
+        raise ValueError("no parameter requires grad; nothing to optimize")
+    return out
+
+
+def single_dtype(trainable: list[NamedParam]) -> torch.dtype:
+    dtypes = {m.param.dtype for m in trainable}
+    if len(dtypes) > 1:
+        raise TypeError(f"trainable parameters mix dtypes {sorted(map(str, dtypes))}; cast the model "
+                        "to one dtype, or use mixed_precision='bf16'/'fp16' to let zeroshard do it")
+    return dtypes.pop()

@@ -18,6 +18,10 @@ def normalize_params(model_or_params: ParamsLike) -> tuple[Optional[nn.Module], 
     """
     if isinstance(model_or_params, nn.Module):
         module = model_or_params
+        sparse = [n for n, m in module.named_modules() if getattr(m, "sparse", False) is True]
+        if sparse:
+            raise ValueError(f"module(s) {sparse[:3]} produce sparse gradients (sparse=True); ZeroOptimizer "
+                             "reduces and shards dense flat buffers: build them with sparse=False")
         named = list(module.named_parameters())
         if not named:
             raise ValueError(f"{type(module).__name__} has no parameters to optimize")
@@ -38,11 +42,12 @@ def normalize_params(model_or_params: ParamsLike) -> tuple[Optional[nn.Module], 
         group: dict[str, Any] = {k: v for k, v in raw.items() if k != "params"}
         params = raw["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        plain = []
+        plain, given_names = [], []
         for entry in params:
             if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], torch.Tensor):
                 name, p = entry
                 names[id(p)] = str(name)
+                given_names.append(str(name))
             elif isinstance(entry, torch.Tensor):
                 p = entry
                 names.setdefault(id(p), f"param.{position}")
@@ -52,5 +57,13 @@ def normalize_params(model_or_params: ParamsLike) -> tuple[Optional[nn.Module], 
             plain.append(p)
             position += 1
         group["params"] = plain
+        if given_names:  # as torch.optim: a group is named throughout or not at all
+            if len(given_names) != len(plain):
+                raise ValueError(f"param group {gi}: all optimizer params should be with/without names; "
+                                 f"{len(plain) - len(given_names)} of {len(plain)} have no name")
+            group["param_names"] = given_names
+        if groups and ("param_names" in group) != ("param_names" in groups[0]):
+            raise ValueError(f"all optimizer param groups should be with/without names: group {gi} is "
+                             f"{'with' if 'param_names' in group else 'without'} names, group 0 is not")
         groups.append(group)
     return None, groups, names

@@ -1,5 +1,8 @@
 """Which ZeroOptimizer manages a model: lets model-level helpers (full_state_dict,
-load_safetensors, init_meta_weights) find the units without the user passing them."""
+load_safetensors, init_meta_weights) find the units without the user passing them.
+
+The entry holds the optimizer weakly (it references the model, so a strong value would keep
+the key alive forever): once the optimizer is closed or collected the model is free again."""
 from __future__ import annotations
 
 import weakref
@@ -10,15 +13,25 @@ from torch import nn
 if TYPE_CHECKING:
     from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
-_BY_MODEL: "weakref.WeakKeyDictionary[nn.Module, ZeroOptimizer]" = weakref.WeakKeyDictionary()
+_BY_MODEL: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 def register(model: nn.Module, optimizer: "ZeroOptimizer") -> None:
-    if model in _BY_MODEL:
-        raise RuntimeError(f"{type(model).__name__} is already managed by a ZeroOptimizer; one model "
-                           "takes one ZeroOptimizer (use param groups for different settings)")
-    _BY_MODEL[model] = optimizer
+    current = optimizer_for(model)
+    if current is not None and current is not optimizer:
+        raise RuntimeError(f"{type(model).__name__} is already managed by a live ZeroOptimizer ({current!r}); "
+                           "one model takes one ZeroOptimizer (use param groups for different settings, "
+                           "or close() the first one)")
+    _BY_MODEL[model] = weakref.ref(optimizer)
+
+
+def unregister(model: nn.Module) -> None:
+    """Forgets the model's optimizer if it is closed or gone (never a live successor's entry)."""
+    if model in _BY_MODEL and optimizer_for(model) is None:
+        del _BY_MODEL[model]
 
 
 def optimizer_for(model: nn.Module) -> Optional["ZeroOptimizer"]:
-    return _BY_MODEL.get(model)
+    ref = _BY_MODEL.get(model)
+    opt = ref() if ref is not None else None
+    return opt if opt is not None and not getattr(opt, "closed", False) else None

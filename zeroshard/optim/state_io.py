@@ -42,6 +42,13 @@ def _hparams(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
 
+def elementwise_state(value: Any, run_tensor: torch.Tensor) -> bool:
+    """A state tensor with one value per element of the run (sliced with it, like Adam's
+    moments). Anything else (``step``, or a custom optimizer's per-tensor state of shape
+    (1,)) is one value per run and is saved and loaded whole, as a scalar."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == run_tensor.shape
+
+
 def _run_pieces(run: Run):
     yield from run.unit.layout.pieces_in(run.a, run.b)
 
@@ -56,8 +63,8 @@ def sharded_state_dict(opt: "ZeroOptimizer") -> dict:
             entry: dict[str, Any] = {
                 "start": piece.start, "stop": piece.stop, "numel": piece.segment.numel,
                 "shape": list(piece.segment.shape),
-                "state": {k: (v.clone() if v.dim() == 0 else v[lo:hi].clone()) if isinstance(v, torch.Tensor) else v
-                          for k, v in state.items()},
+                "state": {k: v[lo:hi].clone() if elementwise_state(v, run.tensor) else
+                          (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()},
             }
             if run.unit.separate_master:
                 entry["master"] = run.tensor[lo:hi].clone()
@@ -122,6 +129,7 @@ def load_sharded(opt: "ZeroOptimizer", sd: dict) -> None:
         names = [piece.segment.name for piece in _run_pieces(run)]
         keys = sorted(set().union(*(pieces[n]["state"] for n in names))) if names else []
         fill_run(opt, run, keys, lambda name, a, b, key: _slice_entry(pieces[name], a, b, key))
+    normalize_loaded(opt)
     if opt.scaler is not None and sd.get("loss_scaler"):
         opt.scaler.load_state_dict(sd["loss_scaler"])
         opt._set_grad_factor()
@@ -131,7 +139,7 @@ def _slice_entry(entry: dict, a: int, b: int, key: str) -> Optional[torch.Tensor
     src = entry.get("master") if key == "__master__" else entry["state"].get(key)
     if src is None:
         return None
-    if isinstance(src, torch.Tensor) and src.dim() > 0:
+    if isinstance(src, torch.Tensor) and src.dim() > 0 and src.numel() == entry["stop"] - entry["start"]:
         return src[a - entry["start"]:b - entry["start"]]
     return src
 
@@ -152,7 +160,7 @@ def consolidated_state_dict(opt: "ZeroOptimizer", to_rank: Optional[int]) -> Opt
     local: dict[int, dict[str, Any]] = {}
     for run in opt.runs:
         for k, v in opt.inner.state.get(run.tensor, {}).items():
-            is_scalar = not isinstance(v, torch.Tensor) or v.dim() == 0
+            is_scalar = not elementwise_state(v, run.tensor)
             local.setdefault(run.group, {})[k] = (v.clone() if isinstance(v, torch.Tensor) else v) if is_scalar else None
     merged: dict[int, dict[str, Any]] = {}
     for other in opt.comm.all_gather_object(local):
@@ -166,7 +174,7 @@ def consolidated_state_dict(opt: "ZeroOptimizer", to_rank: Optional[int]) -> Opt
         tensor_keys = sorted({k for g in groups_here for k, v in merged.get(g, {}).items() if v is None})
         fulls = {}
         for key in tensor_keys:
-            full = torch.zeros(unit.layout.padded_numel, dtype=torch.float32, device=unit.device)
+            full = torch.zeros(unit.layout.padded_numel, dtype=unit.master.dtype, device=unit.device)
             for run in opt.runs:
                 if run.unit is unit and key in opt.inner.state.get(run.tensor, {}):
                     full[run.a:run.b].copy_(opt.inner.state[run.tensor][key])
@@ -201,7 +209,8 @@ def load_consolidated(opt: "ZeroOptimizer", sd: dict) -> None:
     wrong = []
     for name, i in index.items():
         for k, v in saved.get(i, {}).items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and name in numel and v.numel() != numel[name]:
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and name in numel and v.numel() != numel[name] \
+                    and v.numel() != 1:  # (one value per tensor, e.g. shape (1,), is a scalar)
                 wrong.append(f"{name}.{k}: {tuple(v.shape)} has {v.numel()} elements, parameter has {numel[name]}")
     if wrong:
         raise ValueError("optimizer state does not fit this model: " + "; ".join(wrong[:10]))
@@ -209,14 +218,22 @@ def load_consolidated(opt: "ZeroOptimizer", sd: dict) -> None:
     for run in resident_runs(opt.runs, write=True):
         names = [piece.segment.name for piece in _run_pieces(run)]
         keys = sorted(set().union(*(saved.get(index[n], {}) for n in names))) if names else []
-        fill_run(opt, run, keys, lambda name, a, b, key: _slice_plain(saved.get(index[name], {}), a, b, key))
+        fill_run(opt, run, keys, lambda name, a, b, key: _slice_plain(saved.get(index[name], {}), a, b, key,
+                                                                     numel[name]))
+    normalize_loaded(opt)
 
 
-def _slice_plain(entry: dict, a: int, b: int, key: str) -> Optional[torch.Tensor]:
+def _slice_plain(entry: dict, a: int, b: int, key: str, numel: int) -> Optional[torch.Tensor]:
     v = entry.get(key)
-    if isinstance(v, torch.Tensor) and v.dim() > 0:
+    if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == numel:
         return v.reshape(-1)[a:b]
     return v
+
+
+def normalize_loaded(opt: "ZeroOptimizer") -> None:
+    from zeroshard.optim.kernel_choice import normalize_state
+    if getattr(opt, "swapper", None) is None:  # (swapped state is FusedAdam's, already in form)
+        normalize_state(opt.inner)
 
 
 # -- in-place fill (checkpoint loading) ------------------------------------------------------
@@ -236,7 +253,8 @@ def fill_run(opt: "ZeroOptimizer", run: Run, keys: list[str], fetch) -> None:
         probe = fetch(first.segment.name, first.start, first.stop, key)
         if probe is None:
             continue
-        if not isinstance(probe, torch.Tensor) or probe.dim() == 0:
+        # One value for the whole run (a scalar, or a per-tensor state of another shape).
+        if not isinstance(probe, torch.Tensor) or probe.dim() == 0 or probe.numel() != first.numel:
             state[key] = probe.clone() if isinstance(probe, torch.Tensor) else probe
             continue
         buf = current.get(key)

@@ -14,8 +14,7 @@ Lifecycle of one step (stages 0-2):
 """
 from __future__ import annotations
 
-import contextlib
-import inspect
+import functools
 import math
 import weakref
 from typing import Any, Callable, Optional
@@ -26,18 +25,19 @@ from torch import nn
 
 from zeroshard.comm import Comm
 from zeroshard.config import ZeroConfig
-from zeroshard.layout import NamedParam, Segment, build_layouts, layouts_for
+from zeroshard.layout import Segment, build_layouts, layouts_for
 from zeroshard.memory import MemoryReport, tensor_bytes
-from zeroshard.optim import registry, state_io
+from zeroshard.optim import hooks, kernel_choice, lifecycle, registry, state_io, untouched
 from zeroshard.optim.elementwise import check_elementwise
 from zeroshard.optim.flat_unit import FlatUnit, Placement
 from zeroshard.optim.grad_links import GradLinks
 from zeroshard.optim.module_guard import ModuleGuard
 from zeroshard.optim.grad_sync import GradientReducer
-from zeroshard.optim.hyperparams import check_inputs
+from zeroshard.optim.hyperparams import check_inputs, check_optimizer_kwargs, single_dtype, trainable_params
 from zeroshard.offload import NvmeOptimizerState
 from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.ops import FusedAdam
+from zeroshard.optim.param_state import ParamStateView
 from zeroshard.optim.params import ParamsLike, normalize_params
 from zeroshard.precision import DynamicLossScaler
 from zeroshard.stages import policy_for_stage
@@ -58,7 +58,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                  offload_params=offload_params, nvme_path=nvme_path,
                                  mixed_precision=mixed_precision, **config_kwargs)
         check_elementwise(optimizer_class)
-        _check_optimizer_kwargs(optimizer_class, kwargs)
+        check_optimizer_kwargs(optimizer_class, kwargs)
         model_or_params = check_inputs(model_or_params, self.config.stage, kwargs)
         if self.config.stage == 3 and not isinstance(model_or_params, nn.Module):
             raise ValueError("stage=3 partitions parameters by module, so it needs the nn.Module "
@@ -75,14 +75,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.comm.broadcast_tensors([t for g in groups for t in g["params"]]
                                     + (list(module.buffers()) if module is not None else []))
         self.policy = policy_for_stage(self.config.stage)
-        trainable = _trainable(groups, names, meta_shapes)
-        param_dtype = _DTYPES[self.config.mixed_precision] or _single_dtype(trainable)
+        trainable = trainable_params(groups, names, meta_shapes, self.policy.shard_parameters)
+        lifecycle.check_unclaimed([m.param for m in trainable], names)
+        param_dtype = _DTYPES[self.config.mixed_precision] or single_dtype(trainable)
         if self.config.mixed_precision is not None:  # frozen weights compute in the model dtype too
             for g in groups:
                 for p in g["params"]:
                     if not p.requires_grad and p.is_floating_point():
                         p.data = p.data.to(param_dtype)
-        reduce_dtype = _DTYPES[self.config.reduce_dtype] or torch.float32
+        reduce_dtype = _DTYPES[self.config.reduce_dtype] or (torch.float64 if param_dtype == torch.float64
+                                                             else torch.float32)
         bucket_numel = max(1, int(self.config.bucket_size_mb * 2**20) // torch.finfo(param_dtype).bits * 8)
         unit_modules: list = []
         if self.policy.shard_parameters:
@@ -105,11 +107,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.unit_store.adopt(unit)
             self.units.append(unit)
         self.optimizer_class = optimizer_class
-        inner_class, inner_kwargs = _pick_kernel(optimizer_class, kwargs, self.config.fused_adam)
-        self.runs, self.inner = _build_inner(inner_class, groups, self.units, inner_kwargs)
+        self.runs, self.inner = kernel_choice.build_inner(optimizer_class, kwargs, groups, self.units,
+                                                          self.config.fused_adam)
         self.swapper: Optional[NvmeOptimizerState] = None
         if self.config.offload_optimizer == "nvme":
-            if inner_class.__name__ != "FusedAdam":
+            if kernel_choice.fused_part(self.inner) is None:
                 raise ValueError(
                     f"offload_optimizer='nvme' streams Adam/AdamW moments through the fused kernel; "
                     f"{optimizer_class.__name__}(**{kwargs}) does not run on it (use torch.optim.Adam "
@@ -124,9 +126,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.gatherer = ParameterGatherer(self.units, unit_modules, module, self.comm,
                                               self.config.max_live_units)
         show = self.gatherer.visible if self.gatherer is not None else (lambda p: p)
-        user_groups = [{**{k: v for k, v in ig.items() if k != "params"}, "params": [show(p) for p in g["params"]]}
+        self._show = show
+        user_groups = [{**{k: v for k, v in ig.items() if k != "params"}, "params": [show(p) for p in g["params"]],
+                        **({"param_names": g["param_names"]} if "param_names" in g else {})}
                        for g, ig in zip(groups, self.inner.param_groups)]
         super().__init__(user_groups, dict(self.inner.defaults))
+        self.state = ParamStateView(self)  # (torch's per-parameter dict; zeroshard's lives in the runs)
         self._zero_initialized = True
         self.param_names = {**names, **{id(show(p)): names[id(p)] for g in groups for p in g["params"]}}
         self.scaler = (DynamicLossScaler(self.config.initial_loss_scale,
@@ -135,7 +140,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.reducer = GradientReducer(self.units, self.comm, reduce_dtype, self.config.max_inflight_buckets)
         self._set_grad_factor()
         self.grad_links = GradLinks(self.units, self.comm, show)
-        self.reducer.on_pass_start.append(self._begin_pass)
+        self.reducer.on_pass_start.append(lifecycle.weak_method(self._begin_pass))  # (del opt frees it)
         self.reducer.on_pass_end.append(self.grad_links.publish)
         self.reducer.register_hooks()
         if self.gatherer is not None:
@@ -143,13 +148,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.reducer.on_launch.append(self.gatherer.on_unit_reduced)
         if module is not None:
             registry.register(module, self)
-            # (a function, not a bound method: torch marks public hooks with an attribute)
-            self._load_hook = module.register_load_state_dict_post_hook(
-                lambda mod, incompatible: self.model_weights_changed())
+            # (a function, not a bound method: torch marks public hooks with an attribute; weak: del opt frees it)
+            weights_changed = lifecycle.weak_method(self.model_weights_changed)
+            self._load_hook = module.register_load_state_dict_post_hook(lambda mod, incompatible: weights_changed())
             members = [m.param for u in self.units for m in u.members]
             self.module_guard = ModuleGuard(module, members + [show(p) for p in members], "ZeroOptimizer",
                                             [u.flat for u in self.units] if self.gatherer is None else [])
         self._fused_step = isinstance(self.inner, FusedAdam)
+        managed = [m.param for u in self.units for m in u.members]
+        lifecycle.claim(managed, self)
+        removers = [self.reducer.remove_hooks]
+        if self.gatherer is not None:
+            removers.append(self.gatherer.remove)
+        if module is not None:
+            removers += [self.module_guard.remove, self._load_hook.remove,
+                         functools.partial(registry.unregister, module)]
+        self._teardown = lifecycle.Teardown(removers, managed)
+        weakref.finalize(self, self._teardown)
+        self.closed = False
         # The fused pass writes the updated master straight into the low-precision shard
         # when both sit on the CPU (the kernel's copy-out); elsewhere write_back copies.
         self._copy_out = {id(r.tensor): r.unit.shard[r.a - r.unit.owned[0]:r.b - r.unit.owned[0]]
@@ -185,6 +201,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _begin_pass(self) -> None:
         """A backward pass starts: what torch code did to ``.grad`` goes into the stores, then
         ``.grad`` is detached so autograd accumulates this pass's gradients afresh."""
+        self._note_assigned()
         self.grad_links.reconcile()
         self.grad_links.detach_all()
 
@@ -200,6 +217,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if unit.separate_master:
                     lo, hi = unit.owned
                     unit.load_segment(lo, unit.flat[lo:hi].float())
+
+    def _note_assigned(self) -> None:
+        """A ``.grad`` that torch code assigned (not the published view) is a gradient too."""
+        published = self.grad_links._published
+        for ui, unit in enumerate(self.units):
+            for si, m in enumerate(unit.members):
+                p = self._show(m.param)  # the parameter torch code holds
+                g = p.grad
+                if g is not None and g is not published.get(id(p)):
+                    self.reducer.mark_touched(ui, si)
 
     def _owned_grads(self) -> list[torch.Tensor]:
         return [u.owned_grad() for u in self.units if u.grad_valid]
@@ -225,6 +252,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Completes reductions and takes in what torch code did to ``.grad``; returns True
         when the step must be skipped (fp16 overflow)."""
         self.reducer.finalize()
+        self._note_assigned()
         self.grad_links.reconcile()
         if self.scaler is None:
             return False
@@ -263,7 +291,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             local = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64, device=device)
             if self.policy.shard_optimizer:
                 self.comm.all_reduce(local.view(1))
-            total = (local ** (1.0 / norm_type)).to(torch.float32)
+            total = (local ** (1.0 / norm_type)).to(self.units[0].master.dtype if self.units else torch.float32)
         if not torch.isfinite(total):
             if error_if_nonfinite and not overflow:
                 raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total.item()}")
@@ -278,7 +306,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # -- the step --------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+        """One optimizer step on every rank. ``kwargs`` go to the inner optimizer's step, as
+        ZeroRedundancyOptimizer passes them to its local optimizer."""
+        if self.closed:
+            raise RuntimeError("this ZeroOptimizer was closed (close()); build a new one to train on")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -291,6 +323,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._clip_coef = 1.0
             return loss
         self._sync_hyperparameters()
+        restore = (untouched.freeze(self, untouched.untouched_everywhere(self)) if self.swapper is None
+                   else lambda: None)  # (NVMe offload: unused parameters step with a zero gradient)
         scale, self._clip_coef = self._clip_coef, 1.0
         if self.swapper is not None:  # (writes swapped units back inside its pass)
             self.swapper.step(self.inner.param_groups, grad_scale=scale)
@@ -298,12 +332,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._step_unit_by_unit(scale)
         else:
             if self._fused_step:  # the bf16/fp16 model copy is written in the same pass
-                self.inner.step(grad_scale=scale, copy_out=self._copy_out)
+                kernel_choice.step_without_hooks(self.inner, grad_scale=scale, copy_out=self._copy_out, **kwargs)
             else:
-                self.inner.step()
+                kernel_choice.step_without_hooks(self.inner, **kwargs)
             for unit in self.units:
                 if not (self._fused_step and self._copy_out_ok(unit)):
                     unit.write_back()
+        restore()
         self.gather_params()
         return loss
 
@@ -316,7 +351,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for r in self.runs:
             by_unit.setdefault(id(r.unit), (r.unit, set()))[1].add(id(r.tensor))
         for unit, ids in by_unit.values():
-            self.inner.step(grad_scale=scale, copy_out=self._copy_out, only=ids)
+            kernel_choice.step_without_hooks(self.inner, grad_scale=scale, copy_out=self._copy_out, only=ids)
             if not self._copy_out_ok(unit):
                 unit.write_back(non_blocking=True)
 
@@ -356,6 +391,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for key, value in user.items():
                 if key != "params":
                     inner[key] = value
+            if "adamw_mode" in inner:
+                kernel_choice.sync_fused_group(inner)
+                user["adamw_mode"] = inner["adamw_mode"]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.finalize()  # every rank must finish the collectives it started
@@ -366,7 +404,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
-        if not set_to_none:  # as torch: gradients that existed are now zeros
+        self.reducer.clear_touched()
+        if not set_to_none:  # as torch: gradients that existed are now zeros (and are stepped)
+            for ui, unit in enumerate(self.units):
+                for si, m in enumerate(unit.members):
+                    if id(m.param) in had:
+                        self.reducer.mark_touched(ui, si)
             self.grad_links.publish(only=had)
         else:
             self.grad_links.detach_all()
@@ -374,22 +417,53 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_zero_initialized", False):
-            raise RuntimeError("ZeroOptimizer lays parameters out at construction; add every param "
-                               "group before, by passing the groups to ZeroOptimizer(...)")
+            raise RuntimeError(
+                "ZeroOptimizer.add_param_group after construction is not supported: parameters are "
+                "laid out in flat units, hooked and (stage 3) partitioned when the optimizer is built. "
+                "Pass every group to ZeroOptimizer(...) (a group may start with lr=0 and be enabled "
+                "later by setting its lr), or build a new ZeroOptimizer after close()")
         super().add_param_group(param_group)
+
+    # -- lifetime --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Detaches from the model: removes the gradient hooks, stage-3 forward hooks and the
+        module guard, so the parameters can be given to a new optimizer. At stage 3 every
+        parameter gets its full values back first (a collective: every rank must call it).
+        Garbage collection of the optimizer does the same, except that stage-3 parameters,
+        which then have no values left, must be reloaded."""
+        if self.closed:
+            return
+        self.reducer.finalize()
+        if self.gatherer is not None:
+            lifecycle.hand_back_stage3(self.gatherer, self.units)
+        self.closed = True
+        self._teardown()
+
+    def __deepcopy__(self, memo: dict) -> "ZeroOptimizer":
+        raise TypeError(
+            "a ZeroOptimizer cannot be deep-copied: it owns the model's parameter storage (every "
+            "parameter is a view of its flat buffers), hooks on those parameters and a process group, "
+            "none of which a copy could share or duplicate. Save opt.state_dict() (or "
+            "consolidated_state_dict()) and load it into a new ZeroOptimizer instead")
+
+    def __copy__(self) -> "ZeroOptimizer":
+        raise TypeError("a ZeroOptimizer cannot be copied (see copy.deepcopy); build a new one and "
+                        "load_state_dict(opt.state_dict())")
 
     # -- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """This rank's sharded state: pieces keyed by parameter name and flat range."""
-        return state_io.sharded_state_dict(self)
+        return hooks.with_state_dict_hooks(self, lambda: state_io.sharded_state_dict(self))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a sharded state dict (``state_dict()``) or a consolidated one (the format of
         a plain torch.optim optimizer over the same parameters, e.g. ``consolidated_state_dict()``)."""
-        if state_io.is_sharded(state_dict):
-            state_io.load_sharded(self, state_dict)
-        else:
-            state_io.load_consolidated(self, state_dict)
+        def apply(sd: dict) -> None:
+            if state_io.is_sharded(sd):
+                state_io.load_sharded(self, sd)
+            else:
+                state_io.load_consolidated(self, sd)
+        hooks.with_load_state_dict_hooks(self, state_dict, apply)
 
     def consolidated_state_dict(self, to_rank: Optional[int] = 0) -> Optional[dict]:
         """The whole optimizer state as a plain ``torch.optim`` state dict (loadable by the same
@@ -444,98 +518,3 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return (f"ZeroOptimizer(stage={self.stage}, world_size={self.comm.world_size}, "
                 f"units={len(self.units)}, optimizer={self.optimizer_class.__name__}, "
                 f"runs_on={self.inner.__class__.__name__})")
-
-
-def _check_optimizer_kwargs(optimizer_class: type, kwargs: dict) -> None:
-    try:
-        sig = inspect.signature(optimizer_class.__init__)
-    except (TypeError, ValueError):
-        return
-    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-        return
-    accepted = {n for n in sig.parameters if n not in ("self", "params")}
-    unknown = sorted(set(kwargs) - accepted)
-    if unknown:
-        raise ValueError(
-            f"unknown option(s) {unknown}: not a ZeroOptimizer setting ({sorted(ZeroConfig.field_names())}) "
-            f"nor an argument of {optimizer_class.__name__} ({sorted(accepted)})")
-
-
-def _trainable(groups: list[dict], names: dict[int, str], shapes: dict[int, torch.Size]) -> list[NamedParam]:
-    seen: dict[int, int] = {}
-    devices: dict[str, str] = {}
-    out = []
-    for gi, group in enumerate(groups):
-        for p in group["params"]:
-            if not isinstance(p, torch.Tensor) or not p.is_leaf:
-                raise TypeError(f"{names.get(id(p), '?')} is not a leaf tensor; optimizers take leaf parameters")
-            if id(p) in seen:
-                raise ValueError(f"parameter {names[id(p)]!r} appears in param groups {seen[id(p)]} and {gi}; "
-                                 "a parameter may belong to one group only")
-            seen[id(p)] = gi
-            devices.setdefault(str(p.device), names[id(p)])
-            if p.requires_grad:
-                if not p.is_floating_point():
-                    raise TypeError(f"parameter {names[id(p)]!r} has dtype {p.dtype}; only floating "
-                                    "point parameters can be trained")
-                out.append(NamedParam(names[id(p)], p, gi, shapes.get(id(p))))
-    if len(devices) > 1:
-        where = ", ".join(f"{d} (e.g. {n!r})" for d, n in devices.items())
-        raise ValueError(f"parameters are on different devices: {where}; a ZeroOptimizer needs all "
-                         "of its parameters on one device (move the model with .to(device) first)")
-    if not out:
-        raise ValueError("no parameter requires grad; nothing to optimize")
-    return out
-
-
-def _single_dtype(trainable: list[NamedParam]) -> torch.dtype:
-    dtypes = {m.param.dtype for m in trainable}
-    if len(dtypes) > 1:
-        raise TypeError(f"trainable parameters mix dtypes {sorted(map(str, dtypes))}; cast the model "
-                        "to one dtype, or use mixed_precision='bf16'/'fp16' to let zeroshard do it")
-    return dtypes.pop()
-
-
-# torch.optim.Adam/AdamW arguments the fused kernel reproduces exactly; any other (amsgrad,
-# foreach, fused, capturable, ...) keeps the user's class so behaviour never silently changes.
-_FUSABLE_ARGS = {"lr", "betas", "eps", "weight_decay", "maximize", "decoupled_weight_decay"}
-
-
-def _pick_kernel(optimizer_class: type, kwargs: dict, enabled: bool) -> tuple[type, dict]:
-    """Adam/AdamW run on zeroshard's fused kernel (zeroshard.ops.FusedAdam) when it computes
-    the same thing: one pass over memory instead of torch's per-op sweeps on CPU."""
-    if not enabled or optimizer_class not in (torch.optim.Adam, torch.optim.AdamW):
-        return optimizer_class, kwargs
-    if set(kwargs) - _FUSABLE_ARGS or kwargs.get("amsgrad"):
-        return optimizer_class, kwargs
-    from zeroshard.ops import FusedAdam
-    defaults = inspect.signature(optimizer_class.__init__).parameters
-    decoupled = kwargs.get("decoupled_weight_decay", optimizer_class is torch.optim.AdamW)
-    fused_kwargs = {"weight_decay": defaults["weight_decay"].default, **kwargs, "adamw_mode": bool(decoupled)}
-    fused_kwargs.pop("decoupled_weight_decay", None)
-    return FusedAdam, fused_kwargs
-
-
-def _build_inner(optimizer_class: type, groups: list[dict], units: list[FlatUnit],
-                 kwargs: dict) -> tuple[list[state_io.Run], torch.optim.Optimizer]:
-    """The user's optimizer over this rank's owned ranges: one tensor per unit and group."""
-    runs: list[list[torch.Tensor]] = [[] for _ in groups]
-    all_runs = []
-    for unit in units:
-        with unit.swap.sized(unit) if unit.swap is not None else contextlib.nullcontext():
-            for g, a, b in unit.layout.group_runs(*unit.owned):
-                t = unit.master_range(a, b)
-                t.grad = unit.grad_range(a, b)
-                runs[g].append(t)
-                all_runs.append(state_io.Run(unit, g, a, b, t))
-    device = units[0].master.device
-    inner_groups = []
-    for group, ts in zip(groups, runs):
-        # A rank may own nothing of a group; an empty tensor keeps the group (and its
-        # hyperparameters) aligned with the user's, and is skipped since it has no grad.
-        params = ts or [torch.empty(0, device=device)]
-        inner_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-    try:
-        return all_runs, optimizer_class(inner_groups, **kwargs)
-    except TypeError as exc:
-        raise TypeError(f"{optimizer_class.__name__}(**{kwargs}) failed: {exc}") from exc

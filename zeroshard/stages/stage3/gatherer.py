@@ -158,6 +158,8 @@ class ParameterGatherer:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for ui in range(len(self.units)):  # the model's own parameters are registered again
+            self.show(ui, sharded=False)
         if self._orig_forward is not None:
             del self.model.forward  # the instance attribute; the class method shows again
             self._orig_forward = None

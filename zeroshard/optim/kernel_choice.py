@@ -1,0 +1,161 @@
+"""Which kernel runs each param group, and the inner optimizer(s) over this rank's runs.
+
+torch.optim.Adam/AdamW run on ``zeroshard.ops.FusedAdam`` when it computes the same thing;
+the choice is made per param group, from the group's own options merged over the
+constructor's, because torch reads every option per group (a group's ``amsgrad=True`` or
+``decoupled_weight_decay=True`` is honoured by torch.optim.Adam even when the constructor
+said otherwise). Groups the kernel cannot reproduce stay on the user's class; when both
+kinds exist the inner optimizer is a ``GroupedInner`` of one FusedAdam and one instance of
+the user's class, sharing one state mapping so state I/O sees a single ``inner.state``.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections import defaultdict
+from typing import Any, Optional
+
+import torch
+
+from zeroshard.optim import state_io
+from zeroshard.optim.flat_unit import FlatUnit
+
+# torch.optim.Adam/AdamW options the fused kernel reproduces exactly (per group).
+_FUSABLE = {"lr", "betas", "eps", "weight_decay", "maximize", "decoupled_weight_decay", "amsgrad",
+            "foreach", "fused", "capturable", "differentiable", "initial_lr", "param_names"}
+# Options whose default value (False/None) the kernel matches, any other value it does not.
+_OFF_ONLY = ("amsgrad", "foreach", "fused", "capturable", "differentiable")
+
+
+def _fusable(options: dict) -> bool:
+    if set(options) - _FUSABLE:
+        return False
+    if any(options.get(k) not in (None, False) for k in _OFF_ONLY):
+        return False
+    betas = options.get("betas")
+    # Tensor betas/lr are read once per step as numbers: the kernel gives the same result.
+    return betas is None or len(betas) == 2
+
+
+def choose_kernels(optimizer_class: type, kwargs: dict, groups: list[dict], enabled: bool) -> list[bool]:
+    """Per param group: True when it runs on FusedAdam."""
+    if not enabled or optimizer_class not in (torch.optim.Adam, torch.optim.AdamW):
+        return [False] * len(groups)
+    return [_fusable({**kwargs, **{k: v for k, v in g.items() if k != "params"}}) for g in groups]
+
+
+def _fused_options(optimizer_class: type, options: dict) -> dict:
+    """torch.optim.Adam/AdamW options as FusedAdam's (``adamw_mode`` from decoupling)."""
+    defaults = inspect.signature(optimizer_class.__init__).parameters
+    decoupled = options.get("decoupled_weight_decay", optimizer_class is torch.optim.AdamW)
+    out = {"weight_decay": defaults["weight_decay"].default,
+           **{k: v for k, v in options.items() if k in ("lr", "betas", "eps", "weight_decay", "maximize")},
+           "adamw_mode": bool(decoupled)}
+    return out
+
+
+def sync_fused_group(group: dict) -> None:
+    """A fused group follows a user's change of ``decoupled_weight_decay`` (torch reads it per step)."""
+    if "decoupled_weight_decay" in group:
+        group["adamw_mode"] = bool(group["decoupled_weight_decay"])
+
+
+class GroupedInner:
+    """Several inner optimizers presented as one: ``param_groups`` in the user's group order
+    (the parts' own dicts, so writes reach them), one shared ``state``, one ``step``."""
+
+    def __init__(self, parts: list[tuple[torch.optim.Optimizer, list[int]]], n_groups: int,
+                 defaults: dict) -> None:
+        self.parts = parts
+        self.param_groups: list[dict] = [{}] * n_groups
+        for opt, indices in parts:
+            for g, i in zip(opt.param_groups, indices):
+                self.param_groups[i] = g
+        self.defaults = defaults
+        self.state = defaultdict(dict)
+
+    @property
+    def state(self) -> Any:
+        return self._state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._state = value
+        for opt, _ in self.parts:
+            opt.state = value
+
+    def step(self, **kwargs: Any) -> None:
+        for opt, _ in self.parts:
+            step_without_hooks(opt, **(kwargs if isinstance(opt, torch.optim.Optimizer) and
+                                       type(opt).__name__ != "FusedAdam" else {}))
+
+    def state_dict(self) -> dict:  # for completeness (debugging); zeroshard never pickles it
+        return {"parts": [opt.state_dict() for opt, _ in self.parts]}
+
+
+def step_without_hooks(opt: Any, **kwargs: Any) -> Any:
+    """The inner optimizer's step without torch's step hooks: global hooks
+    (``register_optimizer_step_pre_hook``) and profiling belong to the user's optimizer,
+    the ZeroOptimizer, whose step already ran them; the inner one would run them again."""
+    if isinstance(opt, GroupedInner):
+        return opt.step(**kwargs)
+    fn = type(opt).step
+    fn = getattr(fn, "__wrapped__", fn) if getattr(fn, "hooked", False) else fn
+    return fn(opt, **kwargs)
+
+
+def normalize_state(inner: Any) -> None:
+    """After a load, the normalisation torch.optim applies in ``load_state_dict`` (each
+    optimizer's ``__setstate__``: a plain-number ``step`` of an older state dict becomes a
+    tensor, missing group defaults are filled in)."""
+    for opt in (p for p, _ in inner.parts) if isinstance(inner, GroupedInner) else (inner,):
+        if isinstance(opt.state, dict):
+            type(opt).__setstate__(opt, {"state": opt.state, "param_groups": opt.param_groups})
+
+
+def build_inner(optimizer_class: type, kwargs: dict, groups: list[dict], units: list[FlatUnit],
+                enabled: bool) -> tuple[list[state_io.Run], Any]:
+    """The inner optimizer(s) over this rank's owned ranges: one tensor per unit and group."""
+    runs: list[list[torch.Tensor]] = [[] for _ in groups]
+    all_runs = []
+    for unit in units:
+        with unit.swap.sized(unit) if unit.swap is not None else contextlib.nullcontext():
+            for g, a, b in unit.layout.group_runs(*unit.owned):
+                t = unit.master_range(a, b)
+                t.grad = unit.grad_range(a, b)
+                runs[g].append(t)
+                all_runs.append(state_io.Run(unit, g, a, b, t))
+    device = units[0].master.device
+    # The kernel updates fp32 masters; float64 state stays on torch's own implementation.
+    fused = choose_kernels(optimizer_class, kwargs, groups, enabled and units[0].master.dtype == torch.float32)
+    from zeroshard.ops import FusedAdam
+    parts: list[tuple[torch.optim.Optimizer, list[int]]] = []
+    for want_fused in (True, False):
+        indices = [i for i, f in enumerate(fused) if f == want_fused]
+        if not indices:
+            continue
+        inner_groups = []
+        for i in indices:
+            # A rank may own nothing of a group; an empty tensor keeps the group (and its
+            # hyperparameters) aligned with the user's, and is skipped since it has no grad.
+            params = runs[i] or [torch.empty(0, device=device, dtype=units[0].master.dtype)]
+            hp = {k: v for k, v in groups[i].items() if k not in ("params", "param_names")}
+            if want_fused:  # the group's own decoupling, which FusedAdam's defaults would override
+                hp = _fused_options(optimizer_class, {**kwargs, **hp})
+                hp["decoupled_weight_decay"] = hp["adamw_mode"]
+            inner_groups.append({**hp, "params": params})
+        cls, kw = (FusedAdam, _fused_options(optimizer_class, kwargs)) if want_fused else (optimizer_class, kwargs)
+        try:
+            parts.append((cls(inner_groups, **kw), indices))
+        except TypeError as exc:
+            raise TypeError(f"{cls.__name__}(**{kw}) failed: {exc}") from exc
+    if len(parts) == 1:
+        return all_runs, parts[0][0]
+    user_part = next(opt for opt, _ in parts if not isinstance(opt, FusedAdam))
+    return all_runs, GroupedInner(parts, len(groups), dict(user_part.defaults))
+
+
+def fused_part(inner: Any) -> Optional[torch.optim.Optimizer]:
+    """The FusedAdam running every group, or None (no group, or only some groups, fused)."""
+    from zeroshard.ops import FusedAdam
+    return inner if isinstance(inner, FusedAdam) else None

@@ -1,0 +1,90 @@
+"""Which ZeroOptimizer owns a parameter, and taking one down again.
+
+A ZeroOptimizer hooks its parameters (gradient hooks move every gradient into its buckets and
+clear ``.grad``), so a second one over the same parameters would train on nothing while the
+first is alive: that is refused, naming the parameters. Once the first is closed
+(``close()``) or garbage collected, its hooks, stage-3 forward hooks and module guard are
+removed and the parameters may be wrapped again. Nothing here holds the optimizer strongly:
+the hooks reach it through weak references, so ``del opt`` really frees it.
+"""
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+_OWNER = "_zeroshard_owner"  # attribute on each managed parameter: weakref to its optimizer
+
+
+def live_owner(p: torch.Tensor) -> Optional[Any]:
+    ref = getattr(p, _OWNER, None)
+    opt = ref() if ref is not None else None
+    return opt if opt is not None and not getattr(opt, "closed", False) else None
+
+
+def check_unclaimed(params: Sequence[torch.Tensor], names: dict[int, str]) -> None:
+    """Refuses parameters another live ZeroOptimizer manages (after collecting garbage: an
+    optimizer the user dropped may still sit in a reference cycle)."""
+    if not any(live_owner(p) is not None for p in params):
+        return
+    gc.collect()
+    taken = [p for p in params if live_owner(p) is not None]
+    if taken:
+        shown = ", ".join(repr(names.get(id(p), "?")) for p in taken[:3])
+        more = f" and {len(taken) - 3} more" if len(taken) > 3 else ""
+        raise RuntimeError(
+            f"parameter(s) {shown}{more} already belong to a live ZeroOptimizer "
+            f"({live_owner(taken[0])!r}), whose hooks take their gradients; a second one would train "
+            "on zeros. Call close() on the first (or delete every reference to it) before building "
+            "another, or use param groups in one optimizer for different settings")
+
+
+def claim(params: Sequence[torch.Tensor], opt: Any) -> None:
+    ref = weakref.ref(opt)
+    for p in params:
+        setattr(p, _OWNER, ref)
+
+
+def weak_method(method: Callable) -> Callable:
+    """A callback that calls ``method`` while its object lives (and does nothing after)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = ref()
+        return bound(*args, **kwargs) if bound is not None else None
+    return call
+
+
+class Teardown:
+    """Removes what a ZeroOptimizer attached to the model; idempotent. Runs from ``close()``
+    or from a finalizer once the optimizer is collected (so it must not reference it)."""
+
+    def __init__(self, removers: Sequence[Callable[[], None]], params: Sequence[torch.Tensor]) -> None:
+        self._removers = list(removers)
+        self._params = [weakref.ref(p) for p in params]
+        self.done = False
+
+    def __call__(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        for remove in self._removers:
+            remove()
+        for ref in self._params:
+            p = ref()
+            if p is not None and hasattr(p, _OWNER):
+                delattr(p, _OWNER)
+
+
+def hand_back_stage3(gatherer: Any, units: Sequence[Any]) -> None:
+    """Stage 3 closing: every unit gathered once more and each parameter given its own full
+    tensor, so the model works without the optimizer (a collective: all ranks call it)."""
+    for ui in range(len(units)):
+        gatherer.ensure(ui)
+    with torch.no_grad():
+        for unit in units:
+            for m, seg in zip(unit.members, unit.layout.segments):
+                m.param.data = unit.flat[seg.offset:seg.end].view(seg.shape).clone()
+    gatherer.release_all()

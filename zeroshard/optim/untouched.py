@@ -1,0 +1,70 @@
+"""Parameters that got no gradient on any rank are left alone by a step, as torch.optim leaves
+a parameter whose ``.grad`` is None (DDP gives such a parameter no gradient either).
+
+The inner optimizer updates whole runs (one tensor per unit and group), so it cannot skip
+one parameter inside a run; instead the step saves the values and elementwise state of the
+untouched parameters' pieces and puts them back afterwards. A parameter unused on only some
+ranks did get a gradient (the others' average with zeros), exactly as with DDP. What cannot
+be kept per parameter: a run's scalar state (Adam's ``step``) counts the steps of its run.
+
+The global view costs one small all-reduce per step (a byte per parameter) at world > 1.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.optim.state_io import elementwise_state
+
+
+def untouched_everywhere(opt: Any) -> set[tuple[int, int]]:
+    """(unit index, segment index) of parameters no rank saw a gradient for since zero_grad."""
+    flags = opt.reducer.touched
+    flat = [f for unit_flags in flags for f in unit_flags]
+    if all(flat):
+        if opt.comm.world_size == 1:
+            return set()
+    t = torch.tensor(flat, dtype=torch.uint8, device=opt.units[0].grad_store.device)
+    opt.comm.all_reduce(t, op=dist.ReduceOp.MAX)
+    seen = t.tolist()
+    out, i = set(), 0
+    for ui, unit_flags in enumerate(flags):
+        for si in range(len(unit_flags)):
+            if not seen[i]:
+                out.add((ui, si))
+            i += 1
+    return out
+
+
+def freeze(opt: Any, untouched: set[tuple[int, int]]) -> Callable[[], None]:
+    """Saves the untouched pieces; the returned function restores them after the step."""
+    if not untouched:
+        return lambda: None
+    index = {id(u): ui for ui, u in enumerate(opt.units)}
+    saved: list[tuple[Any, int, int, torch.Tensor, dict[str, torch.Tensor]]] = []
+    for run in opt.runs:
+        ui = index[id(run.unit)]
+        seg_index = {seg.offset: si for si, seg in enumerate(run.unit.layout.segments)}
+        state = opt.inner.state.get(run.tensor, {})
+        for piece in run.unit.layout.pieces_in(run.a, run.b):
+            if (ui, seg_index[piece.segment.offset]) not in untouched or piece.numel == 0:
+                continue
+            lo = piece.unit_offset - run.a
+            hi = lo + piece.numel
+            moments = {k: v[lo:hi].clone() for k, v in state.items() if elementwise_state(v, run.tensor)}
+            saved.append((run, lo, hi, run.tensor[lo:hi].clone(), moments))
+
+    def restore() -> None:
+        units = {}
+        for run, lo, hi, values, moments in saved:
+            run.tensor[lo:hi].copy_(values)
+            state = opt.inner.state.get(run.tensor, {})
+            for k, v in moments.items():
+                if k in state:
+                    state[k][lo:hi].copy_(v)
+            units[id(run.unit)] = run.unit
+        for unit in units.values():  # the model-dtype copy was written from the master already
+            unit.write_back()
+    return restore
