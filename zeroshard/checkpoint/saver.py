@@ -79,18 +79,28 @@ class CheckpointSaver:
             return base
         key = id(base.group)
         if key not in self._comms:
-            ranks = dist.get_process_group_ranks(base.group)
             # The side group must give up on a dead peer as soon as training's own group does
             # (not after gloo's 30-minute default): ZEROSHARD_PG_TIMEOUT, seconds.
             timeout = datetime.timedelta(seconds=float(os.environ.get("ZEROSHARD_PG_TIMEOUT", "1800")))
-            self._comms[key] = Comm(dist.new_group(ranks=ranks, backend="gloo", timeout=timeout))
+            mine = dist.get_process_group_ranks(base.group)
+            # new_group is a collective of the whole world: under a hybrid mesh every rank makes
+            # every shard group's side group, in the same order (Note [hybrid sharding]).
+            rows = getattr(opt, "shard_group_ranks", None) or [mine]
+            for ranks in rows:
+                group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+                if sorted(ranks) == sorted(mine):
+                    self._comms[key] = Comm(group)
         return self._comms[key]
 
     def save(self, root: str, step: int, model: Optional[nn.Module], opt: Any, scheduler: Any,
-             dataloader: Any, extra: Any, async_save: bool, keep_last: Optional[int]) -> PendingSave:
+             dataloader: Any, extra: Any, async_save: bool, keep_last: Optional[int],
+             first_replica: bool = False) -> PendingSave:
         self.wait()
         root = _check_arguments(root, step, keep_last, async_save)
         comm = self._comm(opt)
+        replicas = getattr(opt, "replicas", None)
+        if replicas is not None and not first_replica:  # hybrid: the first replica writes (all hold the same shards)
+            return self._save_replicated(replicas, root, step, model, opt, scheduler, dataloader, extra, keep_last)
         # Capture and the loader's checks on every rank, then agree: a rank that cannot save
         # (a lambda in its sampler state) must not leave the others waiting in the commit.
         error: Optional[BaseException] = None
@@ -121,6 +131,25 @@ class CheckpointSaver:
         self._thread.start()
         if opt is None:  # no optimizer step to hook: the caller may change anything next
             self._staged.wait()
+        return handle
+
+    def _save_replicated(self, replicas: Comm, root: str, step: int, model: Optional[nn.Module], opt: Any,
+                         scheduler: Any, dataloader: Any, extra: Any, keep_last: Optional[int]) -> PendingSave:
+        """Hybrid sharding: replica 0's shard group writes the checkpoint (synchronously) while
+        the other replicas wait for its commit, so every rank returns with it committed. The
+        RNG files are replica 0's: on resume every replica continues from them."""
+        handle = PendingSave(self)
+        failed = False
+        if replicas.rank == 0:
+            try:
+                handle = self.save(root, step, model, opt, scheduler, dataloader, extra, False, keep_last,
+                                   first_replica=True)
+            except BaseException:
+                failed = True
+                replicas.any_true(True)
+                raise
+        if replicas.any_true(failed):
+            raise CheckpointError(f"checkpoint of step {step}: the first replica failed to save it")
         return handle
 
     def _before_step(self, *_: Any) -> None:
@@ -276,3 +305,4 @@ def save_checkpoint(root: str, step: int, *, model: Optional[nn.Module], optimiz
     ``async_save=True`` it returns once the small state is captured; ``.wait()`` on the
     returned handle (or ``zeroshard.wait_checkpoint()``) blocks until committed."""
     return _SAVER.save(root, step, model, optimizer, scheduler, dataloader, extra, async_save, keep_last)
+

@@ -40,6 +40,8 @@ class GradientReducer:
                  max_inflight: int) -> None:
         self.units = list(units)
         self.comm = comm
+        self.replicas: Optional[Comm] = None
+        """Hybrid sharding: the group of this rank's replicas (same shard, other shard groups)."""
         self.reduce_dtype = reduce_dtype
         self.max_inflight = max_inflight
         self._handles = []
@@ -197,12 +199,24 @@ class GradientReducer:
 
     def _retire(self, p: _Pending) -> None:
         p.work.wait()
+        if self.replicas is not None:  # hybrid: the shard group's sum, summed over replicas too
+            self.replicas.all_reduce(self._reduced_part(p))
         if p.bucket is p.unit.grad_store:  # reduced in place: already the sum
             if self.grad_factor != 1.0:
                 p.bucket.mul_(self.grad_factor)
             p.unit.grad_valid = True
             return
         p.unit.accumulate(p.bucket if p.shard_out is None else p.shard_out, p.base, self.grad_factor)
+
+    def _reduced_part(self, p: _Pending) -> torch.Tensor:
+        """What this rank keeps of a completed reduction: the whole bucket at stages 0-1, the
+        owned slice at stages 2-3 (so replicas exchange only the shard: Note [hybrid sharding])."""
+        if not p.unit.policy.shard_gradients:
+            return p.bucket
+        if p.shard_out is not None:
+            return p.shard_out
+        lo, hi = p.unit.layout.slice_of(self.comm.rank)
+        return p.bucket[lo:hi]
 
     def live_bucket_bytes(self) -> int:
         """Bytes of buckets alive now that are not a unit's own gradient store."""

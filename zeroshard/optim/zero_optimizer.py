@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard.comm import Comm
+from zeroshard.comm.mesh import groups_from
 from zeroshard.config import ZeroConfig
 from zeroshard.layout import Segment, build_layouts, layouts_for
 from zeroshard.memory import MemoryReport, tensor_bytes
@@ -52,7 +53,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __init__(self, model_or_params: ParamsLike, optimizer_class: type, *, stage: int = 2,
                  offload_optimizer: Optional[str] = None, offload_params: Optional[str] = None,
                  nvme_path: Optional[str] = None, mixed_precision: Optional[str] = None,
-                 process_group: Optional[dist.ProcessGroup] = None, **kwargs: Any) -> None:
+                 process_group: Optional[dist.ProcessGroup] = None, mesh: Any = None, **kwargs: Any) -> None:
         config_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in ZeroConfig.field_names()}
         self.config = ZeroConfig(stage=stage, offload_optimizer=offload_optimizer,
                                  offload_params=offload_params, nvme_path=nvme_path,
@@ -70,10 +71,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
             meta_shapes = swap_meta_parameters(model_or_params, device)
         module, groups, names = normalize_params(model_or_params)
         self.module = module
-        self.comm = Comm(process_group)
-        # Ranks start from one model, as with DDP and DeepSpeed: rank 0's values everywhere.
-        self.comm.broadcast_tensors([t for g in groups for t in g["params"]]
-                                    + (list(module.buffers()) if module is not None else []))
+        shard_group, replicate_group = groups_from(process_group, mesh)  # Note [hybrid sharding]
+        self.comm = Comm(shard_group, dimension="shard" if replicate_group is not None else "dp")
+        self.replicas: Optional[Comm] = Comm(replicate_group, dimension="replicate") if replicate_group else None
+        self.shard_group_ranks: Optional[list[list[int]]] = (  # every shard group's ranks, replica by replica
+            [row.tolist() for row in mesh.mesh] if self.replicas is not None else None)
+        # Ranks start from one model, as with DDP and DeepSpeed: rank 0's values everywhere
+        # (across replicas first, then within the shard group).
+        values = [t for g in groups for t in g["params"]] + (list(module.buffers()) if module is not None else [])
+        if self.replicas is not None:
+            self.replicas.broadcast_tensors(values)
+        self.comm.broadcast_tensors(values)
         self.policy = policy_for_stage(self.config.stage)
         trainable = trainable_params(groups, names, meta_shapes, self.policy.shard_parameters)
         lifecycle.check_unclaimed([m.param for m in trainable], names)
@@ -138,6 +146,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                          growth_interval=self.config.loss_scale_growth_interval)
                        if self.config.mixed_precision == "fp16" else None)
         self.reducer = GradientReducer(self.units, self.comm, reduce_dtype, self.config.max_inflight_buckets)
+        self.reducer.replicas = self.replicas
         self._set_grad_factor()
         self.grad_links = GradLinks(self.units, self.comm, show)
         self.reducer.on_pass_start.append(lifecycle.weak_method(self._begin_pass))  # (del opt frees it)
@@ -181,6 +190,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self.config.stage
 
     @property
+    def data_parallel_size(self) -> int:
+        """Ranks whose gradients are averaged: the shard group times its replicas."""
+        return self.comm.world_size * (self.replicas.world_size if self.replicas is not None else 1)
+
+    @property
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler else 1.0
 
@@ -195,7 +209,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _set_grad_factor(self) -> None:
         # Gradients are averaged over ranks and unscaled as each reduction retires.
-        self.reducer.grad_factor = 1.0 / (self.comm.world_size * self.loss_scale)
+        self.reducer.grad_factor = 1.0 / (self.data_parallel_size * self.loss_scale)
 
     # -- gradients -------------------------------------------------------------------------------
     def _begin_pass(self) -> None:
@@ -500,10 +514,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def comm_report(self, reset: bool = False) -> dict[str, dict]:
         """``memory_report``'s sibling: what this rank's collectives moved since construction
         (or the last ``reset``), by kind: calls, bytes and the group dimension crossed."""
-        out = {kind: {"calls": t.calls, "bytes": t.bytes, "dimension": t.dimension}
-               for kind, t in sorted(self.comm.traffic.items())}
-        if reset:
-            self.comm.traffic.clear()
+        out = {}
+        for comm, suffix in ((self.comm, ""), (self.replicas, "@replicate")):
+            if comm is None:
+                continue
+            out.update({kind + suffix: {"calls": t.calls, "bytes": t.bytes, "dimension": t.dimension}
+                        for kind, t in sorted(comm.traffic.items())})
+            if reset:
+                comm.traffic.clear()
         return out
 
     def segment_index(self) -> dict[int, tuple[FlatUnit, Segment]]:

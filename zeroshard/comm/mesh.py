@@ -1,0 +1,40 @@
+"""Which process groups a ZeroOptimizer shards over and replicates over.
+
+Note [hybrid sharding]: ``ZeroOptimizer(..., mesh=DeviceMesh)`` follows FSDP2's convention.
+A 1-D mesh is one data-parallel group (like ``process_group=``). A 2-D mesh is
+(replicate, shard): optimizer state, gradients and (stage 3) parameters are sharded over the
+*shard* dimension — typically the GPUs of one node — and replicated over the *replicate*
+dimension, across nodes. Gradients are reduced inside the shard group first (reduce-scatter
+at stages 2-3, so only this rank's slice remains), and that slice alone is then all-reduced
+across the replicas: the slow links carry 1/shard_size of the gradient, and parameter gathers
+(after the step, or stage 3's per unit) never leave the shard group. Each replica steps the
+same slices, so replicas stay identical without exchanging parameters.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+
+def groups_from(process_group: Optional[dist.ProcessGroup], mesh: Any) -> tuple[Optional[dist.ProcessGroup],
+                                                                                 Optional[dist.ProcessGroup]]:
+    """(shard group, replicate group or None) from ``process_group=`` or ``mesh=``."""
+    if mesh is None:
+        return process_group, None
+    if process_group is not None:
+        raise ValueError("pass either process_group= or mesh=, not both (a mesh names its own groups)")
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError as exc:  # (very old torch)
+        raise RuntimeError(f"mesh= needs torch.distributed.device_mesh: {exc}") from exc
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim == 1:
+        return mesh.get_group(0), None
+    if mesh.ndim == 2:
+        return mesh.get_group(1), mesh.get_group(0)
+    names = getattr(mesh, "mesh_dim_names", None)
+    raise ValueError(f"mesh has {mesh.ndim} dimensions {names or ''}; ZeroOptimizer takes a 1-D (shard) or "
+                     "2-D (replicate, shard) data-parallel mesh: pass mesh['dp_replicate', 'dp_shard'] "
+                     "or the data-parallel sub-mesh of a larger one")
