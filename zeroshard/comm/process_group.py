@@ -92,17 +92,19 @@ class Comm:
 
     # -- plain collectives ---------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
-                   async_op: bool = False) -> Work:
+                   async_op: bool = False, what: str = "all_reduce") -> Work:
+        """``what`` names the traffic in ``traffic`` (small control reductions — norms, flags —
+        are counted apart from the gradients')."""
         if self.world_size == 1:
             return _Done()
-        self._count("all_reduce", _nbytes(tensor))
+        self._count(what, _nbytes(tensor))
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
         return work if async_op else _Done()
 
     def any_true(self, flag: bool) -> bool:
         """True on every rank when the flag is true on at least one rank."""
         t = torch.tensor([1.0 if flag else 0.0])
-        self.all_reduce(t, op=dist.ReduceOp.MAX)
+        self.all_reduce(t, op=dist.ReduceOp.MAX, what="flag")
         return bool(t.item() > 0)
 
     def broadcast_object(self, obj: object, src: int = 0) -> object:

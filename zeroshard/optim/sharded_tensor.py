@@ -104,7 +104,7 @@ class ShardedTensor(torch.Tensor):
         _need_comm(self)
         buf = torch.zeros(math.prod(self.shape), dtype=self.local.dtype, device=self.local.device)
         buf[self.start:self.start + self.n] = self.local
-        self.comm.all_reduce(buf)  # other ranks add exact zeros: a copy, bit for bit
+        self.comm.all_reduce(buf, what="sharded_gather")  # other ranks add exact zeros: a copy, bit for bit
         return buf.view(self.shape)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -298,7 +298,7 @@ def _agree(g: ShardedTensor, value: torch.Tensor, op: Any) -> torch.Tensor:
     """``value`` reduced with ``op`` over the ranks that hold pieces of ``g``."""
     _need_comm(g)
     t = value.detach().clone().reshape(1)
-    g.comm.all_reduce(t, op=op)
+    g.comm.all_reduce(t, op=op, what="sharded_reduction")
     return t.reshape(())
 
 

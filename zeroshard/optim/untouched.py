@@ -27,7 +27,7 @@ def untouched_everywhere(opt: Any) -> set[tuple[int, int]]:
         if opt.comm.world_size == 1:
             return set()
     t = torch.tensor(flat, dtype=torch.uint8, device=opt.units[0].grad_store.device)
-    opt.comm.all_reduce(t, op=dist.ReduceOp.MAX)
+    opt.comm.all_reduce(t, op=dist.ReduceOp.MAX, what="grad_flags")
     seen = t.tolist()
     out, i = set(), 0
     for ui, unit_flags in enumerate(flags):

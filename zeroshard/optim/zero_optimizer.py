@@ -297,14 +297,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             local = torch.stack(parts).max() if parts else torch.zeros((), device=device)
             total = local.clone()
             if self.policy.shard_optimizer:
-                self.comm.all_reduce(total.view(1), op=dist.ReduceOp.MAX)
+                self.comm.all_reduce(total.view(1), op=dist.ReduceOp.MAX, what="norm")
         else:
             parts = self._map_owned_grads(lambda g: torch.linalg.vector_norm(g, norm_type, dtype=torch.float64)
                                           ** norm_type,
                                           cached=(lambda s: s["sqnorm"]) if norm_type == 2.0 else None)
             local = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64, device=device)
             if self.policy.shard_optimizer:
-                self.comm.all_reduce(local.view(1))
+                self.comm.all_reduce(local.view(1), what="norm")
             total = (local ** (1.0 / norm_type)).to(self.units[0].master.dtype if self.units else torch.float32)
         if not torch.isfinite(total):
             if error_if_nonfinite and not overflow:
