@@ -380,16 +380,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # -- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's sharded state: pieces keyed by parameter name and flat range."""
-        return state_io.sharded_state_dict(self)
+        """This rank's sharded state: pieces keyed by parameter name and flat range. Runs the
+        hooks of ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook`` as
+        torch.optim does (zeroshard.integrations uses them)."""
+        for pre in self._optimizer_state_dict_pre_hooks.values():
+            pre(self)
+        sd = state_io.sharded_state_dict(self)
+        for post in self._optimizer_state_dict_post_hooks.values():
+            sd = post(self, sd) or sd
+        return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a sharded state dict (``state_dict()``) or a consolidated one (the format of
-        a plain torch.optim optimizer over the same parameters, e.g. ``consolidated_state_dict()``)."""
+        a plain torch.optim optimizer over the same parameters, e.g. ``consolidated_state_dict()``).
+        Runs the ``register_load_state_dict_pre_hook`` / ``_post_hook`` hooks as torch.optim does."""
+        for pre in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre(self, state_dict) or state_dict
         if state_io.is_sharded(state_dict):
             state_io.load_sharded(self, state_dict)
         else:
             state_io.load_consolidated(self, state_dict)
+        for post in self._optimizer_load_state_dict_post_hooks.values():
+            post(self)
 
     def consolidated_state_dict(self, to_rank: Optional[int] = 0) -> Optional[dict]:
         """The whole optimizer state as a plain ``torch.optim`` state dict (loadable by the same
