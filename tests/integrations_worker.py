@@ -228,8 +228,34 @@ def main(out_path: str, root: str, libs: list[str], stages: list[int]) -> None:
                 results[key] = {"error": f"{type(exc).__name__}: {exc}"[:3000], "trace": traceback.format_exc()[-4000:]}
                 if world > 1:
                     raise
+    if world > 1:
+        results["refusal"] = refusal_probe()
     with open(f"{out_path}.rank{rank}", "w") as f:
         json.dump(results, f, indent=1)
+
+
+def refusal_probe() -> dict:
+    """What a rank-0-only torch.save(optimizer.state_dict()) meets under each integration: an
+    error at save time naming the fix (an in-memory round trip still works)."""
+    import io
+    out = {}
+    fixes = {"trainer": ("zeroshard.integrations.transformers", "ZeroCallback"),
+             "accelerate": ("zeroshard.integrations.accelerate", "attach("),
+             "lightning": ("zeroshard.integrations.lightning", "ZeroStrategy")}
+    for lib, (module, needle) in fixes.items():
+        import importlib
+        from zeroshard.integrations._common import SaveGuard
+        model = gpt2()
+        opt = make_optimizer(model, 2)
+        SaveGuard.install(opt, importlib.import_module(module).FIX)
+        sd = opt.state_dict()
+        opt.load_state_dict(sd)  # in memory: fine
+        try:
+            torch.save(sd, io.BytesIO())
+            out[lib] = "saved"
+        except RuntimeError as exc:
+            out[lib] = "refused" if needle in str(exc) else f"refused without the fix: {exc}"
+    return out
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
 from torch import nn
 
 from zeroshard.integrations._common import SaveGuard, _unwrap, check_no_autocast, keep_out_of_ddp, optimizer_of
@@ -61,9 +62,11 @@ def attach(accelerator: Any, optimizer: Any) -> SaveGuard:
         for model, sd in zip(models, weights):
             if _unwrap(model) is module:
                 full = full_state_dict(module, rank0_only=True)
-                if full is not None:  # rank 0 writes; keep the dict's type (Accelerate dedups tied OrderedDicts)
-                    for key in list(sd):
-                        sd[key] = full[key]
+                # Rank 0 writes: full weights, in the same dict (Accelerate dedups tied entries of
+                # an OrderedDict). The others write nothing but still run safetensors' storage
+                # checks on their dict, which pieces (no storage) fail: empty stand-ins there.
+                for key in list(sd):
+                    sd[key] = full[key] if full is not None else torch.empty(0)
 
     def before_load(models: list, input_dir: str) -> None:
         if opt.gatherer is None:
@@ -90,7 +93,6 @@ def _load_stage3_weights(model: nn.Module, input_dir: str, index: int) -> None:
     """Loads Accelerate's model file into a stage-3 model (a full state dict: each rank keeps its
     pieces)."""
     import safetensors.torch as st
-    import torch
     suffix = "" if index == 0 else f"_{index}"
     safe = os.path.join(input_dir, f"model{suffix}.safetensors")
     plain = os.path.join(input_dir, f"pytorch_model{suffix}.bin")
