@@ -1,0 +1,95 @@
+"""The Hugging Face ``transformers.Trainer`` with a ZeroOptimizer: one callback.
+
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=..., stage=2)
+    trainer = Trainer(model=model, args=args, train_dataset=ds, optimizers=(opt, scheduler),
+                      callbacks=[ZeroCallback()])
+
+What the callback does, all through ``TrainerCallback`` events:
+
+- ``on_init_end``: keeps the model out of the ``DistributedDataParallel`` wrap the Trainer's
+  Accelerator applies at more than one process (the optimizer reduces gradients already;
+  ``_common.keep_out_of_ddp``), and refuses the Trainer's ``bf16``/``fp16`` autocast, which a
+  model kept out of ``prepare`` would not get (use ``ZeroOptimizer(mixed_precision=...)``);
+- before each checkpoint (``on_step_end`` / ``on_epoch_end`` with ``control.should_save``,
+  ``on_evaluate`` under ``save_strategy="best"``; every rank runs these), arms the save guard
+  (Note [rank-0 saves] in ``_common.py``): the ``optimizer.pt`` the Trainer writes from rank 0
+  holds every rank's state (consolidated, in ``torch.optim`` format) and at stage 3 the model
+  file holds full weights; ``resume_from_checkpoint`` then loads it on every rank as usual;
+- ``on_train_end`` keeps the final full weights ready at stage 3, so ``trainer.save_model()``
+  after ``train()`` writes whole tensors.
+
+Without the callback at more than one process the model would be wrapped in DDP; a save the
+callback did not prepare (a rank-0-only ``torch.save(optimizer.state_dict())``) is refused at
+save time, naming this callback.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import TrainerCallback
+
+from zeroshard.integrations._common import SaveGuard, check_no_autocast, keep_out_of_ddp, optimizer_of
+
+FIX = ("Add the zeroshard Trainer callback, which makes the Trainer's checkpoint hold every rank's state: "
+       "Trainer(..., callbacks=[zeroshard.integrations.transformers.ZeroCallback()]); or save with "
+       "zeroshard.save_checkpoint(dir, step, model=model, optimizer=opt) on every rank")
+
+
+class ZeroCallback(TrainerCallback):
+    """See the module docstring. Stateless across Trainers; safe to pass to several."""
+
+    def __init__(self) -> None:
+        self._guards: dict[int, SaveGuard] = {}
+
+    def _guard(self, model: Any, optimizer: Any) -> SaveGuard:
+        opt = optimizer_of(model, optimizer)
+        guard = self._guards.get(id(opt))
+        if guard is None or guard.optimizer is not opt:
+            guard = self._guards[id(opt)] = SaveGuard.install(opt, FIX)
+        return guard
+
+    def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                    **kwargs: Any) -> None:
+        if optimizer is None:
+            raise ValueError("ZeroCallback needs the ZeroOptimizer passed to the Trainer: "
+                             "Trainer(..., optimizers=(zeroshard.ZeroOptimizer(model, ...), scheduler))")
+        opt = optimizer_of(model, optimizer)
+        if args.bf16 or args.fp16:
+            check_no_autocast("bf16" if args.bf16 else "fp16", "TrainingArguments(bf16/fp16=True):")
+        if opt.module is not None and model is not None and opt.module is not model:
+            raise ValueError(f"the Trainer's model ({type(model).__name__}) is not the model its ZeroOptimizer "
+                             f"manages ({type(opt.module).__name__})")
+        keep_out_of_ddp(model)
+        self._guard(model, opt)
+
+    def _arm(self, model: Any, optimizer: Any, weights_only: bool = False) -> None:
+        guard = self._guard(model, optimizer)
+        guard.disarm()
+        guard.arm(optimizer=not weights_only)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                      **kwargs: Any) -> None:
+        self._guard(model, optimizer).disarm()  # the weights are about to change
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                    **kwargs: Any) -> None:
+        if control.should_save:
+            self._arm(model, optimizer)
+
+    on_epoch_end = on_step_end
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                    **kwargs: Any) -> None:
+        if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
+            self._arm(model, optimizer)  # the Trainer decides after this event whether to save
+
+    def on_save(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                **kwargs: Any) -> None:
+        self._guard(model, optimizer).disarm()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                     **kwargs: Any) -> None:
+        self._arm(model, optimizer, weights_only=True)  # for trainer.save_model() after train()
+
+
+__all__ = ["ZeroCallback", "FIX"]
