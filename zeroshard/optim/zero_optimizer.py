@@ -27,8 +27,8 @@ from zeroshard.comm import Comm
 from zeroshard.comm.mesh import groups_from
 from zeroshard.config import ZeroConfig
 from zeroshard.layout import Segment, build_layouts, layouts_for
-from zeroshard.memory import MemoryReport, tensor_bytes
-from zeroshard.optim import hooks, kernel_choice, lifecycle, registry, state_io, untouched
+from zeroshard.memory import MemoryReport
+from zeroshard.optim import hooks, kernel_choice, lifecycle, registry, reports, state_io, untouched
 from zeroshard.optim.elementwise import check_elementwise
 from zeroshard.optim.flat_unit import FlatUnit, Placement
 from zeroshard.optim.grad_links import GradLinks
@@ -124,7 +124,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     f"offload_optimizer='nvme' streams Adam/AdamW moments through the fused kernel; "
                     f"{optimizer_class.__name__}(**{kwargs}) does not run on it (use torch.optim.Adam "
                     "or AdamW without amsgrad/foreach/fused/capturable, or offload_optimizer='cpu')")
-            slots = self._staging_slots()
+            slots = reports.staging_slots(self)
             self.swapper = NvmeOptimizerState(self.runs, self.config.nvme_path, self.comm.rank, max_slots=slots)
             self.unit_store.max_in_flight = slots
             self.inner.state = self.swapper
@@ -377,24 +377,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for w in works:
                 w.wait()
 
-    def _staging_slots(self) -> int:
-        """How many pipeline slots NVMe offload may use within ``offload_buffer_mb``: each holds
-        the largest run's moments and the largest unit's swapped parts."""
-        if self.config.offload_buffer_mb is None:
-            return 3
-        moments = max((8 * r.tensor.numel() for r in self.runs), default=0)
-        store = self.unit_store
-        parts = max((sum(store.tensor_of(u, p).numel() * store.tensor_of(u, p).element_size()
-                         for p in store.parts_of(u)) for u in self.units), default=0)
-        per_slot = moments + parts
-        slots = int(self.config.offload_buffer_mb * 2**20 // max(1, per_slot))
-        if slots < 1:
-            raise ValueError(
-                f"offload_buffer_mb={self.config.offload_buffer_mb} is below one staging slot of "
-                f"{per_slot / 2**20:.1f} MiB (the largest unit's moments, gradient and master); raise it, or make "
-                "units smaller (bucket_size_mb, or stage3_unit_numel at stage 3)")
-        return slots
-
     @staticmethod
     def _copy_out_ok(unit: FlatUnit) -> bool:
         return (unit.separate_master and unit.dtype in (torch.bfloat16, torch.float16)
@@ -486,43 +468,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return state_io.consolidated_state_dict(self, to_rank)
 
     def memory_report(self) -> MemoryReport:
-        """Bytes of model state this rank holds, by category. State kept in swap files counts
-        as ``offloaded``; its parts read into memory for a moment (the swap pipeline's working
-        set) count as ``buffers``, like the gather buffers of stage 3."""
-        seen: set[int] = set()
-        frozen = sum(tensor_bytes(p, seen) for g in self.param_groups for p in g["params"]
-                     if not p.requires_grad)
-
-        def held(unit: FlatUnit, part: str, t: torch.Tensor) -> int:
-            return 0 if unit.swapped(part) else tensor_bytes(t, seen)
-        staging = sum(tensor_bytes(NvmeUnitStore.tensor_of(u, p), seen)
-                      for u in self.units if u.swap is not None for p in u.swap.parts_of(u))
-        return MemoryReport(
-            parameters=sum(held(u, "shard", u.shard if u.policy.shard_parameters else u.flat)
-                           for u in self.units) + frozen,
-            gradients=sum(held(u, "grad", u.grad_store) for u in self.units),
-            master_weights=sum(held(u, "master", u.master) for u in self.units if u.separate_master),
-            optimizer_states=(self.swapper.pool_bytes if self.swapper is not None else
-                              sum(tensor_bytes(v, seen) for s in self.inner.state.values()
-                                  for v in s.values() if isinstance(v, torch.Tensor))),
-            offloaded=((self.swapper.file_bytes if self.swapper is not None else 0)
-                       + (self.unit_store.file_bytes if self.unit_store is not None else 0)),
-            buffers=(self.reducer.live_bucket_bytes() + (self.gatherer.gathered_bytes() if self.gatherer else 0)
-                     + staging),
-        )
+        """Bytes of model state this rank holds, by category (zeroshard/optim/reports.py)."""
+        return reports.memory_report(self)
 
     def comm_report(self, reset: bool = False) -> dict[str, dict]:
         """``memory_report``'s sibling: what this rank's collectives moved since construction
         (or the last ``reset``), by kind: calls, bytes and the group dimension crossed."""
-        out = {}
-        for comm, suffix in ((self.comm, ""), (self.replicas, "@replicate")):
-            if comm is None:
-                continue
-            out.update({kind + suffix: {"calls": t.calls, "bytes": t.bytes, "dimension": t.dimension}
-                        for kind, t in sorted(comm.traffic.items())})
-            if reset:
-                comm.traffic.clear()
-        return out
+        return reports.comm_report(self, reset)
 
     def segment_index(self) -> dict[int, tuple[FlatUnit, Segment]]:
         """Where each trainable parameter lives: id(param) -> (unit, segment)."""

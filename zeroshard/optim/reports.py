@@ -1,0 +1,71 @@
+"""Reports a ZeroOptimizer gives about itself: memory by category, communication by
+collective, and the NVMe staging slots its memory bound allows."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zeroshard.memory import MemoryReport, tensor_bytes
+from zeroshard.offload.unit_swap import NvmeUnitStore
+from zeroshard.optim.flat_unit import FlatUnit
+
+
+def memory_report(opt: Any) -> MemoryReport:
+    """Bytes of model state this rank holds, by category. State kept in swap files counts
+    as ``offloaded``; its parts read into memory for a moment (the swap pipeline's working
+    set) count as ``buffers``, like the gather buffers of stage 3."""
+    seen: set[int] = set()
+    frozen = sum(tensor_bytes(p, seen) for g in opt.param_groups for p in g["params"]
+                 if not p.requires_grad)
+
+    def held(unit: FlatUnit, part: str, t: torch.Tensor) -> int:
+        return 0 if unit.swapped(part) else tensor_bytes(t, seen)
+    staging = sum(tensor_bytes(NvmeUnitStore.tensor_of(u, p), seen)
+                  for u in opt.units if u.swap is not None for p in u.swap.parts_of(u))
+    return MemoryReport(
+        parameters=sum(held(u, "shard", u.shard if u.policy.shard_parameters else u.flat)
+                       for u in opt.units) + frozen,
+        gradients=sum(held(u, "grad", u.grad_store) for u in opt.units),
+        master_weights=sum(held(u, "master", u.master) for u in opt.units if u.separate_master),
+        optimizer_states=(opt.swapper.pool_bytes if opt.swapper is not None else
+                          sum(tensor_bytes(v, seen) for s in opt.inner.state.values()
+                              for v in s.values() if isinstance(v, torch.Tensor))),
+        offloaded=((opt.swapper.file_bytes if opt.swapper is not None else 0)
+                   + (opt.unit_store.file_bytes if opt.unit_store is not None else 0)),
+        buffers=(opt.reducer.live_bucket_bytes() + (opt.gatherer.gathered_bytes() if opt.gatherer else 0)
+                 + staging),
+    )
+
+
+def comm_report(opt: Any, reset: bool = False) -> dict[str, dict]:
+    """``memory_report``'s sibling: what this rank's collectives moved since construction
+    (or the last ``reset``), by kind: calls, bytes and the group dimension crossed."""
+    out = {}
+    for comm, suffix in ((opt.comm, ""), (opt.replicas, "@replicate")):
+        if comm is None:
+            continue
+        out.update({kind + suffix: {"calls": t.calls, "bytes": t.bytes, "dimension": t.dimension}
+                    for kind, t in sorted(comm.traffic.items())})
+        if reset:
+            comm.traffic.clear()
+    return out
+
+
+def staging_slots(opt: Any) -> int:
+    """How many pipeline slots NVMe offload may use within ``offload_buffer_mb``: each holds
+    the largest run's moments and the largest unit's swapped parts."""
+    if opt.config.offload_buffer_mb is None:
+        return 3
+    moments = max((8 * r.tensor.numel() for r in opt.runs), default=0)
+    store = opt.unit_store
+    parts = max((sum(store.tensor_of(u, p).numel() * store.tensor_of(u, p).element_size()
+                     for p in store.parts_of(u)) for u in opt.units), default=0)
+    per_slot = moments + parts
+    slots = int(opt.config.offload_buffer_mb * 2**20 // max(1, per_slot))
+    if slots < 1:
+        raise ValueError(
+            f"offload_buffer_mb={opt.config.offload_buffer_mb} is below one staging slot of "
+            f"{per_slot / 2**20:.1f} MiB (the largest unit's moments, gradient and master); raise it, or make "
+            "units smaller (bucket_size_mb, or stage3_unit_numel at stage 3)")
+    return slots
