@@ -43,6 +43,7 @@ class _Source:
         self.readers: dict[str, ShardReader] = {}
         self.pieces = {n: m["pieces"] for n, m in body["tensors"].items()}
         self.starts = {n: [p["start"] for p in ps] for n, ps in self.pieces.items()}
+        self.planned: dict[str, list[tuple[int, int]]] = {}  # file -> byte ranges to read
 
     def reader(self, fname: str) -> ShardReader:
         if fname not in self.readers:
@@ -59,15 +60,22 @@ class _Source:
             i += 1
 
     def plan(self, name: str, a: int, b: int, kinds: Optional[set[str]]) -> None:
-        """Reads and verifies the blocks holding ``name[a:b]`` for ``kinds`` (None: all)."""
+        """Checks the pieces holding ``name[a:b]`` and notes their byte ranges for ``kinds``
+        (None: all); ``read_planned`` then reads and verifies them."""
         for p in self.overlapping(name, a, b):
             self.reader(p["file"]).check_piece(name, p, self.body["tensors"][name]["dtype"])
             lo, hi = max(a, p["start"]) - p["start"], min(b, p["stop"]) - p["start"]
-            ranges = []
             for kind, key in p["keys"].items():
                 if kinds is None or kind in kinds:
-                    ranges.append(self.reader(p["file"]).byte_range(key, lo, hi))
-            self.reader(p["file"]).load(ranges)
+                    self.planned.setdefault(p["file"], []).append(self.reader(p["file"]).byte_range(key, lo, hi))
+
+    def read_planned(self) -> None:
+        # One ``load`` per file, not per tensor: its blocks are read as few long runs, so
+        # no piece straddles two buffers (``get`` would stitch it into a fresh copy) and the
+        # read-ahead never drains between tensors.
+        for fname in sorted(self.planned):
+            self.reader(fname).load(self.planned[fname])
+        self.planned.clear()
 
     def fetch(self, name: str, a: int, b: int, kind: str) -> Optional[torch.Tensor]:
         parts = []
@@ -87,9 +95,9 @@ class _Source:
                 return jsontree.decode(p["scalars"][key])
         return None
 
-    def release(self) -> None:
+    def release(self, defer: bool = False) -> None:
         for r in self.readers.values():
-            r.release()
+            r.release(defer)
 
 
 def _expected(model: Optional[nn.Module], opt: Any) -> dict[str, tuple[tuple[int, ...], bool]]:
@@ -158,6 +166,7 @@ def read_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
         kinds = None if run is not None and run.unit.separate_master else {PARAM} | {
             k for p in src.pieces[name] for k in p["keys"] if k.startswith("state.")}
         src.plan(name, a, b, kinds)
+    src.read_planned()
 
 
 def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
@@ -301,7 +310,7 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
         raise CheckpointError(f"loading {step_dir} failed while writing the state in ({exc}); the model and "
                               "optimizer are partly loaded: load again before training") from exc
     finally:
-        src.release()
+        src.release(defer=True)  # the gigabytes are unmapped on another thread
     return {"step": body["step"], "path": step_dir, "extra": plan.extra,
             "skipped": skipped, "world_size": body["world_size"], "stage": body["stage"],
             "resharded": body["world_size"] != comm.world_size or
