@@ -18,7 +18,7 @@ from tests.conformance.common import CASES
 
 # Known open (issue 12, left to the lead's stage-3 representation change): stage 3 takes the
 # module, not param groups, so the case above fails with that refusal.
-KNOWN_FAILING = {"ds_stage3_param_groups": "stage 3 needs the nn.Module, so param groups are refused"}
+KNOWN_FAILING: dict[str, str] = {}
 
 NOT_APPLICABLE = {
     "torch: test_forloop_goes_right_direction_multigpu / test_mixed_device_dtype / *_cuda*":

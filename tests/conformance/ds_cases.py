@@ -195,7 +195,7 @@ def ds_stage3_param_groups(rank: int, world: int) -> None:
         return [{"params": [p for p in m.parameters() if p.dim() >= 2], "weight_decay": 0.1},
                 {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     model, ref = _pair(cls=_Blocks)
-    opt = zeroshard.ZeroOptimizer(groups(model), torch.optim.AdamW, lr=1e-2, stage=3)
+    opt = zeroshard.ZeroOptimizer(groups(model), torch.optim.AdamW, lr=1e-2, stage=3, module=model)
     ropt = torch.optim.AdamW(groups(ref), lr=1e-2)
     for step in range(2):
         _step_both(model, opt, ref, ropt, step, rank, world)

@@ -39,7 +39,7 @@ from zeroshard.offload import NvmeOptimizerState
 from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.ops import FusedAdam
 from zeroshard.optim.param_state import ParamStateView
-from zeroshard.optim.params import ParamsLike, normalize_params
+from zeroshard.optim.params import ParamsLike, module_of_groups, normalize_params
 from zeroshard.precision import DynamicLossScaler
 from zeroshard.stages import policy_for_stage
 from zeroshard.stages.stage3.gatherer import ParameterGatherer
@@ -53,7 +53,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __init__(self, model_or_params: ParamsLike, optimizer_class: type, *, stage: int = 2,
                  offload_optimizer: Optional[str] = None, offload_params: Optional[str] = None,
                  nvme_path: Optional[str] = None, mixed_precision: Optional[str] = None,
-                 process_group: Optional[dist.ProcessGroup] = None, mesh: Any = None, **kwargs: Any) -> None:
+                 process_group: Optional[dist.ProcessGroup] = None, mesh: Any = None,
+                 module: Optional[nn.Module] = None, **kwargs: Any) -> None:
         config_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in ZeroConfig.field_names()}
         self.config = ZeroConfig(stage=stage, offload_optimizer=offload_optimizer,
                                  offload_params=offload_params, nvme_path=nvme_path,
@@ -61,15 +62,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         check_elementwise(optimizer_class)
         check_optimizer_kwargs(optimizer_class, kwargs)
         model_or_params = check_inputs(model_or_params, self.config.stage, kwargs)
-        if self.config.stage == 3 and not isinstance(model_or_params, nn.Module):
-            raise ValueError("stage=3 partitions parameters by module, so it needs the nn.Module "
-                             "itself: ZeroOptimizer(model, ...), not a list of parameters or groups")
+        if self.config.stage == 3 and not isinstance(model_or_params, nn.Module) and module is None:
+            raise ValueError("stage=3 partitions parameters by module, so it needs the nn.Module: "
+                             "ZeroOptimizer(model, ...), or with param groups "
+                             "ZeroOptimizer(groups, ..., stage=3, module=model)")
         device = None
         meta_shapes: dict[int, torch.Size] = {}
         if isinstance(model_or_params, nn.Module):
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             meta_shapes = swap_meta_parameters(model_or_params, device)
-        module, groups, names = normalize_params(model_or_params)
+        given, groups, names = normalize_params(model_or_params)
+        module = given if module is None else module_of_groups(module, given, groups, names)
         self.module = module
         shard_group, replicate_group = groups_from(process_group, mesh)  # Note [hybrid sharding]
         self.comm = Comm(shard_group, dimension="shard" if replicate_group is not None else "dp")
