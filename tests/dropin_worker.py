@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -289,3 +290,31 @@ def hybrid_worker(rank: int, world: int, out_path: str, stage: int, ckpt: str) -
         json.dump({"diff": diff, "loss_rel": loss_rel, "report": report, "shard_bytes": shard_bytes,
                    "steps": STEPS, "resume_equal": resume_equal,
                    "weights_sum": float(sum(got[n].double().sum() for n, _ in ref.named_parameters()))}, f)
+
+
+def add_group_worker(rank: int, world: int, out_path: str, stage: int) -> None:
+    """Progressive unfreezing: the final layer norm starts frozen and joins as a new param
+    group (its own lr) after 3 steps, as with torch.optim.AdamW.add_param_group."""
+    def run(model: torch.nn.Module, make: Any, r: int, w: int) -> None:
+        ln = model.transformer.ln_f
+        ln.requires_grad_(False)
+        opt = make([p for p in model.parameters() if p.requires_grad])
+        per = GLOBAL_BATCH // w
+        for step in range(6):
+            if step == 3:
+                ln.requires_grad_(True)
+                opt.add_param_group({"params": list(ln.parameters()), "lr": 5e-3, "weight_decay": 0.0})
+            part = tokens(step)[r * per:(r + 1) * per]
+            model(input_ids=part, labels=part).loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            opt.step()
+            model.zero_grad()
+    ref = gpt2()
+    run(ref, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), 0, 1)
+    model = gpt2()
+    run(model, lambda ps: zeroshard.ZeroOptimizer(ps, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=stage,
+                                                  **({"module": model} if stage == 3 else {})), rank, world)
+    got = weights(model, stage)
+    diff = max(float((got[n] - p.detach()).abs().max()) for n, p in ref.named_parameters())
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump({"diff": diff}, f)

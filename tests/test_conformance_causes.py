@@ -252,10 +252,16 @@ def test_step_kwargs_reach_the_inner_optimizer():
     assert _maxdiff(model, ref) < 1e-6
 
 
-def test_add_param_group_after_construction_is_refused_clearly():
-    opt = zeroshard.ZeroOptimizer(TinyNet(), torch.optim.SGD, lr=0.1)
-    with pytest.raises(RuntimeError, match="add_param_group after construction is not supported"):
-        opt.add_param_group({"params": [nn.Parameter(torch.ones(2))]})
+def test_add_param_group_after_construction_is_supported_and_checked():
+    """(Refused before.) Now it works like torch (tests/test_dropin.py trains through it at
+    every stage); a parameter already in a group is refused as torch refuses it."""
+    model = TinyNet()
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.SGD, lr=0.1)
+    extra = nn.Parameter(torch.ones(2))
+    opt.add_param_group({"params": [extra], "lr": 0.5})
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.5]
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [extra]})
 
 
 def test_torch_refusals_mixed_names_and_mixed_betas():

@@ -166,3 +166,12 @@ def test_hybrid_mesh_trains_like_one_process_and_crosses_replicas_with_the_shard
     zeroshard.load_checkpoint(ckpt, model=model, optimizer=opt)
     total = float(sum(p.detach().double().sum() for p in model.parameters()))
     assert total == pytest.approx(ranks[0]["weights_sum"], rel=1e-12)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_add_param_group_after_construction_trains_like_torch(tmp_path, stage, world):
+    """add_param_group mid-training (a frozen layer unfrozen with its own lr) equals
+    torch.optim.AdamW doing the same; the existing state is kept across the rebuild."""
+    for r in run_ranks(w.add_group_worker, world, tmp_path, stage):
+        assert r["diff"] < 1e-5, r

@@ -31,8 +31,6 @@ NOT_APPLICABLE = {
         "sparse gradients are refused with a clear error (flat dense buffers)",
     "torch: LBFGS / Adafactor / Muon configurations":
         "not elementwise: refused by design (zeroshard/optim/elementwise.py)",
-    "torch: test_add_param_group / zero: test_add_param_group":
-        "refused with a clear error: units are laid out and hooked at construction",
     "torch: test_differentiable_* / test_step_is_differentiable":
         "differentiable optimizers need autograd through the step; ZeRO's step is a no_grad collective",
     "torch: test_deepcopy_copies_all_public_attrs (attribute equality)":

@@ -113,6 +113,32 @@ def zero_multiple_param_groups(rank: int, world: int) -> None:
         _close(model, ref)
 
 
+@case("zero: TestZeroRedundancyOptimizerSingleRank.test_add_param_group / torch: test_add_param_group")
+def zero_add_param_group(rank: int, world: int) -> None:
+    """A group added after some steps joins with its own hyperparameters; the existing
+    state carries on (ZeroRedundancyOptimizer re-partitions; zeroshard rebuilds its units)."""
+    for stage in (1, 2, 3):
+        model, ref = _pair()
+        late = [p for n, p in model.named_parameters() if n.endswith("bias")]
+        rlate = [p for n, p in ref.named_parameters() if n.endswith("bias")]
+        for p in late + rlate:
+            p.requires_grad_(False)
+        first = [p for p in model.parameters() if p.requires_grad]
+        opt = zeroshard.ZeroOptimizer(first, torch.optim.AdamW, lr=1e-2, stage=stage,
+                                      **({"module": model} if stage == 3 else {}))
+        ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+        for step in range(4):
+            if step == 2:
+                for p in late + rlate:
+                    p.requires_grad_(True)
+                opt.add_param_group({"params": late, "lr": 3e-3, "weight_decay": 0.0})
+                ropt.add_param_group({"params": rlate, "lr": 3e-3, "weight_decay": 0.0})
+                if len(opt.param_groups) != 2 or opt.param_groups[1]["lr"] != 3e-3:
+                    raise AssertionError(f"groups after add_param_group: {opt.param_groups}")
+            _step_both(model, opt, ref, ropt, step, rank, world)
+        _close(model, ref, stage)
+
+
 class _Branchy(nn.Module):
     """Rank-dependent path: ``odd`` is used on odd ranks only, ``never`` on no rank."""
 

@@ -88,3 +88,32 @@ def hand_back_stage3(gatherer: Any, units: Sequence[Any]) -> None:
             for m, seg in zip(unit.members, unit.layout.segments):
                 m.param.data = unit.flat[seg.offset:seg.end].view(seg.shape).clone()
     gatherer.release_all()
+
+
+def rebuild_with_group(opt: Any, param_group: dict) -> None:
+    """``ZeroOptimizer.add_param_group`` after construction: consolidate the state on every rank,
+    close, build again over the old groups plus ``param_group``, load the state back."""
+    state = opt.consolidated_state_dict(to_rank=None)
+    own = {id(opt._show(m.param)): m.param for u in opt.units for m in u.members}
+    groups = [{**{k: v for k, v in g.items() if k != "adamw_mode"},  # (the kernel's key, derived again)
+               "params": [own.get(id(p), p) for p in g["params"]]} for g in opt.param_groups]
+    new = dict(param_group)
+    new["params"] = [new["params"]] if isinstance(new["params"], torch.Tensor) else list(new["params"])
+    taken = {id(p) for g in groups for p in g["params"]}
+    twice = [i for i, p in enumerate(new["params"]) if id(p) in taken]
+    if twice:
+        raise ValueError(f"some parameters appear in more than one parameter group (positions {twice[:5]} "
+                         "of the new group are in an existing one)")
+    hooks = {k: v for k, v in opt.__dict__.items() if k.startswith("_optimizer_") and k.endswith("_hooks")}
+    optimizer_class, args = opt._build_args
+    module = opt.module
+    opt.close()
+    for closer in opt._files_closers:  # swap files are made anew by the rebuild
+        closer()
+    opt._zero_initialized = False  # (torch's constructor calls add_param_group per group)
+    type(opt).__init__(opt, groups + [new], optimizer_class, module=module, **args)
+    opt.__dict__.update(hooks)
+    n = sum(len(g["params"]) for g in state["param_groups"])
+    added = {k: v for k, v in opt.param_groups[-1].items() if k != "params"}
+    state["param_groups"].append({**added, "params": list(range(n, n + len(new["params"])))})
+    opt.load_state_dict(state)

@@ -70,10 +70,11 @@ def normalize_params(model_or_params: ParamsLike) -> tuple[Optional[nn.Module], 
 
 
 def module_of_groups(module: nn.Module, given: Optional[nn.Module], groups: list[dict],
-                     names: dict[int, str]) -> nn.Module:
+                     names: dict[int, str], allow_outside: bool = False) -> nn.Module:
     """``module=`` with param groups (stage 3 plans units by module, as DeepSpeed's
     ``initialize(model=..., model_parameters=groups)``): every parameter of the groups must be
-    the module's, every trainable one of the module in a group; names become the module's."""
+    the module's, every trainable one of the module in a group (``allow_outside``: stages 0-2,
+    where units do not follow modules); names become the module's."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     if given is not None and given is not module:
@@ -82,15 +83,15 @@ def module_of_groups(module: nn.Module, given: Optional[nn.Module], groups: list
     by_id = {id(p): n for n, p in named.items()}
     in_groups = {id(p) for g in groups for p in g["params"]}
     strangers = [names.get(i, "?") for i in in_groups if i not in by_id]
-    if strangers:
+    if strangers and not allow_outside:
         raise ValueError(f"param groups hold {len(strangers)} tensor(s) that are not parameters of module= "
                          f"{type(module).__name__} (e.g. {strangers[:3]})")
     left = [n for n, p in named.items() if p.requires_grad and id(p) not in in_groups]
-    if left:
+    if left and not allow_outside:
         raise ValueError(f"{len(left)} trainable parameter(s) of {type(module).__name__} are in no param group "
                          f"(e.g. {left[:3]}): add them to a group, or freeze them (requires_grad_(False))")
     if any(p.is_meta for g in groups for p in g["params"]):
         raise ValueError("a meta-device model takes ZeroOptimizer(model, ...) (its parameters are replaced "
                          "while being materialised, so groups built before would not see them)")
-    names.update(by_id)
+    names.update({i: n for i, n in by_id.items() if i in in_groups})
     return module

@@ -55,6 +55,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  nvme_path: Optional[str] = None, mixed_precision: Optional[str] = None,
                  process_group: Optional[dist.ProcessGroup] = None, mesh: Any = None,
                  module: Optional[nn.Module] = None, **kwargs: Any) -> None:
+        # (kept to rebuild the layout in add_param_group)
+        self._build_args = (optimizer_class, dict(stage=stage, offload_optimizer=offload_optimizer,
+                                                  offload_params=offload_params, nvme_path=nvme_path,
+                                                  mixed_precision=mixed_precision, process_group=process_group,
+                                                  mesh=mesh, **kwargs))
+        self._files_closers: list[Any] = []
         config_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in ZeroConfig.field_names()}
         self.config = ZeroConfig(stage=stage, offload_optimizer=offload_optimizer,
                                  offload_params=offload_params, nvme_path=nvme_path,
@@ -72,7 +78,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             meta_shapes = swap_meta_parameters(model_or_params, device)
         given, groups, names = normalize_params(model_or_params)
-        module = given if module is None else module_of_groups(module, given, groups, names)
+        module = given if module is None else module_of_groups(module, given, groups, names,
+                                                               allow_outside=self.config.stage < 3)
         self.module = module
         shard_group, replicate_group = groups_from(process_group, mesh)  # Note [hybrid sharding]
         self.comm = Comm(shard_group, dimension="shard" if replicate_group is not None else "dp")
@@ -109,7 +116,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.config.offload_optimizer == "nvme":  # gradients, masters (and shards) on NVMe
             self.unit_store = NvmeUnitStore(self.config.nvme_path, self.comm.rank,
                                             swap_shards=self.config.offload_params == "nvme")
-            weakref.finalize(self, self.unit_store.close)
+            self._files_closers.append(weakref.finalize(self, self.unit_store.close))
         self.units = []
         for layout, members in layouts:  # one unit at a time: a swapped unit leaves memory at once
             unit = FlatUnit(layout, members, self.policy, self.comm.rank, param_dtype,
@@ -131,7 +138,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.swapper = NvmeOptimizerState(self.runs, self.config.nvme_path, self.comm.rank, max_slots=slots)
             self.unit_store.max_in_flight = slots
             self.inner.state = self.swapper
-            weakref.finalize(self, self.swapper.close)
+            self._files_closers.append(weakref.finalize(self, self.swapper.close))
         self.gatherer: Optional[ParameterGatherer] = None
         if self.policy.shard_parameters:  # from here on torch code sees sharded parameters
             self.gatherer = ParameterGatherer(self.units, unit_modules, module, self.comm,
@@ -415,13 +422,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.reducer.grads_since_clear = False
 
     def add_param_group(self, param_group: dict) -> None:
-        if getattr(self, "_zero_initialized", False):
-            raise RuntimeError(
-                "ZeroOptimizer.add_param_group after construction is not supported: parameters are "
-                "laid out in flat units, hooked and (stage 3) partitioned when the optimizer is built. "
-                "Pass every group to ZeroOptimizer(...) (a group may start with lr=0 and be enabled "
-                "later by setting its lr), or build a new ZeroOptimizer after close()")
-        super().add_param_group(param_group)
+        """As torch.optim: the new parameters join with their own hyperparameters, existing state
+        is kept. Units are laid out at construction, so this rebuilds them (a collective costing
+        one copy of the optimizer state per rank for a moment: lifecycle.rebuild_with_group)."""
+        if not getattr(self, "_zero_initialized", False):
+            return super().add_param_group(param_group)  # (torch's constructor adds the first groups)
+        if not isinstance(param_group, dict) or "params" not in param_group:
+            raise TypeError(f"param_group must be a dict with 'params', got {type(param_group).__name__}")
+        lifecycle.rebuild_with_group(self, param_group)
 
     # -- lifetime --------------------------------------------------------------------------------
     def close(self) -> None:
