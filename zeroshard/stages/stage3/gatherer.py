@@ -23,8 +23,10 @@ Note [compiled stage 3]: under ``torch.compile`` the hooks that gather and relea
 eagerly (``torch.compiler.disable``): resizing storage and issuing collectives are not
 traceable, and a graph break at each unit boundary leaves every module's own computation
 compiled. Dynamo does not guard on module hooks by default (``skip_nnmodule_hook_guards``), so
-code it compiled for another, hook-free instance of the same model class would be reused and
-run the blocks with released parameters; ``register`` turns those guards on.
+code it compiled for another, hook-free instance of the same model class may be reused; it
+then reads the registered parameters, which between uses are sharded ones (Note [sharded
+parameters]) and fail its tensor guards, so dynamo compiles anew rather than run the blocks
+on released storage.
 
 Note [sharded parameters]: outside the forward and backward of its unit a parameter is
 registered in its module as a ``ShardedTensor`` Parameter over the owned piece of the unit's
@@ -139,8 +141,6 @@ class ParameterGatherer:
 
     # -- registration ------------------------------------------------------------------------
     def register(self) -> None:
-        import torch._dynamo.config as dynamo_config  # Note [compiled stage 3]
-        dynamo_config.skip_nnmodule_hook_guards = False
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre_forward))
         self._handles.append(self.model.register_forward_hook(self._root_post_forward))
         for ui, module in enumerate(self.modules):
