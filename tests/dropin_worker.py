@@ -111,7 +111,7 @@ def _touch_state(model: torch.nn.Module) -> dict:
     torch.save(model.state_dict(), buf)
     probe["saved_bytes"] = buf.tell()
     buf.seek(0)
-    model.load_state_dict(torch.load(buf))  # weights_only: nothing is unpickled but tensors
+    model.load_state_dict(torch.load(buf, weights_only=True))  # nothing is unpickled but tensors
     model.load_state_dict(gpt2().state_dict())
     probe["after_load_sum"] = float(model.transformer.h[0].mlp.c_fc.weight.sum())
     return probe
