@@ -260,3 +260,11 @@ def refusal_probe() -> dict:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3].split(","), [int(s) for s in sys.argv[4].split(",")])
+    # Results are written: end as the training entry points do (Note [teardown] in
+    # zeroshard/train/failures.py), so native destructors at interpreter exit cannot abort a
+    # finished rank (seen once in CI: SIGABRT after the last cell).
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    from zeroshard.train.failures import end_process
+    end_process(0)
