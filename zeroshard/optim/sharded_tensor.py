@@ -98,7 +98,7 @@ class ShardedTensor(torch.Tensor):
                              self.comm, None, whole=self.whole)
 
     def full(self) -> torch.Tensor:
-        """The whole gradient as an ordinary tensor (a collective when sharded)."""
+        """The whole tensor as an ordinary one (a collective when sharded)."""
         if not self.sharded:
             return self.local.view(self.shape)
         _need_comm(self)
@@ -217,8 +217,8 @@ def _gathered(func: Any, args: tuple, kwargs: dict, grads: list[ShardedTensor]) 
     full = {id(g): g.full() for g in grads}
     swap = lambda x: full[id(x)] if isinstance(x, ShardedTensor) else x  # noqa: E731
     out = func(*tree_map(swap, args), **tree_map(swap, kwargs))
-    for g in grads:  # an in-place op changed the gathered copy: keep this rank's piece of it
-        if full[id(g)].data_ptr() != 0 and _mutates(func):
+    if _mutates(func):  # an in-place op changed the gathered copies: keep this rank's pieces
+        for g in grads:
             g.local.copy_(full[id(g)].reshape(-1)[g.start:g.start + g.n])
     _note_writes(func, grads)
     if _mutates(func) and args and isinstance(args[0], ShardedTensor):
