@@ -47,6 +47,10 @@ class MemoryReport:
     """Transient communication buckets (and stage-3 gather buffers) alive at the moment."""
     offloaded: int = 0
     """Bytes of state kept in NVMe swap files rather than in memory (not in model_states)."""
+    frozen: int = 0
+    """The part of ``parameters`` that is frozen weights (``requires_grad=False``), in memory."""
+    frozen_offloaded: int = 0
+    """The part of ``offloaded`` that is frozen weights (stage 3 with ``offload_params="nvme"``)."""
 
     @property
     def model_states(self) -> int:
@@ -59,7 +63,9 @@ class MemoryReport:
         mib = lambda n: f"{n / 2**20:8.2f} MiB"  # noqa: E731
         return (f"params {mib(self.parameters)} | grads {mib(self.gradients)} | master "
                 f"{mib(self.master_weights)} | optim {mib(self.optimizer_states)} | buffers {mib(self.buffers)}"
-                + (f" | on NVMe {mib(self.offloaded)}" if self.offloaded else ""))
+                + (f" | on NVMe {mib(self.offloaded)}" if self.offloaded else "")
+                + (f" (frozen: {mib(self.frozen)} in memory, {mib(self.frozen_offloaded)} on NVMe)"
+                   if self.frozen or self.frozen_offloaded else ""))
 
 
 def zero_formula(stage: int, numel: int, world_size: int, *, param_bytes: int = 4,

@@ -59,9 +59,9 @@ def build_layouts(params: Sequence[NamedParam], bucket_numel: int, world_size: i
     return layouts_for([u for u in units if u], world_size)
 
 
-def layouts_for(units: Sequence[Sequence[NamedParam]], world_size: int
+def layouts_for(units: Sequence[Sequence[NamedParam]], world_size: int, first_index: int = 0
                 ) -> list[tuple[UnitLayout, list[NamedParam]]]:
-    """Layouts for given groupings of parameters (unit i = ``units[i]``)."""
+    """Layouts for given groupings of parameters (unit ``first_index + i`` = ``units[i]``)."""
     # Group-major order inside a unit keeps each param group contiguous (stable sort).
     ordered = [sorted(u, key=lambda m: m.group) for u in units]
-    return [(_layout(i, members, world_size), members) for i, members in enumerate(ordered)]
+    return [(_layout(first_index + i, members, world_size), members) for i, members in enumerate(ordered)]

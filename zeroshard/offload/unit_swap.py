@@ -78,6 +78,10 @@ class NvmeUnitStore:
         """Takes a freshly built unit: reserves its region, writes its shard (and master) to
         the file, releases every swapped part, and from now on serves them."""
         parts = (("shard",) if self.swap_shards else ()) + (("master",) if unit.separate_master else ()) + ("grad",)
+        if unit.frozen:  # (only weights: no master, no gradient)
+            parts = ("shard",) if self.swap_shards else ()
+        if not parts:
+            return
         self._parts[id(unit)] = parts
         start = self.file_bytes
         for part in parts:

@@ -65,8 +65,11 @@ def is_allocated(t: torch.Tensor) -> bool:
 class FlatUnit:
     def __init__(self, layout: UnitLayout, members: Sequence[NamedParam], policy: StagePolicy,
                  rank: int, param_dtype: torch.dtype, device: Optional[torch.device] = None,
-                 placement: Optional[Placement] = None) -> None:
+                 placement: Optional[Placement] = None, frozen: bool = False) -> None:
         self.layout = layout
+        self.frozen = frozen
+        """Frozen parameters only (stage 3, Note [frozen units] in zeroshard/stages/stage3/frozen.py):
+        a shard and the gathered buffer in the model dtype, no master, gradient or optimizer state."""
         self.members = list(members)
         self.swap: Optional[Any] = None
         """The swap file that holds some of this unit's parts between uses (NVMe offload)."""
@@ -83,7 +86,7 @@ class FlatUnit:
         # fp32 masters and gradients under a narrower model dtype; a wider one (float64) keeps
         # its own precision, as torch.optim does (a 1e-9 update on 1.0 is lost in fp32).
         self.state_dtype = torch.float64 if param_dtype == torch.float64 else torch.float32
-        self.separate_master = param_dtype != self.state_dtype
+        self.separate_master = param_dtype != self.state_dtype and not frozen
         self.needs_init = any(m.param.is_meta or m.param.numel() != m.true_shape.numel() for m in self.members)
         """Parameters had no values (meta device): the owner must initialise the shard."""
         self.flat = torch.zeros(layout.padded_numel, dtype=param_dtype, device=self.device)
@@ -94,7 +97,7 @@ class FlatUnit:
             self.shard = self.flat[lo:hi]
         # fp32 master and optimizer state live where the placement says; a master on another
         # device than the model (CPU offload with a GPU model) is a separate copy.
-        self.separate_master = self.separate_master or state_device != self.shard.device
+        self.separate_master = not frozen and (self.separate_master or state_device != self.shard.device)
         self.master = (torch.zeros(hi - lo, dtype=self.state_dtype, device=state_device,
                                    pin_memory=pin and state_device.type == "cpu")
                        if self.separate_master else self.shard)
@@ -106,7 +109,7 @@ class FlatUnit:
         if policy.shard_parameters:  # only the shard persists; gathers refill ``flat``
             free_storage(self.flat)
         self.grad_base = lo if policy.shard_gradients else 0
-        store_numel = hi - lo if policy.shard_gradients else layout.padded_numel
+        store_numel = 0 if frozen else hi - lo if policy.shard_gradients else layout.padded_numel
         # Uninitialised on purpose: grad_valid=False makes the first reduction overwrite it, and
         # untouched pages cost no resident memory until the first backward (a model loaded for
         # inference or resumed from a checkpoint does not pay for gradients it never computes).

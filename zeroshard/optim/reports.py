@@ -16,16 +16,21 @@ def memory_report(opt: Any) -> MemoryReport:
     as ``offloaded``; its parts read into memory for a moment (the swap pipeline's working
     set) count as ``buffers``, like the gather buffers of stage 3."""
     seen: set[int] = set()
+    managed = opt.segment_index()  # (stage 3: frozen weights live in frozen units, counted below)
     frozen = sum(tensor_bytes(p, seen) for g in opt.param_groups for p in g["params"]
-                 if not p.requires_grad)
+                 if not p.requires_grad and id(p) not in managed)
+    frozen_units = getattr(opt, "frozen_units", [])
+    frozen += sum(0 if u.swapped("shard") else tensor_bytes(u.shard, seen) for u in frozen_units)
+    frozen_offloaded = sum(u.shard.numel() * u.shard.element_size() for u in frozen_units if u.swapped("shard"))
 
     def held(unit: FlatUnit, part: str, t: torch.Tensor) -> int:
         return 0 if unit.swapped(part) else tensor_bytes(t, seen)
     staging = sum(tensor_bytes(NvmeUnitStore.tensor_of(u, p), seen)
-                  for u in opt.units if u.swap is not None for p in u.swap.parts_of(u))
+                  for u in opt.all_units if u.swap is not None for p in u.swap.parts_of(u))
     return MemoryReport(
         parameters=sum(held(u, "shard", u.shard if u.policy.shard_parameters else u.flat)
                        for u in opt.units) + frozen,
+        frozen=frozen, frozen_offloaded=frozen_offloaded,
         gradients=sum(held(u, "grad", u.grad_store) for u in opt.units),
         master_weights=sum(held(u, "master", u.master) for u in opt.units if u.separate_master),
         optimizer_states=(opt.swapper.pool_bytes if opt.swapper is not None else

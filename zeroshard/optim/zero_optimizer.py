@@ -15,7 +15,6 @@ Lifecycle of one step (stages 0-2):
 from __future__ import annotations
 
 import functools
-import math
 import weakref
 from typing import Any, Callable, Optional
 
@@ -28,7 +27,7 @@ from zeroshard.comm.mesh import groups_from
 from zeroshard.config import ZeroConfig
 from zeroshard.layout import Segment, build_layouts, layouts_for
 from zeroshard.memory import MemoryReport
-from zeroshard.optim import hooks, kernel_choice, lifecycle, registry, reports, state_io, untouched
+from zeroshard.optim import clipping, hooks, kernel_choice, lifecycle, registry, reports, state_io, untouched
 from zeroshard.optim.elementwise import check_elementwise
 from zeroshard.optim.flat_unit import FlatUnit, Placement
 from zeroshard.optim.grad_links import GradLinks
@@ -44,6 +43,7 @@ from zeroshard.precision import DynamicLossScaler
 from zeroshard.stages import policy_for_stage
 from zeroshard.stages.stage3.gatherer import ParameterGatherer
 from zeroshard.stages.stage3.materialize import swap_meta_parameters
+from zeroshard.stages.stage3.frozen import frozen_params, split_frozen
 from zeroshard.stages.stage3.units import plan_units
 
 _DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -76,11 +76,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         meta_shapes: dict[int, torch.Size] = {}
         if isinstance(model_or_params, nn.Module):
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            meta_shapes = swap_meta_parameters(model_or_params, device)
+            meta_shapes = swap_meta_parameters(model_or_params, device, frozen_too=self.config.stage == 3)
         given, groups, names = normalize_params(model_or_params)
         module = given if module is None else module_of_groups(module, given, groups, names,
                                                                allow_outside=self.config.stage < 3)
         self.module = module
+        self.policy = policy_for_stage(self.config.stage)
+        # Stage 3 partitions frozen weights too (Note [frozen units] in stages/stage3/frozen.py).
+        frozen = frozen_params(module, meta_shapes) if self.policy.shard_parameters else []
         shard_group, replicate_group = groups_from(process_group, mesh)  # Note [hybrid sharding]
         self.comm = Comm(shard_group, dimension="shard" if replicate_group is not None else "dp")
         self.replicas: Optional[Comm] = Comm(replicate_group, dimension="replicate") if replicate_group else None
@@ -88,26 +91,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
             [row.tolist() for row in mesh.mesh] if self.replicas is not None else None)
         # Ranks start from one model, as with DDP and DeepSpeed: rank 0's values everywhere
         # (across replicas first, then within the shard group).
-        values = [t for g in groups for t in g["params"]] + (list(module.buffers()) if module is not None else [])
+        values = list({**{id(t): t for g in groups for t in g["params"]}, **{id(m.param): m.param for m in frozen}}.values())
+        values += list(module.buffers()) if module is not None else []
         if self.replicas is not None:
             self.replicas.broadcast_tensors(values)
         self.comm.broadcast_tensors(values)
-        self.policy = policy_for_stage(self.config.stage)
         trainable = trainable_params(groups, names, meta_shapes, self.policy.shard_parameters)
         lifecycle.check_unclaimed([m.param for m in trainable], names)
         param_dtype = _DTYPES[self.config.mixed_precision] or single_dtype(trainable)
         if self.config.mixed_precision is not None:  # frozen weights compute in the model dtype too
-            for g in groups:
-                for p in g["params"]:
-                    if not p.requires_grad and p.is_floating_point():
-                        p.data = p.data.to(param_dtype)
+            for p in [p for g in groups for p in g["params"]] + [m.param for m in frozen]:
+                if not p.requires_grad and p.is_floating_point() and p.dtype != param_dtype:
+                    p.data = p.data.to(param_dtype)
         reduce_dtype = _DTYPES[self.config.reduce_dtype] or (torch.float64 if param_dtype == torch.float64
                                                              else torch.float32)
         bucket_numel = max(1, int(self.config.bucket_size_mb * 2**20) // torch.finfo(param_dtype).bits * 8)
         unit_modules: list = []
         if self.policy.shard_parameters:
-            groupings, unit_modules = plan_units(module, trainable, self.config.stage3_unit_classes,
-                                                 self.config.stage3_unit_numel)
+            groupings, unit_modules, frozen_groupings, frozen_modules = split_frozen(*plan_units(
+                module, trainable + frozen, self.config.stage3_unit_classes, self.config.stage3_unit_numel))
             layouts = layouts_for(groupings, self.comm.world_size)
         else:
             layouts = build_layouts(trainable, bucket_numel, self.comm.world_size)
@@ -124,6 +126,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if self.unit_store is not None:
                 self.unit_store.adopt(unit)
             self.units.append(unit)
+        self.frozen_units: list[FlatUnit] = []
+        for layout, members in (layouts_for(frozen_groupings, self.comm.world_size, len(self.units))
+                                if frozen else []):
+            unit = FlatUnit(layout, members, self.policy, self.comm.rank, members[0].param.dtype,
+                            device if meta_shapes else None, placement, frozen=True)
+            if self.unit_store is not None:
+                self.unit_store.adopt(unit)
+            self.frozen_units.append(unit)
         self.optimizer_class = optimizer_class
         self.runs, self.inner = kernel_choice.build_inner(optimizer_class, kwargs, groups, self.units,
                                                           self.config.fused_adam)
@@ -141,8 +151,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._files_closers.append(weakref.finalize(self, self.swapper.close))
         self.gatherer: Optional[ParameterGatherer] = None
         if self.policy.shard_parameters:  # from here on torch code sees sharded parameters
-            self.gatherer = ParameterGatherer(self.units, unit_modules, module, self.comm,
-                                              self.config.max_live_units)
+            self.gatherer = ParameterGatherer(self.all_units, unit_modules + (frozen_modules if frozen else []),
+                                              module, self.comm, self.config.max_live_units)
         show = self.gatherer.visible if self.gatherer is not None else (lambda p: p)
         self._show = show
         user_groups = [{**{k: v for k, v in ig.items() if k != "params"}, "params": [show(p) for p in g["params"]],
@@ -170,11 +180,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # (a function, not a bound method: torch marks public hooks with an attribute; weak: del opt frees it)
             weights_changed = lifecycle.weak_method(self.model_weights_changed)
             self._load_hook = module.register_load_state_dict_post_hook(lambda mod, incompatible: weights_changed())
-            members = [m.param for u in self.units for m in u.members]
+            members = [m.param for u in self.all_units for m in u.members]
             self.module_guard = ModuleGuard(module, members + [show(p) for p in members], "ZeroOptimizer",
                                             [u.flat for u in self.units] if self.gatherer is None else [])
         self._fused_step = isinstance(self.inner, FusedAdam)
-        managed = [m.param for u in self.units for m in u.members]
+        managed = [m.param for u in self.all_units for m in u.members]
         lifecycle.claim(managed, self)
         removers = [self.reducer.remove_hooks]
         if self.gatherer is not None:
@@ -198,6 +208,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @property
     def stage(self) -> int:
         return self.config.stage
+
+    @property
+    def all_units(self) -> list[FlatUnit]:
+        """Trainable units, then frozen ones (stage 3: Note [frozen units])."""
+        return self.units + getattr(self, "frozen_units", [])
 
     @property
     def data_parallel_size(self) -> int:
@@ -294,39 +309,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
-        """Clips the gradients of all ranks by their global norm and returns that norm.
-
-        With Adam/AdamW on the fused kernel the coefficient is applied inside the optimizer
-        pass rather than by rewriting the gradients (one sweep less); a second call before
-        ``step`` therefore sees the unclipped gradients again and sets the same coefficient."""
-        norm_type = float(norm_type)
-        overflow = self._finalize_grads()
-        device = self.units[0].grad_store.device if self.units else torch.device("cpu")
-        if norm_type == math.inf:
-            parts = self._map_owned_grads(lambda g: g.abs().max())
-            local = torch.stack(parts).max() if parts else torch.zeros((), device=device)
-            total = local.clone()
-            if self.policy.shard_optimizer:
-                self.comm.all_reduce(total.view(1), op=dist.ReduceOp.MAX, what="norm")
-        else:
-            parts = self._map_owned_grads(lambda g: torch.linalg.vector_norm(g, norm_type, dtype=torch.float64)
-                                          ** norm_type,
-                                          cached=(lambda s: s["sqnorm"]) if norm_type == 2.0 else None)
-            local = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64, device=device)
-            if self.policy.shard_optimizer:
-                self.comm.all_reduce(local.view(1), what="norm")
-            total = (local ** (1.0 / norm_type)).to(self.units[0].master.dtype if self.units else torch.float32)
-        if not torch.isfinite(total):
-            if error_if_nonfinite and not overflow:
-                raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total.item()}")
-            return total
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if self._fused_step:  # applied inside the fused Adam pass: no extra sweep over gradients
-            self._clip_coef = float(coef)
-        else:  # (swapped gradients imply the fused kernel: offload_optimizer="nvme")
-            for g in self._owned_grads():
-                g.mul_(coef)
-        return total
+        """Clips the gradients of all ranks by their global norm and returns that norm
+        (zeroshard/optim/clipping.py)."""
+        return clipping.clip_grad_norm(self, max_norm, norm_type, error_if_nonfinite)
 
     # -- the step --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -442,7 +427,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return
         self.reducer.finalize()
         if self.gatherer is not None:
-            lifecycle.hand_back_stage3(self.gatherer, self.units)
+            lifecycle.hand_back_stage3(self.gatherer, self.all_units)
         self.closed = True
         self._teardown()
 
@@ -488,10 +473,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return reports.comm_report(self, reset)
 
     def segment_index(self) -> dict[int, tuple[FlatUnit, Segment]]:
-        """Where each trainable parameter lives: id(param) -> (unit, segment)."""
-        out = {id(m.param): (u, seg) for u in self.units for m, seg in zip(u.members, u.layout.segments)}
+        """Where each managed parameter lives (frozen ones too): id(param) -> (unit, segment)."""
+        out = {id(m.param): (u, seg) for u in self.all_units for m, seg in zip(u.members, u.layout.segments)}
         if self.gatherer is not None:  # and the sharded parameters torch code sees between uses
-            out.update({id(self.gatherer.visible(m.param)): (u, seg) for u in self.units for m, seg
+            out.update({id(self.gatherer.visible(m.param)): (u, seg) for u in self.all_units for m, seg
                         in zip(u.members, u.layout.segments)})
         return out
 

@@ -29,7 +29,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True)
         elif keep:
             out[key] = (t.detach().cpu() if cpu else t.detach()).clone()
     gatherer = opt.gatherer
-    for ui, unit in enumerate(opt.units):
+    for ui, unit in enumerate(opt.all_units):
         was_released = gatherer.state[ui].value == "released"
         gatherer.ensure(ui)
         if keep:  # read the gathered buffer: live[key] is the sharded parameter shown between uses

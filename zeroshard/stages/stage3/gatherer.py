@@ -87,16 +87,31 @@ class ParameterGatherer:
         self.model = model
         self.comm = comm
         self.max_live = max_live
-        self.root = next((i for i, m in enumerate(modules) if m is None), None)
+        # Units of one module (its trainable and frozen units: Note [frozen units] in frozen.py)
+        # are gathered and released together: a *group*. Group order follows the modules.
+        by_module: dict[int, int] = {}
+        self.groups: list[list[int]] = []
+        self.group_modules: list[Optional[nn.Module]] = []
+        for ui, m in enumerate(modules):
+            key = id(m)
+            if key not in by_module:
+                by_module[key] = len(self.groups)
+                self.groups.append([])
+                self.group_modules.append(m)
+            self.groups[by_module[key]].append(ui)
+        self.group_of = {ui: gi for gi, g in enumerate(self.groups) for ui in g}
+        self.root_group = by_module.get(id(None))
+        self.roots = set(self.groups[self.root_group]) if self.root_group is not None else set()
+        self.root = next((i for i in sorted(self.roots) if not self.units[i].frozen), None)
+        """The trainable root unit (None without one)."""
         self.state = [UnitState.RELEASED] * len(units)
         self._work: list[Optional[Work]] = [None] * len(units)
-        self._order: list[int] = []       # this forward's unit order
+        self._order: list[int] = []       # this forward's group order
         self._last_order: list[int] = []  # the previous one: what prefetch follows
         self._bw_ptr = -1
         self._bw_callback = False
         self._handles: list[Any] = []
         self._orig_forward = None
-        self.unit_of_module = {id(m): i for i, m in enumerate(modules) if m is not None}
         self._forwarding = False
         self.sharded: dict[int, nn.Parameter] = {}
         """id(unsharded parameter) -> the sharded Parameter shown outside use (Note [sharded parameters])."""
@@ -143,10 +158,10 @@ class ParameterGatherer:
     def register(self) -> None:
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre_forward))
         self._handles.append(self.model.register_forward_hook(self._root_post_forward))
-        for ui, module in enumerate(self.modules):
+        for gi, module in enumerate(self.group_modules):
             if module is not None:
-                self._handles.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, ui)))
-                self._handles.append(module.register_forward_hook(functools.partial(self._post_forward, ui)))
+                self._handles.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, gi)))
+                self._handles.append(module.register_forward_hook(functools.partial(self._post_forward, gi)))
         self._orig_forward = orig = self.model.forward
 
         @functools.wraps(orig)
@@ -186,7 +201,8 @@ class ParameterGatherer:
 
     # -- gather / release ---------------------------------------------------------------------
     def _live(self) -> int:
-        return sum(1 for i, s in enumerate(self.state) if s is not UnitState.RELEASED and i != self.root)
+        return len({self.group_of[i] for i, st in enumerate(self.state)
+                    if st is not UnitState.RELEASED and i not in self.roots})
 
     def _start(self, ui: int) -> None:
         unit = self.units[ui]
@@ -214,8 +230,21 @@ class ParameterGatherer:
         self._work[ui] = self.comm.gather_shards(unit.flat)
 
     def prefetch(self, ui: int) -> None:
-        if self.state[ui] is UnitState.RELEASED and (ui == self.root or self._live() < self.max_live):
+        live = self.state[ui] is not UnitState.RELEASED or any(
+            self.state[i] is not UnitState.RELEASED for i in self.groups[self.group_of[ui]])
+        if self.state[ui] is UnitState.RELEASED and (ui in self.roots or live or self._live() < self.max_live):
             self._start(ui)
+
+    def prefetch_group(self, gi: int) -> None:
+        for ui in self.groups[gi]:
+            self.prefetch(ui)
+
+    def ensure_group(self, gi: int) -> None:
+        for ui in self.groups[gi]:  # every read or collective starts before the first wait
+            if self.state[ui] is UnitState.RELEASED:
+                self._start(ui)
+        for ui in self.groups[gi]:
+            self.ensure(ui)
 
     def ensure(self, ui: int) -> None:
         if self.state[ui] is UnitState.RELEASED:
@@ -246,6 +275,10 @@ class ParameterGatherer:
         for ui in range(len(self.units)):
             self.release(ui)
 
+    def release_group(self, gi: int) -> None:
+        for ui in self.groups[gi]:
+            self.release(ui)
+
     def gathered_bytes(self) -> int:
         return sum(u.flat.untyped_storage().nbytes() for u in self.units)
 
@@ -256,44 +289,44 @@ class ParameterGatherer:
             if self._order:
                 self._last_order = self._order
             self._order = []
-        if self.root is not None:
-            self.ensure(self.root)
+        if self.root_group is not None:
+            self.ensure_group(self.root_group)
         if self._last_order and not _in_backward():
-            self.prefetch(self._last_order[0])
+            self.prefetch_group(self._last_order[0])
 
     @torch.compiler.disable  # Note [compiled stage 3]
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if self.root is None or _in_backward():
+        if self.root_group is None or _in_backward():
             return output
-        self._check_shapes(self.root)
+        self._check_shapes(self.root_group)
         if torch.is_grad_enabled():
-            return self._wrap(self.root, output)
-        self.release(self.root)
+            return self._wrap(self.root_group, output)
+        self.release_group(self.root_group)
         return output
 
     @torch.compiler.disable  # Note [compiled stage 3]
-    def _pre_forward(self, ui: int, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, gi: int, module: nn.Module, args: Any) -> None:
         if not _in_backward():
-            self._order.append(ui)
+            self._order.append(gi)
             pos = len(self._order)
-            self.ensure(ui)
+            self.ensure_group(gi)
             if pos < len(self._last_order):
-                self.prefetch(self._last_order[pos])
+                self.prefetch_group(self._last_order[pos])
         else:
-            self.ensure(ui)
+            self.ensure_group(gi)
 
     @torch.compiler.disable  # Note [compiled stage 3]
-    def _post_forward(self, ui: int, module: nn.Module, args: Any, output: Any) -> Any:
-        self._check_shapes(ui)
+    def _post_forward(self, gi: int, module: nn.Module, args: Any, output: Any) -> Any:
+        self._check_shapes(gi)
         if _in_backward():  # activation recomputation: the recomputed graph needs the unit
             return output
         if torch.is_grad_enabled():
-            output = self._wrap(ui, output)
-        self.release(ui)
+            output = self._wrap(gi, output)
+        self.release_group(gi)
         return output
 
-    def _wrap(self, ui: int, output: Any) -> Any:
-        """Gathers the unit again before backward reaches the module: a hook on each output
+    def _wrap(self, gi: int, output: Any) -> Any:
+        """Gathers the group again before backward reaches the module: a hook on each output
         that carries gradient (the first to fire does it). The outputs stay the tensors the
         module returned, so callers may modify them in place (``loss /= k``)."""
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -302,12 +335,16 @@ class ParameterGatherer:
         def before(grad: torch.Tensor) -> None:
             if not fired[0]:
                 fired[0] = True
-                self.before_backward(ui)
+                self.before_backward(gi)
         for t in tensors:
             t.register_hook(before)
         return output
 
-    def _check_shapes(self, ui: int) -> None:
+    def _check_shapes(self, gi: int) -> None:
+        for ui in self.groups[gi]:
+            self._check_unit_shapes(ui)
+
+    def _check_unit_shapes(self, ui: int) -> None:
         unit = self.units[ui]
         if self.state[ui] is not UnitState.GATHERED:
             return
@@ -319,23 +356,33 @@ class ParameterGatherer:
                     "parameters by their shape at construction, so modules must not resize or replace them")
 
     # -- backward -------------------------------------------------------------------------------
-    def before_backward(self, ui: int) -> None:
+    def before_backward(self, gi: int) -> None:
         if not self._bw_callback:
             self._bw_callback = True
             self._bw_ptr = len(self._order) - 1
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        self.ensure(ui)
         p = self._bw_ptr
-        while p >= 0 and self._order[p] != ui:
+        while p >= 0 and self._order[p] != gi:
             p -= 1
+        if p >= 0:  # backward is done with the groups after this one: frozen units go now
+            self._release_frozen_after(p, gi)
+        self.ensure_group(gi)
         if p >= 0:
             self._bw_ptr = p - 1
             if p - 1 >= 0:
-                self.prefetch(self._order[p - 1])
+                self.prefetch_group(self._order[p - 1])
+
+    def _release_frozen_after(self, p: int, gi: int) -> None:
+        """Frozen units of the groups that ran after position ``p`` in forward: no backward node
+        left reads them (Note [frozen units] in zeroshard/stages/stage3/frozen.py)."""
+        for later in set(self._order[p + 1:]) - {gi, self.root_group}:
+            for ui in self.groups[later]:
+                if self.units[ui].frozen and self.state[ui] is UnitState.GATHERED:
+                    self.release(ui)
 
     def on_unit_reduced(self, ui: int) -> None:
         """The unit's gradients are all accumulated and sent: nothing in backward reads it."""
-        if ui != self.root and _in_backward():
+        if ui not in self.roots and _in_backward():
             self.release(ui)
 
     def _end_backward(self) -> None:

@@ -16,21 +16,23 @@ from zeroshard.optim.flat_unit import alloc_storage, free_storage, is_allocated
 from zeroshard.optim.registry import optimizer_for
 
 
-def swap_meta_parameters(model: nn.Module, device: torch.device) -> dict[int, torch.Size]:
-    """Replaces meta parameters by empty ones on ``device``; returns true shapes by id."""
+def swap_meta_parameters(model: nn.Module, device: torch.device, frozen_too: bool = False) -> dict[int, torch.Size]:
+    """Replaces meta parameters by empty ones on ``device``; returns true shapes by id.
+    ``frozen_too``: stage 3, where frozen parameters are partitioned as well (Note [frozen units])."""
     replaced: dict[int, nn.Parameter] = {}
     shapes: dict[int, torch.Size] = {}
     for mod_name, module in model.named_modules():
         for name, p in list(module._parameters.items()):
             if p is None or not p.is_meta:
                 continue
-            if not p.requires_grad:
+            if not p.requires_grad and not frozen_too:
                 raise ValueError(
                     f"{mod_name + '.' if mod_name else ''}{name} is a frozen parameter on the meta device; "
-                    "zeroshard materialises trainable parameters only: freeze it after loading weights")
+                    "below stage 3 zeroshard materialises trainable parameters only: use stage=3 (which partitions "
+                    "frozen weights too) or freeze it after loading weights")
             new = replaced.get(id(p))
             if new is None:  # tied weights stay tied: one replacement per meta parameter
-                new = nn.Parameter(torch.empty(0, dtype=p.dtype, device=device), requires_grad=True)
+                new = nn.Parameter(torch.empty(0, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
                 replaced[id(p)] = new
                 shapes[id(new)] = p.shape
             module._parameters[name] = new
@@ -56,7 +58,7 @@ def init_meta_weights(model: nn.Module, seed: int = 0) -> None:
         raise ValueError("init_meta_weights needs the model to be managed by a ZeroOptimizer first")
     owners = _owner_modules(model)
     where = opt.segment_index()
-    for ui, unit in enumerate(opt.units):
+    for ui, unit in enumerate(opt.all_units):
         if not unit.needs_init:
             continue
         shown = opt.gatherer.visible if opt.gatherer is not None else (lambda p: p)  # what modules hold now

@@ -129,7 +129,7 @@ def load_safetensors(model: nn.Module, path: str, strict: bool = True) -> list[s
 def _load(opt, model: nn.Module, path: str, files: dict, handle, strict: bool) -> list[str]:
     missing, wrong = [], []
     where = opt.segment_index()
-    for unit in opt.units:
+    for unit in opt.all_units:
         for m, seg in zip(unit.members, unit.layout.segments):
             if seg.name not in files:
                 missing.append(seg.name)

@@ -1,0 +1,156 @@
+"""Runs inside each rank: LoRA fine-tuning with the real ``peft`` library on a ``transformers``
+Llama built from a small config, ZeroOptimizer in place of torch.optim.AdamW, against plain
+PEFT + torch.optim.AdamW on one process with the same global batch. Writes per-cell results
+as JSON for tests/test_lora.py."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+import zeroshard
+
+STEPS = 8
+GLOBAL_BATCH = 4
+SEQ = 16
+VOCAB = 128
+MAX_NORM = 0.5
+TARGETS = ("q_proj", "v_proj", "down_proj")
+
+
+def llama_config(hidden: int = 64, layers: int = 2):
+    from transformers import LlamaConfig
+    return LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                       max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def base_model(dtype: torch.dtype = torch.float32, hidden: int = 64, layers: int = 2) -> torch.nn.Module:
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(llama_config(hidden, layers)).to(dtype)
+
+
+def lora_config():
+    from peft import LoraConfig
+    return LoraConfig(r=4, lora_alpha=8, target_modules=list(TARGETS), lora_dropout=0.0)
+
+
+def lora_model(dtype: torch.dtype = torch.float32, hidden: int = 64, layers: int = 2) -> torch.nn.Module:
+    """PEFT's own wrapping; the adapters' random init is seeded so both runs start equal
+    (PEFT keeps adapters in fp32 over a bf16 base, its default ``autocast_adapter_dtype``)."""
+    from peft import get_peft_model
+    model = base_model(dtype, hidden, layers)
+    torch.manual_seed(1)
+    peft_model = get_peft_model(model, lora_config())
+    torch.manual_seed(2)  # lora_B starts at zero in PEFT: give it values so every adapter trains from step 0
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    return peft_model
+
+
+def tokens(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+
+
+@dataclass(frozen=True)
+class Cell:
+    stage: int
+    dtype: str = "fp32"
+    offload: Optional[str] = None
+
+    @property
+    def key(self) -> str:
+        return f"stage{self.stage}-{self.dtype}-{self.offload or 'none'}"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.dtype == "bf16" else torch.float32
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, world: int) -> list[float]:
+    """The loop as people write it; only the optimizer differs between the two runs."""
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+    per = GLOBAL_BATCH // world
+    losses = []
+    for step in range(STEPS):
+        batch = tokens(step)[rank * per:(rank + 1) * per]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        sched.step()
+        model.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def full_weights(model: torch.nn.Module, stage: int) -> dict[str, torch.Tensor]:
+    if stage == 3:
+        return zeroshard.full_state_dict(model, rank0_only=False)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _options(cell: Cell, nvme_dir: str) -> dict[str, Any]:
+    if cell.offload == "cpu":
+        return dict(offload_params="cpu", offload_optimizer="cpu")
+    if cell.offload == "nvme":
+        os.makedirs(nvme_dir, exist_ok=True)
+        return dict(offload_params="nvme", offload_optimizer="nvme", nvme_path=nvme_dir)
+    return {}
+
+
+def run_cell(cell: Cell, rank: int, world: int, nvme_dir: str) -> dict:
+    ref = lora_model(cell.torch_dtype)
+    initial = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    train(ref, ref_opt, 0, 1)
+    expected = ref.state_dict()
+    model = lora_model(cell.torch_dtype)
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=cell.stage,
+                                  **_options(cell, nvme_dir))
+    report = opt.memory_report()
+    train(model, opt, rank, world)
+    got = full_weights(model, cell.stage)
+    adapter_diff, base_changed, adapter_moved = 0.0, [], 0.0
+    ulp_excess = 0.0
+    for k, ref_v in expected.items():
+        v = got[k].float()
+        if "lora_" in k:
+            diff = (v - ref_v.float()).abs()
+            adapter_diff = max(adapter_diff, float(diff.max()))
+            # bf16-base cells: the bound of tests/test_parity.py, 1 ulp of the value + 1e-3
+            ulp = ref_v.float().abs() * 2.0 ** -7 + 1e-3
+            ulp_excess = max(ulp_excess, float((diff - ulp).max()))
+            adapter_moved = max(adapter_moved, float((v - initial[k].float()).abs().max()))
+        elif not torch.equal(got[k], initial[k]):
+            base_changed.append(k)
+    frozen_numel = sum(v.numel() for k, v in initial.items() if "lora_" not in k)
+    out = {"adapter_diff": adapter_diff, "ulp_excess": ulp_excess, "adapter_moved": adapter_moved,
+           "base_changed": base_changed, "frozen_bytes": report.frozen, "frozen_offloaded": report.frozen_offloaded,
+           "frozen_whole_bytes": frozen_numel * initial[next(iter(k for k in initial if "lora_" not in k))].element_size()}
+    opt.close()
+    return out
+
+
+def worker(rank: int, world: int, out_path: str, cells: list[tuple], nvme_dir: str) -> None:
+    results = {}
+    for spec in cells:
+        cell = Cell(*spec)
+        try:
+            results[cell.key] = run_cell(cell, rank, world, os.path.join(nvme_dir, cell.key))
+        except Exception as exc:  # reported per cell; the other cells still run
+            results[cell.key] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            if world > 1:
+                raise
+        if world > 1:
+            dist.barrier()
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump(results, f)
