@@ -154,3 +154,138 @@ def worker(rank: int, world: int, out_path: str, cells: list[tuple], nvme_dir: s
             dist.barrier()
     with open(f"{out_path}.rank{rank}", "w") as f:
         json.dump(results, f)
+
+
+def _steps(model: torch.nn.Module, opt: Any, sched: Any, start: int, stop: int, rank: int, world: int) -> None:
+    per = GLOBAL_BATCH // world
+    for step in range(start, stop):
+        batch = tokens(step)[rank * per:(rank + 1) * per]
+        model(input_ids=batch, labels=batch).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        sched.step()
+        model.zero_grad()
+
+
+def _fresh(cell: Cell, nvme_dir: str, perturb: bool = False) -> tuple[torch.nn.Module, Any, Any]:
+    model = lora_model(cell.torch_dtype)
+    if perturb:  # another base: one frozen weight differs
+        with torch.no_grad():
+            model.base_model.model.model.layers[1].mlp.up_proj.weight[0, 0] += 1.0
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=cell.stage,
+                                  **_options(cell, nvme_dir))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+    return model, opt, sched
+
+
+def _bytes_under(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def ckpt_worker(rank: int, world: int, out_path: str, spec: tuple, root: str) -> None:
+    """Save at step 4 (what trains only, then with save_frozen=True), resume in a fresh model
+    and optimizer, train to step 8: bit for bit the uninterrupted run; a different base is refused."""
+    cell = Cell(*spec)
+    nvme = os.path.join(root, f"nvme{rank}")
+    model, opt, sched = _fresh(cell, os.path.join(nvme, "a"))
+    _steps(model, opt, sched, 0, 4, rank, world)
+    zeroshard.save_checkpoint(os.path.join(root, "lean"), 4, model=model, optimizer=opt, scheduler=sched)
+    zeroshard.save_checkpoint(os.path.join(root, "full"), 4, model=model, optimizer=opt, scheduler=sched,
+                              save_frozen=True)
+    at4 = full_weights(model, cell.stage)
+    _steps(model, opt, sched, 4, STEPS, rank, world)
+    want = full_weights(model, cell.stage)
+    if rank == 0:  # what another world size must load, and where it must arrive
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in at4.items()}, os.path.join(root, "at4.safetensors"))
+        save_file({k: v.contiguous() for k, v in want.items()}, os.path.join(root, "at8.safetensors"))
+    opt.close()
+    out: dict[str, Any] = {}
+    if world > 1:
+        dist.barrier()
+    out["lean_bytes"] = _bytes_under(os.path.join(root, "lean"))
+    out["full_bytes"] = _bytes_under(os.path.join(root, "full"))
+    for label, sub, perturb in (("lean", "lean", False), ("full_other_base", "full", True)):
+        model, opt, sched = _fresh(cell, os.path.join(nvme, label), perturb)
+        zeroshard.load_checkpoint(os.path.join(root, sub), model=model, optimizer=opt, scheduler=sched)
+        _steps(model, opt, sched, 4, STEPS, rank, world)
+        got = full_weights(model, cell.stage)
+        out[label] = [k for k in want if not torch.equal(want[k], got[k])]
+        opt.close()
+    model, opt, sched = _fresh(cell, os.path.join(nvme, "refused"), perturb=True)
+    try:
+        zeroshard.load_checkpoint(os.path.join(root, "lean"), model=model, optimizer=opt, scheduler=sched)
+        out["refused"] = None
+    except Exception as exc:  # the message is what the test checks
+        out["refused"] = f"{type(exc).__name__}: {exc}"
+    opt.close()
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump(out, f)
+
+
+def resume_worker(rank: int, world: int, out_path: str, spec: tuple, root: str) -> None:
+    """A checkpoint of ``ckpt_worker`` (world 2) loaded at this world size: the state right
+    after loading is the saved one bit for bit; training on matches the world-2 run."""
+    from safetensors.torch import load_file
+    cell = Cell(*spec)
+    at4, at8 = load_file(os.path.join(root, "at4.safetensors")), load_file(os.path.join(root, "at8.safetensors"))
+    model, opt, sched = _fresh(cell, os.path.join(root, f"nvme-r{rank}"))
+    zeroshard.load_checkpoint(os.path.join(root, "lean"), model=model, optimizer=opt, scheduler=sched)
+    loaded = full_weights(model, cell.stage)
+    out: dict[str, Any] = {"diff": [k for k in at4 if not torch.equal(at4[k], loaded[k])]}
+    _steps(model, opt, sched, 4, STEPS, rank, world)
+    got = full_weights(model, cell.stage)
+    out["final_diff"] = max(float((got[k].float() - at8[k].float()).abs().max()) for k in at8)
+    opt.close()
+    model, opt, sched = _fresh(cell, os.path.join(root, f"nvme-r{rank}-x"), perturb=True)
+    try:
+        zeroshard.load_checkpoint(os.path.join(root, "lean"), model=model, optimizer=opt, scheduler=sched)
+        out["refused"] = None
+    except Exception as exc:
+        out["refused"] = f"{type(exc).__name__}: {exc}"
+    opt.close()
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump(out, f)
+
+
+def _frozen_gathered(opt: Any) -> int:
+    return sum(u.flat.untyped_storage().nbytes() for u in opt.frozen_units)
+
+
+def memory_worker(rank: int, world: int, out_path: str, root: str) -> None:
+    """Per-rank frozen bytes at stage 3, in memory and with offload_params='nvme', and how much
+    of the base is gathered at once through forward and backward."""
+    out: dict[str, Any] = {}
+    model = lora_model(torch.bfloat16, hidden=128, layers=4)
+    out["whole"] = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=3)
+    out["frozen"] = opt.memory_report().frozen
+    peak = [0]
+
+    def sample(*_: Any) -> None:
+        peak[0] = max(peak[0], _frozen_gathered(opt))
+
+    def on_output(module: Any, args: Any, output: Any) -> None:
+        sample()
+        hidden = output[0] if isinstance(output, tuple) else output
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(lambda g: sample())
+    handles = [layer.register_forward_hook(on_output) for layer in model.base_model.model.model.layers]
+    batch = tokens(0)[rank:rank + 1]
+    model(input_ids=batch, labels=batch).loss.backward()
+    out["peak_gathered_frozen"] = peak[0]
+    out["after_backward_gathered"] = _frozen_gathered(opt)
+    for h in handles:
+        h.remove()
+    opt.close()
+    nvme = os.path.join(root, f"nvme{rank}")
+    os.makedirs(nvme, exist_ok=True)
+    model = lora_model(torch.bfloat16, hidden=128, layers=4)
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=3, offload_optimizer="nvme",
+                                  offload_params="nvme", nvme_path=nvme)
+    report = opt.memory_report()
+    out["frozen_nvme_resident"] = report.frozen
+    out["frozen_nvme_file"] = report.frozen_offloaded
+    opt.close()
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump(out, f)

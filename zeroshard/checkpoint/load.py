@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from zeroshard.optim.registry import optimizer_for
-from zeroshard.checkpoint import jsontree, locate, trainer_state
+from zeroshard.checkpoint import frozen_base, jsontree, locate, trainer_state
 from zeroshard.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map
 from zeroshard.checkpoint.shard_file import DTYPES, ShardReader
@@ -108,6 +108,8 @@ def _expected(model: Optional[nn.Module], opt: Any) -> dict[str, tuple[tuple[int
         for u in opt.units:
             for seg in u.layout.segments:
                 out[names[seg.name]] = (tuple(seg.shape), True)
+        for _, seg in frozen_base.unit_segments(opt):
+            out[seg.name] = (tuple(seg.shape), False)
     full, _ = full_tensors(model, opt) if model is not None else ({}, {})
     for n, t in full.items():
         out[n] = (tuple(t.shape), False)
@@ -118,7 +120,9 @@ def check_compatible(body: dict, model: Optional[nn.Module], opt: Any, where: st
     """Raises CheckpointMismatchError listing every name, shape or param group that differs."""
     expected = _expected(model, opt)
     saved = body["tensors"]
-    missing = sorted(set(expected) - set(saved))
+    record = body.get("frozen") or {"tensors": {}}
+    unsaved = set(record["tensors"]) - set(saved)  # frozen weights checked by digest instead
+    missing = sorted(set(expected) - set(saved) - unsaved)
     unexpected = sorted(set(saved) - set(expected))
     wrong = [f"{n}: checkpoint {saved[n]['shape']} vs model {list(expected[n][0])}"
              for n in sorted(set(expected) & set(saved)) if list(expected[n][0]) != saved[n]["shape"]]
@@ -132,11 +136,15 @@ def check_compatible(body: dict, model: Optional[nn.Module], opt: Any, where: st
             parts.append("shape mismatch: " + "; ".join(wrong[:10]))
         raise CheckpointMismatchError(f"{where} was saved from a different model ({' | '.join(parts)}); load it "
                                       "into the model that wrote it, or export_hf() and convert")
+    frozen_base.check_base(record, sorted(unsaved & set(expected)), model,
+                           opt if opt is not None else optimizer_for(model) if model is not None else None, where)
     if opt is not None:
         groups = body.get("param_groups", [])
         names = name_map(model, opt)
-        mine = [[names[opt.param_names[id(p)]] for p in g["params"]] for g in opt.param_groups]
-        saved = [g.get("params", []) if isinstance(g, dict) else [] for g in groups]
+        # (frozen parameters train in no group; older checkpoints listed them)
+        frozen = {names[opt.param_names[id(p)]] for g in opt.param_groups for p in g["params"] if not p.requires_grad}
+        mine = [[names[opt.param_names[id(p)]] for p in g["params"] if p.requires_grad] for g in opt.param_groups]
+        saved = [[n for n in g.get("params", []) if n not in frozen] if isinstance(g, dict) else [] for g in groups]
         if len(saved) != len(mine) or any(set(a) != set(b) for a, b in zip(saved, mine)):
             raise CheckpointMismatchError(
                 f"{where} has {len(saved)} param group(s) of sizes {[len(g) for g in saved]}, the optimizer "
@@ -144,23 +152,26 @@ def check_compatible(body: dict, model: Optional[nn.Module], opt: Any, where: st
                 "param groups (stage 3 takes the model: one group) to restore per-group hyperparameters")
 
 
-def _needed(opt: Any, model: Optional[nn.Module]):
-    """(name in checkpoint, [a, b), run or None) this rank must load."""
+def _needed(opt: Any, model: Optional[nn.Module], saved: set[str]):
+    """(name in checkpoint, [a, b), run or None) this rank must load (frozen weights only
+    where the checkpoint holds them: Note [frozen weights in checkpoints])."""
     if opt is not None:
         names = name_map(model, opt)
         for run in opt.runs:
             for piece in run.unit.layout.pieces_in(run.a, run.b):
                 yield names[piece.segment.name], piece.start, piece.stop, run, piece
+        yield from frozen_base.frozen_needed(opt, saved)
     if model is not None:
         full, _ = full_tensors(model, opt)
         for n, t in full.items():
-            yield n, 0, t.numel(), None, None
+            if n in saved:
+                yield n, 0, t.numel(), None, None
 
 
 def read_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
     """Reads and verifies every block this rank's pieces need (the RNG file is read and
     checked by ``trainer_state.prepare``)."""
-    for name, a, b, run, _ in _needed(opt, model):
+    for name, a, b, run, _ in _needed(opt, model, set(src.pieces)):
         if a == b:
             continue
         kinds = None if run is not None and run.unit.separate_master else {PARAM} | {
@@ -186,15 +197,17 @@ def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
             t.copy_(values.view(t.shape))
         elif run.unit.swapped("shard"):  # straight into the swap file
             run.unit.swap.write_range(run.unit, "shard", piece.unit_offset, values)
+            run.unit.writes += 1
         else:
             ua = piece.unit_offset
             run.unit.param_range(ua, ua + piece.numel).copy_(values)
+            run.unit.writes += 1
 
     with torch.no_grad():
-        for name, a, b, run, piece in _needed(opt, model):
+        for name, a, b, run, piece in _needed(opt, model, set(src.pieces)):
             if a == b:
                 continue
-            if streamed and run is not None:
+            if streamed and run is not None and not isinstance(run, frozen_base.FrozenRun):
                 later.setdefault(id(run), []).append((name, a, b, run, piece))
             else:
                 put_param(name, a, b, run, piece)

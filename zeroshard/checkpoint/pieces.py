@@ -105,12 +105,18 @@ def has_deferred(records: list[PieceRecord]) -> bool:
     return any(isinstance(t, Deferred) for r in records for t in r.tensors.values())
 
 
-def full_tensors(model: Optional[nn.Module], opt: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Model state the optimizer does not shard (buffers, frozen parameters), written whole
-    by rank 0; and aliases (tied weights: state_dict name -> the stored name)."""
+def full_tensors(model: Optional[nn.Module], opt: Any, frozen: bool = True
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Model state the optimizer does not shard (buffers and, with ``frozen``, frozen
+    parameters held whole), written whole by rank 0; and aliases (tied weights: state_dict
+    name -> the stored name). Frozen weights in stage-3 frozen units are pieces, never here
+    (Note [frozen weights in checkpoints] in frozen_base.py)."""
     if model is None:
         return {}, {}
     trained = {id(p) for g in opt.param_groups for p in g["params"] if p.requires_grad} if opt else set()
+    managed = {id(m.param) for u in getattr(opt, "frozen_units", []) for m in u.members} if opt else set()
+    if opt is not None and opt.gatherer is not None:
+        managed |= {id(opt.gatherer.visible(m.param)) for u in opt.frozen_units for m in u.members}
     first: dict[int, str] = {}
     full, aliases = {}, {}
     for name, t in model.state_dict(keep_vars=True).items():
@@ -118,8 +124,11 @@ def full_tensors(model: Optional[nn.Module], opt: Any) -> tuple[dict[str, torch.
             aliases[name] = first[id(t)]
             continue
         first[id(t)] = name
-        if id(t) not in trained:
-            full[name] = t.detach()
+        if id(t) in trained or id(t) in managed:
+            continue
+        if not frozen and isinstance(t, nn.Parameter) and not t.requires_grad and t.is_floating_point():
+            continue
+        full[name] = t.detach()
     return full, aliases
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroshard.checkpoint import commit, jsontree, manifest, rng, validate
+from zeroshard.checkpoint import commit, frozen_base, jsontree, manifest, rng, validate
 from zeroshard.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from zeroshard.checkpoint.pieces import PieceRecord, full_tensors, has_deferred, name_map, owned_pieces
 from zeroshard.checkpoint.shard_file import CODES, Deferred
@@ -94,19 +94,20 @@ class CheckpointSaver:
 
     def save(self, root: str, step: int, model: Optional[nn.Module], opt: Any, scheduler: Any,
              dataloader: Any, extra: Any, async_save: bool, keep_last: Optional[int],
-             first_replica: bool = False) -> PendingSave:
+             first_replica: bool = False, save_frozen: bool = False) -> PendingSave:
         self.wait()
         root = _check_arguments(root, step, keep_last, async_save)
         comm = self._comm(opt)
         replicas = getattr(opt, "replicas", None)
         if replicas is not None and not first_replica:  # hybrid: the first replica writes (all hold the same shards)
-            return self._save_replicated(replicas, root, step, model, opt, scheduler, dataloader, extra, keep_last)
+            return self._save_replicated(replicas, root, step, model, opt, scheduler, dataloader, extra, keep_last,
+                                         save_frozen)
         # Capture and the loader's checks on every rank, then agree: a rank that cannot save
         # (a lambda in its sampler state) must not leave the others waiting in the commit.
         error: Optional[BaseException] = None
         try:
-            snap = _capture(step, model, opt, scheduler, dataloader, extra, comm.rank)
-            shapes = _shapes(model, opt)
+            snap = _capture(step, model, opt, scheduler, dataloader, extra, comm.rank, save_frozen)
+            shapes = _shapes(model, opt, save_frozen)
         except (TypeError, ValueError, CheckpointError) as exc:
             error = exc
         others = [e for e in comm.all_gather_object(None if error is None else f"rank {comm.rank}: {error}") if e]
@@ -134,7 +135,8 @@ class CheckpointSaver:
         return handle
 
     def _save_replicated(self, replicas: Comm, root: str, step: int, model: Optional[nn.Module], opt: Any,
-                         scheduler: Any, dataloader: Any, extra: Any, keep_last: Optional[int]) -> PendingSave:
+                         scheduler: Any, dataloader: Any, extra: Any, keep_last: Optional[int],
+                         save_frozen: bool) -> PendingSave:
         """Hybrid sharding: replica 0's shard group writes the checkpoint (synchronously) while
         the other replicas wait for its commit, so every rank returns with it committed. The
         RNG files are replica 0's: on resume every replica continues from them."""
@@ -143,7 +145,7 @@ class CheckpointSaver:
         if replicas.rank == 0:
             try:
                 handle = self.save(root, step, model, opt, scheduler, dataloader, extra, False, keep_last,
-                                   first_replica=True)
+                                   first_replica=True, save_frozen=save_frozen)
             except BaseException:
                 failed = True
                 replicas.any_true(True)
@@ -224,20 +226,23 @@ def _hf_config(model: Optional[nn.Module]) -> Optional[dict]:
 
 
 def _capture(step: int, model: Optional[nn.Module], opt: Any, scheduler: Any, dataloader: Any,
-             extra: Any, rank: int) -> commit.Snapshot:
+             extra: Any, rank: int, save_frozen: bool = False) -> commit.Snapshot:
     records: list[PieceRecord] = owned_pieces(model, opt) if opt is not None else []
+    if save_frozen:
+        records += frozen_base.frozen_pieces(opt)
     for rec in records:  # scalars (e.g. Adam's step) change in place: encode them now
         rec.scalars = {k: jsontree.encode(v, f"optimizer state {k!r}") for k, v in rec.scalars.items()}
     # Every rank walks the model state (should a stage hook state_dict() with a collective,
     # all ranks take part); rank 0 alone writes the unsharded tensors.
-    full, aliases = full_tensors(model, opt)
+    full, aliases = full_tensors(model, opt, frozen=save_frozen)
+    base = frozen_base.base_record(model, opt, save_frozen)  # (a collective at stage 3)
     if rank != 0:
         full = {}
     snap = commit.Snapshot(step, records, full, rng.capture(), _encode_state(dataloader, "dataloader"))
     # Every rank builds and checks the header (cheap, and all refuse alike); rank 0 writes it.
     names = name_map(model, opt) if opt is not None else {}
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [names[opt.param_names[id(p)]] for p in g["params"]]}
+    groups = [{**{k: v for k, v in g.items() if k != "params"},  # (frozen parameters train in no group)
+               "params": [names[opt.param_names[id(p)]] for p in g["params"] if p.requires_grad]}
               for g in opt.param_groups] if opt is not None else []
     snap.header = {
         "format": manifest.FORMAT, "version": manifest.VERSION, "step": step,
@@ -252,6 +257,8 @@ def _capture(step: int, model: Optional[nn.Module], opt: Any, scheduler: Any, da
                     "loss_scaler": opt.scaler.state_dict() if opt is not None and opt.scaler else None,
                     "extra": jsontree.encode(extra, "extra")},
     }
+    if base["tensors"]:  # Note [frozen weights in checkpoints]
+        snap.header["frozen"] = base
     try:
         validate.check_header(snap.header, f"step {step}")
     except CheckpointCorruptError as exc:
@@ -275,7 +282,7 @@ def _check_arguments(root: Any, step: Any, keep_last: Any, async_save: Any) -> s
     return os.fspath(root)
 
 
-def _shapes(model: Optional[nn.Module], opt: Any) -> dict[str, dict]:
+def _shapes(model: Optional[nn.Module], opt: Any, save_frozen: bool = False) -> dict[str, dict]:
     out = {}
     if opt is not None:
         names = name_map(model, opt)
@@ -283,8 +290,12 @@ def _shapes(model: Optional[nn.Module], opt: Any) -> dict[str, dict]:
             for seg in u.layout.segments:
                 out[names[seg.name]] = {"shape": list(seg.shape), "dtype": CODES[u.flat.dtype],
                                         "group": seg.group, "kind": "sharded"}
+        if save_frozen:
+            for u, seg in frozen_base.unit_segments(opt):
+                out[seg.name] = {"shape": list(seg.shape), "dtype": CODES[u.flat.dtype], "group": None,
+                                 "kind": "frozen"}
     if model is not None:
-        for n, t in full_tensors(model, opt)[0].items():
+        for n, t in full_tensors(model, opt, frozen=save_frozen)[0].items():
             out[n] = {"shape": list(t.shape), "dtype": CODES[t.dtype], "group": None, "kind": "full"}
     return out
 
@@ -299,10 +310,18 @@ def wait_pending() -> None:
 
 def save_checkpoint(root: str, step: int, *, model: Optional[nn.Module], optimizer: Any,
                     scheduler: Any = None, dataloader: Any = None, extra: Any = None,
-                    async_save: bool = False, keep_last: Optional[int] = None) -> PendingSave:
+                    async_save: bool = False, keep_last: Optional[int] = None,
+                    save_frozen: bool = False) -> PendingSave:
     """Saves the full training state as ``root/step-NNNNNNNN`` (a collective: every rank of
     the optimizer's process group calls it). Each rank writes only the pieces it owns. With
     ``async_save=True`` it returns once the small state is captured; ``.wait()`` on the
-    returned handle (or ``zeroshard.wait_checkpoint()``) blocks until committed."""
-    return _SAVER.save(root, step, model, optimizer, scheduler, dataloader, extra, async_save, keep_last)
+    returned handle (or ``zeroshard.wait_checkpoint()``) blocks until committed.
+
+    Frozen parameters (``requires_grad=False``: a LoRA base) are recorded by name, shape and
+    digest, not written, and resuming checks the base matches; ``save_frozen=True`` writes them
+    too (Note [frozen weights in checkpoints] in zeroshard/checkpoint/frozen_base.py)."""
+    if not isinstance(save_frozen, bool):
+        raise TypeError(f"save_frozen={save_frozen!r} must be True or False")
+    return _SAVER.save(root, step, model, optimizer, scheduler, dataloader, extra, async_save, keep_last,
+                       save_frozen=save_frozen)
 

@@ -89,7 +89,21 @@ def check_header(body: dict, path: str) -> None:
     if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
         raise fail(path, "aliases is not an object of names")
     check_param_groups(jsontree.decode(body.get("param_groups", []), f"{path}: param_groups"), path)
+    if "frozen" in body:
+        check_frozen(body["frozen"], path)
     check_trainer(body.get("trainer"), world, path, with_dataloader="files" in body)
+
+
+def check_frozen(record: Any, path: str) -> None:
+    """The base a checkpoint expects (Note [frozen weights in checkpoints] in frozen_base.py)."""
+    if not isinstance(record, dict) or not isinstance(record.get("saved"), bool) or \
+            not isinstance(record.get("tensors"), dict):
+        raise fail(path, "frozen is not an object with 'saved' (true/false) and 'tensors'")
+    for name, e in record["tensors"].items():
+        if not (isinstance(e, dict) and isinstance(e.get("shape"), list)
+                and all(is_int(d) and 0 <= d < 2**63 for d in e["shape"])
+                and isinstance(e.get("dtype"), str) and isinstance(e.get("digest"), str) and len(e["digest"]) <= 64):
+            raise fail(path, f"frozen tensor {name!r} is not an object with shape, dtype and digest")
 
 
 def check_param_groups(groups: Any, path: str) -> None:
@@ -211,11 +225,11 @@ def check_tensors(body: dict, path: str) -> None:
 
 
 def _check_tensor(name: str, meta: Any, files: dict, n_groups: int, path: str) -> bool:
-    """Checks one tensor entry; True when it is sharded (trained), False when stored whole."""
+    """Checks one tensor entry; True when it is sharded (trained), False when stored whole or frozen."""
     if not isinstance(meta, dict) or meta.get("dtype") not in DTYPES or not isinstance(meta.get("shape"), list) \
-            or meta.get("kind") not in ("sharded", "full") or not isinstance(meta.get("pieces"), list):
+            or meta.get("kind") not in ("sharded", "full", "frozen") or not isinstance(meta.get("pieces"), list):
         raise fail(path, f"tensor {name!r} has a malformed entry (dtype, shape, kind and a pieces list)")
-    sharded = meta["kind"] == "sharded"
+    sharded = meta["kind"] == "sharded"  # ("frozen": pieces of a stage-3 frozen unit, in no param group)
     if sharded:
         check_int(meta.get("group"), 0, n_groups - 1, path, f"{name} group")
     elif meta.get("group") is not None:
@@ -240,7 +254,7 @@ def _check_tensor(name: str, meta: Any, files: dict, n_groups: int, path: str) -
             raise fail(path, f"tensor {name!r}: pieces leave a gap or overlap at element {covered} "
                              f"(next piece starts at {start})")
         covered = stop
-        _check_keys(name, p, sharded, path)
+        _check_keys(name, p, meta["kind"] != "full", path)
     if covered != numel:
         raise fail(path, f"tensor {name!r}: pieces cover {covered} of {numel} elements")
     return sharded

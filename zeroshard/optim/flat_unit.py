@@ -68,6 +68,8 @@ class FlatUnit:
                  placement: Optional[Placement] = None, frozen: bool = False) -> None:
         self.layout = layout
         self.frozen = frozen
+        self.writes = 0
+        """Times ``load_segment`` wrote values (what a cache of the frozen weights' digest keys on)."""
         """Frozen parameters only (stage 3, Note [frozen units] in zeroshard/stages/stage3/frozen.py):
         a shard and the gathered buffer in the model dtype, no master, gradient or optimizer state."""
         self.members = list(members)
@@ -130,6 +132,7 @@ class FlatUnit:
         """Sets the unit range starting at ``offset`` from full-precision ``values``: the
         model-dtype copy wherever this rank holds it, and the fp32 master of the owned part."""
         end = offset + values.numel()
+        self.writes += 1
         if is_allocated(self.flat):
             self.flat[offset:end].copy_(values)
         lo, hi = self.owned
