@@ -289,3 +289,45 @@ def memory_worker(rank: int, world: int, out_path: str, root: str) -> None:
     opt.close()
     with open(f"{out_path}.rank{rank}", "w") as f:
         json.dump(out, f)
+
+
+def meta_worker(rank: int, world: int, out_path: str, base_dir: str, stage: int) -> None:
+    """A Llama built on ``meta``, wrapped by ``peft.get_peft_model``, its base filled from a
+    Hugging Face directory (each rank reading its ranges) and its adapters by PEFT's own init;
+    then trained against plain PEFT started from the same weights."""
+    from peft import get_peft_model
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+    with torch.device("meta"):
+        model = get_peft_model(LlamaForCausalLM(llama_config()), lora_config())
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=stage)
+    missing = zeroshard.load_safetensors(model, base_dir)
+    zeroshard.init_meta_weights(model)
+    start = zeroshard.full_state_dict(model, rank0_only=False)
+    files = load_file(os.path.join(base_dir, "model.safetensors"))
+    out: dict[str, Any] = {"missing_non_adapter": [n for n in missing if "lora_" not in n]}
+    base_names = {k: k.replace("base_model.model.", "", 1).replace(".base_layer.", ".") for k in start if "lora_" not in k}
+    out["base_differs"] = [k for k, f in base_names.items() if not torch.equal(start[k], files[f])]
+    out["lora_B_zero"] = all(bool((v == 0).all()) for k, v in start.items() if "lora_B" in k)
+    bound = max(float(v.abs().max()) for k, v in start.items() if "lora_A" in k)
+    out["lora_A_bound"] = bound  # kaiming_uniform(a=sqrt(5)) of fan_in 64: |w| <= 1/8
+    out["lora_A_nonzero"] = all(bool((v != 0).any()) for k, v in start.items() if "lora_A" in k)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+    # lora_B = 0 at PEFT's init: give both runs the same non-zero B so A trains from step 0
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(3)
+        values = {k: torch.randn(v.shape, generator=g) * 0.02 for k, v in start.items() if "lora_B" in k}
+    model.load_state_dict(values, strict=False)
+    start.update(values)
+    _steps(model, opt, sched, 0, STEPS, rank, world)
+    got = zeroshard.full_state_dict(model, rank0_only=False)
+    ref = get_peft_model(LlamaForCausalLM(llama_config()), lora_config())
+    ref.load_state_dict(start)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    _steps(ref, ref_opt, torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1 + 0.1 * s)), 0, STEPS, 0, 1)
+    want = ref.state_dict()
+    out["adapter_diff"] = max(float((got[k] - want[k]).abs().max()) for k in want if "lora_" in k)
+    out["base_changed"] = [k for k in want if "lora_" not in k and not torch.equal(got[k], start[k])]
+    opt.close()
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump(out, f)

@@ -85,3 +85,16 @@ def test_lora_checkpoint_resumes_at_another_world_size(tmp_path):
     assert ranks[0]["final_diff"] < 1e-5, ranks[0]  # and trains on as the world-2 run did
     assert ranks[0]["refused"] is not None and "another base model" in ranks[0]["refused"]
     assert os.path.isdir(tmp_path / "lean")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_meta_start_loads_the_base_from_hf_files_and_inits_adapters_as_peft(tmp_path, world):
+    base_dir = tmp_path / "base"
+    w.base_model().save_pretrained(base_dir)
+    ranks = run_ranks(w.meta_worker, world, tmp_path, str(base_dir), 3)
+    for r in ranks:
+        assert r["missing_non_adapter"] == [], r
+        assert r["base_differs"] == [], r  # every base weight from the files, bit for bit
+        assert r["lora_B_zero"] and r["lora_A_nonzero"] and 0 < r["lora_A_bound"] <= 0.125, r
+        assert r["adapter_diff"] < 1e-5, r
+        assert r["base_changed"] == [], r

@@ -9,6 +9,8 @@ ever holds more than one unit of full parameters.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -36,7 +38,31 @@ def swap_meta_parameters(model: nn.Module, device: torch.device, frozen_too: boo
                 replaced[id(p)] = new
                 shapes[id(new)] = p.shape
             module._parameters[name] = new
+    _materialize_meta_buffers(model, device)
     return shapes
+
+
+@torch.no_grad()
+def _materialize_meta_buffers(model: nn.Module, device: torch.device) -> None:
+    """Buffers built on ``meta`` (a rotary embedding's ``inv_freq``) are small: they become real
+    here, computed by the Hugging Face model's ``_init_weights`` for modules that own no
+    parameters, or left for ``load_safetensors`` when persistent (they are in the files)."""
+    init = getattr(model, "_init_weights", None)
+    unknown = []
+    for mod_name, module in model.named_modules():
+        metas = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
+        if not metas:
+            continue
+        for n in metas:
+            module._buffers[n] = torch.zeros(module._buffers[n].shape, dtype=module._buffers[n].dtype, device=device)
+        if callable(init) and not any(True for _ in module.parameters(recurse=False)):
+            init(module)
+        else:
+            unknown += [f"{mod_name}.{n}" for n in metas if n in module._non_persistent_buffers_set]
+    if unknown:
+        raise ValueError(f"non-persistent buffer(s) {unknown[:5]} were built on the meta device and nothing here "
+                         "can compute them (they are in no weights file); build the model with real buffers, "
+                         "e.g. under accelerate.init_empty_weights(include_buffers=False)")
 
 
 def _owner_modules(model: nn.Module) -> dict[int, list[nn.Module]]:
@@ -58,6 +84,7 @@ def init_meta_weights(model: nn.Module, seed: int = 0) -> None:
         raise ValueError("init_meta_weights needs the model to be managed by a ZeroOptimizer first")
     owners = _owner_modules(model)
     where = opt.segment_index()
+    lora = _lora_layers(model)
     for ui, unit in enumerate(opt.all_units):
         if not unit.needs_init:
             continue
@@ -68,12 +95,15 @@ def init_meta_weights(model: nn.Module, seed: int = 0) -> None:
             opt.gatherer.show(ui, sharded=False)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed + unit.layout.index)
-            for module in modules.values():
-                init = _initializer(model, module)
+            inits: dict[tuple, Any] = {}
+            for module in modules.values():  # every parameter gets its temporary before any initialiser
+                key, init = _initializer(model, module, lora)
+                inits.setdefault(key, init)
                 for p in module._parameters.values():
                     if p is not None and id(p) in where and all(p is not t for t in temporary):
                         p.data = torch.empty(where[id(p)][1].shape, dtype=torch.float32, device=unit.device)
                         temporary.append(p)
+            for init in inits.values():
                 init()
         for m, seg in zip(unit.members, unit.layout.segments):
             unit.load_segment(seg.offset, m.param.detach().reshape(-1).float())
@@ -85,13 +115,34 @@ def init_meta_weights(model: nn.Module, seed: int = 0) -> None:
             opt.gatherer.show(ui, sharded=True)
 
 
-def _initializer(model: nn.Module, module: nn.Module):
-    """How to initialise one module's own parameters: its ``reset_parameters()``, or, for a
-    Hugging Face model, the model's ``_init_weights(module)`` (GPT-2's Conv1D has no reset)."""
+def _lora_layers(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
+    """id(lora_A/lora_B module) -> (its PEFT LoRA layer, adapter name)."""
+    out: dict[int, tuple[nn.Module, str]] = {}
+    for parent in model.modules():
+        for attr in ("lora_A", "lora_B"):
+            table = getattr(parent, attr, None)
+            if isinstance(table, nn.ModuleDict) and callable(getattr(parent, "reset_lora_parameters", None)):
+                for adapter, sub in table.items():
+                    out[id(sub)] = (parent, adapter)
+    return out
+
+
+def _initializer(model: nn.Module, module: nn.Module, lora: dict[int, tuple[nn.Module, str]]) -> tuple[tuple, Any]:
+    """(key, how to initialise one module's own parameters): PEFT's own LoRA initialisation for
+    an adapter's modules (A as nn.Linear, B zero), else ``reset_parameters()``, or, for a Hugging
+    Face model, the model's ``_init_weights(module)`` (GPT-2's Conv1D has no reset)."""
+    if id(module) in lora:
+        layer, adapter = lora[id(module)]
+        how = model.peft_config[adapter].init_lora_weights if hasattr(model, "peft_config") else True
+        if how not in (True, False, "gaussian"):
+            raise ValueError(f"init_lora_weights={how!r} initialises adapters from the base weights, which a "
+                             "meta-device start does not hold whole; use init_lora_weights=True or 'gaussian' "
+                             "(or initialise the adapters and load them with zeroshard.load_safetensors)")
+        return ("lora", id(layer), adapter), lambda: layer.reset_lora_parameters(adapter, how)
     if hasattr(module, "reset_parameters"):
-        return module.reset_parameters
+        return ("module", id(module)), module.reset_parameters
     if callable(getattr(model, "_init_weights", None)):
-        return lambda: model._init_weights(module)
+        return ("module", id(module)), lambda: model._init_weights(module)
     raise ValueError(
         f"{type(module).__name__} has no reset_parameters() (and the model no _init_weights), so its "
         "meta parameters cannot be initialised here; load them with zeroshard.load_safetensors(model, path)")

@@ -53,7 +53,28 @@ def _resolve_prefix(files: dict[str, str], model: nn.Module) -> dict[str, tuple[
         for name, path in files.items():
             alias = name[len(prefix) + 1:] if name.startswith(prefix + ".") else f"{prefix}.{name}"
             out.setdefault(alias, (path, name))
+    if _adapter_names(model):  # a PEFT model over the base: its names wrap the base's names
+        for name in model.state_dict(keep_vars=True):
+            base = _peft_base_name(name)
+            if base in out:
+                out.setdefault(name, out[base])
     return out
+
+
+def _adapter_names(model: nn.Module) -> list[str]:
+    config = getattr(model, "peft_config", None)
+    return list(config) if isinstance(config, dict) else []
+
+
+def _peft_base_name(name: str) -> str:
+    """``base_model.model.model.layers.0.q_proj.base_layer.weight`` -> ``model.layers.0.q_proj.weight``."""
+    if name.startswith("base_model.model."):
+        name = name[len("base_model.model."):]
+    return name.replace(".base_layer.", ".")
+
+
+def _is_adapter(name: str, adapters: list[str]) -> bool:
+    return any(f".{a}." in f"{name}." for a in adapters)
 
 
 class _RangeReader:
@@ -106,7 +127,9 @@ class _RangeReader:
 @torch.no_grad()
 def load_safetensors(model: nn.Module, path: str, strict: bool = True) -> list[str]:
     """Loads parameters (and persistent buffers) by name; returns the names it did not find
-    (an error instead when ``strict``)."""
+    (an error instead when ``strict``). A PEFT model loads its base from the base model's
+    files (names mapped as PEFT wraps them); its adapters are not expected there and are
+    initialised by ``init_meta_weights``."""
     opt = optimizer_for(model)
     if opt is None:
         raise ValueError("load_safetensors needs the model to be managed by a ZeroOptimizer; for a "
@@ -130,9 +153,11 @@ def _load(opt, model: nn.Module, path: str, files: dict, handle, strict: bool) -
     missing, wrong = [], []
     where = opt.segment_index()
     for unit in opt.all_units:
+        complete = True
         for m, seg in zip(unit.members, unit.layout.segments):
             if seg.name not in files:
                 missing.append(seg.name)
+                complete = False
                 continue
             f, stored_name = handle(seg.name)
             stored = f.shape(stored_name)
@@ -144,7 +169,8 @@ def _load(opt, model: nn.Module, path: str, files: dict, handle, strict: bool) -
             if a < b:
                 values = f.read(stored_name, a - seg.offset, b - seg.offset)
                 unit.load_segment(a, values.float() if unit.separate_master else values)
-        unit.needs_init = False
+        if complete:  # (a unit of PEFT adapters stays to be initialised: init_meta_weights)
+            unit.needs_init = False
     for key, t in model.state_dict(keep_vars=True).items():
         if id(t) in where:
             continue
@@ -160,7 +186,9 @@ def _load(opt, model: nn.Module, path: str, files: dict, handle, strict: bool) -
         opt.gatherer.release_all()
     if wrong:
         raise ValueError("shapes differ between the files and the model: " + "; ".join(wrong[:10]))
-    if missing and strict:
-        raise ValueError(f"{len(missing)} parameters are not in {path}: {missing[:10]}"
-                         + (" ..." if len(missing) > 10 else "") + " (strict=False to skip them)")
+    adapters = _adapter_names(model)
+    if missing and strict and not all(_is_adapter(n, adapters) for n in missing):
+        missing_base = [n for n in missing if not _is_adapter(n, adapters)]
+        raise ValueError(f"{len(missing_base)} parameters are not in {path}: {missing_base[:10]}"
+                         + (" ..." if len(missing_base) > 10 else "") + " (strict=False to skip them)")
     return missing
