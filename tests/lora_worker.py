@@ -331,3 +331,33 @@ def meta_worker(rank: int, world: int, out_path: str, base_dir: str, stage: int)
     opt.close()
     with open(f"{out_path}.rank{rank}", "w") as f:
         json.dump(out, f)
+
+
+def export_worker(rank: int, world: int, out_path: str, spec: tuple, root: str) -> None:
+    """Train, then export the adapter (PEFT's format) and the merged model (sharded
+    safetensors); rank 0 checks both load with PEFT / transformers and equal the trained model."""
+    cell = Cell(*spec)
+    model, opt, sched = _fresh(cell, os.path.join(root, f"nvme{rank}"))
+    _steps(model, opt, sched, 0, 4, rank, world)
+    trained = full_weights(model, cell.stage)
+    adapter_dir, merged_dir = os.path.join(root, "adapter"), os.path.join(root, "merged")
+    zeroshard.save_adapter(model, adapter_dir)
+    zeroshard.export_merged(model, merged_dir, max_shard_size="100KB")
+    out: dict[str, Any] = {}
+    if rank == 0:
+        from peft import PeftModel
+        from transformers import LlamaForCausalLM
+        loaded = PeftModel.from_pretrained(base_model(cell.torch_dtype), adapter_dir)
+        sd = loaded.state_dict()
+        out["adapter_diff"] = [k for k in trained if "lora_" in k and not torch.equal(sd[k], trained[k])]
+        ref = PeftModel.from_pretrained(base_model(cell.torch_dtype), adapter_dir).merge_and_unload()
+        merged = LlamaForCausalLM.from_pretrained(merged_dir, dtype=cell.torch_dtype)
+        want, got = ref.state_dict(), merged.state_dict()
+        out["merged_keys_differ"] = sorted(set(want) ^ set(got))
+        out["merged_diff"] = max(float((got[k].float() - want[k].float()).abs().max()) for k in want)
+        out["shards"] = len([f for f in os.listdir(merged_dir) if f.endswith(".safetensors")])
+        ids = tokens(0)
+        out["logits_diff"] = float((merged(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max())
+    opt.close()
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump(out, f)

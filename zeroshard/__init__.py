@@ -19,3 +19,5 @@ __all__ = ["ZeroOptimizer", "ZeroConfig", "MemoryReport", "zero_formula", "full_
 __all__ += ["save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint", "wait_checkpoint"]
 from zeroshard.train.initialize import initialize  # noqa: E402 - a DeepSpeed config -> (model, optimizer, scheduler)
 __all__ += ["initialize"]
+from zeroshard.integrations.peft_export import export_merged, save_adapter  # noqa: E402 - PEFT (LoRA) exports
+__all__ += ["save_adapter", "export_merged"]

@@ -10,12 +10,16 @@ from zeroshard.optim.registry import optimizer_for
 
 
 @torch.no_grad()
-def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True) -> Optional[dict]:
+def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True,
+                    frozen: bool = True) -> Optional[dict]:
     """Gathers every parameter whole, one unit at a time (peak: one unit beyond what the rank
     holds). A collective: every rank must call it. With ``rank0_only`` the other ranks get
-    None and keep nothing. Keys and tied entries are those of ``model.state_dict()``."""
+    None and keep nothing. Keys and tied entries are those of ``model.state_dict()``;
+    ``frozen=False`` leaves out frozen parameters (a LoRA base: only the adapters are gathered)."""
     opt = optimizer_for(model)
     live = model.state_dict(keep_vars=True)
+    if not frozen:
+        live = {k: v for k, v in live.items() if not (isinstance(v, nn.Parameter) and not v.requires_grad)}
     if opt is None or opt.gatherer is None:  # stages 0-2: every rank holds full parameters
         out = {k: (v.detach().cpu() if cpu else v.detach()).clone() for k, v in live.items()}
         return None if rank0_only and (opt is not None and opt.comm.rank != 0) else out
@@ -30,6 +34,8 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True)
             out[key] = (t.detach().cpu() if cpu else t.detach()).clone()
     gatherer = opt.gatherer
     for ui, unit in enumerate(opt.all_units):
+        if unit.frozen and not frozen:
+            continue
         was_released = gatherer.state[ui].value == "released"
         gatherer.ensure(ui)
         if keep:  # read the gathered buffer: live[key] is the sharded parameter shown between uses
