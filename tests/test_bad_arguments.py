@@ -285,6 +285,15 @@ FINETUNE = [  # (id, arguments with {placeholders} from the workspace, what the 
     ("ds-binary", "--deepspeed {ds_bin}", "not UTF-8"),
     ("ds-stage", "--deepspeed {ds_stage}", "zero_optimization.stage=2.7"),
     ("ds-unsupported", "--deepspeed {ds_key}", "frobnicate"),
+    ("lora-r-neg", "--lora-r -1", "--lora-r=-1"),
+    ("lora-alpha-0", "--lora-r 4 --lora-alpha 0", "--lora-alpha=0"),
+    ("lora-alpha-alone", "--lora-alpha 8", "need --lora-r"),
+    ("lora-dropout-1", "--lora-r 4 --lora-dropout 1", "--lora-dropout=1"),
+    ("lora-targets-empty", "--lora-r 4 --lora-targets ,", "names no module"),
+    ("lora-targets-unknown", "--lora-r 4 --lora-targets nosuchlayer", "LoRA on"),
+    ("peft-config-missing", "--peft-config {nodir}", "--peft-config"),
+    ("peft-config-and-flags", "--peft-config {badcfg} --lora-r 4", "not both"),
+    ("peft-config-bad", "--peft-config {typecfg}", "--peft-config"),
 ]
 
 

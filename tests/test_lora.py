@@ -10,6 +10,8 @@ adapters in fp32 over it) within the bound of tests/test_parity.py, 1 bf16 ulp o
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -110,3 +112,65 @@ def test_exports_load_with_peft_and_from_pretrained(tmp_path, spec):
     # merged by PEFT's merge_and_unload vs streamed here: the same additions, rounding alike
     assert r["merged_diff"] <= (1e-6 if spec[1] == "fp32" else 2 ** -7), r
     assert r["logits_diff"] < (1e-4 if spec[1] == "fp32" else 0.1), r
+
+
+def test_finetune_cli_lora_stage3_exports_resumes_bitwise_and_saves_only_adapters(tmp_path):
+    """``finetune --lora-r`` at stage 3 (2 ranks, torchrun) from a pretrained directory, i.e. the
+    meta-device start: SIGTERM at step 5 and the same command resume bit for bit; checkpoints
+    hold the adapters; the adapter loads with PEFT and the merged export with from_pretrained."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests import finetune_helpers as fh
+    ws = fh.make_workspace(str(tmp_path))
+    weights = str(tmp_path / "pretrained")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ws.model_config)).save_pretrained(weights)
+    flags = [f if f != "2" or prev != "--stage" else "3" for prev, f in zip(("",) + fh.FLAGS, fh.FLAGS)]
+    lora = ["--lora-r", "4", "--lora-targets", "c_attn,c_fc", "--model", weights]
+
+    def run(out: str, fault=None):
+        cmd_args = ["--data", ws.data, "--output-dir", out, *flags, *lora]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(fh.free_port()), fh.SCRIPT, *cmd_args]
+        return subprocess.run(cmd, cwd=fh.REPO, env=fh.env(fault), capture_output=True, text=True, timeout=fh.TIMEOUT)
+
+    ref_out, out = str(tmp_path / "ref"), str(tmp_path / "preempted")
+    proc = run(ref_out)
+    assert proc.returncode == 0, fh.describe(proc)
+    first = run(out, fault="sigterm@1:5")
+    assert first.returncode == 0, fh.describe(first)
+    second = run(out)
+    assert second.returncode == 0, fh.describe(second)
+    from safetensors.torch import load_file
+    a = load_file(os.path.join(ref_out, "hf", "adapter", "adapter_model.safetensors"))
+    b = load_file(os.path.join(out, "hf", "adapter", "adapter_model.safetensors"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    step = os.path.join(out, "checkpoints", "step-00000010")
+    data_bytes = sum(os.path.getsize(os.path.join(step, f)) for f in os.listdir(step) if f.endswith(".safetensors"))
+    base_bytes = os.path.getsize(os.path.join(weights, "model.safetensors"))
+    # adapters with their fp32 moments only (this tiny model's RNG and manifest JSON are as big)
+    assert data_bytes < 0.3 * base_bytes, (data_bytes, base_bytes)
+    base = AutoModelForCausalLM.from_pretrained(weights)
+    peft_model = PeftModel.from_pretrained(base, os.path.join(ref_out, "hf", "adapter"))
+    moved = max(float(v.abs().max()) for k, v in a.items() if "lora_B" in k)
+    assert moved > 0, "the adapters did not train"
+    want = peft_model.merge_and_unload().state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(os.path.join(ref_out, "hf")).state_dict()
+    assert set(merged) == set(want)
+    assert max(float((merged[k] - want[k]).abs().max()) for k in want) < 1e-6
+
+
+def test_peft_config_file_is_read_as_peft_writes_it(tmp_path):
+    from peft import LoraConfig
+
+    from zeroshard.train.config import FinetuneConfig
+    LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], lora_dropout=0.1).save_pretrained(str(tmp_path))
+    cfg = FinetuneConfig(data="d.txt", output_dir=str(tmp_path / "o"), model_config="c.json",
+                         peft_config=str(tmp_path / "adapter_config.json"))
+    lora = cfg.lora_config()
+    assert (lora.r, lora.lora_alpha, set(lora.target_modules), lora.lora_dropout) == (8, 16, {"q_proj"}, 0.1)
+    flags = FinetuneConfig(data="d.txt", output_dir=str(tmp_path / "o"), model_config="c.json", lora_r=4,
+                           lora_targets="q_proj, v_proj").lora_config()
+    assert (flags.r, flags.lora_alpha, set(flags.target_modules)) == (4, 8, {"q_proj", "v_proj"})

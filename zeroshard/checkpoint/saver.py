@@ -236,6 +236,8 @@ def _capture(step: int, model: Optional[nn.Module], opt: Any, scheduler: Any, da
     # all ranks take part); rank 0 alone writes the unsharded tensors.
     full, aliases = full_tensors(model, opt, frozen=save_frozen)
     base = frozen_base.base_record(model, opt, save_frozen)  # (a collective at stage 3)
+    if not save_frozen:  # a tied frozen weight is recorded under its first name only
+        aliases = {k: v for k, v in aliases.items() if v not in base["tensors"]}
     if rank != 0:
         full = {}
     snap = commit.Snapshot(step, records, full, rng.capture(), _encode_state(dataloader, "dataloader"))

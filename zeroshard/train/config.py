@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Sequence
 
@@ -70,6 +71,15 @@ class FinetuneConfig:
     export: bool = True
     deepspeed: Optional[str] = None
     """A DeepSpeed JSON config; flags given explicitly override it."""
+    lora_r: int = 0
+    """LoRA rank (``peft``): 0 fine-tunes every weight; > 0 freezes the base and trains adapters."""
+    lora_alpha: Optional[float] = None
+    """LoRA scaling numerator (default 2 x ``lora_r``)."""
+    lora_targets: Optional[str] = None
+    """Comma-separated module names the adapters wrap (default PEFT's "all-linear")."""
+    lora_dropout: float = 0.0
+    peft_config: Optional[str] = None
+    """A JSON file of ``peft.LoraConfig`` arguments (e.g. an ``adapter_config.json``) instead of the --lora-* flags."""
     explicit: frozenset = field(default_factory=frozenset)
     """Names of the options given on the command line (for precedence over ``deepspeed``)."""
 
@@ -121,6 +131,57 @@ class FinetuneConfig:
                              "nvme, or drop --nvme-path")
         if self.offload_params != "none" and self.stage != 3:
             raise ValueError(f"--offload-params {self.offload_params} needs --stage 3 (got {self.stage})")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if isinstance(self.lora_r, bool) or not isinstance(self.lora_r, int) or not 0 <= self.lora_r <= 65536:
+            raise ValueError(f"--lora-r={self.lora_r!r} must be an int in [0, 65536] (0: no LoRA)")
+        if self.lora_alpha is not None and not (isinstance(self.lora_alpha, (int, float)) and self.lora_alpha > 0
+                                                and math.isfinite(self.lora_alpha)):
+            raise ValueError(f"--lora-alpha={self.lora_alpha!r} must be a positive number")
+        if not (isinstance(self.lora_dropout, (int, float)) and 0.0 <= self.lora_dropout < 1.0):
+            raise ValueError(f"--lora-dropout={self.lora_dropout!r} must be in [0, 1)")
+        if self.lora_targets is not None and not [t for t in self.lora_targets.split(",") if t.strip()]:
+            raise ValueError(f"--lora-targets={self.lora_targets!r} names no module; e.g. q_proj,v_proj")
+        uses_flags = self.lora_r or self.lora_alpha is not None or self.lora_targets is not None
+        if self.peft_config is not None and uses_flags:
+            raise ValueError("give either --peft-config FILE or the --lora-* flags, not both")
+        if self.lora_r == 0 and (self.lora_alpha is not None or self.lora_targets is not None):
+            raise ValueError("--lora-alpha/--lora-targets need --lora-r R > 0")
+        if self.peft_config is not None and not os.path.isfile(self.peft_config):
+            raise ValueError(f"--peft-config {self.peft_config!r} is not a file")
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.lora_r > 0 or self.peft_config is not None
+
+    def lora_config(self) -> Any:
+        """The ``peft.LoraConfig`` of this run (None without LoRA)."""
+        if not self.uses_lora:
+            return None
+        try:
+            from peft import LoraConfig
+        except ImportError as exc:
+            raise ValueError(f"--lora-r/--peft-config need the peft library (pip install peft): {exc}") from None
+        if self.peft_config is not None:
+            import json
+            with open(self.peft_config, encoding="utf-8") as f:
+                raw = json.load(f)
+            if not isinstance(raw, dict):
+                raise ValueError(f"--peft-config {self.peft_config}: not a JSON object of LoraConfig arguments")
+            known = set(LoraConfig.__dataclass_fields__)
+            unknown = sorted(set(raw) - known)
+            if unknown:
+                raise ValueError(f"--peft-config {self.peft_config}: {unknown[:5]} are not peft.LoraConfig arguments")
+            kwargs = {k: v for k, v in raw.items() if k not in ("peft_type", "task_type", "base_model_name_or_path")}
+            try:
+                return LoraConfig(**kwargs)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"--peft-config {self.peft_config}: {exc}") from None
+        targets = ([t.strip() for t in self.lora_targets.split(",") if t.strip()] if self.lora_targets
+                   else "all-linear")
+        return LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha or 2 * self.lora_r, target_modules=targets,
+                          lora_dropout=self.lora_dropout)
 
     # -- DeepSpeed form ----------------------------------------------------------------------
     def as_deepspeed(self) -> dict[str, Any]:
@@ -236,6 +297,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--no-progress", dest="progress_bar", action="store_const", const=False, help="plain log lines, no bar")
     a("--export-dir", help="Hugging Face export of the final model (default <output-dir>/hf)")
     a("--no-export", dest="export", action="store_const", const=False, help="skip the final export")
+    a("--lora-r", type=int, help="LoRA rank: freeze the base and train peft adapters (default 0: full fine-tune)")
+    a("--lora-alpha", type=float, help="LoRA alpha (default 2 x --lora-r)")
+    a("--lora-targets", help="comma-separated modules to adapt, e.g. q_proj,v_proj (default all linear layers)")
+    a("--lora-dropout", type=float, help="dropout on the adapters' input (default 0)")
+    a("--peft-config", help="JSON file of peft.LoraConfig arguments (e.g. an adapter_config.json)")
     a("--deepspeed", "--ds-config", dest="deepspeed",
       help="DeepSpeed JSON config (zero_optimization, optimizer, scheduler, fp16/bf16, batch); flags override it")
 

@@ -81,7 +81,8 @@ def train(cfg: FinetuneConfig) -> int:
         if os.path.exists(cfg.output_dir) and not os.path.isdir(cfg.output_dir):
             raise ValueError(f"--output-dir {cfg.output_dir!r} exists and is not a directory; give a directory "
                              "(created if missing)")
-        model, source = build_model(cfg.model, cfg.model_config, cfg.stage, cfg.seed, cfg.activation_checkpointing)
+        model, source = build_model(cfg.model, cfg.model_config, cfg.stage, cfg.seed, cfg.activation_checkpointing,
+                                    cfg.lora_config())
         positions = max_positions(model)
         if positions is not None and cfg.seq_len > positions:
             raise ValueError(f"--seq-len {cfg.seq_len} is longer than the model's {positions} positions "
@@ -94,7 +95,7 @@ def train(cfg: FinetuneConfig) -> int:
         result = initialize(model, ds, auto=cfg.auto_values(), **overrides)
         model, opt, sched = result
         plan = result.plan
-        finish_weights(model, source)
+        finish_weights(model, source, cfg.seed)
         micro = plan.micro_batch_size or cfg.micro_batch_size
         accum = plan.gradient_accumulation_steps
         tokenizer = load_tokenizer(source.tokenizer_dir, model.config.vocab_size, model.config.eos_token_id)
@@ -132,11 +133,16 @@ def train(cfg: FinetuneConfig) -> int:
             if loop.watchdog is not None:
                 loop.watchdog.stop()
         progress.log(f"model state on rank {rank}: {opt.memory_report()}", echo=True)
-        if status == "completed" and cfg.export and rank == 0:
+        if status == "completed" and cfg.export:
             out = cfg.export_dir or os.path.join(cfg.output_dir, "hf")
-            zeroshard.export_hf(zeroshard.latest_checkpoint(root), out)
-            save_model_files(model, tokenizer, out)
-            progress.summary.exported_to = out
+            if cfg.uses_lora:  # (collectives: the checkpoints hold only the adapters)
+                zeroshard.save_adapter(model, os.path.join(out, "adapter"))
+                zeroshard.export_merged(model, out)
+            elif rank == 0:
+                zeroshard.export_hf(zeroshard.latest_checkpoint(root), out)
+            if rank == 0:
+                save_model_files(model, tokenizer, out)
+                progress.summary.exported_to = out
         message = "" if status == "completed" else "run the same command again to resume"
         progress.finish(status, message)
         if dist.is_initialized():

@@ -59,8 +59,9 @@ def _has_weights(model_dir: str) -> bool:
 
 
 def build_model(model_dir: Optional[str], model_config: Optional[str], stage: int, seed: int,
-                activation_checkpointing: bool) -> tuple[nn.Module, ModelSource]:
-    """The model (on the meta device for stage 3) and what must still happen to its weights."""
+                activation_checkpointing: bool, lora: Any = None) -> tuple[nn.Module, ModelSource]:
+    """The model (on the meta device for stage 3) and what must still happen to its weights;
+    with ``lora`` (a ``peft.LoraConfig``) the base is frozen and wrapped by ``get_peft_model``."""
     from transformers import AutoModelForCausalLM
     config = load_config(model_dir, model_config)
     config.use_cache = False  # a KV cache is useless in training and conflicts with recomputation
@@ -96,6 +97,12 @@ def build_model(model_dir: Optional[str], model_config: Optional[str], stage: in
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if lora is not None:
+        from peft import get_peft_model
+        try:
+            model = get_peft_model(model, lora)
+        except ValueError as exc:  # e.g. target modules not found
+            raise ValueError(f"LoRA on {flag} {model_dir or model_config}: {_first_line(exc)}") from exc
     model.train()
     return model, source
 
@@ -110,11 +117,15 @@ def max_positions(model: nn.Module) -> Optional[int]:
     return None
 
 
-def finish_weights(model: nn.Module, source: ModelSource) -> None:
+def finish_weights(model: nn.Module, source: ModelSource, seed: int = 0) -> None:
     """Stage 3: fills the meta-built model once the ZeroOptimizer has partitioned it."""
     import zeroshard
+    from zeroshard.optim.registry import optimizer_for
     if source.weights_dir is not None:
         zeroshard.load_safetensors(model, source.weights_dir)
+    opt = optimizer_for(model)
+    if opt is not None and any(u.needs_init for u in opt.all_units):  # PEFT adapters of a meta start
+        zeroshard.init_meta_weights(model, seed=seed)
 
 
 def save_model_files(model: nn.Module, tokenizer: Any, out_dir: str) -> None:
