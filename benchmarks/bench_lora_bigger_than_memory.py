@@ -1,0 +1,265 @@
+"""LoRA fine-tuning of a base model three times bigger than memory: the base on NVMe.
+
+    sudo python benchmarks/bench_lora_bigger_than_memory.py --dir /mnt/nvme/zs-lora
+
+What it does (root and cgroup v1 memory control are needed for the limit; it says so if not):
+1. writes a ``transformers`` Llama with random bf16 weights as a Hugging Face directory
+   (outside the cgroup) and measures the disk's sequential read (fio if installed, else
+   zeroshard's O_DIRECT engine: 8 MiB x queue depth 16);
+2. in a cgroup whose limit is at most a third of the base's bf16 bytes, plain PEFT
+   (``from_pretrained`` + ``get_peft_model`` + ``torch.optim.AdamW``) is OOM-killed;
+3. in the same cgroup one process builds the model on ``meta``, wraps it with
+   ``peft.get_peft_model``, partitions it with zeroshard stage 3 (base shards and adapter
+   state in swap files: ``offload_params="nvme"``), fills the base from the directory
+   (``load_safetensors``) and the adapters by PEFT's init (``init_meta_weights``), trains
+   ``--steps`` steps, saves a checkpoint (adapters and their state only), trains
+   ``--resume-steps`` more, and exports the adapter in PEFT's format;
+4. a fresh process in the cgroup loads the base and that checkpoint and trains the same
+   steps: losses must equal phase 3's bit for bit;
+5. outside the cgroup, ``PeftModel.from_pretrained`` loads the exported adapter.
+
+It reports the step time as a multiple of the time to read the base once at the measured
+speed (the floor is 2x: forward and backward each read every block's shard).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_bigger_than_memory import Cgroup, _peak_rss, fio_speed  # noqa: E402 - the same cgroup method
+
+MODEL = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=4,
+             vocab_size=4096, max_position_embeddings=128, tie_word_embeddings=False)
+SEQ, LR = 16, 1e-3
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def _config(layers: int):
+    from transformers import LlamaConfig
+    return LlamaConfig(num_hidden_layers=layers, **MODEL)
+
+
+def _lora():
+    from peft import LoraConfig
+    return LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0)
+
+
+def _batch(step: int):
+    import torch
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, MODEL["vocab_size"], (1, SEQ), generator=g)
+
+
+# -- children (run inside the cgroup) ------------------------------------------------------------
+def child_plain(args: argparse.Namespace) -> None:
+    import torch
+    from peft import get_peft_model
+    from transformers import LlamaForCausalLM
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(os.path.join(args.dir, "base"), dtype=torch.bfloat16),
+                           _lora())
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    ids = _batch(0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    print(json.dumps({"survived": True, "peak_rss": _peak_rss()}))
+
+
+def _zero(args: argparse.Namespace, swap: str):
+    import torch
+    from peft import get_peft_model
+    from transformers import LlamaForCausalLM
+
+    import zeroshard
+    with torch.device("meta"):
+        model = get_peft_model(LlamaForCausalLM(_config(args.layers)).to(torch.bfloat16), _lora())
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, stage=3, offload_optimizer="nvme",
+                                  offload_params="nvme", nvme_path=swap)
+    t0 = time.perf_counter()
+    zeroshard.load_safetensors(model, os.path.join(args.dir, "base"))
+    load_s = time.perf_counter() - t0
+    return model, opt, load_s
+
+
+def _steps(model, opt, start: int, n: int) -> tuple[list[float], list[float]]:
+    import torch
+    losses, times = [], []
+    for step in range(start, start + n):
+        t0 = time.perf_counter()
+        ids = _batch(step)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        print(f"  step {step + 1}: loss {loss.item():.6f} in {times[-1]:.1f}s, peak RSS "
+              f"{_peak_rss() / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+    return losses, times
+
+
+def child_train(args: argparse.Namespace) -> None:
+    import zeroshard
+    swap = os.path.join(args.dir, "swap")
+    os.makedirs(swap, exist_ok=True)
+    model, opt, load_s = _zero(args, swap)
+    zeroshard.init_meta_weights(model, seed=0)
+    rep = opt.memory_report()
+    losses, times = _steps(model, opt, 0, args.steps)
+    t0 = time.perf_counter()
+    zeroshard.save_checkpoint(os.path.join(args.dir, "ckpt"), args.steps, model=model, optimizer=opt)
+    save_s = time.perf_counter() - t0
+    more, more_times = _steps(model, opt, args.steps, args.resume_steps)
+    zeroshard.save_adapter(model, os.path.join(args.dir, "adapter"))
+    print(json.dumps({"base_load_s": load_s, "step_s": times + more_times, "losses": losses,
+                      "after_save_losses": more, "save_s": save_s, "peak_rss": _peak_rss(),
+                      "frozen_resident": rep.frozen, "frozen_on_nvme": rep.frozen_offloaded,
+                      "memory_report": str(rep)}))
+
+
+def child_resume(args: argparse.Namespace) -> None:
+    import zeroshard
+    swap = os.path.join(args.dir, "swap")
+    model, opt, load_s = _zero(args, swap)
+    t0 = time.perf_counter()
+    info = zeroshard.load_checkpoint(os.path.join(args.dir, "ckpt"), model=model, optimizer=opt)
+    ckpt_s = time.perf_counter() - t0
+    losses, times = _steps(model, opt, info["step"], args.resume_steps)
+    print(json.dumps({"base_load_s": load_s, "ckpt_load_s": ckpt_s, "losses": losses, "step_s": times,
+                      "peak_rss": _peak_rss()}))
+
+
+# -- the orchestrator -----------------------------------------------------------------------------
+def write_base(directory: str, layers: int) -> int:
+    import torch
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_config(layers)).to(torch.bfloat16)
+    model.save_pretrained(directory, max_shard_size="1GB")
+    n = sum(p.numel() for p in model.parameters())
+    del model
+    return n
+
+
+def read_speed(directory: str, size_gib: float) -> tuple[str, float]:
+    if shutil.which("fio"):
+        return "fio", fio_speed(directory, size_gib)["read"]
+    import torch
+
+    from zeroshard.io.bench import measure
+    from zeroshard.io.buffers import aligned_empty
+    from zeroshard.io.engine import AsyncIO
+    buffer = aligned_empty(256 << 20, torch.uint8, pin=False)
+    buffer.random_(0, 256)
+    with AsyncIO(block_size=8 << 20, queue_depth=16) as io:
+        reads = [measure(io, os.path.join(directory, "speed.dat"), int(size_gib * 2**30), buffer)[1]
+                 for _ in range(3)]
+    return "zeroshard AsyncIO O_DIRECT 8 MiB x qd16 (no fio here)", statistics.median(reads)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", required=True, help="directory on the NVMe drive (base, swap files, checkpoint)")
+    ap.add_argument("--layers", type=int, default=64, help="Llama blocks (64: 2.9 B parameters, 5.8 GB in bf16)")
+    ap.add_argument("--limit-fraction", type=float, default=1 / 3, help="cgroup limit as a share of the base bytes")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--resume-steps", type=int, default=2)
+    ap.add_argument("--read-gib", type=float, default=2.0)
+    ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--child", choices=("plain", "train", "resume"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        {"plain": child_plain, "train": child_train, "resume": child_resume}[args.child](args)
+        return
+    os.makedirs(args.dir, exist_ok=True)
+    for sub in ("swap", "ckpt", "adapter", "base"):
+        shutil.rmtree(os.path.join(args.dir, sub), ignore_errors=True)
+    n = write_base(os.path.join(args.dir, "base"), args.layers)
+    base_bytes = 2 * n
+    tool, read_gbps = read_speed(args.dir, args.read_gib)
+    print(f"base: {n / 1e9:.3f} B parameters, {base_bytes / 2**30:.2f} GiB in bf16; disk read {read_gbps:.2f} GB/s "
+          f"({tool})", flush=True)
+    os.system("sync; echo 3 > /proc/sys/vm/drop_caches")  # the base is read from disk, not page cache
+    cg = Cgroup(int(base_bytes * args.limit_fraction))
+    try:
+        print(f"cgroup memory limit {cg.limit / 2**30:.2f} GiB ({cg.limit / base_bytes:.2f}x the base)", flush=True)
+        plain_code, _, plain_peak = _run(cg, "plain", args)
+        plain_killed = plain_code in (-signal.SIGKILL, 128 + signal.SIGKILL) or cg.oom_kills() > 0
+        print(f"plain PEFT: exit {plain_code} ({'killed by the OOM killer' if plain_killed else 'NOT killed'})",
+              flush=True)
+        code, train, train_peak = _run(cg, "train", args)
+        if code != 0:
+            raise SystemExit(f"the zeroshard run failed with exit {code}")
+        code, resume, resume_peak = _run(cg, "resume", args)
+        if code != 0:
+            raise SystemExit(f"the resumed run failed with exit {code}")
+    finally:
+        cg.remove()
+    adapter_ok = _check_adapter(args.dir)
+    steps = train["step_s"][1:] + resume["step_s"][1:]  # the first step of a process warms up
+    step_s = statistics.median(steps)
+    read_once = base_bytes / (read_gbps * 1e9)
+    ckpt_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(args.dir, "ckpt"))
+                     for f in fs)
+    result = {
+        "params": n, "base_bytes": base_bytes, "limit_bytes": cg.limit, "limit_over_base": cg.limit / base_bytes,
+        "plain_peft": {"exit": plain_code, "killed": plain_killed, "peak_cgroup": plain_peak},
+        "read_gbps": read_gbps, "read_tool": tool, "step_s": step_s, "all_step_s": train["step_s"] + resume["step_s"],
+        "base_read_once_s": read_once, "step_over_base_read": step_s / read_once,
+        "base_load_s": {"train": train["base_load_s"], "resume": resume["base_load_s"]},
+        "save_s": train["save_s"], "ckpt_load_s": resume["ckpt_load_s"], "checkpoint_bytes": ckpt_bytes,
+        "peak_rss": {"train": train["peak_rss"], "resume": resume["peak_rss"]},
+        "peak_cgroup": {"train": train_peak, "resume": resume_peak},
+        "frozen_resident": train["frozen_resident"], "frozen_on_nvme": train["frozen_on_nvme"],
+        "resume_bitwise": train["after_save_losses"] == resume["losses"], "adapter_loads_with_peft": adapter_ok,
+        "losses": {"before_save": train["losses"], "after_save": train["after_save_losses"],
+                   "resumed": resume["losses"]},
+        "memory_report": train["memory_report"],
+    }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(f"\nbase {base_bytes / 2**30:.2f} GiB bf16 in a {cg.limit / 2**30:.2f} GiB cgroup; plain PEFT: "
+          f"{'killed (OOM)' if plain_killed else 'ran'}\npeak RSS {max(result['peak_rss'].values()) / 2**30:.2f} GiB, "
+          f"peak cgroup {max(result['peak_cgroup'].values()) / 2**30:.2f} GiB; {step_s:.1f} s/step = "
+          f"{step_s / read_once:.2f}x the {read_once:.1f} s to read the base once (floor 2x)\n"
+          f"checkpoint {ckpt_bytes / 2**20:.1f} MiB; resumed losses bit-identical: {result['resume_bitwise']}; "
+          f"adapter loads with PEFT: {adapter_ok}")
+    if not (result["resume_bitwise"] and plain_killed and adapter_ok):
+        sys.exit(1)
+
+
+def _run(cg: Cgroup, mode: str, args: argparse.Namespace) -> tuple[int, dict, int]:
+    import subprocess
+    cg._write("memory.max_usage_in_bytes", "0")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--dir", args.dir, "--steps", str(args.steps),
+           "--resume-steps", str(args.resume_steps), "--layers", str(args.layers)]
+    procs = os.path.join(cg.path, "cgroup.procs")
+    p = subprocess.run(["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *cmd], stdout=subprocess.PIPE, text=True)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    return p.returncode, json.loads(lines[-1]) if lines else {}, int(cg._read("memory.max_usage_in_bytes"))
+
+
+def _check_adapter(directory: str) -> bool:
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+    saved = load_file(os.path.join(directory, "adapter", "adapter_model.safetensors"))
+    model = LlamaForCausalLM.from_pretrained(os.path.join(directory, "base"), dtype=torch.bfloat16)
+    peft_model = PeftModel.from_pretrained(model, os.path.join(directory, "adapter"))
+    sd = peft_model.state_dict()
+    name = {k.replace(".default", ""): k for k in sd}
+    return all(torch.equal(v, sd[name[k]]) for k, v in saved.items() if k in name) and len(saved) > 0
+
+
+if __name__ == "__main__":
+    main()
