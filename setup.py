@@ -81,10 +81,11 @@ setup(
         # transformers: the stage-3 and checkpoint tests use a small GPT-2 built from a config
         # (no download); it does not depend on torch, so it never pulls a CUDA build.
         # matplotlib: the memory chart of `zeroshard bench memory` is tested too.
+        # peft: tests/test_lora.py (LoRA on a frozen, stage-3-partitioned base; accepts torch>=1.13).
         # accelerate, lightning: tests/test_integrations.py (both accept torch>=2.1, so the pinned
         # torch stays).
         "test": ["pytest>=7", "pytest-benchmark>=4", "transformers>=4.40", "matplotlib>=3.7",
-                 "accelerate>=1.0,<2", "lightning>=2.2,<3"],
+                 "accelerate>=1.0,<2", "lightning>=2.2,<3", "peft>=0.13,<1"],
         "bench": ["pytest-benchmark>=4", "matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["zeroshard=zeroshard.cli:main"]},

@@ -174,3 +174,28 @@ def test_peft_config_file_is_read_as_peft_writes_it(tmp_path):
     flags = FinetuneConfig(data="d.txt", output_dir=str(tmp_path / "o"), model_config="c.json", lora_r=4,
                            lora_targets="q_proj, v_proj").lora_config()
     assert (flags.r, flags.lora_alpha, set(flags.target_modules)) == (4, 8, {"q_proj", "v_proj"})
+
+
+def test_export_hf_refuses_a_checkpoint_without_its_base_and_close_hands_the_base_back(tmp_path):
+    import torch
+    import torch.distributed as dist
+
+    import zeroshard
+    from zeroshard.launch import free_port
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = w.lora_model()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=3)
+        zeroshard.save_checkpoint(str(tmp_path / "lean"), 1, model=model, optimizer=opt)
+        zeroshard.save_checkpoint(str(tmp_path / "full"), 1, model=model, optimizer=opt, save_frozen=True)
+        with pytest.raises(ValueError, match="holds only what trains"):
+            zeroshard.export_hf(str(tmp_path / "lean"), str(tmp_path / "hf-lean"))
+        zeroshard.export_hf(str(tmp_path / "full"), str(tmp_path / "hf-full"))
+        opt.close()  # every parameter, frozen ones too, whole again and usable without the optimizer
+        after = model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        model(input_ids=w.tokens(0), labels=w.tokens(0)).loss.backward()
+    finally:
+        dist.destroy_process_group()

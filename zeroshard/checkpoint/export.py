@@ -79,6 +79,13 @@ def export_hf(step_dir: str, out_dir: str, max_shard_size: Union[int, str] = "2G
     returns the index path. ``dtype`` casts floating-point tensors (default: as saved).
     ``progress(done_bytes, total_bytes)`` is called as data is written."""
     step_dir, body = _choose(step_dir)
+    frozen = body.get("frozen") or {}
+    missing = sorted(set(frozen.get("tensors", {})) - set(body["tensors"]))
+    if missing:  # a LoRA checkpoint: the model would be incomplete (Note [frozen weights in checkpoints])
+        raise ValueError(f"{step_dir} holds only what trains: its {len(missing)} frozen weights (e.g. {missing[:2]}) "
+                         "were not saved, so it is not a whole model. Export the trained model with "
+                         "zeroshard.export_merged(model, dir) / zeroshard.save_adapter(model, dir), or save with "
+                         "save_checkpoint(..., save_frozen=True)")
     shards = plan_shards(body, parse_size(max_shard_size), dtype)
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         raise FileExistsError(f"output {out_dir!r} exists and is not a directory")

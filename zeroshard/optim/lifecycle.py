@@ -94,7 +94,7 @@ def rebuild_with_group(opt: Any, param_group: dict) -> None:
     """``ZeroOptimizer.add_param_group`` after construction: consolidate the state on every rank,
     close, build again over the old groups plus ``param_group``, load the state back."""
     state = opt.consolidated_state_dict(to_rank=None)
-    own = {id(opt._show(m.param)): m.param for u in opt.units for m in u.members}
+    own = {id(opt._show(m.param)): m.param for u in opt.all_units for m in u.members}
     groups = [{**{k: v for k, v in g.items() if k != "adamw_mode"},  # (the kernel's key, derived again)
                "params": [own.get(id(p), p) for p in g["params"]]} for g in opt.param_groups]
     new = dict(param_group)
