@@ -199,3 +199,40 @@ def test_export_hf_refuses_a_checkpoint_without_its_base_and_close_hands_the_bas
         model(input_ids=w.tokens(0), labels=w.tokens(0)).loss.backward()
     finally:
         dist.destroy_process_group()
+
+
+def test_planner_counts_lora_exactly_and_predicts_what_the_run_holds(tmp_path):
+    import torch
+    import torch.distributed as dist
+
+    import zeroshard
+    from zeroshard.launch import free_port
+    from zeroshard.planner.estimate import Choice, Hardware, Workload, estimate
+    from zeroshard.planner.model_shape import ModelShape
+    from zeroshard.planner.peft_shape import lora_counts
+    w.llama_config().save_pretrained(str(tmp_path))
+    total, trainable = lora_counts(str(tmp_path), 4, list(w.TARGETS))
+    model = w.lora_model()
+    assert (total, trainable) == (sum(p.numel() for p in model.parameters()),
+                                  sum(p.numel() for p in model.parameters() if p.requires_grad))
+    shape = ModelShape.from_hf_config(str(tmp_path))
+    shape = type(shape)(**{**shape.__dict__, "n_params": total})
+    work = Workload(mixed_precision=None, trainable_fraction=trainable / total)
+    hw = Hardware(gpu_memory=2**34, n_gpus=1, accelerator=False)
+    predicted = estimate(Choice(3), shape, hw, work).gpu_states
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=3)
+        model(input_ids=w.tokens(0), labels=w.tokens(0)).loss.backward()
+        opt.step()
+        measured = opt.memory_report()
+        opt.close()
+    finally:
+        dist.destroy_process_group()
+    assert abs(predicted.frozen - measured.frozen) <= 0.05 * measured.frozen, (predicted, measured)
+    for field in ("parameters", "gradients", "optimizer_states"):  # padding to the alignment quantum aside
+        got, want = getattr(measured, field), getattr(predicted, field)
+        assert abs(got - want) <= 0.1 * want, (field, predicted, measured)
+    quarter = estimate(Choice(3), shape, Hardware(gpu_memory=2**34, n_gpus=4, accelerator=False), work).gpu_states
+    assert quarter.frozen == (total - trainable) * 4 // 4  # fp32 frozen bytes divided by the 4 ranks

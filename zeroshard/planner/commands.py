@@ -29,6 +29,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optim-bytes", type=int, default=8, help="optimizer bytes per parameter (Adam: 8)")
     p.add_argument("--usable", type=float, default=0.9, help="usable share of GPU/CPU memory")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--trainable-fraction", type=float, default=None,
+                   help="share of the parameters that train, e.g. 0.01 for LoRA (the rest is frozen)")
+    p.add_argument("--lora-r", type=int, default=None, help="with --hf-config: LoRA rank (counts the adapters exactly)")
+    p.add_argument("--lora-targets", default=None, help="with --lora-r: comma-separated modules (default all linear)")
+    p.add_argument("--peft-config", default=None, help="with --hf-config: a JSON file of peft.LoraConfig arguments")
 
 
 def _run(a: argparse.Namespace) -> int:
@@ -38,7 +43,9 @@ def _run(a: argparse.Namespace) -> int:
         else:
             shape = ModelShape.from_params(parse_count(a.params), n_layers=a.layers, d_model=a.hidden, vocab=a.vocab)
         hw = Hardware(parse_bytes(a.gpu_memory), a.gpus, parse_bytes(a.cpu_memory), parse_bytes(a.nvme), a.usable)
-        w = Workload(a.batch, a.seq_len, None if a.precision == "fp32" else a.precision, a.optim_bytes)
+        shape, fraction = _trainable(a, shape)
+        w = Workload(a.batch, a.seq_len, None if a.precision == "fp32" else a.precision, a.optim_bytes,
+                     trainable_fraction=fraction)
     except (ValueError, TypeError) as exc:
         print(f"zeroshard estimate: {exc}", file=sys.stderr)
         return 2
@@ -55,6 +62,31 @@ def _run(a: argparse.Namespace) -> int:
     else:
         print(plan_markdown(result))
     return 0
+
+
+def _trainable(a: argparse.Namespace, shape: ModelShape) -> tuple[ModelShape, float]:
+    """The shape over all parameters and the trainable share, from --trainable-fraction or a
+    LoRA configuration counted on the meta device."""
+    lora = a.lora_r is not None or a.peft_config is not None
+    if lora and a.trainable_fraction is not None:
+        raise ValueError("give --trainable-fraction or --lora-r/--peft-config, not both")
+    if a.lora_targets is not None and a.lora_r is None:
+        raise ValueError("--lora-targets needs --lora-r")
+    if not lora:
+        return shape, 1.0 if a.trainable_fraction is None else a.trainable_fraction
+    if not a.hf_config:
+        raise ValueError("--lora-r/--peft-config count the adapters on the model: give --hf-config (or "
+                         "--params with --trainable-fraction)")
+    from dataclasses import replace as _replace
+
+    from zeroshard.planner.peft_shape import lora_counts
+    config = None
+    if a.peft_config is not None:
+        from zeroshard.train.config import FinetuneConfig
+        config = FinetuneConfig(data="-", output_dir="-", model_config="-", peft_config=a.peft_config).lora_config()
+    targets = [t.strip() for t in a.lora_targets.split(",") if t.strip()] if a.lora_targets else None
+    total, trainable = lora_counts(a.hf_config, a.lora_r, targets, config)
+    return _replace(shape, n_params=total), trainable / total
 
 
 COMMANDS = {"estimate": Command("plan which ZeRO stage/offload fits a model on given hardware",

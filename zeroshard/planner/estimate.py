@@ -64,6 +64,9 @@ class Workload:
     max_live_units: int = 2
     eager_attention: bool = False
     """True if attention materialises the s × s scores (no fused SDPA kernel)."""
+    trainable_fraction: float = 1.0
+    """Share of the parameters that train; the rest is frozen (a LoRA base): weights only, in
+    the model dtype, partitioned at stage 3 and placed by ``offload_params`` like the others."""
 
     def __post_init__(self) -> None:
         if self.micro_batch < 1 or self.seq_len < 1:
@@ -72,6 +75,8 @@ class Workload:
             raise ValueError(f"mixed_precision={self.mixed_precision!r}; use one of {_PRECISIONS}")
         if self.optim_bytes_per_param < 0:
             raise ValueError(f"optim_bytes_per_param={self.optim_bytes_per_param!r} must be >= 0")
+        if not 0 < self.trainable_fraction <= 1:
+            raise ValueError(f"trainable_fraction={self.trainable_fraction!r} must be in (0, 1] (LoRA: ~0.01)")
 
     @property
     def param_bytes(self) -> int:
@@ -217,31 +222,38 @@ def _buffers(choice: Choice, shape: ModelShape, w: Workload) -> int:
     """Stage 0-2: up to ``max_inflight_buckets`` fp32 gradient buckets. Stage 3 adds the
     gather buffers of ``max_live_units`` blocks plus the root unit (embeddings, head)."""
     bucket_numel = int(w.bucket_size_mb * 2**20) // w.param_bytes
-    buckets = min(w.max_inflight_buckets * bucket_numel, shape.n_params) * 4
+    trained = shape.n_params * w.trainable_fraction  # (frozen weights have no gradient buckets)
+    buckets = int(min(w.max_inflight_buckets * bucket_numel, trained) * 4)
     if choice.stage < 3:
         return buckets
     root = max(0, shape.n_params - shape.n_layers * shape.block_params)
     gathered = (min(w.max_live_units, shape.n_layers) * shape.block_params + root) * w.param_bytes
-    grad_buckets = min(w.max_inflight_buckets * shape.block_params, shape.n_params) * 4
+    grad_buckets = int(min(w.max_inflight_buckets * shape.block_params * w.trainable_fraction, trained) * 4)
     return gathered + grad_buckets
 
 
 def estimate(choice: Choice, shape: ModelShape, hw: Hardware, w: Workload) -> Estimate:
     n = hw.n_gpus
-    full = zero_formula(choice.stage, shape.n_params, n, param_bytes=w.param_bytes,
+    trained = max(1, round(shape.n_params * w.trainable_fraction))
+    full = zero_formula(choice.stage, trained, n, param_bytes=w.param_bytes,
                         mixed_precision=w.mixed_precision is not None,
                         optim_bytes_per_param=w.optim_bytes_per_param)
+    # Frozen weights (Note [frozen units]): the model dtype only, divided by N at stage 3.
+    frozen = (shape.n_params - trained) * w.param_bytes // (n if choice.stage == 3 else 1)
+    full = replace(full, parameters=full.parameters + frozen, frozen=frozen)
     bucket_numel = int(w.bucket_size_mb * 2**20) // w.param_bytes
     run_numel = (shape.block_params if choice.stage == 3 else min(bucket_numel, shape.n_params)) // n
     n_runs = shape.n_layers + 1 if choice.stage == 3 else -(-shape.n_params // max(1, bucket_numel))
-    gpu, cpu, nvme = _placement(choice, full, shape.n_params // n, run_numel, n_runs, w, hw.accelerator)
+    gpu, cpu, nvme = _placement(choice, full, trained // n, run_numel, n_runs, w, hw.accelerator)
     gpu = MemoryReport(gpu.parameters, gpu.gradients, gpu.master_weights, gpu.optimizer_states,
-                       buffers=_buffers(choice, shape, w) + gpu.buffers)
+                       buffers=_buffers(choice, shape, w) + gpu.buffers,
+                       frozen=frozen if choice.offload_params is None or not hw.accelerator else 0)
     act = activation_bytes(shape, w.micro_batch, w.seq_len, w.param_bytes,
                            checkpointing=choice.activation_checkpointing, eager_attention=w.eager_attention)
-    saved = full.parameters // (1 if choice.stage == 3 else n) + full.master_weights + full.optimizer_states
+    params = full.parameters - frozen  # checkpoints hold what trains (Note [frozen weights in checkpoints])
+    saved = params // (1 if choice.stage == 3 else n) + full.master_weights + full.optimizer_states
     if choice.stage == 0:
-        saved = full.parameters // n + (full.master_weights + full.optimizer_states) // n  # ranks split the writing
+        saved = params // n + (full.master_weights + full.optimizer_states) // n  # ranks split the writing
     est = Estimate(choice, gpu, act, cpu, nvme, checkpoint_async_cpu=saved * n, n_gpus=n)
     return _judge(est, hw)
 

@@ -8,8 +8,10 @@ from zeroshard.planner.units import fmt_bytes
 def plan_markdown(p: Plan) -> str:
     hw, w, s = p.hardware, p.workload, p.shape
     lines = [
-        f"model: {s.name}: {s.n_params / 1e6:.1f}M trainable parameters, {s.n_layers} layers, "
-        f"d_model {s.d_model}, vocab {s.vocab}",
+        f"model: {s.name}: {s.n_params / 1e6:.1f}M " + (
+            "trainable parameters" if w.trainable_fraction == 1 else
+            f"parameters, {w.trainable_fraction:.2%} trainable (the rest frozen: weights only)")
+        + f", {s.n_layers} layers, d_model {s.d_model}, vocab {s.vocab}",
         f"hardware: {hw.n_gpus} GPU(s) × {fmt_bytes(hw.gpu_memory)}, CPU {fmt_bytes(hw.cpu_memory)}, "
         f"NVMe {fmt_bytes(hw.nvme)} ({hw.usable_fraction:.0%} of GPU/CPU memory usable)",
         f"workload: micro-batch {w.micro_batch} × {w.seq_len} tokens per GPU, "
