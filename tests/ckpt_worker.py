@@ -79,7 +79,10 @@ class Trainer:
             self.sampler.set_epoch(self.sampler.epoch + 1)
 
     def save(self, root: str, **kw) -> None:
-        # `extra` is global (rank 0's): carry every rank's local losses in it.
+        # `extra` is global (rank 0's): carry every rank's local losses in it. The frozen layer
+        # is saved too, so every consumer (export included) sees a whole model; the default,
+        # lean checkpoints are tests/test_lora.py's.
+        kw.setdefault("save_frozen", True)
         losses = self.opt.comm.all_gather_object(self.losses)
         zeroshard.save_checkpoint(root, self.step, model=self.model, optimizer=self.opt, scheduler=self.sched,
                                   dataloader=self.sampler, extra={"losses": losses}, **kw)

@@ -258,6 +258,9 @@ CASES: list[Case] = [
          1, "CRC32"),
     Case("pieces-5", "malformed-value", lambda c: edit(c, lambda b: next(iter(b["tensors"].values())).update(pieces=5)),
          1, "malformed entry"),
+    Case("frozen-5", "malformed-value", lambda c: edit(c, lambda b: b.update(frozen=5)), 1, "frozen is not an object"),
+    Case("frozen-digest-int", "malformed-value", lambda c: edit(c, lambda b: next(iter(b["frozen"]["tensors"].values()))
+                                                                .update(digest=5)), 1, "frozen tensor"),
     Case("data-3-bytes", "malformed-value", lambda c: put_file(c, DATA0, b"abc"), 1, "too short"),
     Case("header-list", "malformed-value", lambda c: put_header(c, c.last_data, [1, 2], b""), 1, "header is a list"),
     Case("header-entry-bad", "malformed-value",

@@ -10,13 +10,18 @@ VOCAB, SEQ = 32, 5
 
 class TinyNet(nn.Module):
     """Uneven shapes on purpose: a 7x15 weight, a 1-element bias, a 1-element and a
-    3-element parameter (smaller than a world size of 4), and a frozen layer."""
+    3-element parameter (smaller than a world size of 4), and a frozen layer (the same values in
+    every instance, as a pretrained base: checkpoints record it by digest, not its values)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, 15)
         self.frozen = nn.Linear(15, 15)
         self.frozen.requires_grad_(False)
+        with torch.no_grad():  # a "pretrained" frozen layer: the same in every instance, whatever the seed
+            g = torch.Generator().manual_seed(12345)
+            self.frozen.weight.copy_(torch.randn(15, 15, generator=g) * 0.25)
+            self.frozen.bias.copy_(torch.randn(15, generator=g) * 0.1)
         self.fc1 = nn.Linear(15, 7)
         self.norm = nn.LayerNorm(7)
         self.gain = nn.Parameter(torch.ones(1))
