@@ -165,7 +165,12 @@ def write_base(directory: str, layers: int) -> int:
     import torch
     from transformers import LlamaForCausalLM
     torch.manual_seed(0)
-    model = LlamaForCausalLM(_config(layers)).to(torch.bfloat16)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # initialised in bf16 directly: half the memory of fp32
+    try:
+        model = LlamaForCausalLM(_config(layers))
+    finally:
+        torch.set_default_dtype(default)
     model.save_pretrained(directory, max_shard_size="1GB")
     n = sum(p.numel() for p in model.parameters())
     del model

@@ -65,10 +65,12 @@ class Cell:
     stage: int
     dtype: str = "fp32"
     offload: Optional[str] = None
+    recompute: bool = False
+    """Activation checkpointing (non-reentrant), in both runs."""
 
     @property
     def key(self) -> str:
-        return f"stage{self.stage}-{self.dtype}-{self.offload or 'none'}"
+        return f"stage{self.stage}-{self.dtype}-{self.offload or 'none'}" + ("-recompute" if self.recompute else "")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -107,13 +109,19 @@ def _options(cell: Cell, nvme_dir: str) -> dict[str, Any]:
     return {}
 
 
+def _recompute(model: torch.nn.Module, on: bool) -> torch.nn.Module:
+    if on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def run_cell(cell: Cell, rank: int, world: int, nvme_dir: str) -> dict:
-    ref = lora_model(cell.torch_dtype)
+    ref = _recompute(lora_model(cell.torch_dtype), cell.recompute)
     initial = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
     train(ref, ref_opt, 0, 1)
     expected = ref.state_dict()
-    model = lora_model(cell.torch_dtype)
+    model = _recompute(lora_model(cell.torch_dtype), cell.recompute)
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=cell.stage,
                                   **_options(cell, nvme_dir))
     report = opt.memory_report()

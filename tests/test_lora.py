@@ -21,7 +21,8 @@ from tests import lora_worker as w  # noqa: E402
 from tests.dist_results import run_ranks  # noqa: E402
 
 CELLS = ([(s, d, None) for s in (0, 1, 2, 3) for d in ("fp32", "bf16")]
-         + [(3, d, o) for o in ("cpu", "nvme") for d in ("fp32", "bf16")])
+         + [(3, d, o) for o in ("cpu", "nvme") for d in ("fp32", "bf16")]
+         + [(3, "fp32", None, True), (3, "bf16", "nvme", True)])  # with activation checkpointing
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
@@ -31,10 +32,11 @@ def results(request, tmp_path_factory):
     return world, run_ranks(w.worker, world, d, CELLS, str(d))
 
 
-@pytest.mark.parametrize("stage,dtype,offload", CELLS, ids=[w.Cell(*c).key for c in CELLS])
-def test_lora_adapters_match_plain_peft_and_the_base_stays_bitwise(results, stage, dtype, offload):
+@pytest.mark.parametrize("cell", CELLS, ids=[w.Cell(*c).key for c in CELLS])
+def test_lora_adapters_match_plain_peft_and_the_base_stays_bitwise(results, cell):
     world, ranks = results
-    key = w.Cell(stage, dtype, offload).key
+    key = w.Cell(*cell).key
+    stage, dtype, offload = cell[:3]
     for r in ranks:
         res = r[key]
         assert "error" not in res, res.get("error")
