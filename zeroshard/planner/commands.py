@@ -53,11 +53,12 @@ def _run(a: argparse.Namespace) -> int:
     if a.json:
         best = result.recommended
         rows = [{"config": e.choice.label, "gpu_model_states": e.gpu_states.model_states,
-                 "gpu_buffers": e.gpu_states.buffers, "activations": e.activations, "gpu_total": e.gpu_total,
+                 "gpu_buffers": e.gpu_states.buffers, "gpu_frozen": e.gpu_states.frozen,
+                 "activations": e.activations, "gpu_total": e.gpu_total,
                  "cpu_total": e.cpu_total, "nvme_total": e.nvme_total,
                  "checkpoint_async_cpu": e.checkpoint_async_cpu, "fits": e.fits, "why_not": e.why_not}
                 for e in result.estimates]
-        print(json.dumps({"params": shape.n_params, "rows": rows,
+        print(json.dumps({"params": shape.n_params, "trainable_fraction": w.trainable_fraction, "rows": rows,
                           "recommended": best.choice.label if best else None}, indent=1))
     else:
         print(plan_markdown(result))
