@@ -94,11 +94,16 @@ def rebuild_with_group(opt: Any, param_group: dict) -> None:
     """``ZeroOptimizer.add_param_group`` after construction: consolidate the state on every rank,
     close, build again over the old groups plus ``param_group``, load the state back."""
     state = opt.consolidated_state_dict(to_rank=None)
-    own = {id(opt._show(m.param)): m.param for u in opt.all_units for m in u.members}
+    shown = {id(opt._show(m.param)): (opt._show(m.param), m.param) for u in opt.all_units for m in u.members}
+    own = {i: orig for i, (_, orig) in shown.items()}
+    for visible, orig in shown.values():  # (stage 3: a frozen weight unfrozen through what torch code holds)
+        if visible is not orig and visible.requires_grad != orig.requires_grad:
+            orig.requires_grad_(visible.requires_grad)
     groups = [{**{k: v for k, v in g.items() if k != "adamw_mode"},  # (the kernel's key, derived again)
                "params": [own.get(id(p), p) for p in g["params"]]} for g in opt.param_groups]
     new = dict(param_group)
     new["params"] = [new["params"]] if isinstance(new["params"], torch.Tensor) else list(new["params"])
+    new["params"] = [own.get(id(p), p) for p in new["params"]]
     taken = {id(p) for g in groups for p in g["params"]}
     twice = [i for i, p in enumerate(new["params"]) if id(p) in taken]
     if twice:
