@@ -47,10 +47,13 @@ class MemoryReport:
     """Transient communication buckets (and stage-3 gather buffers) alive at the moment."""
     offloaded: int = 0
     """Bytes of state kept in NVMe swap files rather than in memory (not in model_states)."""
+    secondary: int = 0
+    """hpZ (stage 3, ``hpz=True``): the secondary parameter partition inside the node, p·Ψ/k
+    for node size k (ZeRO++'s cost), on top of the primary p·Ψ/N in ``parameters``."""
 
     @property
     def model_states(self) -> int:
-        return self.parameters + self.gradients + self.master_weights + self.optimizer_states
+        return self.parameters + self.gradients + self.master_weights + self.optimizer_states + self.secondary
 
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "model_states": self.model_states}
@@ -59,7 +62,8 @@ class MemoryReport:
         mib = lambda n: f"{n / 2**20:8.2f} MiB"  # noqa: E731
         return (f"params {mib(self.parameters)} | grads {mib(self.gradients)} | master "
                 f"{mib(self.master_weights)} | optim {mib(self.optimizer_states)} | buffers {mib(self.buffers)}"
-                + (f" | on NVMe {mib(self.offloaded)}" if self.offloaded else ""))
+                + (f" | on NVMe {mib(self.offloaded)}" if self.offloaded else "")
+                + (f" | hpZ secondary {mib(self.secondary)}" if self.secondary else ""))
 
 
 def zero_formula(stage: int, numel: int, world_size: int, *, param_bytes: int = 4,

@@ -23,8 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroshard.comm import Comm
-from zeroshard.comm.mesh import groups_from
+from zeroshard.comm.mesh import comms_from
 from zeroshard.config import ZeroConfig
 from zeroshard.layout import Segment, build_layouts, layouts_for
 from zeroshard.memory import MemoryReport
@@ -43,6 +42,7 @@ from zeroshard.optim.params import ParamsLike, module_of_groups, normalize_param
 from zeroshard.precision import DynamicLossScaler
 from zeroshard.stages import policy_for_stage
 from zeroshard.stages.stage3.gatherer import ParameterGatherer
+from zeroshard.stages.stage3.secondary import SecondaryPartition
 from zeroshard.stages.stage3.materialize import swap_meta_parameters
 from zeroshard.stages.stage3.units import plan_units
 
@@ -81,11 +81,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         module = given if module is None else module_of_groups(module, given, groups, names,
                                                                allow_outside=self.config.stage < 3)
         self.module = module
-        shard_group, replicate_group = groups_from(process_group, mesh)  # Note [hybrid sharding]
-        self.comm = Comm(shard_group, dimension="shard" if replicate_group is not None else "dp")
-        self.replicas: Optional[Comm] = Comm(replicate_group, dimension="replicate") if replicate_group else None
-        self.shard_group_ranks: Optional[list[list[int]]] = (  # every shard group's ranks, replica by replica
-            [row.tolist() for row in mesh.mesh] if self.replicas is not None else None)
+        # Note [hybrid sharding], [hpZ slice order]; shard_group_ranks: rows of a hybrid mesh
+        self.comm, self.replicas, self.shard_group_ranks = comms_from(process_group, mesh, self.config.hpz)
         # Ranks start from one model, as with DDP and DeepSpeed: rank 0's values everywhere
         # (across replicas first, then within the shard group).
         values = [t for g in groups for t in g["params"]] + (list(module.buffers()) if module is not None else [])
@@ -119,7 +116,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._files_closers.append(weakref.finalize(self, self.unit_store.close))
         self.units = []
         for layout, members in layouts:  # one unit at a time: a swapped unit leaves memory at once
-            unit = FlatUnit(layout, members, self.policy, self.comm.rank, param_dtype,
+            unit = FlatUnit(layout, members, self.policy, self.comm.shard_rank, param_dtype,
                             device if meta_shapes else None, placement)
             if self.unit_store is not None:
                 self.unit_store.adopt(unit)
@@ -143,6 +140,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.policy.shard_parameters:  # from here on torch code sees sharded parameters
             self.gatherer = ParameterGatherer(self.units, unit_modules, module, self.comm,
                                               self.config.max_live_units)
+            if self.config.hpz:  # Note [hpZ secondary partition]
+                self.gatherer.secondary = SecondaryPartition(self.units, self.comm)
         show = self.gatherer.visible if self.gatherer is not None else (lambda p: p)
         self._show = show
         user_groups = [{**{k: v for k, v in ig.items() if k != "params"}, "params": [show(p) for p in g["params"]],
@@ -386,6 +385,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             works = [self.comm.gather_shards(u.flat) for u in self.units]
             for w in works:
                 w.wait()
+        elif self.gatherer is not None and self.gatherer.secondary is not None:
+            self.gatherer.secondary.rebuild()  # hpZ: across nodes once per step
 
     @staticmethod
     def _copy_out_ok(unit: FlatUnit) -> bool:

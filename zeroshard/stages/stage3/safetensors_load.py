@@ -18,6 +18,7 @@ from torch import nn
 from zeroshard.checkpoint.shard_file import DTYPES
 
 from zeroshard.optim.registry import optimizer_for
+from zeroshard.stages.stage3.secondary import params_written
 
 
 def _weight_map(path: str) -> dict[str, str]:
@@ -145,6 +146,7 @@ def _load(opt, model: nn.Module, path: str, files: dict, handle, strict: bool) -
                 values = f.read(stored_name, a - seg.offset, b - seg.offset)
                 unit.load_segment(a, values.float() if unit.separate_master else values)
         unit.needs_init = False
+        params_written(unit)  # (hpZ: the secondary slice follows)
     for key, t in model.state_dict(keep_vars=True).items():
         if id(t) in where:
             continue
