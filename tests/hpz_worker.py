@@ -71,30 +71,45 @@ def parity_worker(rank: int, world: int, out_path: str, ckpt: str) -> None:
     s1, s2 = ([o.inner.state[r.tensor] for r in o.runs] for o in (o1, o2))
     moments_equal = all(sorted(x) == sorted(y) and all(torch.equal(torch.as_tensor(x[k]), torch.as_tensor(y[k]))
                                                        for k in x) for x, y in zip(s1, s2))
+    # weights written outside the step reach the secondary partition (Note [hpZ secondary partition])
+    fresh_ref = gpt2()
+    model.load_state_dict(fresh_ref.state_dict())
+    with torch.no_grad():
+        for m in (model, fresh_ref):
+            m.transformer.h[1].mlp.c_fc.weight.add_(0.5)
+    part = tokens(0)[rank * (GLOBAL_BATCH // world):(rank + 1) * (GLOBAL_BATCH // world)]
+    with torch.no_grad():
+        written_loss = float(model(input_ids=part, labels=part).loss)
+        ref_written_loss = float(fresh_ref(input_ids=part, labels=part).loss)
     with open(f"{out_path}.rank{rank}", "w") as f:
-        json.dump({"diff": diff, "loss_rel": loss_rel, "steps": STEPS, "resume_equal": resume_equal,
+        json.dump({"diff": diff, "loss_rel": loss_rel, "written_loss": written_loss,
+                   "ref_written_loss": ref_written_loss, "steps": STEPS, "resume_equal": resume_equal,
                    "moments_equal": moments_equal, "secondary": mem.secondary, "parameters": mem.parameters,
                    "units": units, "weights_sum": float(sum(got[n].double().sum() for n in got))}, f)
 
 
-def traffic_worker(rank: int, world: int, out_path: str, scope: str, stage: int) -> None:
-    """One steady-state step (after a first one) of each scope, measured in two phases:
-    forward + backward, then the optimizer step. No clipping: the bulk traffic alone, plus
-    the small control reductions the step makes (flags)."""
-    model = gpt2()
-    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, **scope_kwargs(scope, stage))
-    per = GLOBAL_BATCH // world
-    phases = {}
-    for step in range(2):
-        opt.comm_report(reset=True)
-        batch = tokens(step)[rank * per:(rank + 1) * per]
-        model(input_ids=batch, labels=batch).loss.backward()
-        phases["forward_backward"] = opt.comm_report(reset=True)
-        opt.step()
-        model.zero_grad()
-        phases["step"] = opt.comm_report(reset=True)
-    root = opt.gatherer.root if opt.gatherer is not None else None
-    units = [{"padded": u.layout.padded_numel, "elsize": u.flat.element_size(), "root": i == root}
-             for i, u in enumerate(opt.units)]
+def traffic_worker(rank: int, world: int, out_path: str, configs: list[tuple[str, int]]) -> None:
+    """One steady-state step (after a first one) of each (scope, stage), measured in two phases:
+    forward + backward, then the optimizer step. No clipping: the bulk traffic, plus the one
+    control reduction a step makes (``grad_flags``)."""
+    results = {}
+    for scope, stage in configs:
+        model = gpt2()
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, **scope_kwargs(scope, stage))
+        per = GLOBAL_BATCH // world
+        phases = {}
+        for step in range(2):
+            opt.comm_report(reset=True)
+            batch = tokens(step)[rank * per:(rank + 1) * per]
+            model(input_ids=batch, labels=batch).loss.backward()
+            phases["forward_backward"] = opt.comm_report(reset=True)
+            opt.step()
+            model.zero_grad()
+            phases["step"] = opt.comm_report(reset=True)
+        root = opt.gatherer.root if opt.gatherer is not None else None
+        units = [{"numel": u.layout.numel, "padded": u.layout.padded_numel, "elsize": u.flat.element_size(),
+                  "root": i == root, "tensors": len(u.layout.segments)} for i, u in enumerate(opt.units)]
+        results[f"{scope}-{stage}"] = {"phases": phases, "units": units, "memory": opt.memory_report().as_dict()}
+        opt.close()
     with open(f"{out_path}.rank{rank}", "w") as f:
-        json.dump({"phases": phases, "units": units}, f)
+        json.dump(results, f)

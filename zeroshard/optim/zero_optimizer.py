@@ -140,8 +140,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.policy.shard_parameters:  # from here on torch code sees sharded parameters
             self.gatherer = ParameterGatherer(self.units, unit_modules, module, self.comm,
                                               self.config.max_live_units)
-            if self.config.hpz:  # Note [hpZ secondary partition]
-                self.gatherer.secondary = SecondaryPartition(self.units, self.comm)
+            self.gatherer.secondary = SecondaryPartition(self.units, self.comm) if self.config.hpz else None
         show = self.gatherer.visible if self.gatherer is not None else (lambda p: p)
         self._show = show
         user_groups = [{**{k: v for k, v in ig.items() if k != "params"}, "params": [show(p) for p in g["params"]],
@@ -386,7 +385,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for w in works:
                 w.wait()
         elif self.gatherer is not None and self.gatherer.secondary is not None:
-            self.gatherer.secondary.rebuild()  # hpZ: across nodes once per step
+            self.gatherer.secondary.rebuild()  # hpZ: across nodes once per step (Note [hpZ secondary partition])
 
     @staticmethod
     def _copy_out_ok(unit: FlatUnit) -> bool:
