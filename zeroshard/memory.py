@@ -12,7 +12,8 @@ mixed precision pays 4Ψ for gradients where the paper's fp16 scheme pays 2Ψ):
     3     | p·Ψ/N      | 4Ψ/N      | m·Ψ/N               | K·Ψ/N
 
 plus, at stage 3, the gather buffers of the units alive at once (``max_live_units`` blocks
-and the root unit), reported as ``buffers``, not model state.
+and the root unit), reported as ``buffers``, not model state. hpZ (``hpz=True``, nodes of k
+ranks) adds ``secondary`` = p·Ψ/k; hybrid sharding (``mesh=`` alone) divides by k, not N.
 
 with p the model dtype's width (4 fp32, 2 bf16/fp16), m = 4 under mixed precision and 0
 in fp32 (the parameters are the master), K = 8 for Adam/AdamW.
@@ -56,7 +57,10 @@ class MemoryReport:
         return self.parameters + self.gradients + self.master_weights + self.optimizer_states + self.secondary
 
     def as_dict(self) -> dict[str, int]:
-        return {**asdict(self), "model_states": self.model_states}
+        d = asdict(self)
+        if not d["secondary"]:  # (only hpZ has one: the other configurations keep their keys)
+            del d["secondary"]
+        return {**d, "model_states": self.model_states}
 
     def __str__(self) -> str:
         mib = lambda n: f"{n / 2**20:8.2f} MiB"  # noqa: E731
