@@ -8,6 +8,7 @@ import sys
 from zeroshard.cli import Command
 from zeroshard.planner.estimate import Hardware, Workload, plan
 from zeroshard.planner.model_shape import ModelShape
+from zeroshard.planner.traffic import Topology
 from zeroshard.planner.report import plan_markdown
 from zeroshard.planner.units import parse_bytes, parse_count
 
@@ -46,6 +47,7 @@ def _run(a: argparse.Namespace) -> int:
                       nodes=a.nodes)
         w = Workload(a.batch, a.seq_len, None if a.precision == "fp32" else a.precision, a.optim_bytes,
                      tp=a.tp, scope=a.scope)
+        Topology(hw.nodes, hw.n_gpus, w.tp, w.scope)  # (tp must divide the GPUs of a node)
     except (ValueError, TypeError) as exc:
         print(f"zeroshard estimate: {exc}", file=sys.stderr)
         return 2
