@@ -46,10 +46,14 @@ def parity_worker(rank: int, world: int, out_path: str, ckpt: str) -> None:
     the secondary partition costs, and resume: 4 steps, save, 4 more, against a fresh model
     loading the step-4 checkpoint and doing the same 4 (bitwise)."""
     ref = gpt2()
-    ref_out = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1), "loop", 0, 1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_out = train(ref, ref_opt, "loop", 0, 1)
     model = gpt2()
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, **scope_kwargs("hpz", 3))
     out = train(model, opt, "loop", rank, world)
+    cons = opt.consolidated_state_dict(to_rank=None)["state"]  # (gathers through both levels)
+    moments_diff = max(float((cons[i][k] - ref_opt.state[p][k]).abs().max())
+                       for i, p in enumerate(ref.parameters()) for k in ("exp_avg", "exp_avg_sq"))
     got = weights(model, 3)
     diff = max(float((got[n] - p.detach()).abs().max()) for n, p in ref.named_parameters())
     loss_rel = max(abs(a - b) / abs(b) for a, b in zip(out["losses"], ref_out["losses"]))
@@ -82,7 +86,7 @@ def parity_worker(rank: int, world: int, out_path: str, ckpt: str) -> None:
         written_loss = float(model(input_ids=part, labels=part).loss)
         ref_written_loss = float(fresh_ref(input_ids=part, labels=part).loss)
     with open(f"{out_path}.rank{rank}", "w") as f:
-        json.dump({"diff": diff, "loss_rel": loss_rel, "written_loss": written_loss,
+        json.dump({"diff": diff, "loss_rel": loss_rel, "written_loss": written_loss, "moments_diff": moments_diff,
                    "ref_written_loss": ref_written_loss, "steps": STEPS, "resume_equal": resume_equal,
                    "moments_equal": moments_equal, "secondary": mem.secondary, "parameters": mem.parameters,
                    "units": units, "weights_sum": float(sum(got[n].double().sum() for n in got))}, f)

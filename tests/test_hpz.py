@@ -36,7 +36,7 @@ def test_hpz_trains_like_torch_and_resumes_bitwise(tmp_path, monkeypatch, collec
     ranks = run_ranks(hw.parity_worker, NODES * PER_NODE, tmp_path, ckpt)
     for r in ranks:
         assert r["steps"] >= 8 and r["diff"] < 1e-5 and r["loss_rel"] < 1e-6, r
-        assert r["resume_equal"] and r["moments_equal"], r
+        assert r["resume_equal"] and r["moments_equal"] and r["moments_diff"] < 1e-6, r
         assert r["written_loss"] == pytest.approx(r["ref_written_loss"], rel=1e-6), r
         units = r["units"]
         assert r["secondary"] == sum(u["padded"] // PER_NODE * u["elsize"] for u in units), r

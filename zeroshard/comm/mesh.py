@@ -66,10 +66,9 @@ def _hpz_comm(process_group: Optional[dist.ProcessGroup], mesh: Any) -> Hierarch
                          "init_device_mesh('cuda', (nodes, gpus_per_node)), and no process_group=: the "
                          "secondary partition lives in dimension 1, inside each node")
     groups_from(None, mesh)  # (the type checks)
-    ranks = sorted(mesh.mesh.flatten().tolist())
-    if ranks == list(range(dist.get_world_size())):
-        whole = None  # the default group
-    else:  # a data-parallel sub-mesh of a larger one (every rank flattens its own)
-        whole = mesh._flatten().get_group(0)
-    return HierarchicalComm(whole, node=Comm(mesh.get_group(1), dimension="shard"),
+    if sorted(mesh.mesh.flatten().tolist()) != list(range(dist.get_world_size())):
+        raise ValueError(f"hpz=True needs a mesh over every rank (the default group is its data-parallel "
+                         f"group); this one holds {mesh.mesh.numel()} of {dist.get_world_size()} ranks (a "
+                         "data-parallel sub-mesh next to tensor parallelism is not supported with hpZ yet)")
+    return HierarchicalComm(None, node=Comm(mesh.get_group(1), dimension="shard"),
                             inter=Comm(mesh.get_group(0), dimension="replicate"))
