@@ -92,14 +92,15 @@ def parity_worker(rank: int, world: int, out_path: str, ckpt: str) -> None:
                    "units": units, "weights_sum": float(sum(got[n].double().sum() for n in got))}, f)
 
 
-def traffic_worker(rank: int, world: int, out_path: str, configs: list[tuple[str, int]]) -> None:
-    """One steady-state step (after a first one) of each (scope, stage), measured in two phases:
-    forward + backward, then the optimizer step. No clipping: the bulk traffic, plus the one
-    control reduction a step makes (``grad_flags``)."""
+def traffic_worker(rank: int, world: int, out_path: str, configs: list[tuple[str, int, str]]) -> None:
+    """One steady-state step (after a first one) of each (scope, stage, precision), measured in
+    two phases: forward + backward, then the optimizer step. No clipping: the bulk traffic, plus
+    the one control reduction a step makes (``grad_flags``)."""
     results = {}
-    for scope, stage in configs:
+    for scope, stage, precision in configs:
         model = gpt2()
-        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, **scope_kwargs(scope, stage))
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, **scope_kwargs(scope, stage),
+                                      **({"mixed_precision": precision} if precision != "fp32" else {}))
         per = GLOBAL_BATCH // world
         phases = {}
         for step in range(2):
@@ -113,7 +114,7 @@ def traffic_worker(rank: int, world: int, out_path: str, configs: list[tuple[str
         root = opt.gatherer.root if opt.gatherer is not None else None
         units = [{"numel": u.layout.numel, "padded": u.layout.padded_numel, "elsize": u.flat.element_size(),
                   "root": i == root, "tensors": len(u.layout.segments)} for i, u in enumerate(opt.units)]
-        results[f"{scope}-{stage}"] = {"phases": phases, "units": units, "memory": opt.memory_report().as_dict()}
+        results[f"{scope}-{stage}" + ("" if precision == "fp32" else f"-{precision}")] = {"phases": phases, "units": units, "memory": opt.memory_report().as_dict()}
         opt.close()
     with open(f"{out_path}.rank{rank}", "w") as f:
         json.dump(results, f)

@@ -23,7 +23,8 @@ from zeroshard.planner import Choice, Hardware, ModelShape, Workload, estimate
 from zeroshard.planner.traffic import Topology, measured_links, step_traffic
 
 NODES, PER_NODE = hw.NODES, hw.PER_NODE
-CONFIGS = [(s, st) for s in ("flat", "hybrid") for st in (0, 1, 2, 3)] + [("hpz", 3)]
+CONFIGS = [(s, st, "fp32") for s in ("flat", "hybrid") for st in (0, 1, 2, 3)] + [("hpz", 3, "fp32")]
+CONFIGS += [(s, 3, "bf16") for s in ("flat", "hybrid", "hpz")]  # (b = 2 != g = 4: the formulas keep them apart)
 
 
 @pytest.mark.parametrize("collectives", ["emulated", "native"])
@@ -87,10 +88,10 @@ def _measured(res: dict) -> Counter:
     return out
 
 
-@pytest.mark.parametrize("scope,stage", CONFIGS, ids=[f"{s}-stage{st}" for s, st in CONFIGS])
-def test_bytes_per_step_equal_the_formulas(traffic, scope, stage):
+@pytest.mark.parametrize("scope,stage,precision", CONFIGS, ids=[f"{s}-stage{st}-{p}" for s, st, p in CONFIGS])
+def test_bytes_per_step_equal_the_formulas(traffic, scope, stage, precision):
     for r in traffic:
-        res = r[f"{scope}-{stage}"]
+        res = r[f"{scope}-{stage}" + ("" if precision == "fp32" else f"-{precision}")]
         f = _formula(scope, stage, res)
         want: Counter = Counter()
         for kind, link, nbytes in f.kinds:
