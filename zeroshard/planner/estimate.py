@@ -266,16 +266,14 @@ def estimate(choice: Choice, shape: ModelShape, hw: Hardware, w: Workload) -> Es
     full = zero_formula(choice.stage, shape.n_params, n, param_bytes=w.param_bytes,
                         mixed_precision=w.mixed_precision is not None,
                         optim_bytes_per_param=w.optim_bytes_per_param)
-    if w.scope == "hpz":  # the secondary partition: p·Ψ/k per rank, beside the shard (Note [hpZ secondary partition])
+    if w.scope == "hpz":  # the secondary partition: p·Ψ/k per rank on the device (Note [hpZ secondary partition])
         full = replace(full, secondary=w.param_bytes * shape.n_params // topo.node_dp)
     bucket_numel = int(w.bucket_size_mb * 2**20) // w.param_bytes
     run_numel = (shape.block_params if choice.stage == 3 else min(bucket_numel, shape.n_params)) // n
     n_runs = shape.n_layers + 1 if choice.stage == 3 else -(-shape.n_params // max(1, bucket_numel))
     gpu, cpu, nvme = _placement(choice, full, shape.n_params // n, run_numel, n_runs, w, hw.accelerator)
-    on_host = choice.offload_params is not None and hw.accelerator  # (the secondary sits beside the shard)
-    cpu += full.secondary if on_host else 0
     gpu = MemoryReport(gpu.parameters, gpu.gradients, gpu.master_weights, gpu.optimizer_states,
-                       buffers=_buffers(choice, shape, w) + gpu.buffers, secondary=0 if on_host else full.secondary)
+                       buffers=_buffers(choice, shape, w) + gpu.buffers, secondary=full.secondary)  # (on the device)
     act = activation_bytes(shape, w.micro_batch, w.seq_len, w.param_bytes,
                            checkpointing=choice.activation_checkpointing, eager_attention=w.eager_attention)
     saved = full.parameters // (1 if choice.stage == 3 else n) + full.master_weights + full.optimizer_states

@@ -16,7 +16,8 @@ Weights written outside the step (``model.load_state_dict``, ``load_safetensors`
 ``init_meta_weights``, an in-place op on a sharded parameter) mark their units stale
 (``params_written``, called by every rank for the same units) and the unit is rebuilt
 before its next gather. The memory cost is ZeRO++'s: unit numel / k elements of the model
-dtype per rank (``memory_report().secondary``).
+dtype per rank (``memory_report().secondary``), on the model's device even under
+``offload_params="cpu"`` (its collectives run there).
 """
 from __future__ import annotations
 
@@ -47,8 +48,10 @@ class SecondaryPartition:
         self.units = list(units)
         self.node, self.inter = comm.node, comm.inter
         self.index = {id(u): i for i, u in enumerate(self.units)}
+        # On the model's device even when offload_params puts the shard on the host: the
+        # collectives that rebuild and gather it run there (NCCL moves no host memory).
         self.slices = [torch.zeros(u.layout.padded_numel // self.node.world_size, dtype=u.dtype,
-                                   device=u.shard.device) for u in self.units]
+                                   device=u.device) for u in self.units]
         self.stale = [True] * len(self.units)
         for u in self.units:
             _OWNERS[u] = self
