@@ -118,3 +118,25 @@ def traffic_worker(rank: int, world: int, out_path: str, configs: list[tuple[str
         opt.close()
     with open(f"{out_path}.rank{rank}", "w") as f:
         json.dump(results, f)
+
+
+class Branchy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.a(x) + self.b(x) if use_b else self.a(x)
+
+
+def branch_worker(rank: int, world: int, out_path: str, scope: str, stage: int) -> None:
+    """A layer used only on the ranks of the second node: under any scope every rank must step
+    it alike (as DDP averages with zeros), or replicas drift apart silently."""
+    model = Branchy()
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.SGD, lr=0.1, **scope_kwargs(scope, stage))
+    model(torch.ones(2, 4), use_b=rank >= PER_NODE).sum().backward()
+    opt.step()
+    got = weights(model, stage)
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump({n: t.flatten().tolist() for n, t in got.items()}, f)

@@ -62,6 +62,20 @@ def test_hpz_refuses_what_it_cannot_do():
         zeroshard.ZeroOptimizer(torch.nn.Linear(2, 2), torch.optim.AdamW, stage=3, hpz=True)
 
 
+@pytest.mark.parametrize("scope,stage", [("flat", 3), ("hybrid", 2), ("hybrid", 3), ("hpz", 3)])
+def test_a_layer_used_on_one_node_only_steps_alike_everywhere(tmp_path, scope, stage):
+    """Whether a parameter got a gradient is agreed by every rank, across nodes too: under
+    hybrid sharding the replicas' flags are combined as well (they were not: the replica that
+    never used the layer left it unchanged while the other stepped it)."""
+    ranks = run_ranks(hw.branch_worker, NODES * PER_NODE, tmp_path, scope, stage)
+    init = hw.Branchy()
+    for r in ranks:
+        assert r == ranks[0]
+    # stepped with the average over all ranks (zeros from the first node), as DDP and torch.optim
+    want = init.b.weight.detach() - 0.1 * 2.0 * PER_NODE / (NODES * PER_NODE)
+    assert torch.allclose(torch.tensor(ranks[0]["b.weight"]), want.flatten(), atol=1e-6), ranks[0]
+
+
 @pytest.fixture(scope="module")
 def traffic(tmp_path_factory):
     d = tmp_path_factory.mktemp("traffic")
@@ -147,7 +161,7 @@ def test_planner_estimate_equals_comm_report(traffic, scope):
                  Workload(mixed_precision=None, scope=scope))
     flags = Counter()
     for report in res["phases"].values():
-        flags.update(measured_links({k: v for k, v in report.items() if k == "grad_flags"}, NODES))
+        flags.update(measured_links({k: v for k, v in report.items() if k.split("@")[0] == "grad_flags"}, NODES))
     total = Counter()
     for report in res["phases"].values():
         total.update(measured_links(report, NODES))

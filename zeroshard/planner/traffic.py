@@ -21,7 +21,8 @@ and again in backward; the root unit stays gathered):
 
 (flat over one node moves the same bytes intra-node.) Ψ is padded to N·16 elements per unit
 (k·16 for hybrid, whose layout spans the shard group). Each step also all-reduces one flag
-byte per parameter tensor over the data-parallel group (``grad_flags``). So hpZ cuts the
+byte per parameter tensor over the data-parallel group (``grad_flags``; hybrid: over the
+shard group and again across replicas). So hpZ cuts the
 inter-node bytes of flat stage 3 by (gΨ + bG) / ((g + b)Ψ/k) ≈ k·(g + 2b)/(g + b): 1.5·k in
 fp32, and its forward and backward gathers cross no node boundary; hybrid cuts further
 (gΨ/k) at the price of optimizer state sharded over k ranks instead of N. Tensor
@@ -117,7 +118,8 @@ def step_traffic(stage: int, topo: Topology, units: Sequence[tuple[int, bool]], 
         kinds += [(reduce, "intra", k, g * psi), ("all_gather", "intra", k, b * gathered)]
         if topo.scope == "hybrid":
             across = psi if stage < 2 else psi // k
-            kinds += [("all_reduce", "inter", R, g * across), ("grad_flags", "intra", k, n_tensors)]
+            kinds += [("all_reduce", "inter", R, g * across), ("grad_flags", "intra", k, n_tensors),
+                      ("grad_flags", "inter", R, n_tensors)]
         else:  # hpz
             kinds += [("reduce_scatter", "inter", R, g * psi // k), ("all_gather", "inter", R, b * psi // k),
                       ("grad_flags", "inter" if R > 1 else "intra", topo.dp, n_tensors)]
