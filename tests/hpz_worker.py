@@ -114,7 +114,8 @@ def traffic_worker(rank: int, world: int, out_path: str, configs: list[tuple[str
         root = opt.gatherer.root if opt.gatherer is not None else None
         units = [{"numel": u.layout.numel, "padded": u.layout.padded_numel, "elsize": u.flat.element_size(),
                   "root": i == root, "tensors": len(u.layout.segments)} for i, u in enumerate(opt.units)]
-        results[f"{scope}-{stage}" + ("" if precision == "fp32" else f"-{precision}")] = {"phases": phases, "units": units, "memory": opt.memory_report().as_dict()}
+        key = f"{scope}-{stage}" + ("" if precision == "fp32" else f"-{precision}")
+        results[key] = {"phases": phases, "units": units, "memory": opt.memory_report().as_dict()}
         opt.close()
     with open(f"{out_path}.rank{rank}", "w") as f:
         json.dump(results, f)

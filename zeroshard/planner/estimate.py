@@ -279,7 +279,8 @@ def estimate(choice: Choice, shape: ModelShape, hw: Hardware, w: Workload) -> Es
     saved = full.parameters // (1 if choice.stage == 3 else n) + full.master_weights + full.optimizer_states
     if choice.stage == 0:
         saved = full.parameters // n + (full.master_weights + full.optimizer_states) // n  # ranks split the writing
-    est = Estimate(choice, gpu, act, cpu, nvme, checkpoint_async_cpu=saved * hw.n_gpus, n_gpus=hw.n_gpus, traffic=traffic)
+    est = Estimate(choice, gpu, act, cpu, nvme, checkpoint_async_cpu=saved * hw.n_gpus, n_gpus=hw.n_gpus,
+                   traffic=traffic)
     return _judge(est, hw)
 
 
