@@ -143,7 +143,7 @@ def test_comm_report_counts_what_each_stage_moves(tmp_path, stage):
         assert all(v["dimension"] == "dp" for v in rep.values())
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_hybrid_mesh_trains_like_one_process_and_crosses_replicas_with_the_shard_only(tmp_path, stage):
     """mesh = (replicate 2, shard 2) on 4 gloo ranks (Note [hybrid sharding]): weights and
     losses equal single-process torch.optim; per step the replicas exchange only each rank's

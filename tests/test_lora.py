@@ -37,9 +37,12 @@ def test_lora_adapters_match_plain_peft_and_the_base_stays_bitwise(results, cell
     world, ranks = results
     key = w.Cell(*cell).key
     stage, dtype, offload = cell[:3]
-    for r in ranks:
+    for rank, r in enumerate(ranks):
         res = r[key]
         assert "error" not in res, res.get("error")
+        print(f"world {world} rank {rank} {key}: adapter max|diff| {res['adapter_diff']:.2e}, bf16 bound excess "
+              f"{res['ulp_excess']:.2e}, base weights changed {len(res['base_changed'])}, frozen bytes in memory "
+              f"{res['frozen_bytes']} / on NVMe {res['frozen_offloaded']} of {res['frozen_whole_bytes']}")
         assert res["adapter_moved"] > 1e-2, f"{key}: the adapters did not train"
         if dtype == "fp32":
             assert res["adapter_diff"] < 1e-5, res
@@ -59,6 +62,9 @@ def test_lora_adapters_match_plain_peft_and_the_base_stays_bitwise(results, cell
 def test_frozen_base_per_rank_is_a_quarter_at_world_4(tmp_path):
     ranks = run_ranks(w.memory_worker, 4, tmp_path, str(tmp_path))
     for r in ranks:
+        print(f"world 4: frozen base {r['whole']} B, per rank {r['frozen']} B in memory ({r['frozen'] / r['whole']:.4f}),"
+              f" with offload_params='nvme' {r['frozen_nvme_resident']} B in memory and {r['frozen_nvme_file']} B in "
+              f"the swap file; peak gathered {r['peak_gathered_frozen']} B, after backward {r['after_backward_gathered']}")
         quarter = r["whole"] / 4
         assert abs(r["frozen"] - quarter) <= 0.05 * quarter, r
         assert r["frozen_nvme_resident"] == 0, r
@@ -72,6 +78,8 @@ def test_frozen_base_per_rank_is_a_quarter_at_world_4(tmp_path):
                          ids=lambda s: w.Cell(*s).key)
 def test_lora_checkpoint_holds_what_trains_resumes_bitwise_and_checks_the_base(tmp_path, spec):
     ranks = run_ranks(w.ckpt_worker, 2, tmp_path, spec, str(tmp_path))
+    print(f"{w.Cell(*spec).key}: checkpoint {ranks[0]['lean_bytes']} B (save_frozen=True: {ranks[0]['full_bytes']} B);"
+          f" refused: {ranks[0]['refused'][:160]}")
     for r in ranks:
         assert r["lean"] == [], r  # resumed from what trains: bit for bit the uninterrupted run
         assert r["full_other_base"] == [], r  # save_frozen=True restores the base it was trained on
@@ -108,6 +116,8 @@ def test_meta_start_loads_the_base_from_hf_files_and_inits_adapters_as_peft(tmp_
                          ids=lambda s: w.Cell(*s).key)
 def test_exports_load_with_peft_and_from_pretrained(tmp_path, spec):
     r = run_ranks(w.export_worker, 2, tmp_path, spec, str(tmp_path))[0]
+    print(f"{w.Cell(*spec).key}: merged vs PEFT merge_and_unload max|diff| {r['merged_diff']:.2e}, logits "
+          f"{r['logits_diff']:.2e}, {r['shards']} shards")
     assert r["adapter_diff"] == [], r  # PeftModel.from_pretrained gives the trained adapters bit for bit
     assert r["merged_keys_differ"] == [], r
     assert r["shards"] > 1, r  # streamed into several shards

@@ -117,3 +117,46 @@ def test_estimate_command(capsys) -> None:
     assert data["params"] == 1_300_000_000 and len(data["rows"]) == len(all_choices())
     assert _cli(["--params", "lots", "--gpu-memory", "24GB"]) == 2
     assert "cannot read 'lots'" in capsys.readouterr().err
+
+
+def test_topology_scopes_and_tensor_parallelism() -> None:
+    """Nodes x GPUs, TP degree and sharding scope: per-step bytes by link follow
+    zeroshard/planner/traffic.py (checked against comm_report in tests/test_hpz.py)."""
+    from zeroshard.planner.traffic import Topology
+    w = lambda scope, tp=1: Workload(mixed_precision="bf16", scope=scope, tp=tp)  # noqa: E731
+    hw = Hardware(gpu_memory=10**15, n_gpus=8, nodes=4)
+    flat, hybrid, hpz = (estimate(Choice(3), SHAPE, hw, w(s)) for s in ("flat", "hybrid", "hpz"))
+    assert hybrid.traffic.inter_node < hpz.traffic.inter_node < flat.traffic.inter_node
+    # k (g + 2b) / (g + b) with g = 4 (fp32 gradients), b = 2 (bf16), k = 8, less the root's one gather
+    assert flat.traffic.inter_node / hpz.traffic.inter_node == pytest.approx(8 * 8 / 6, rel=0.05)
+    assert flat.traffic.intra_node == 0 and hpz.traffic.intra_node == hybrid.traffic.intra_node > 0
+    # hpZ holds the secondary partition (p·Ψ/k) on top of flat stage 3's states; hybrid shards over k
+    assert hpz.gpu_states.secondary == 2 * SHAPE.n_params // 8
+    assert hpz.gpu_states.model_states == flat.gpu_states.model_states + hpz.gpu_states.secondary
+    assert hybrid.gpu_states.model_states > flat.gpu_states.model_states
+    one_node = estimate(Choice(3), SHAPE, Hardware(gpu_memory=10**15, n_gpus=8), w("hpz"))
+    assert one_node.traffic.inter_node == 0
+    tp2 = estimate(Choice(3), SHAPE, hw, w("flat", tp=2))  # half the blocks per rank, half the dp ranks
+    assert tp2.traffic.inter_node < flat.traffic.inter_node
+    assert all(e.choice.stage == 3 for e in plan(SHAPE, hw, w("hpz")).estimates)
+    with pytest.raises(ValueError, match="tp=3 must divide"):
+        Topology(nodes=2, gpus_per_node=8, tp=3)
+    with pytest.raises(ValueError, match="scope="):
+        Workload(scope="mics")
+    with pytest.raises(ValueError, match="scope='hpz'"):
+        estimate(Choice(2), SHAPE, hw, w("hpz"))
+
+
+def test_estimate_command_nodes_tp_scope(capsys) -> None:
+    assert _cli(["--params", "7B", "--gpu-memory", "80GB", "--gpus", "8", "--nodes", "4", "--tp", "2",
+                 "--scope", "hpz", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["nodes"], data["gpus_per_node"], data["tp"], data["scope"]) == (4, 8, 2, "hpz")
+    assert all(r["config"].startswith("stage 3") and r["inter_node_bytes_per_step"] > 0 for r in data["rows"])
+    # the secondary partition stays on the GPU under offload_params too (its collectives run there)
+    assert len({r["gpu_secondary"] for r in data["rows"]}) == 1 and data["rows"][0]["gpu_secondary"] > 0
+    assert _cli(["--params", "7B", "--gpu-memory", "80GB", "--gpus", "8", "--nodes", "2", "--scope", "hybrid"]) == 0
+    out = capsys.readouterr().out
+    assert "inter-node" in out and "mesh=mesh_2d" in out
+    assert _cli(["--params", "7B", "--gpu-memory", "80GB", "--gpus", "8", "--tp", "3"]) == 2
+    assert "tp=3 must divide" in capsys.readouterr().err

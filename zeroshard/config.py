@@ -99,6 +99,11 @@ class ZeroConfig:
     """fp16 only: starting dynamic loss scale."""
     loss_scale_growth_interval: int = 2000
     """fp16 only: overflow-free steps before the loss scale doubles."""
+    hpz: bool = False
+    """Stage 3 with ``mesh=`` a 2-D (nodes, ranks per node) DeviceMesh: ZeRO++'s hierarchical
+    partitioning. State stays sharded over every rank; each rank also keeps a secondary
+    partition of the parameters over its node (unit numel / node size per rank, model dtype),
+    rebuilt at each step, so forward and backward gathers stay inside the node."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in _STAGES or not isinstance(self.stage, int):
@@ -145,6 +150,13 @@ class ZeroConfig:
         check_bool("fused_adam", self.fused_adam)
         check_real("initial_loss_scale", self.initial_loss_scale, low=0.0, strict=True, high=_MAX_LOSS_SCALE)
         check_int("loss_scale_growth_interval", self.loss_scale_growth_interval, low=1)
+        check_bool("hpz", self.hpz)
+        if self.hpz and self.stage != 3:
+            raise ValueError(f"hpz=True partitions stage-3 parameters a second time inside each node; it needs "
+                             f"stage=3, got stage={self.stage} (hybrid sharding at stages 0-2 is mesh= alone)")
+        if self.hpz and self.offload_params == "nvme":
+            raise ValueError("hpz=True keeps a secondary parameter partition in memory; it does not combine "
+                             "with offload_params='nvme' (use offload_params='cpu' or None)")
 
     @classmethod
     def field_names(cls) -> frozenset[str]:

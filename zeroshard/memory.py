@@ -12,7 +12,8 @@ mixed precision pays 4Ψ for gradients where the paper's fp16 scheme pays 2Ψ):
     3     | p·Ψ/N      | 4Ψ/N      | m·Ψ/N               | K·Ψ/N
 
 plus, at stage 3, the gather buffers of the units alive at once (``max_live_units`` blocks
-and the root unit), reported as ``buffers``, not model state.
+and the root unit), reported as ``buffers``, not model state. hpZ (``hpz=True``, nodes of k
+ranks) adds ``secondary`` = p·Ψ/k; hybrid sharding (``mesh=`` alone) divides by k, not N.
 
 with p the model dtype's width (4 fp32, 2 bf16/fp16), m = 4 under mixed precision and 0
 in fp32 (the parameters are the master), K = 8 for Adam/AdamW.
@@ -51,13 +52,22 @@ class MemoryReport:
     """The part of ``parameters`` that is frozen weights (``requires_grad=False``), in memory."""
     frozen_offloaded: int = 0
     """The part of ``offloaded`` that is frozen weights (stage 3 with ``offload_params="nvme"``)."""
+    secondary: int = 0
+    """hpZ (stage 3, ``hpz=True``): the secondary parameter partition inside the node, p·Ψ/k
+    for node size k (ZeRO++'s cost), on top of the primary p·Ψ/N in ``parameters``."""
 
     @property
     def model_states(self) -> int:
-        return self.parameters + self.gradients + self.master_weights + self.optimizer_states
+        return self.parameters + self.gradients + self.master_weights + self.optimizer_states + self.secondary
 
     def as_dict(self) -> dict[str, int]:
-        return {**asdict(self), "model_states": self.model_states}
+        d = asdict(self)
+        # Keys of what only some runs have (hpZ, frozen weights) appear when nonzero, so the
+        # other configurations keep their keys.
+        for key in ("secondary", "frozen", "frozen_offloaded"):
+            if not d[key]:
+                del d[key]
+        return {**d, "model_states": self.model_states}
 
     def __str__(self) -> str:
         mib = lambda n: f"{n / 2**20:8.2f} MiB"  # noqa: E731
@@ -65,7 +75,8 @@ class MemoryReport:
                 f"{mib(self.master_weights)} | optim {mib(self.optimizer_states)} | buffers {mib(self.buffers)}"
                 + (f" | on NVMe {mib(self.offloaded)}" if self.offloaded else "")
                 + (f" (frozen: {mib(self.frozen)} in memory, {mib(self.frozen_offloaded)} on NVMe)"
-                   if self.frozen or self.frozen_offloaded else ""))
+                   if self.frozen or self.frozen_offloaded else "")
+                + (f" | hpZ secondary {mib(self.secondary)}" if self.secondary else ""))
 
 
 def zero_formula(stage: int, numel: int, world_size: int, *, param_bytes: int = 4,

@@ -31,6 +31,7 @@ from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map
 from zeroshard.checkpoint.shard_file import DTYPES, ShardReader
 from zeroshard.offload.unit_swap import resident_runs
 from zeroshard.optim.state_io import fill_run, normalize_loaded
+from zeroshard.stages.stage3.secondary import params_written
 
 
 class _Source:
@@ -202,6 +203,8 @@ def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
             ua = piece.unit_offset
             run.unit.param_range(ua, ua + piece.numel).copy_(values)
             run.unit.writes += 1
+        if isinstance(run, frozen_base.FrozenRun):  # (hpZ: its secondary slice follows)
+            params_written(run.unit)
 
     with torch.no_grad():
         for name, a, b, run, piece in _needed(opt, model, set(src.pieces)):

@@ -9,12 +9,19 @@ at stages 2-3, so only this rank's slice remains), and that slice alone is then 
 across the replicas: the slow links carry 1/shard_size of the gradient, and parameter gathers
 (after the step, or stage 3's per unit) never leave the shard group. Each replica steps the
 same slices, so replicas stay identical without exchanging parameters.
+
+With ``hpz=True`` (stage 3, ZeRO++) the same 2-D mesh reads as (nodes, ranks in a node):
+state is sharded over all its ranks and the parameters get a secondary partition inside the
+node (Note [hpZ slice order] in hierarchical.py).
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import torch.distributed as dist
+
+from zeroshard.comm.hierarchical import HierarchicalComm
+from zeroshard.comm.process_group import Comm
 
 
 def groups_from(process_group: Optional[dist.ProcessGroup], mesh: Any) -> tuple[Optional[dist.ProcessGroup],
@@ -38,3 +45,30 @@ def groups_from(process_group: Optional[dist.ProcessGroup], mesh: Any) -> tuple[
     raise ValueError(f"mesh has {mesh.ndim} dimensions {names or ''}; ZeroOptimizer takes a 1-D (shard) or "
                      "2-D (replicate, shard) data-parallel mesh: pass mesh['dp_replicate', 'dp_shard'] "
                      "or the data-parallel sub-mesh of a larger one")
+
+
+def comms_from(process_group: Optional[dist.ProcessGroup], mesh: Any,
+               hpz: bool) -> tuple[Comm, Optional[Comm], Optional[list[list[int]]]]:
+    """(data-parallel comm, replicas' comm or None, every shard group's ranks or None) of a
+    ZeroOptimizer: Note [hybrid sharding], or hpZ's hierarchical group."""
+    if hpz:
+        return _hpz_comm(process_group, mesh), None, None
+    shard_group, replicate_group = groups_from(process_group, mesh)
+    if replicate_group is None:
+        return Comm(shard_group, dimension="dp"), None, None
+    return (Comm(shard_group, dimension="shard"), Comm(replicate_group, dimension="replicate"),
+            [row.tolist() for row in mesh.mesh])
+
+
+def _hpz_comm(process_group: Optional[dist.ProcessGroup], mesh: Any) -> HierarchicalComm:
+    if mesh is None or process_group is not None or getattr(mesh, "ndim", 0) != 2:
+        raise ValueError("hpz=True needs mesh= a 2-D DeviceMesh of (nodes, ranks per node), e.g. "
+                         "init_device_mesh('cuda', (nodes, gpus_per_node)), and no process_group=: the "
+                         "secondary partition lives in dimension 1, inside each node")
+    groups_from(None, mesh)  # (the type checks)
+    if sorted(mesh.mesh.flatten().tolist()) != list(range(dist.get_world_size())):
+        raise ValueError(f"hpz=True needs a mesh over every rank (the default group is its data-parallel "
+                         f"group); this one holds {mesh.mesh.numel()} of {dist.get_world_size()} ranks (a "
+                         "data-parallel sub-mesh next to tensor parallelism is not supported with hpZ yet)")
+    return HierarchicalComm(None, node=Comm(mesh.get_group(1), dimension="shard"),
+                            inter=Comm(mesh.get_group(0), dimension="replicate"))

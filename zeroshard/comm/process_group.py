@@ -90,6 +90,12 @@ class Comm:
         t.calls += 1
         t.bytes += nbytes
 
+    @property
+    def shard_rank(self) -> int:
+        """Which equal slice of a unit this rank owns: its group rank, except under hpZ
+        (Note [hpZ slice order] in zeroshard/comm/hierarchical.py)."""
+        return self.rank
+
     # -- plain collectives ---------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
                    async_op: bool = False, what: str = "all_reduce") -> Work:

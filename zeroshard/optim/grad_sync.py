@@ -188,7 +188,7 @@ class GradientReducer:
             work = self.comm.all_reduce(bucket, async_op=True)
         else:
             if not self.comm.result_in_full:
-                base, hi = unit.layout.slice_of(self.comm.rank)
+                base, hi = unit.layout.slice_of(self.comm.shard_rank)
                 shard_out = torch.empty(hi - base, dtype=bucket.dtype, device=bucket.device)
             work = self.comm.reduce_for_shard(bucket, shard_out)
         self._inflight.append(_Pending(unit, work, bucket, shard_out, base))
@@ -215,7 +215,7 @@ class GradientReducer:
             return p.bucket
         if p.shard_out is not None:
             return p.shard_out
-        lo, hi = p.unit.layout.slice_of(self.comm.rank)
+        lo, hi = p.unit.layout.slice_of(self.comm.shard_rank)
         return p.bucket[lo:hi]
 
     def live_bucket_bytes(self) -> int:

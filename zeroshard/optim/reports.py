@@ -40,6 +40,8 @@ def memory_report(opt: Any) -> MemoryReport:
                    + (opt.unit_store.file_bytes if opt.unit_store is not None else 0)),
         buffers=(opt.reducer.live_bucket_bytes() + (opt.gatherer.gathered_bytes() if opt.gatherer else 0)
                  + staging),
+        secondary=(opt.gatherer.secondary.nbytes() if opt.gatherer is not None and opt.gatherer.secondary is not None
+                   else 0),
     )
 
 
@@ -47,7 +49,8 @@ def comm_report(opt: Any, reset: bool = False) -> dict[str, dict]:
     """``memory_report``'s sibling: what this rank's collectives moved since construction
     (or the last ``reset``), by kind: calls, bytes and the group dimension crossed."""
     out = {}
-    for comm, suffix in ((opt.comm, ""), (opt.replicas, "@replicate")):
+    # (hpZ: the node and inter-node levels of the data-parallel group, Note [hpZ slice order])
+    for comm, suffix in ((opt.comm, ""), (opt.replicas, "@replicate"), *getattr(opt.comm, "levels", ())):
         if comm is None:
             continue
         out.update({kind + suffix: {"calls": t.calls, "bytes": t.bytes, "dimension": t.dimension}

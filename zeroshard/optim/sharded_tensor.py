@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
+from zeroshard.stages.stage3.secondary import params_written
+
 aten = torch.ops.aten
 
 _ALIASES = {aten.detach.default, aten.alias.default}
@@ -159,6 +161,7 @@ def _write_params(func: Any, args: tuple, kwargs: dict, grads: list[ShardedTenso
         for i, g in targets.items():
             if g.n:
                 g.unit.load_segment(g.lo + g.unit.owned[0], temps[i].local)
+            params_written(g.unit)  # (every rank, owner or not)
     return args[0]
 
 

@@ -28,6 +28,8 @@ def untouched_everywhere(opt: Any) -> set[tuple[int, int]]:
             return set()
     t = torch.tensor(flat, dtype=torch.uint8, device=opt.units[0].grad_store.device)
     opt.comm.all_reduce(t, op=dist.ReduceOp.MAX, what="grad_flags")
+    if getattr(opt, "replicas", None) is not None:  # hybrid: another replica's gradient reached this one too
+        opt.replicas.all_reduce(t, op=dist.ReduceOp.MAX, what="grad_flags")
     seen = t.tolist()
     out, i = set(), 0
     for ui, unit_flags in enumerate(flags):

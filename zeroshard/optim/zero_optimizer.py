@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroshard.comm import Comm
-from zeroshard.comm.mesh import groups_from
+from zeroshard.comm.mesh import comms_from
 from zeroshard.config import ZeroConfig
 from zeroshard.layout import Segment, build_layouts, layouts_for
 from zeroshard.memory import MemoryReport
@@ -42,6 +41,7 @@ from zeroshard.optim.params import ParamsLike, module_of_groups, normalize_param
 from zeroshard.precision import DynamicLossScaler
 from zeroshard.stages import policy_for_stage
 from zeroshard.stages.stage3.gatherer import ParameterGatherer
+from zeroshard.stages.stage3.secondary import SecondaryPartition
 from zeroshard.stages.stage3.materialize import swap_meta_parameters
 from zeroshard.stages.stage3.frozen import frozen_params, split_frozen
 from zeroshard.stages.stage3.units import plan_units
@@ -84,11 +84,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.policy = policy_for_stage(self.config.stage)
         # Stage 3 partitions frozen weights too (Note [frozen units] in stages/stage3/frozen.py).
         frozen = frozen_params(module, meta_shapes) if self.policy.shard_parameters else []
-        shard_group, replicate_group = groups_from(process_group, mesh)  # Note [hybrid sharding]
-        self.comm = Comm(shard_group, dimension="shard" if replicate_group is not None else "dp")
-        self.replicas: Optional[Comm] = Comm(replicate_group, dimension="replicate") if replicate_group else None
-        self.shard_group_ranks: Optional[list[list[int]]] = (  # every shard group's ranks, replica by replica
-            [row.tolist() for row in mesh.mesh] if self.replicas is not None else None)
+        # Note [hybrid sharding], [hpZ slice order]; shard_group_ranks: rows of a hybrid mesh
+        self.comm, self.replicas, self.shard_group_ranks = comms_from(process_group, mesh, self.config.hpz)
         # Ranks start from one model, as with DDP and DeepSpeed: rank 0's values everywhere
         # (across replicas first, then within the shard group).
         values = list({**{id(t): t for g in groups for t in g["params"]}, **{id(m.param): m.param for m in frozen}}.values())
@@ -121,7 +118,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._files_closers.append(weakref.finalize(self, self.unit_store.close))
         self.units = []
         for layout, members in layouts:  # one unit at a time: a swapped unit leaves memory at once
-            unit = FlatUnit(layout, members, self.policy, self.comm.rank, param_dtype,
+            unit = FlatUnit(layout, members, self.policy, self.comm.shard_rank, param_dtype,
                             device if meta_shapes else None, placement)
             if self.unit_store is not None:
                 self.unit_store.adopt(unit)
@@ -153,6 +150,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.policy.shard_parameters:  # from here on torch code sees sharded parameters
             self.gatherer = ParameterGatherer(self.all_units, unit_modules + (frozen_modules if frozen else []),
                                               module, self.comm, self.config.max_live_units)
+            self.gatherer.secondary = SecondaryPartition(self.all_units, self.comm) if self.config.hpz else None
         show = self.gatherer.visible if self.gatherer is not None else (lambda p: p)
         self._show = show
         user_groups = [{**{k: v for k, v in ig.items() if k != "params"}, "params": [show(p) for p in g["params"]],
@@ -371,6 +369,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             works = [self.comm.gather_shards(u.flat) for u in self.units]
             for w in works:
                 w.wait()
+        elif self.gatherer is not None and self.gatherer.secondary is not None:
+            sec = self.gatherer.secondary  # hpZ: across nodes once per step (Note [hpZ secondary partition])
+            sec.rebuild([i for i in range(len(sec.units)) if i < len(self.units) or sec.stale[i]])  # (frozen: if written)
 
     @staticmethod
     def _copy_out_ok(unit: FlatUnit) -> bool:

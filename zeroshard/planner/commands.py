@@ -8,6 +8,7 @@ import sys
 from zeroshard.cli import Command
 from zeroshard.planner.estimate import Hardware, Workload, plan
 from zeroshard.planner.model_shape import ModelShape
+from zeroshard.planner.traffic import Topology
 from zeroshard.planner.report import plan_markdown
 from zeroshard.planner.units import parse_bytes, parse_count
 
@@ -20,7 +21,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=0, help="with --params: d_model (default: assumed)")
     p.add_argument("--vocab", type=int, default=50257, help="with --params: vocabulary size")
     p.add_argument("--gpu-memory", required=True, help="memory per GPU, e.g. 80GB")
-    p.add_argument("--gpus", type=int, default=1, help="number of GPUs (data-parallel ranks)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs per node")
+    p.add_argument("--nodes", type=int, default=1, help="nodes of --gpus GPUs each")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree inside a node")
+    p.add_argument("--scope", choices=("flat", "hybrid", "hpz"), default="flat",
+                   help="data-parallel sharding: one flat group, hybrid (shard in the node, replicate "
+                        "across), or hpz (stage 3 with a secondary partition in the node)")
     p.add_argument("--cpu-memory", default="0", help="CPU memory of the node, e.g. 512GB")
     p.add_argument("--nvme", default="0", help="free NVMe space for offload, e.g. 2TB")
     p.add_argument("--batch", type=int, default=1, help="micro-batch per GPU (sequences)")
@@ -42,10 +48,12 @@ def _run(a: argparse.Namespace) -> int:
             shape = ModelShape.from_hf_config(a.hf_config)
         else:
             shape = ModelShape.from_params(parse_count(a.params), n_layers=a.layers, d_model=a.hidden, vocab=a.vocab)
-        hw = Hardware(parse_bytes(a.gpu_memory), a.gpus, parse_bytes(a.cpu_memory), parse_bytes(a.nvme), a.usable)
+        hw = Hardware(parse_bytes(a.gpu_memory), a.gpus, parse_bytes(a.cpu_memory), parse_bytes(a.nvme), a.usable,
+                      nodes=a.nodes)
         shape, fraction = _trainable(a, shape)
         w = Workload(a.batch, a.seq_len, None if a.precision == "fp32" else a.precision, a.optim_bytes,
-                     trainable_fraction=fraction)
+                     tp=a.tp, scope=a.scope, trainable_fraction=fraction)
+        Topology(hw.nodes, hw.n_gpus, w.tp, w.scope)  # (tp must divide the GPUs of a node)
     except (ValueError, TypeError) as exc:
         print(f"zeroshard estimate: {exc}", file=sys.stderr)
         return 2
@@ -56,9 +64,12 @@ def _run(a: argparse.Namespace) -> int:
                  "gpu_buffers": e.gpu_states.buffers, "gpu_frozen": e.gpu_states.frozen,
                  "activations": e.activations, "gpu_total": e.gpu_total,
                  "cpu_total": e.cpu_total, "nvme_total": e.nvme_total,
-                 "checkpoint_async_cpu": e.checkpoint_async_cpu, "fits": e.fits, "why_not": e.why_not}
+                 "checkpoint_async_cpu": e.checkpoint_async_cpu, "fits": e.fits, "why_not": e.why_not,
+                 "gpu_secondary": e.gpu_states.secondary, "intra_node_bytes_per_step": e.traffic.intra_node,
+                 "inter_node_bytes_per_step": e.traffic.inter_node}
                 for e in result.estimates]
         print(json.dumps({"params": shape.n_params, "trainable_fraction": w.trainable_fraction, "rows": rows,
+                          "nodes": a.nodes, "gpus_per_node": a.gpus, "tp": a.tp, "scope": a.scope,
                           "recommended": best.choice.label if best else None}, indent=1))
     else:
         print(plan_markdown(result))

@@ -13,6 +13,7 @@ from typing import Optional
 from zeroshard.memory import MemoryReport, zero_formula
 from zeroshard.planner.activations import activation_bytes
 from zeroshard.planner.model_shape import ModelShape
+from zeroshard.planner.traffic import StepTraffic, Topology, step_traffic
 
 _PRECISIONS = (None, "bf16", "fp16")
 _OFFLOAD = (None, "cpu", "nvme")
@@ -20,12 +21,12 @@ _OFFLOAD = (None, "cpu", "nvme")
 
 @dataclass(frozen=True)
 class Hardware:
-    """The machine to plan for (one node: every GPU shares its CPU memory and NVMe)."""
+    """The machine to plan for: ``nodes`` alike, the GPUs of a node sharing its CPU memory and NVMe."""
 
     gpu_memory: int
     """Bytes of memory per GPU (per rank)."""
     n_gpus: int = 1
-    """Data-parallel ranks: the N that ZeRO divides by."""
+    """GPUs per node (with one node and no tensor parallelism: the N that ZeRO divides by)."""
     cpu_memory: int = 0
     """Bytes of CPU memory of the node, shared by all ranks."""
     nvme: int = 0
@@ -36,6 +37,8 @@ class Hardware:
     accelerator: bool = True
     """False when the model itself trains in CPU memory ("gpu_memory" is then that memory):
     "cpu" offload moves nothing there and fp32 training keeps no separate master copy."""
+    nodes: int = 1
+    """Nodes of ``n_gpus`` GPUs each (``Topology``: which links the collectives cross)."""
 
     def __post_init__(self) -> None:
         if self.gpu_memory <= 0:
@@ -46,6 +49,8 @@ class Hardware:
             raise ValueError(f"cpu_memory={self.cpu_memory!r} and nvme={self.nvme!r} must be >= 0")
         if not 0 < self.usable_fraction <= 1:
             raise ValueError(f"usable_fraction={self.usable_fraction!r} must be in (0, 1]")
+        if not isinstance(self.nodes, int) or isinstance(self.nodes, bool) or self.nodes < 1:
+            raise ValueError(f"nodes={self.nodes!r} must be an int >= 1")
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,11 @@ class Workload:
     trainable_fraction: float = 1.0
     """Share of the parameters that train; the rest is frozen (a LoRA base): weights only, in
     the model dtype, partitioned at stage 3 and placed by ``offload_params`` like the others."""
+    tp: int = 1
+    """Tensor-parallel degree inside a node: blocks split over ``tp`` GPUs (zeroshard shards the
+    data-parallel dimension); embeddings and the head stay whole."""
+    scope: str = "flat"
+    """Data-parallel sharding scope: "flat", "hybrid" or "hpz" (``zeroshard.planner.traffic``)."""
 
     def __post_init__(self) -> None:
         if self.micro_batch < 1 or self.seq_len < 1:
@@ -77,6 +87,7 @@ class Workload:
             raise ValueError(f"optim_bytes_per_param={self.optim_bytes_per_param!r} must be >= 0")
         if not 0 < self.trainable_fraction <= 1:
             raise ValueError(f"trainable_fraction={self.trainable_fraction!r} must be in (0, 1] (LoRA: ~0.01)")
+        Topology(tp=self.tp, gpus_per_node=self.tp, scope=self.scope)  # (the checks of tp and scope)
 
     @property
     def param_bytes(self) -> int:
@@ -161,6 +172,8 @@ class Estimate:
     n_gpus: int
     fits: bool = False
     why_not: str = ""
+    traffic: Optional[StepTraffic] = None
+    """Bytes per rank and step over intra- and inter-node links (zeroshard/planner/traffic.py)."""
 
     @property
     def gpu_total(self) -> int:
@@ -232,8 +245,32 @@ def _buffers(choice: Choice, shape: ModelShape, w: Workload) -> int:
     return gathered + grad_buckets
 
 
+def _per_rank(shape: ModelShape, tp: int) -> ModelShape:
+    """What one rank of a tensor-parallel group holds: 1/tp of every block."""
+    if tp == 1:
+        return shape
+    root = max(0, shape.n_params - shape.n_layers * shape.block_params)
+    block = max(1, shape.block_params // tp)
+    return replace(shape, n_params=root + shape.n_layers * block, block_numel=block)
+
+
+def _units(shape: ModelShape, stage: int, w: Workload) -> list[tuple[int, bool]]:
+    """(elements, is the root unit) per unit: blocks and the root at stage 3, buckets below."""
+    if stage == 3:
+        root = shape.n_params - shape.n_layers * shape.block_params
+        return [(shape.block_params, False)] * shape.n_layers + ([(root, True)] if root > 0 else [])
+    bucket = max(1, int(w.bucket_size_mb * 2**20) // w.param_bytes)
+    full, rest = divmod(shape.n_params, bucket)
+    return [(bucket, False)] * full + ([(rest, False)] if rest else [])
+
+
 def estimate(choice: Choice, shape: ModelShape, hw: Hardware, w: Workload) -> Estimate:
-    n = hw.n_gpus
+    topo = Topology(hw.nodes, hw.n_gpus, w.tp, w.scope)
+    n = topo.shard_size
+    shape = _per_rank(shape, w.tp)
+    # (traffic: every parameter gathered; frozen ones reduce no gradient, which step_traffic
+    # does not know: its gradient bytes are an upper bound under a trainable fraction)
+    traffic = step_traffic(choice.stage, topo, _units(shape, choice.stage, w), w.param_bytes)
     trained = max(1, round(shape.n_params * w.trainable_fraction))
     full = zero_formula(choice.stage, trained, n, param_bytes=w.param_bytes,
                         mixed_precision=w.mixed_precision is not None,
@@ -241,12 +278,14 @@ def estimate(choice: Choice, shape: ModelShape, hw: Hardware, w: Workload) -> Es
     # Frozen weights (Note [frozen units]): the model dtype only, divided by N at stage 3.
     frozen = (shape.n_params - trained) * w.param_bytes // (n if choice.stage == 3 else 1)
     full = replace(full, parameters=full.parameters + frozen, frozen=frozen)
+    if w.scope == "hpz":  # the secondary partition: p·Ψ/k per rank on the device (Note [hpZ secondary partition])
+        full = replace(full, secondary=w.param_bytes * shape.n_params // topo.node_dp)
     bucket_numel = int(w.bucket_size_mb * 2**20) // w.param_bytes
     run_numel = (shape.block_params if choice.stage == 3 else min(bucket_numel, shape.n_params)) // n
     n_runs = shape.n_layers + 1 if choice.stage == 3 else -(-shape.n_params // max(1, bucket_numel))
     gpu, cpu, nvme = _placement(choice, full, trained // n, run_numel, n_runs, w, hw.accelerator)
     gpu = MemoryReport(gpu.parameters, gpu.gradients, gpu.master_weights, gpu.optimizer_states,
-                       buffers=_buffers(choice, shape, w) + gpu.buffers,
+                       buffers=_buffers(choice, shape, w) + gpu.buffers, secondary=full.secondary,  # (on the device)
                        frozen=frozen if choice.offload_params is None or not hw.accelerator else 0)
     act = activation_bytes(shape, w.micro_batch, w.seq_len, w.param_bytes,
                            checkpointing=choice.activation_checkpointing, eager_attention=w.eager_attention)
@@ -254,7 +293,8 @@ def estimate(choice: Choice, shape: ModelShape, hw: Hardware, w: Workload) -> Es
     saved = params // (1 if choice.stage == 3 else n) + full.master_weights + full.optimizer_states
     if choice.stage == 0:
         saved = params // n + (full.master_weights + full.optimizer_states) // n  # ranks split the writing
-    est = Estimate(choice, gpu, act, cpu, nvme, checkpoint_async_cpu=saved * n, n_gpus=n)
+    est = Estimate(choice, gpu, act, cpu, nvme, checkpoint_async_cpu=saved * hw.n_gpus, n_gpus=hw.n_gpus,
+                   traffic=traffic)
     return _judge(est, hw)
 
 
@@ -285,4 +325,5 @@ class Plan:
 
 
 def plan(shape: ModelShape, hw: Hardware, w: Workload, choices: Optional[list[Choice]] = None) -> Plan:
-    return Plan(shape, hw, w, tuple(estimate(c, shape, hw, w) for c in (choices or all_choices())))
+    choices = choices or [c for c in all_choices() if w.scope != "hpz" or c.stage == 3]  # (hpZ is stage 3)
+    return Plan(shape, hw, w, tuple(estimate(c, shape, hw, w) for c in choices))

@@ -30,6 +30,8 @@ class ModelShape:
     d_ff: int = 0
     """MLP width; 0 means 4 × d_model."""
     name: str = "model"
+    block_numel: int = 0
+    """Exact parameters of one block when known; 0 means the count from the widths."""
 
     def __post_init__(self) -> None:
         for field in ("n_params", "n_layers", "d_model", "n_heads", "vocab"):
@@ -38,6 +40,8 @@ class ModelShape:
                 raise ValueError(f"ModelShape.{field}={value!r} must be a positive integer")
         if self.d_ff < 0:
             raise ValueError(f"ModelShape.d_ff={self.d_ff!r} must be >= 0 (0 means 4 × d_model)")
+        if not isinstance(self.block_numel, int) or not 0 <= self.block_numel <= self.n_params:
+            raise ValueError(f"ModelShape.block_numel={self.block_numel!r} must be an int in [0, n_params]")
 
     @property
     def ffn(self) -> int:
@@ -46,6 +50,8 @@ class ModelShape:
     @property
     def block_params(self) -> int:
         """Parameters of one block (the stage-3 gather unit): attention 4d² + MLP 2·d·ffn."""
+        if self.block_numel:
+            return self.block_numel
         return min(self.n_params, 4 * self.d_model ** 2 + 2 * self.d_model * self.ffn)
 
     @classmethod

@@ -12,14 +12,15 @@ def plan_markdown(p: Plan) -> str:
             "trainable parameters" if w.trainable_fraction == 1 else
             f"parameters, {w.trainable_fraction:.2%} trainable (the rest frozen: weights only)")
         + f", {s.n_layers} layers, d_model {s.d_model}, vocab {s.vocab}",
-        f"hardware: {hw.n_gpus} GPU(s) × {fmt_bytes(hw.gpu_memory)}, CPU {fmt_bytes(hw.cpu_memory)}, "
+        f"hardware: {hw.nodes} node(s) × {hw.n_gpus} GPU(s) × {fmt_bytes(hw.gpu_memory)}, tp {w.tp}, "
+        f"{w.scope} sharding, CPU {fmt_bytes(hw.cpu_memory)} per node, "
         f"NVMe {fmt_bytes(hw.nvme)} ({hw.usable_fraction:.0%} of GPU/CPU memory usable)",
         f"workload: micro-batch {w.micro_batch} × {w.seq_len} tokens per GPU, "
         f"{w.mixed_precision or 'fp32'}, {w.optim_bytes_per_param} optimizer bytes/param",
         "",
         "| configuration | GPU model states | GPU buffers | activations | GPU total | CPU (node) "
-        "| NVMe | + async ckpt CPU | fits |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| NVMe | + async ckpt CPU | bytes/step intra-node | inter-node | fits |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     best = p.recommended
     for e in p.estimates:
@@ -27,14 +28,16 @@ def plan_markdown(p: Plan) -> str:
         lines.append(
             f"| {e.choice.label} | {fmt_bytes(e.gpu_states.model_states)} | {fmt_bytes(e.gpu_states.buffers)} "
             f"| {fmt_bytes(e.activations)} | {fmt_bytes(e.gpu_total)} | {fmt_bytes(e.cpu_total)} "
-            f"| {fmt_bytes(e.nvme_total)} | {fmt_bytes(e.checkpoint_async_cpu)} | {mark} |")
+            f"| {fmt_bytes(e.nvme_total)} | {fmt_bytes(e.checkpoint_async_cpu)} | {fmt_bytes(e.traffic.intra_node)} "
+            f"| {fmt_bytes(e.traffic.inter_node)} | {mark} |")
     lines.append("")
     if best is None:
         lines.append("nothing fits: add GPUs, use a smaller micro-batch, or offload to NVMe with more space.")
     else:
         c = best.choice
-        kw = {**c.zero_kwargs(), **({"mixed_precision": w.mixed_precision} if w.mixed_precision else {})}
-        args = [f"{k}={v!r}" for k, v in kw.items()]
+        kw = {**c.zero_kwargs(), **({"mixed_precision": w.mixed_precision} if w.mixed_precision else {}),
+              **({"mesh": "mesh_2d"} if w.scope != "flat" else {}), **({"hpz": True} if w.scope == "hpz" else {})}
+        args = [f"{k}={v if k == 'mesh' else repr(v)}" for k, v in kw.items()]
         lines.append(f"recommended (fastest that fits): {c.label}: "
                      f"zeroshard.ZeroOptimizer(model, torch.optim.AdamW, {', '.join(args)})"
                      + (" with activation checkpointing" if c.activation_checkpointing else ""))

@@ -116,6 +116,8 @@ class ParameterGatherer:
         self.sharded: dict[int, nn.Parameter] = {}
         """id(unsharded parameter) -> the sharded Parameter shown outside use (Note [sharded parameters])."""
         self._regs: list[list[tuple[nn.Module, str, nn.Parameter]]] = [[] for _ in self.units]
+        self.secondary: Optional[Any] = None
+        """hpZ's SecondaryPartition (zeroshard/stages/stage3/secondary.py), which gathers units then."""
         self._make_sharded()
 
     # -- sharded parameters (Note [sharded parameters]) -------------------------------------------
@@ -219,6 +221,9 @@ class ParameterGatherer:
         self._launch(ui)
 
     def _launch(self, ui: int) -> None:
+        if self.secondary is not None:  # hpZ: inside the node (Note [hpZ secondary partition])
+            self._work[ui] = self.secondary.gather(ui)
+            return
         unit = self.units[ui]
         lo, hi = unit.owned
         if unit.swapped("shard"):

@@ -16,6 +16,7 @@ from torch import nn
 
 from zeroshard.optim.flat_unit import alloc_storage, free_storage, is_allocated
 from zeroshard.optim.registry import optimizer_for
+from zeroshard.stages.stage3.secondary import params_written
 
 
 def swap_meta_parameters(model: nn.Module, device: torch.device, frozen_too: bool = False) -> dict[int, torch.Size]:
@@ -108,6 +109,7 @@ def init_meta_weights(model: nn.Module, seed: int = 0) -> None:
         for m, seg in zip(unit.members, unit.layout.segments):
             unit.load_segment(seg.offset, m.param.detach().reshape(-1).float())
         unit.needs_init = False
+        params_written(unit)  # (hpZ: the secondary slice follows)
         for p in temporary:
             owner, seg = where[id(p)]
             restore_parameter(owner, seg, p)

@@ -18,6 +18,7 @@ from torch import nn
 from zeroshard.checkpoint.shard_file import DTYPES
 
 from zeroshard.optim.registry import optimizer_for
+from zeroshard.stages.stage3.secondary import params_written
 
 
 def _weight_map(path: str) -> dict[str, str]:
@@ -171,6 +172,7 @@ def _load(opt, model: nn.Module, path: str, files: dict, handle, strict: bool) -
                 unit.load_segment(a, values.float() if unit.separate_master else values)
         if complete:  # (a unit of PEFT adapters stays to be initialised: init_meta_weights)
             unit.needs_init = False
+        params_written(unit)  # (hpZ: the secondary slice follows)
     for key, t in model.state_dict(keep_vars=True).items():
         if id(t) in where:
             continue
