@@ -9,6 +9,10 @@ at stages 2-3, so only this rank's slice remains), and that slice alone is then 
 across the replicas: the slow links carry 1/shard_size of the gradient, and parameter gathers
 (after the step, or stage 3's per unit) never leave the shard group. Each replica steps the
 same slices, so replicas stay identical without exchanging parameters.
+
+A mesh with a dimension named "tp" is a (dp, tp) mesh for tensor parallelism: zeroshard takes
+the other dimension(s) as its data-parallel mesh (Note [tensor-parallel parameters] in
+``tensor_parallel.py``).
 """
 from __future__ import annotations
 
@@ -30,6 +34,12 @@ def groups_from(process_group: Optional[dist.ProcessGroup], mesh: Any) -> tuple[
         raise RuntimeError(f"mesh= needs torch.distributed.device_mesh: {exc}") from exc
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if "tp" in names:  # Note [tensor-parallel parameters]: zeroshard shards over the other dimensions
+        rest = tuple(n for n in names if n != "tp")
+        if not rest:
+            raise ValueError("mesh has only a 'tp' dimension; pass the ('dp', 'tp') mesh or its mesh['dp']")
+        mesh = mesh[rest[0]] if len(rest) == 1 else mesh[rest]
     if mesh.ndim == 1:
         return mesh.get_group(0), None
     if mesh.ndim == 2:

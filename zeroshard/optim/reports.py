@@ -42,7 +42,8 @@ def comm_report(opt: Any, reset: bool = False) -> dict[str, dict]:
     """``memory_report``'s sibling: what this rank's collectives moved since construction
     (or the last ``reset``), by kind: calls, bytes and the group dimension crossed."""
     out = {}
-    for comm, suffix in ((opt.comm, ""), (opt.replicas, "@replicate")):
+    tp = getattr(opt, "tp", None)
+    for comm, suffix in ((opt.comm, ""), (opt.replicas, "@replicate"), (tp.comm if tp else None, "@tp")):
         if comm is None:
             continue
         out.update({kind + suffix: {"calls": t.calls, "bytes": t.bytes, "dimension": t.dimension}

@@ -15,7 +15,6 @@ Lifecycle of one step (stages 0-2):
 from __future__ import annotations
 
 import functools
-import math
 import weakref
 from typing import Any, Callable, Optional
 
@@ -24,11 +23,13 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard.comm import Comm
+from zeroshard.comm import tensor_parallel
 from zeroshard.comm.mesh import groups_from
+from zeroshard.comm.tensor_parallel import local_of
 from zeroshard.config import ZeroConfig
 from zeroshard.layout import Segment, build_layouts, layouts_for
 from zeroshard.memory import MemoryReport
-from zeroshard.optim import hooks, kernel_choice, lifecycle, registry, reports, state_io, untouched
+from zeroshard.optim import grad_norm, hooks, kernel_choice, lifecycle, registry, reports, state_io, untouched
 from zeroshard.optim.elementwise import check_elementwise
 from zeroshard.optim.flat_unit import FlatUnit, Placement
 from zeroshard.optim.grad_links import GradLinks
@@ -86,14 +87,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.replicas: Optional[Comm] = Comm(replicate_group, dimension="replicate") if replicate_group else None
         self.shard_group_ranks: Optional[list[list[int]]] = (  # every shard group's ranks, replica by replica
             [row.tolist() for row in mesh.mesh] if self.replicas is not None else None)
+        params = [t for g in groups for t in g["params"]]
+        self.tp = tensor_parallel.detect(params, names, self.comm, self.config, self.replicas is not None)
         # Ranks start from one model, as with DDP and DeepSpeed: rank 0's values everywhere
-        # (across replicas first, then within the shard group).
-        values = [t for g in groups for t in g["params"]] + (list(module.buffers()) if module is not None else [])
+        # (across replicas first, then within the shard group; TP shards are each dp group's own).
+        values = [local_of(t) for t in params] + (list(module.buffers()) if module is not None else [])
         if self.replicas is not None:
             self.replicas.broadcast_tensors(values)
+        if self.tp is not None:
+            self.tp.comm.broadcast_tensors([t for t in params if id(t) not in self.tp.params]
+                                           + (list(module.buffers()) if module is not None else []))
         self.comm.broadcast_tensors(values)
         self.policy = policy_for_stage(self.config.stage)
-        trainable = trainable_params(groups, names, meta_shapes, self.policy.shard_parameters)
+        trainable = trainable_params(groups, names, {**meta_shapes, **(self.tp.local_shapes() if self.tp else {})},
+                                     self.policy.shard_parameters)
         lifecycle.check_unclaimed([m.param for m in trainable], names)
         param_dtype = _DTYPES[self.config.mixed_precision] or single_dtype(trainable)
         if self.config.mixed_precision is not None:  # frozen weights compute in the model dtype too
@@ -301,21 +308,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ``step`` therefore sees the unclipped gradients again and sets the same coefficient."""
         norm_type = float(norm_type)
         overflow = self._finalize_grads()
-        device = self.units[0].grad_store.device if self.units else torch.device("cpu")
-        if norm_type == math.inf:
-            parts = self._map_owned_grads(lambda g: g.abs().max())
-            local = torch.stack(parts).max() if parts else torch.zeros((), device=device)
-            total = local.clone()
-            if self.policy.shard_optimizer:
-                self.comm.all_reduce(total.view(1), op=dist.ReduceOp.MAX, what="norm")
-        else:
-            parts = self._map_owned_grads(lambda g: torch.linalg.vector_norm(g, norm_type, dtype=torch.float64)
-                                          ** norm_type,
-                                          cached=(lambda s: s["sqnorm"]) if norm_type == 2.0 else None)
-            local = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64, device=device)
-            if self.policy.shard_optimizer:
-                self.comm.all_reduce(local.view(1), what="norm")
-            total = (local ** (1.0 / norm_type)).to(self.units[0].master.dtype if self.units else torch.float32)
+        total = grad_norm.global_norm(self, norm_type)
         if not torch.isfinite(total):
             if error_if_nonfinite and not overflow:
                 raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total.item()}")
