@@ -93,8 +93,20 @@ def test_dp2_tp2_checkpoint_exports_to_one_hugging_face_directory(trained, tmp_p
 
 def test_dtensor_parameters_refuse_what_is_not_supported(tmp_path):
     """Stage 3, mixed precision and a data-parallel group that includes the tp ranks are refused
-    with one clear error each."""
+    with one clear error each; the dp sub-mesh is accepted like the 2-D mesh."""
     for r in run_ranks(w.refusals_worker, 2, tmp_path):
         assert "stage=3 is not supported with DTensor" in r["stage3"], r
         assert "mixed_precision='bf16' is not supported with tensor parallelism" in r["bf16"], r
         assert "share ranks" in r["no_dp_group"] and "mesh_dim_names=('dp', 'tp')" in r["no_dp_group"], r
+        assert r["dp_submesh"] == "accepted", r  # mesh=mesh["dp"] is the other spelling
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_dtensor_gradients_are_dtensors_over_the_averaged_gradient(tmp_path, stage):
+    """p.grad of a TP-sharded parameter is a DTensor: its norm is the one-process gradient's,
+    opt.clip_grad_norm_ is the global norm, and halving every .grad in place halves it."""
+    for r in run_ranks(w.grads_worker, 4, tmp_path, stage):
+        assert r["kind"] == "DTensor", r
+        assert r["norm"] == pytest.approx(r["want_param"], rel=1e-5), r
+        assert r["before"] == pytest.approx(r["want"], rel=1e-5), r
+        assert r["after"] == pytest.approx(r["before"] / 2, rel=1e-6), r

@@ -149,7 +149,7 @@ def refusals_worker(rank: int, world: int, out_path: str) -> None:
     """What ZeroOptimizer refuses with DTensor parameters, each as one clear error."""
     mesh = tp_mesh(1, 2)
     cases = {"stage3": dict(stage=3, mesh=mesh), "bf16": dict(stage=2, mesh=mesh, mixed_precision="bf16"),
-             "no_dp_group": dict(stage=2)}
+             "no_dp_group": dict(stage=2), "dp_submesh": dict(stage=2, mesh=mesh["dp"])}
     out = {}
     for name, kwargs in cases.items():
         model = parallelize(llama(), mesh["tp"])
@@ -160,3 +160,27 @@ def refusals_worker(rank: int, world: int, out_path: str) -> None:
             out[name] = str(exc)
     with open(f"{out_path}.rank{rank}", "w") as f:
         json.dump(out, f)
+
+
+def grads_worker(rank: int, world: int, out_path: str, stage: int) -> None:
+    """After backward ``p.grad`` of a DTensor parameter is a DTensor over zeroshard's averaged
+    gradient: torch's norm of it is the reference's, and scaling it in place reaches the store."""
+    mesh = tp_mesh(2, 2)
+    ref = llama()
+    batch = tokens(0)
+    ref(input_ids=batch, labels=batch).loss.backward()
+    model = parallelize(llama(), mesh["tp"])
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, stage=stage, mesh=mesh)
+    d = mesh.get_local_rank("dp")
+    model(input_ids=batch[2 * d:2 * d + 2], labels=batch[2 * d:2 * d + 2]).loss.backward()
+    p = model.model.layers[0].self_attn.o_proj.weight
+    norm = torch.linalg.vector_norm(p.grad)
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    before = float(opt.clip_grad_norm_(1e9))
+    for q in model.parameters():
+        q.grad.mul_(0.5)
+    after = float(opt.clip_grad_norm_(1e9))
+    want = float(torch.nn.utils.get_total_norm([q.grad for q in ref.parameters()]))
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump({"kind": type(p.grad).__name__, "norm": norm, "before": before, "after": after, "want": want,
+                   "want_param": float(ref.model.layers[0].self_attn.o_proj.weight.grad.norm())}, f)

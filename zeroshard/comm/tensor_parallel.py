@@ -67,8 +67,10 @@ def as_param_grad(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     if not is_dtensor(param):
         return local
     from torch.distributed.tensor import DTensor
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())
+    # Built around ``local`` itself, not through ``from_local``: that takes a view of it, which
+    # for a ShardedTensor piece (stage 2) would gather the whole gradient into a detached
+    # tensor, and in-place changes to ``.grad`` would no longer reach the store.
+    return DTensor(local, param._spec, requires_grad=False)
 
 
 @dataclass(frozen=True)
