@@ -69,12 +69,14 @@ def test_dp2_tp2_trains_like_one_process(trained):
         assert r["same_layout"] <= 1e-6, r
 
 
-@pytest.mark.parametrize("layout", ["dp4", "hybrid", "dp1"])
+@pytest.mark.parametrize("layout", ["dp4", "hybrid", "dp1", "tp4", "dp2tp2"])
 def test_dp2_tp2_checkpoint_loads_at_other_layouts(trained, layout, tmp_path):
     """The checkpoint written at dp 2 x tp 2 loads at dp 4 x tp 1, a hybrid (2 groups x 2)
-    mesh and one process; weights and Adam moments equal the source's full state."""
+    mesh, one process, dp 1 x tp 4 (other chunks) and dp 2 x tp 2 at the other stage; weights
+    and Adam moments equal the source's full state."""
     stage, ckpt, _ = trained
-    for r in run_ranks(w.load_worker, 1 if layout == "dp1" else 4, tmp_path, layout, stage, ckpt):
+    target_stage = 3 - stage if layout == "dp2tp2" else stage
+    for r in run_ranks(w.load_worker, 1 if layout == "dp1" else 4, tmp_path, layout, target_stage, ckpt):
         assert r["diff"] <= 1e-6 and r["resharded"], r
 
 

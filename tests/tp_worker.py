@@ -131,13 +131,19 @@ def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> floa
 
 def load_worker(rank: int, world: int, out_path: str, layout: str, stage: int, ckpt: str) -> None:
     """Loads the dp 2 x tp 2 checkpoint at ``layout`` ("dp4": plain data parallel over 4 ranks,
-    "hybrid": a (replicate 2, shard 2) mesh, "dp1": one process) and compares its full state
-    with the source's."""
+    "hybrid": a (replicate 2, shard 2) mesh, "dp1": one process, "tp4": dp 1 x tp 4,
+    "dp2tp2": the writing layout) at ``stage`` and compares its full state with the source's."""
     model = llama()
     kwargs: dict[str, Any] = {}
     if layout == "hybrid":
         from torch.distributed.device_mesh import init_device_mesh
         kwargs["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    elif layout == "tp4":  # other chunks of the same tensors (loaded, not run: 8-row chunks split heads)
+        kwargs["mesh"] = tp_mesh(1, 4)
+        model = parallelize(model, kwargs["mesh"]["tp"])
+    elif layout == "dp2tp2":  # the writing layout at the other stage: other owned ranges
+        kwargs["mesh"] = tp_mesh(2, 2)
+        model = parallelize(model, kwargs["mesh"]["tp"])
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, stage=stage, **kwargs)
     info = zeroshard.load_checkpoint(ckpt, model=model, optimizer=opt)
     diff = compare(full_state(model, opt), torch.load(f"{ckpt}.source.pt", weights_only=True))
