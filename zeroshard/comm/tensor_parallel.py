@@ -14,7 +14,7 @@ zeroshard shards along "dp" only, and to it a DTensor parameter is its local ten
   elements; replicated parameters such as norms get identical gradients on every tp rank,
   because TP's own collectives made their inputs identical). After backward ``p.grad`` is a
   DTensor over the tp mesh whose local tensor is the published gradient (a view at stages
-  0-1, a ``ShardedTensor`` piece at stage 2);
+  0-1, a ``ShardedTensor`` piece at stages 2-3);
 - a clipping norm counts every element once: TP-sharded pieces on every tp rank, replicated
   ones on tp rank 0 only, summed over dp and then over tp;
 - checkpoints record, per TP-sharded tensor, the global name and shape and how the tensor
@@ -23,10 +23,13 @@ zeroshard shards along "dp" only, and to it a DTensor parameter is its local ten
   layout reads the chunks' rows it needs and assembles its own part
   (``zeroshard/checkpoint/tp_layout.py``). Replicated parameters are written by tp rank 0.
 
+Stage 3: the parameter between uses (Note [sharded parameters]) is a DTensor with the
+parameter's placements around the ``ShardedTensor`` of its owned piece; while its unit is
+gathered the module holds the original DTensor, whose local tensor views the gathered buffer.
+
 Limits: fp32 parameters only (the DTensor wrapper keeps its dtype, so a bf16 flat buffer
-cannot stand behind it), stages 0-2 (stage 3 registers its own sharded parameters in the
-modules, which would have to wrap DTensors: refused), no NVMe offload, no hybrid (3-D)
-mesh, DTensors on a 1-D mesh with ``Shard`` or ``Replicate`` placements.
+cannot stand behind it), no NVMe offload, no hybrid (3-D) mesh, DTensors on a 1-D mesh with
+``Shard`` or ``Replicate`` placements.
 """
 from __future__ import annotations
 
@@ -71,6 +74,15 @@ def as_param_grad(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     # for a ShardedTensor piece (stage 2) would gather the whole gradient into a detached
     # tensor, and in-place changes to ``.grad`` would no longer reach the store.
     return DTensor(local, param._spec, requires_grad=False)
+
+
+def as_sharded_parameter(param: torch.Tensor, sharded: torch.Tensor) -> torch.nn.Parameter:
+    """Stage 3's parameter between uses (Note [sharded parameters]): ``sharded`` itself, or
+    for a DTensor parameter a DTensor with its placements around it."""
+    if not is_dtensor(param):
+        return torch.nn.Parameter(sharded, requires_grad=param.requires_grad)
+    from torch.distributed.tensor import DTensor
+    return torch.nn.Parameter(DTensor(sharded, param._spec, requires_grad=False), requires_grad=param.requires_grad)
 
 
 @dataclass(frozen=True)
@@ -188,10 +200,6 @@ def detect(params: list[torch.Tensor], names: dict[int, str], dp: Comm, config: 
     if not dts:
         return None
     first = names.get(id(dts[0]), "?")
-    if config.stage == 3:
-        raise ValueError(f"parameter {first!r} is a DTensor (tensor parallelism): stage=3 is not supported with "
-                         "DTensor parameters yet; use stage=1 or 2 (they shard the optimizer state and "
-                         "gradients over the 'dp' dimension)")
     if config.mixed_precision is not None:
         raise ValueError(f"parameter {first!r} is a DTensor: mixed_precision={config.mixed_precision!r} is not "
                          "supported with tensor parallelism (the DTensor keeps its dtype); use fp32 parameters")
