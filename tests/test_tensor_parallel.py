@@ -93,13 +93,31 @@ def test_dp2_tp2_checkpoint_exports_to_one_hugging_face_directory(trained, tmp_p
         assert torch.equal(p.detach(), source[f"w:{n}"]), n
 
 
+@pytest.mark.parametrize("split", [{"dim": 2, "sizes": [32, 32]}, {"dim": 1, "sizes": [32, 31]},
+                                   {"dim": 1, "sizes": "32,32"}, {"dim": 1, "sizes": [32, 32], "x": 0}])
+def test_a_malformed_split_makes_the_checkpoint_corrupt(trained, tmp_path, split):
+    """A split naming a dimension the tensor lacks, sizes that do not add up to it, or a
+    malformed entry is refused when the manifest is read (a load falls back, verify fails)."""
+    import glob
+    import shutil
+    from zeroshard.checkpoint import locate, manifest
+    from zeroshard.checkpoint.errors import CheckpointCorruptError
+    _, ckpt, _ = trained
+    step = shutil.copytree(glob.glob(f"{ckpt}/step-*")[0], str(tmp_path / "step-00000008"))
+    body = manifest.read(step)
+    body["tensors"]["model.layers.0.self_attn.o_proj.weight"]["split"] = split
+    manifest.write(f"{step}/manifest.json", body)  # (a valid checksum over the edited manifest)
+    with pytest.raises(CheckpointCorruptError, match="split"):
+        locate.check_step(step)
+
+
 def test_dtensor_parameters_refuse_what_is_not_supported(tmp_path):
     """Mixed precision and a data-parallel group that includes the tp ranks are refused with one
     clear error each; the dp sub-mesh is accepted like the 2-D mesh."""
     for r in run_ranks(w.refusals_worker, 2, tmp_path):
         assert "mixed_precision='bf16' is not supported with tensor parallelism" in r["bf16"], r
         assert "share ranks" in r["no_dp_group"] and "mesh_dim_names=('dp', 'tp')" in r["no_dp_group"], r
-        assert r["dp_submesh"] == "accepted", r  # mesh=mesh["dp"] is the other spelling
+        assert r["dp_submesh"] == "accepted" and r["dp_group"] == "accepted", r  # the other spellings
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -160,7 +160,8 @@ def refusals_worker(rank: int, world: int, out_path: str) -> None:
     """What ZeroOptimizer refuses with DTensor parameters, each as one clear error."""
     mesh = tp_mesh(1, 2)
     cases = {"bf16": dict(stage=2, mesh=mesh, mixed_precision="bf16"),
-             "no_dp_group": dict(stage=2), "dp_submesh": dict(stage=2, mesh=mesh["dp"])}
+             "no_dp_group": dict(stage=2), "dp_submesh": dict(stage=2, mesh=mesh["dp"]),
+             "dp_group": dict(stage=2, process_group=mesh["dp"].get_group())}
     out = {}
     for name, kwargs in cases.items():
         model = parallelize(llama(), mesh["tp"])
