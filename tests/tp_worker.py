@@ -64,8 +64,7 @@ def train(model: torch.nn.Module, opt: Any, dp_rank: int, dp_size: int, steps: i
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from zeroshard.comm.tensor_parallel import is_dtensor
     from zeroshard.optim.registry import optimizer_for
-    opt = optimizer_for(model)
-    if opt is not None and opt.stage == 3:
+    if optimizer_for(model) is not None:  # global tensors at every stage
         full = zeroshard.full_state_dict(model, rank0_only=False)
         return {n: full[n] for n, _ in model.named_parameters()}
     return {n: (p.detach().full_tensor() if is_dtensor(p) else p.detach()).clone() for n, p in model.named_parameters()}

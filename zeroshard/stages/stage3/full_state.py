@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from zeroshard.comm.tensor_parallel import is_dtensor
 from zeroshard.optim.registry import optimizer_for
 
 
@@ -17,6 +18,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True)
     opt = optimizer_for(model)
     live = model.state_dict(keep_vars=True)
     if opt is None or opt.gatherer is None:  # stages 0-2: every rank holds full parameters
+        live = {k: v.detach().full_tensor() if is_dtensor(v) else v for k, v in live.items()}  # (TP: global)
         out = {k: (v.detach().cpu() if cpu else v.detach()).clone() for k, v in live.items()}
         return None if rank0_only and (opt is not None and opt.comm.rank != 0) else out
     keep = not rank0_only or opt.comm.rank == 0
