@@ -9,12 +9,14 @@ plus a few checksum blocks, below one output shard, whatever the model size.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from typing import Callable, Iterator, Optional, Union
 
 import torch
 
+from zeroshard.checkpoint import tp_layout
 from zeroshard.checkpoint.pieces import PARAM
 from zeroshard.checkpoint.shard_file import DTYPES, ShardReader, header_bytes, tensor_bytes, write_stream
 
@@ -170,10 +172,29 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
 
 def _pieces(step_dir: str, body: dict, readers: dict[str, ShardReader], name: str,
             out: torch.dtype) -> Iterator[memoryview]:
-    """The bytes of tensor ``name`` in ``out`` dtype, one saved piece at a time."""
-    for p in body["tensors"][body.get("aliases", {}).get(name, name)]["pieces"]:
+    """The bytes of tensor ``name`` in ``out`` dtype, one saved piece at a time (a tensor stored
+    in tp chunks along a dimension > 0 is put back in order a few rows at a time: Note [stored
+    order] in tp_layout.py)."""
+    meta = body["tensors"][body.get("aliases", {}).get(name, name)]
+    split = tp_layout.split_of(meta)
+    if split is not None and split.dim > 0:
+        numel = math.prod(meta["shape"])
+        for lo in range(0, numel, _CHUNK_ELEMS):
+            ranges, build = tp_layout.plan(meta["shape"], split, None, lo, min(numel, lo + _CHUNK_ELEMS))
+            parts = [_stored(step_dir, body, readers, meta, a, b) for a, b in ranges]
+            yield tensor_bytes(build(parts).to(out))
+        return
+    for p in meta["pieces"]:
         key = p["keys"][PARAM]  # present and matching the header: checked before writing
         reader = _reader(step_dir, body, readers, p["file"])
         n = p["stop"] - p["start"]
         for lo in range(0, n, _CHUNK_ELEMS):  # a tensor bigger than a shard streams in chunks too
             yield tensor_bytes(reader.get(key, lo, min(n, lo + _CHUNK_ELEMS)).to(out))
+
+
+def _stored(step_dir: str, body: dict, readers: dict[str, ShardReader], meta: dict, a: int, b: int) -> torch.Tensor:
+    """Elements ``[a, b)`` of a tensor in its stored order, from the pieces holding them."""
+    parts = [_reader(step_dir, body, readers, p["file"]).get(p["keys"][PARAM], max(a, p["start"]) - p["start"],
+                                                             min(b, p["stop"]) - p["start"])
+             for p in meta["pieces"] if p["start"] < b and p["stop"] > a]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=DTYPES[meta["dtype"]])

@@ -149,14 +149,14 @@ def frozen_pieces(opt: Any) -> list[PieceRecord]:
     return records
 
 
-def frozen_needed(opt: Any, saved: set[str]) -> Iterator[tuple[str, int, int, FrozenRun, Any]]:
-    """(name, [a, b), target, piece) of the frozen-unit pieces this rank loads from a
+def frozen_needed(opt: Any, saved: set[str]) -> Iterator[tuple[str, int, int, FrozenRun, Any, None]]:
+    """(name, [a, b), where it goes, piece, no tensor-parallel split) of the frozen-unit pieces this rank loads from a
     checkpoint that holds them (saved with ``save_frozen=True``, or before frozen units)."""
     for u in _managed_frozen(opt):
         lo, hi = u.owned
         for piece in u.layout.pieces_in(lo, hi):
             if piece.segment.name in saved:
-                yield piece.segment.name, piece.start, piece.stop, FrozenRun(u), piece
+                yield piece.segment.name, piece.start, piece.stop, FrozenRun(u), piece, None
 
 
 def check_base(record: Any, names: list[str], model: Optional[nn.Module], opt: Any, where: str) -> None:

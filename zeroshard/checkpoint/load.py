@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from zeroshard.optim.registry import optimizer_for
-from zeroshard.checkpoint import frozen_base, jsontree, locate, trainer_state
+from zeroshard.checkpoint import frozen_base, jsontree, locate, tp_layout, trainer_state
 from zeroshard.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map
 from zeroshard.checkpoint.shard_file import DTYPES, ShardReader
@@ -60,9 +60,23 @@ class _Source:
                 yield ps[i]
             i += 1
 
-    def plan(self, name: str, a: int, b: int, kinds: Optional[set[str]]) -> None:
-        """Checks the pieces holding ``name[a:b]`` and notes their byte ranges for ``kinds``
-        (None: all); ``read_planned`` then reads and verifies them."""
+    def _ranges(self, name: str, a: int, b: int, target: tp_layout.Target):
+        """Stored ranges for ``[a, b)`` of ``target``'s view and how to assemble them, or None
+        where the stored order is the reader's (Note [stored order])."""
+        meta = self.body["tensors"][name]
+        saved = tp_layout.split_of(meta)
+        if saved is None and target is None:
+            return None
+        return tp_layout.plan(meta["shape"], saved, target, a, b)
+
+    def plan(self, name: str, a: int, b: int, kinds: Optional[set[str]], target: tp_layout.Target = None) -> None:
+        """Checks the pieces holding ``name[a:b]`` (of ``target``'s view) and notes their byte
+        ranges for ``kinds`` (None: all); ``read_planned`` then reads and verifies them."""
+        planned = self._ranges(name, a, b, target)
+        for lo, hi in [(a, b)] if planned is None else planned[0]:
+            self._plan(name, lo, hi, kinds)
+
+    def _plan(self, name: str, a: int, b: int, kinds: Optional[set[str]]) -> None:
         for p in self.overlapping(name, a, b):
             self.reader(p["file"]).check_piece(name, p, self.body["tensors"][name]["dtype"])
             lo, hi = max(a, p["start"]) - p["start"], min(b, p["stop"]) - p["start"]
@@ -78,7 +92,17 @@ class _Source:
             self.reader(fname).load(self.planned[fname])
         self.planned.clear()
 
-    def fetch(self, name: str, a: int, b: int, kind: str) -> Optional[torch.Tensor]:
+    def fetch(self, name: str, a: int, b: int, kind: str, target: tp_layout.Target = None) -> Optional[torch.Tensor]:
+        planned = self._ranges(name, a, b, target)
+        if planned is None:
+            return self._fetch(name, a, b, kind)
+        parts = [self._fetch(name, lo, hi, kind) if hi > lo else None for lo, hi in planned[0]]
+        if not any(p is not None for p in parts) or any(p is None for p, (lo, hi) in zip(parts, planned[0]) if hi > lo):
+            return None
+        dtype = next(p.dtype for p in parts if p is not None)
+        return planned[1]([p if p is not None else torch.empty(0, dtype=dtype) for p in parts])
+
+    def _fetch(self, name: str, a: int, b: int, kind: str) -> Optional[torch.Tensor]:
         parts = []
         for p in self.overlapping(name, a, b):
             key = p["keys"].get(kind)
@@ -90,7 +114,10 @@ class _Source:
             return None
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def scalar(self, name: str, a: int, b: int, key: str) -> Any:
+    def scalar(self, name: str, a: int, b: int, key: str, target: tp_layout.Target = None) -> Any:
+        planned = self._ranges(name, a, b, target)
+        if planned is not None and planned[0]:
+            a, b = next(((lo, hi) for lo, hi in planned[0] if hi > lo), planned[0][0])
         for p in self.overlapping(name, a, b):
             if key in p.get("scalars", {}):
                 return jsontree.decode(p["scalars"][key])
@@ -106,9 +133,10 @@ def _expected(model: Optional[nn.Module], opt: Any) -> dict[str, tuple[tuple[int
     out: dict[str, tuple[tuple[int, ...], bool]] = {}
     if opt is not None:
         names = name_map(model, opt)
+        tp = getattr(opt, "tp", None)
         for u in opt.units:
             for seg in u.layout.segments:
-                out[names[seg.name]] = (tuple(seg.shape), True)
+                out[names[seg.name]] = (tuple(seg.shape) if tp is None else tp.global_shape(seg.name, seg.shape), True)
         for _, seg in frozen_base.unit_segments(opt):
             out[seg.name] = (tuple(seg.shape), False)
     full, _ = full_tensors(model, opt) if model is not None else ({}, {})
@@ -153,31 +181,38 @@ def check_compatible(body: dict, model: Optional[nn.Module], opt: Any, where: st
                 "param groups (stage 3 takes the model: one group) to restore per-group hyperparameters")
 
 
+def _target(opt: Any, own: str) -> tp_layout.Target:
+    """Which part of parameter ``own`` this rank holds (None: all of it; Note [stored order])."""
+    tp = getattr(opt, "tp", None)
+    return None if tp is None else tp.split_of(own)
+
+
 def _needed(opt: Any, model: Optional[nn.Module], saved: set[str]):
-    """(name in checkpoint, [a, b), run or None) this rank must load (frozen weights only
-    where the checkpoint holds them: Note [frozen weights in checkpoints])."""
+    """(name in checkpoint, [a, b), run or None, piece, target) this rank must load (frozen
+    weights only where the checkpoint holds them: Note [frozen weights in checkpoints])."""
     if opt is not None:
         names = name_map(model, opt)
         for run in opt.runs:
             for piece in run.unit.layout.pieces_in(run.a, run.b):
-                yield names[piece.segment.name], piece.start, piece.stop, run, piece
+                yield (names[piece.segment.name], piece.start, piece.stop, run, piece,
+                       _target(opt, piece.segment.name))
         yield from frozen_base.frozen_needed(opt, saved)
     if model is not None:
         full, _ = full_tensors(model, opt)
         for n, t in full.items():
             if n in saved:
-                yield n, 0, t.numel(), None, None
+                yield n, 0, t.numel(), None, None, None
 
 
 def read_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
     """Reads and verifies every block this rank's pieces need (the RNG file is read and
     checked by ``trainer_state.prepare``)."""
-    for name, a, b, run, _ in _needed(opt, model, set(src.pieces)):
+    for name, a, b, run, _, target in _needed(opt, model, set(src.pieces)):
         if a == b:
             continue
         kinds = None if run is not None and run.unit.separate_master else {PARAM} | {
             k for p in src.pieces[name] for k in p["keys"] if k.startswith("state.")}
-        src.plan(name, a, b, kinds)
+        src.plan(name, a, b, kinds, target)
     src.read_planned()
 
 
@@ -191,8 +226,8 @@ def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
             r.max_blocks = None
     later: dict[int, list] = {}  # streamed: a run's parameter pieces, applied with its state
 
-    def put_param(name: str, a: int, b: int, run: Any, piece: Any) -> None:
-        values = src.fetch(name, a, b, PARAM)
+    def put_param(name: str, a: int, b: int, run: Any, piece: Any, target: tp_layout.Target) -> None:
+        values = src.fetch(name, a, b, PARAM, target)
         if run is None:  # whole tensors; a sharded stage-3 parameter takes its piece (and its master)
             t = state_dict[name]
             t.copy_(values.view(t.shape))
@@ -207,13 +242,13 @@ def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
             params_written(run.unit)
 
     with torch.no_grad():
-        for name, a, b, run, piece in _needed(opt, model, set(src.pieces)):
+        for name, a, b, run, piece, target in _needed(opt, model, set(src.pieces)):
             if a == b:
                 continue
             if streamed and run is not None and not isinstance(run, frozen_base.FrozenRun):
-                later.setdefault(id(run), []).append((name, a, b, run, piece))
+                later.setdefault(id(run), []).append((name, a, b, run, piece, target))
             else:
-                put_param(name, a, b, run, piece)
+                put_param(name, a, b, run, piece, target)
         if opt is None:
             managed = optimizer_for(model) if model is not None else None
             if managed is not None:  # the weights alone changed: whatever else holds them follows
@@ -229,13 +264,13 @@ def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
             keys[own] = sorted(found)
 
         def fetch(own: str, a: int, b: int, key: str) -> Any:
-            name = ckpt_name[own]
+            name, target = ckpt_name[own], _target(opt, own)
             if key == "__master__":  # no master saved (fp32 run): the parameters are the master
-                return src.fetch(name, a, b, MASTER) if any(MASTER in p["keys"] for p in src.pieces[name]) \
-                    else src.fetch(name, a, b, PARAM)
-            t = src.fetch(name, a, b, f"state.{key}") if any(
+                return src.fetch(name, a, b, MASTER, target) if any(MASTER in p["keys"] for p in src.pieces[name]) \
+                    else src.fetch(name, a, b, PARAM, target)
+            t = src.fetch(name, a, b, f"state.{key}", target) if any(
                 f"state.{key}" in p["keys"] for p in src.pieces[name]) else None
-            return t if t is not None else src.scalar(name, a, b, key)
+            return t if t is not None else src.scalar(name, a, b, key, target)
 
         # Swapped units come into memory one at a time and go back to their file after.
         for run in resident_runs(opt.runs, write=True):
@@ -275,6 +310,9 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
         raise TypeError(f"load_rng={load_rng!r} must be True or False")
     path = os.fspath(path)
     comm = optimizer.comm if optimizer is not None else _world_comm()
+    if getattr(optimizer, "tp", None) is not None:  # every rank of dp x tp takes part, as in the save
+        from zeroshard.checkpoint.saver import checkpoint_comm
+        comm = checkpoint_comm(optimizer)
     exact = locate.is_step_dir(path)
     todo = [path] if exact else locate.candidates(path)
     if not todo:
@@ -330,8 +368,19 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
     return {"step": body["step"], "path": step_dir, "extra": plan.extra,
             "skipped": skipped, "world_size": body["world_size"], "stage": body["stage"],
             "resharded": body["world_size"] != comm.world_size or
-            body["stage"] != getattr(optimizer, "stage", body["stage"]), "rng_restored": plan.rng is not None,
+            body["stage"] != getattr(optimizer, "stage", body["stage"]) or _tp_changed(body, model, optimizer),
+            "rng_restored": plan.rng is not None,
             "bytes_read": sum(r.bytes_read for r in src.readers.values())}
+
+
+def _tp_changed(body: dict, model: Optional[nn.Module], opt: Any) -> bool:
+    """The checkpoint's tensor-parallel splits differ from the optimizer's."""
+    tp = getattr(opt, "tp", None)
+    names = name_map(model, opt) if opt is not None else {}
+    mine = {ckpt: (tp.split_of(own)[0].manifest() if tp is not None and tp.split_of(own) else None)
+            for own, ckpt in names.items()}
+    saved = {n: m.get("split") for n, m in body["tensors"].items() if m.get("kind") == "sharded"}
+    return any(saved.get(n) != s for n, s in mine.items()) if opt is not None else False
 
 
 _STREAM_BLOCKS = 4

@@ -74,9 +74,15 @@ def owned_pieces(model: Optional[nn.Module], opt: Any) -> list[PieceRecord]:
         swapper = getattr(opt, "swapper", None)
         store = getattr(run.unit, "swap", None)
         state = swapper.scalars(run.tensor) if swapper is not None else opt.inner.state.get(run.tensor, {})
+        tp = getattr(opt, "tp", None)
         for piece in run.unit.layout.pieces_in(lo, hi):
             ua, ub = piece.unit_offset, piece.unit_offset + piece.numel
-            rec = PieceRecord(names[piece.segment.name], piece.start, piece.stop)
+            off = 0
+            if tp is not None:  # Note [stored order]; replicated tensors come from tp rank 0
+                if not tp.writes(piece.segment.name):
+                    continue
+                off = tp.stored_offset(piece.segment.name)
+            rec = PieceRecord(names[piece.segment.name], off + piece.start, off + piece.stop)
             # Swapped parts are read from the swap file when the writer gets to them.
             rec.tensors[PARAM] = (_deferred(run.unit.dtype, store.read_range, run.unit, "shard", ua, ub)
                                   if run.unit.swapped("shard") else run.unit.param_range(ua, ub))

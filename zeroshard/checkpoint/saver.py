@@ -75,14 +75,15 @@ class CheckpointSaver:
 
     def _comm(self, opt: Any) -> Comm:
         base = opt.comm if opt is not None else Comm(None)
-        if base.world_size == 1:
+        tp = getattr(opt, "tp", None)  # tensor parallel: every rank of dp x tp writes its part
+        if base.world_size == 1 and tp is None:
             return base
-        key = id(base.group)
+        key = id(base.group) if tp is None else ("tp", id(tp.comm.group))
         if key not in self._comms:
             # The side group must give up on a dead peer as soon as training's own group does
             # (not after gloo's 30-minute default): ZEROSHARD_PG_TIMEOUT, seconds.
             timeout = datetime.timedelta(seconds=float(os.environ.get("ZEROSHARD_PG_TIMEOUT", "1800")))
-            mine = dist.get_process_group_ranks(base.group)
+            mine = dist.get_process_group_ranks(base.group) if tp is None else tp.checkpoint_ranks
             # new_group is a collective of the whole world: under a hybrid mesh every rank makes
             # every shard group's side group, in the same order (Note [hybrid sharding]).
             rows = getattr(opt, "shard_group_ranks", None) or [mine]
@@ -106,7 +107,7 @@ class CheckpointSaver:
         # (a lambda in its sampler state) must not leave the others waiting in the commit.
         error: Optional[BaseException] = None
         try:
-            snap = _capture(step, model, opt, scheduler, dataloader, extra, comm.rank, save_frozen)
+            snap = _capture(step, model, opt, scheduler, dataloader, extra, comm.rank, comm.world_size, save_frozen)
             shapes = _shapes(model, opt, save_frozen)
         except (TypeError, ValueError, CheckpointError) as exc:
             error = exc
@@ -226,7 +227,7 @@ def _hf_config(model: Optional[nn.Module]) -> Optional[dict]:
 
 
 def _capture(step: int, model: Optional[nn.Module], opt: Any, scheduler: Any, dataloader: Any,
-             extra: Any, rank: int, save_frozen: bool = False) -> commit.Snapshot:
+             extra: Any, rank: int, world_size: int, save_frozen: bool = False) -> commit.Snapshot:
     records: list[PieceRecord] = owned_pieces(model, opt) if opt is not None else []
     if save_frozen:
         records += frozen_base.frozen_pieces(opt)
@@ -248,7 +249,7 @@ def _capture(step: int, model: Optional[nn.Module], opt: Any, scheduler: Any, da
               for g in opt.param_groups] if opt is not None else []
     snap.header = {
         "format": manifest.FORMAT, "version": manifest.VERSION, "step": step,
-        "world_size": opt.comm.world_size if opt is not None else Comm(None).world_size,
+        "world_size": world_size,
         "stage": opt.stage if opt is not None else 0,
         "mixed_precision": opt.config.mixed_precision if opt is not None else None,
         "optimizer": type(opt.inner).__name__ if opt is not None else None,
@@ -288,10 +289,15 @@ def _shapes(model: Optional[nn.Module], opt: Any, save_frozen: bool = False) -> 
     out = {}
     if opt is not None:
         names = name_map(model, opt)
+        tp = getattr(opt, "tp", None)
         for u in opt.units:
             for seg in u.layout.segments:
                 out[names[seg.name]] = {"shape": list(seg.shape), "dtype": CODES[u.flat.dtype],
                                         "group": seg.group, "kind": "sharded"}
+                if tp is not None:  # the global tensor, and how tp splits it (Note [stored order])
+                    out[names[seg.name]]["shape"] = list(tp.global_shape(seg.name, seg.shape))
+                    if tp.split_of(seg.name) is not None:
+                        out[names[seg.name]]["split"] = tp.split_of(seg.name)[0].manifest()
         if save_frozen:
             for u, seg in frozen_base.unit_segments(opt):
                 out[seg.name] = {"shape": list(seg.shape), "dtype": CODES[u.flat.dtype], "group": None,
@@ -303,6 +309,11 @@ def _shapes(model: Optional[nn.Module], opt: Any, save_frozen: bool = False) -> 
 
 
 _SAVER = CheckpointSaver()
+
+
+def checkpoint_comm(opt: Any) -> Comm:
+    """The ranks that write (and load) ``opt``'s checkpoints, on the savers' side group."""
+    return _SAVER._comm(opt)
 
 
 def wait_pending() -> None:

@@ -240,6 +240,8 @@ def _check_tensor(name: str, meta: Any, files: dict, n_groups: int, path: str) -
     for d in meta["shape"]:
         numel *= check_int(d, 0, MAX_NUMEL, path, f"{name} dimension")
     check_int(numel, 0, MAX_NUMEL, path, f"{name} numel")
+    if "split" in meta:
+        _check_split(name, meta, sharded, path)
     covered = 0
     for p in meta["pieces"]:
         if not isinstance(p, dict) or not isinstance(p.get("file"), str) or not p["file"].endswith(".safetensors") \
@@ -258,6 +260,21 @@ def _check_tensor(name: str, meta: Any, files: dict, n_groups: int, path: str) -
     if covered != numel:
         raise fail(path, f"tensor {name!r}: pieces cover {covered} of {numel} elements")
     return sharded
+
+
+def _check_split(name: str, meta: dict, sharded: bool, path: str) -> None:
+    """A TP-sharded tensor's split (Note [stored order] in tp_layout.py): a dimension of its
+    shape and chunk sizes along it that add up to that dimension."""
+    split = meta["split"]
+    if not sharded or not isinstance(split, dict) or set(split) != {"dim", "sizes"} \
+            or not isinstance(split["sizes"], list) or not 1 <= len(split["sizes"]) <= 1 << 16:
+        raise fail(path, f"tensor {name!r} has a malformed split {split!r} (a trained tensor's "
+                         "{'dim': d, 'sizes': [...]})")
+    dim = check_int(split["dim"], 0, len(meta["shape"]) - 1, path, f"{name} split dim")
+    total = sum(check_int(n, 0, MAX_NUMEL, path, f"{name} split size") for n in split["sizes"])
+    if total != meta["shape"][dim]:
+        raise fail(path, f"tensor {name!r}: split sizes {split['sizes']} add up to {total}, not dimension "
+                         f"{dim} of shape {meta['shape']}")
 
 
 def _check_keys(name: str, p: dict, sharded: bool, path: str) -> None:

@@ -13,6 +13,10 @@ same slices, so replicas stay identical without exchanging parameters.
 With ``hpz=True`` (stage 3, ZeRO++) the same 2-D mesh reads as (nodes, ranks in a node):
 state is sharded over all its ranks and the parameters get a secondary partition inside the
 node (Note [hpZ slice order] in hierarchical.py).
+
+A mesh with a dimension named "tp" is a (dp, tp) mesh for tensor parallelism: zeroshard takes
+the other dimension(s) as its data-parallel mesh (Note [tensor-parallel parameters] in
+``tensor_parallel.py``).
 """
 from __future__ import annotations
 
@@ -37,6 +41,12 @@ def groups_from(process_group: Optional[dist.ProcessGroup], mesh: Any) -> tuple[
         raise RuntimeError(f"mesh= needs torch.distributed.device_mesh: {exc}") from exc
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if "tp" in names:  # Note [tensor-parallel parameters]: zeroshard shards over the other dimensions
+        rest = tuple(n for n in names if n != "tp")
+        if not rest:
+            raise ValueError("mesh has only a 'tp' dimension; pass the ('dp', 'tp') mesh or its mesh['dp']")
+        mesh = mesh[rest[0]] if len(rest) == 1 else mesh[rest]
     if mesh.ndim == 1:
         return mesh.get_group(0), None
     if mesh.ndim == 2:
@@ -66,6 +76,9 @@ def _hpz_comm(process_group: Optional[dist.ProcessGroup], mesh: Any) -> Hierarch
                          "init_device_mesh('cuda', (nodes, gpus_per_node)), and no process_group=: the "
                          "secondary partition lives in dimension 1, inside each node")
     groups_from(None, mesh)  # (the type checks)
+    if "tp" in tuple(getattr(mesh, "mesh_dim_names", None) or ()):
+        raise ValueError("hpz=True with tensor parallelism (a mesh with a 'tp' dimension) is not supported yet; "
+                         "use hpZ on a (nodes, ranks per node) data-parallel mesh, or TP without hpz")
     if sorted(mesh.mesh.flatten().tolist()) != list(range(dist.get_world_size())):
         raise ValueError(f"hpz=True needs a mesh over every rank (the default group is its data-parallel "
                          f"group); this one holds {mesh.mesh.numel()} of {dist.get_world_size()} ranks (a "

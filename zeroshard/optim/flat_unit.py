@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from zeroshard.comm.tensor_parallel import is_dtensor, local_of
 from zeroshard.layout import NamedParam, UnitLayout
 from zeroshard.stages import StagePolicy
 
@@ -89,7 +90,8 @@ class FlatUnit:
         # its own precision, as torch.optim does (a 1e-9 update on 1.0 is lost in fp32).
         self.state_dtype = torch.float64 if param_dtype == torch.float64 else torch.float32
         self.separate_master = param_dtype != self.state_dtype and not frozen
-        self.needs_init = any(m.param.is_meta or m.param.numel() != m.true_shape.numel() for m in self.members)
+        self.needs_init = any(m.param.is_meta or local_of(m.param).numel() != m.true_shape.numel()
+                              for m in self.members)
         """Parameters had no values (meta device): the owner must initialise the shard."""
         self.flat = torch.zeros(layout.padded_numel, dtype=param_dtype, device=self.device)
         if policy.shard_parameters:
@@ -106,8 +108,11 @@ class FlatUnit:
         with torch.no_grad():
             for m, seg in zip(self.members, layout.segments):
                 if not self.needs_init:
-                    self.load_segment(seg.offset, m.param.detach().reshape(-1))
-                m.param.data = self.flat[seg.offset:seg.end].view(seg.shape)
+                    self.load_segment(seg.offset, local_of(m.param).detach().reshape(-1))
+                if is_dtensor(m.param):  # Note [tensor-parallel parameters]: its local shard is the view
+                    m.param._local_tensor = self.flat[seg.offset:seg.end].view(seg.shape)
+                else:
+                    m.param.data = self.flat[seg.offset:seg.end].view(seg.shape)
         if policy.shard_parameters:  # only the shard persists; gathers refill ``flat``
             free_storage(self.flat)
         self.grad_base = lo if policy.shard_gradients else 0

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from zeroshard.comm.tensor_parallel import as_param_grad, local_grad
 from zeroshard.optim.flat_unit import FlatUnit
 from zeroshard.optim.sharded_tensor import ShardedTensor
 
@@ -63,7 +64,7 @@ class GradLinks:
         self._published.clear()
         for unit, seg, p in self.entries:
             if unit.grad_valid and (only is None or id(p) in only):
-                t = self.view(unit, seg, p)
+                t = as_param_grad(p, self.view(unit, seg, p))
                 p.grad = t
                 self._published[id(p)] = t
             else:
@@ -86,13 +87,13 @@ class GradLinks:
             if g is None:
                 cleared.append((seg, p))
             else:
-                replaced.append((seg, p, g))
+                replaced.append((seg, p, local_grad(p, g)))
         for unit, cleared, replaced in by_unit.values():
             self._reconcile_unit(unit, cleared, replaced)
             for _, p in cleared:
                 self._published.pop(id(p), None)
             for seg, p, _ in replaced:  # linked again: later in-place changes reach the store
-                t = self.view(unit, seg, p)
+                t = as_param_grad(p, self.view(unit, seg, p))
                 p.grad = t
                 self._published[id(p)] = t
 

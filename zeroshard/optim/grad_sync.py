@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from zeroshard.comm import Comm, Work
+from zeroshard.comm.tensor_parallel import local_grad
 from zeroshard.layout import Segment
 from zeroshard.optim.flat_unit import FlatUnit
 
@@ -119,6 +120,7 @@ class GradientReducer:
         param.grad = None  # the bucket holds it now; free the model-sized copy at once
         if grad is None:
             return
+        grad = local_grad(param, grad)  # (a DTensor's local shard: Note [tensor-parallel parameters])
         if grad.layout != torch.strided:
             raise RuntimeError(
                 f"{seg.name!r} got a {grad.layout} gradient (e.g. nn.Embedding(sparse=True)); ZeroOptimizer "

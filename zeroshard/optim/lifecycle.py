@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from zeroshard.comm.tensor_parallel import is_dtensor
+
 _OWNER = "_zeroshard_owner"  # attribute on each managed parameter: weakref to its optimizer
 
 
@@ -86,7 +88,11 @@ def hand_back_stage3(gatherer: Any, units: Sequence[Any]) -> None:
     with torch.no_grad():
         for unit in units:
             for m, seg in zip(unit.members, unit.layout.segments):
-                m.param.data = unit.flat[seg.offset:seg.end].view(seg.shape).clone()
+                own = unit.flat[seg.offset:seg.end].view(seg.shape).clone()
+                if is_dtensor(m.param):  # (its local shard: Note [tensor-parallel parameters])
+                    m.param._local_tensor = own
+                else:
+                    m.param.data = own
     gatherer.release_all()
 
 

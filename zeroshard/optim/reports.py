@@ -50,7 +50,9 @@ def comm_report(opt: Any, reset: bool = False) -> dict[str, dict]:
     (or the last ``reset``), by kind: calls, bytes and the group dimension crossed."""
     out = {}
     # (hpZ: the node and inter-node levels of the data-parallel group, Note [hpZ slice order])
-    for comm, suffix in ((opt.comm, ""), (opt.replicas, "@replicate"), *getattr(opt.comm, "levels", ())):
+    tp = getattr(opt, "tp", None)
+    for comm, suffix in ((opt.comm, ""), (opt.replicas, "@replicate"), (tp.comm if tp else None, "@tp"),
+                         *getattr(opt.comm, "levels", ())):
         if comm is None:
             continue
         out.update({kind + suffix: {"calls": t.calls, "bytes": t.bytes, "dimension": t.dimension}

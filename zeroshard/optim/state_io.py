@@ -185,7 +185,7 @@ def consolidated_state_dict(opt: "ZeroOptimizer", to_rank: Optional[int]) -> Opt
             entry = {}
             for k, v in merged.get(seg.group, {}).items():
                 entry[k] = (v.clone() if isinstance(v, torch.Tensor) else v) if v is not None else \
-                    fulls[k][seg.offset:seg.end].view(seg.shape).clone()
+                    _global(opt, seg.name, fulls[k][seg.offset:seg.end].view(seg.shape).clone())
             if entry:
                 state[index[seg.name]] = entry
     if to_rank is not None and opt.comm.rank != to_rank:
@@ -198,6 +198,12 @@ def consolidated_state_dict(opt: "ZeroOptimizer", to_rank: Optional[int]) -> Opt
     return {"state": state, "param_groups": groups}
 
 
+def _global(opt: "ZeroOptimizer", name: str, t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a TP-sharded parameter's local state (a collective over tp)."""
+    tp = getattr(opt, "tp", None)
+    return t if tp is None else tp.full(name, t)
+
+
 def load_consolidated(opt: "ZeroOptimizer", sd: dict) -> None:
     if "state" not in sd or "param_groups" not in sd:
         raise ValueError(f"not an optimizer state dict: keys {sorted(sd)[:8]}; expected 'state' and "
@@ -205,6 +211,9 @@ def load_consolidated(opt: "ZeroOptimizer", sd: dict) -> None:
     _check_groups(opt, sd["param_groups"], by_name=False)
     index = _param_index(opt)
     saved = sd["state"]
+    if getattr(opt, "tp", None) is not None:  # global tensors: this tp rank's part of each
+        saved = {i: {k: opt.tp.local_part(name, v) for k, v in saved.get(i, {}).items()}
+                 for name, i in index.items()}
     numel = {seg.name: seg.numel for u in opt.units for seg in u.layout.segments}
     wrong = []
     for name, i in index.items():

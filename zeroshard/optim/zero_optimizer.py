@@ -22,7 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeroshard.comm import tensor_parallel
 from zeroshard.comm.mesh import comms_from
+from zeroshard.comm.tensor_parallel import local_of
 from zeroshard.config import ZeroConfig
 from zeroshard.layout import Segment, build_layouts, layouts_for
 from zeroshard.memory import MemoryReport
@@ -86,14 +88,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         frozen = frozen_params(module, meta_shapes) if self.policy.shard_parameters else []
         # Note [hybrid sharding], [hpZ slice order]; shard_group_ranks: rows of a hybrid mesh
         self.comm, self.replicas, self.shard_group_ranks = comms_from(process_group, mesh, self.config.hpz)
+        params = [t for g in groups for t in g["params"]]
+        self.tp = tensor_parallel.detect(params, names, self.comm, self.config, self.replicas is not None)
+        if self.tp is not None and frozen:
+            raise ValueError(f"stage 3 with tensor parallelism partitions trainable parameters only; {len(frozen)} are "
+                             f"frozen (e.g. {frozen[0].name!r}): use stage 1-2, or train them")
         # Ranks start from one model, as with DDP and DeepSpeed: rank 0's values everywhere
-        # (across replicas first, then within the shard group).
-        values = list({**{id(t): t for g in groups for t in g["params"]}, **{id(m.param): m.param for m in frozen}}.values())
+        # (across replicas first, then within the shard group; TP shards are each dp group's own).
+        values = [local_of(t) for t in {**{id(t): t for t in params}, **{id(m.param): m.param for m in frozen}}.values()]
         values += list(module.buffers()) if module is not None else []
         if self.replicas is not None:
             self.replicas.broadcast_tensors(values)
+        if self.tp is not None:
+            self.tp.comm.broadcast_tensors([t for t in params if id(t) not in self.tp.params]
+                                           + (list(module.buffers()) if module is not None else []))
         self.comm.broadcast_tensors(values)
-        trainable = trainable_params(groups, names, meta_shapes, self.policy.shard_parameters)
+        trainable = trainable_params(groups, names, {**meta_shapes, **(self.tp.local_shapes() if self.tp else {})},
+                                     self.policy.shard_parameters)
         lifecycle.check_unclaimed([m.param for m in trainable], names)
         param_dtype = _DTYPES[self.config.mixed_precision] or single_dtype(trainable)
         if self.config.mixed_precision is not None:  # frozen weights compute in the model dtype too

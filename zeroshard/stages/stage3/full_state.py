@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from zeroshard.comm.tensor_parallel import is_dtensor
 from zeroshard.optim.registry import optimizer_for
 
 
@@ -21,6 +22,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True,
     if not frozen:
         live = {k: v for k, v in live.items() if not (isinstance(v, nn.Parameter) and not v.requires_grad)}
     if opt is None or opt.gatherer is None:  # stages 0-2: every rank holds full parameters
+        live = {k: v.detach().full_tensor() if is_dtensor(v) else v for k, v in live.items()}  # (TP: global)
         out = {k: (v.detach().cpu() if cpu else v.detach()).clone() for k, v in live.items()}
         return None if rank0_only and (opt is not None and opt.comm.rank != 0) else out
     keep = not rank0_only or opt.comm.rank == 0
@@ -42,6 +44,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True,
             for key in by_unit.get(unit.layout.index, []):
                 seg = where[id(live[key])][1]
                 t = unit.flat[seg.offset:seg.end].view(seg.shape)
+                t = opt.tp.full(seg.name, t) if opt.tp is not None else t  # (a TP shard: the global tensor)
                 out[key] = (t.cpu() if cpu else t).clone()
         if was_released:
             gatherer.release(ui)

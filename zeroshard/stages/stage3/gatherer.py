@@ -60,6 +60,7 @@ from torch.utils._pytree import tree_flatten
 
 from zeroshard.comm import Comm, Work
 from zeroshard.optim.flat_unit import FlatUnit, alloc_storage, free_storage
+from zeroshard.comm.tensor_parallel import as_sharded_parameter, local_of
 from zeroshard.optim.sharded_tensor import ShardedTensor
 
 
@@ -130,8 +131,8 @@ class ParameterGatherer:
                 a, b = max(lo, seg.offset), min(hi, seg.end)
                 t = ShardedTensor(unit.shard, a - lo if a < b else 0, max(0, b - a), seg.shape, unit.dtype,
                                   m.param.device, max(0, a - seg.offset), comm, unit, part="shard")
-                sp = nn.Parameter(t, requires_grad=m.param.requires_grad)
-                sp.on_use = functools.partial(self._check_use, seg.name)
+                sp = as_sharded_parameter(m.param, t)  # (a DTensor's: Note [tensor-parallel parameters])
+                local_of(sp).on_use = functools.partial(self._check_use, seg.name)
                 self.sharded[id(m.param)] = sp
                 where[id(m.param)] = ui
         for module in self.model.modules():
@@ -354,10 +355,11 @@ class ParameterGatherer:
         if self.state[ui] is not UnitState.GATHERED:
             return
         for m, seg in zip(unit.members, unit.layout.segments):
-            if m.param.shape != seg.shape or m.param.data_ptr() != unit.flat[seg.offset:].data_ptr():
+            laid_out = local_of(m.param)  # (a DTensor's local shard)
+            if laid_out.shape != seg.shape or laid_out.data_ptr() != unit.flat[seg.offset:].data_ptr():
                 raise Stage3UsageError(
                     f"parameter {seg.name!r} changed shape from {tuple(seg.shape)} to "
-                    f"{tuple(m.param.shape)} (or was replaced) during forward; stage 3 partitions "
+                    f"{tuple(laid_out.shape)} (or was replaced) during forward; stage 3 partitions "
                     "parameters by their shape at construction, so modules must not resize or replace them")
 
     # -- backward -------------------------------------------------------------------------------
