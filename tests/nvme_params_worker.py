@@ -162,3 +162,30 @@ def run_auto_matrix(rank: int, world: int, out: str, directory: str) -> None:
                 opt.close()
     with open(f"{out}.rank{rank}", "w") as f:
         json.dump(res, f)
+
+
+def auto_resume(rank: int, world: int, out: str, directory: str) -> None:
+    """A checkpoint saved under one automatic placement resumes under another and in memory,
+    bit for bit (stage 3, bf16)."""
+    swap = os.path.join(directory, f"resume{rank}")
+    os.makedirs(swap, exist_ok=True)
+    budgets = auto_budgets(swap, "bf16", 3)
+    ref, ref_opt = make(None, "bf16", stage=3, optimizer=None, params=None, cfg=AUTO_CFG)
+    train(ref, ref_opt, 0, 4)
+    want = zeroshard.full_state_dict(ref, rank0_only=False)
+    model, opt = make_auto(swap, budgets["half"], "bf16")
+    train(model, opt, 0, 2)
+    root = os.path.join(directory, "ckpt")
+    zeroshard.save_checkpoint(root, 2, model=model, optimizer=opt)
+    res = {}
+    for name in ("minimum", "memory"):
+        if name == "memory":
+            m2, o2 = make(None, "bf16", stage=3, optimizer=None, params=None, cfg=AUTO_CFG, seed=1)
+        else:
+            m2, o2 = make_auto(swap, budgets[name], "bf16", seed=1)
+        zeroshard.load_checkpoint(root, model=m2, optimizer=o2)
+        train(m2, o2, 2, 2)
+        got = zeroshard.full_state_dict(m2, rank0_only=False)
+        res[name] = all(torch.equal(want[k], got[k]) for k in want)
+    with open(f"{out}.rank{rank}", "w") as f:
+        json.dump(res, f)

@@ -114,3 +114,12 @@ def test_too_small_a_budget_names_the_smallest_that_fits(tmp_path):
     with pytest.raises(PlacementError, match="without nvme_path") as exc:
         make_auto(None, 100_000)
     make_auto(None, exc.value.minimum["host"])  # everything in memory: fits exactly
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_checkpoint_resumes_across_placements(world, tmp_path):
+    """Saved with half the state on NVMe, resumed with only the minimum in memory and with
+    everything in memory: the uninterrupted run's bits."""
+    from tests.nvme_params_worker import auto_resume
+    for r in run_ranks(auto_resume, world, tmp_path, str(tmp_path)):
+        assert r == {"minimum": True, "memory": True}, r

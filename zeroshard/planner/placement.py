@@ -183,11 +183,12 @@ class Plan:
 
 class PlacementError(ValueError):
     """No placement fits the budget; the message gives the smallest budget that does
-    (``minimum``: bytes per tier)."""
+    (``minimum``: bytes per tier; ``state``: bytes of all the state to place)."""
 
-    def __init__(self, message: str, minimum: dict[str, int]) -> None:
+    def __init__(self, message: str, minimum: dict[str, int], state: int) -> None:
         super().__init__(message)
         self.minimum = minimum
+        self.state = state
 
 
 def _order(kind: str, spec: UnitSpec, micro_batches: int) -> float:
@@ -223,7 +224,7 @@ def plan_auto(units: list[UnitSpec], budget: MemoryBudget, fixed: Fixed, *, acce
             f"memory_budget ({budget}) cannot hold this rank's {fmt_bytes(state)} of training state beside "
             f"{fmt_bytes(fixed.device + fixed.host)} of fixed memory, and without nvme_path nothing can "
             f"stream from disk: the smallest budget that fits is {minimum}; raise memory_budget or pass "
-            "nvme_path=<directory on an NVMe drive>", need)
+            "nvme_path=<directory on an NVMe drive>", need, state)
     items = sorted(((u, k) for u in units for k in KINDS if u.size(k)),
                    key=lambda uk: (-_order(uk[1], uk[0], micro_batches), uk[0].index, KINDS.index(uk[1])))
     chosen: dict[tuple[int, str], str] = {}
@@ -240,7 +241,7 @@ def plan_auto(units: list[UnitSpec], budget: MemoryBudget, fixed: Fixed, *, acce
         raise PlacementError(
             f"memory_budget ({budget}) cannot hold this rank's {fmt_bytes(state)} of training state, and "
             f"without nvme_path nothing can stream from disk: the smallest budget that fits is {minimum}; "
-            "raise memory_budget or pass nvme_path=<directory on an NVMe drive>", need)
+            "raise memory_budget or pass nvme_path=<directory on an NVMe drive>", need, state)
     tiers = tuple(tuple(chosen.get((u.index, k), resident) for k in KINDS) for u in units)
     cached: set[int] = set()
     room = caps["host"] + fixed.pool  # what is left, and the pool (idle from forward to backward)
