@@ -123,3 +123,13 @@ def test_checkpoint_resumes_across_placements(world, tmp_path):
     from tests.nvme_params_worker import auto_resume
     for r in run_ranks(auto_resume, world, tmp_path, str(tmp_path)):
         assert r == {"minimum": True, "memory": True}, r
+
+
+def test_offloading_needs_adam_and_names_the_budget_that_holds_everything(tmp_path):
+    half = auto_budgets(str(tmp_path), None, 3)["half"]
+    with pytest.raises(ValueError, match=r"SGD does not run on; .*at least \d+ bytes"):
+        zeroshard.ZeroOptimizer(TinyGPT(AUTO_CFG), torch.optim.SGD, lr=0.1, stage=3, offload="auto",
+                                memory_budget=half, nvme_path=str(tmp_path))
+    opt = zeroshard.ZeroOptimizer(TinyGPT(CFG), torch.optim.SGD, lr=0.1, stage=3, offload="auto",
+                                  memory_budget="1GiB", nvme_path=str(tmp_path))
+    assert opt.swapper is None and opt.unit_store is None  # everything fits: plain in-memory SGD

@@ -73,6 +73,13 @@ class StatePlacement:
             budget = MemoryBudget.parse(config.memory_budget)
             self.plan: Plan = plan_auto(specs, budget, fixed, accelerator=self.accelerator,
                                         nvme=config.nvme_path is not None)
+            cls = opt._build_args[0]
+            if self.plan.offloads and not (isinstance(cls, type) and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW))):
+                raise ValueError(
+                    f"offload='auto' must offload part of the state to fit memory_budget ({budget}), and offloaded "
+                    f"state is stepped by the fused Adam/AdamW kernel, which {getattr(cls, '__name__', cls)} does not "
+                    f"run on; use torch.optim.Adam/AdamW, or a budget that holds everything (at least "
+                    f"{fixed.device + fixed.host + sum(u.size(k) for u in specs for k in KINDS)} bytes here)")
         else:
             self.plan = plan_explicit(specs, fixed, accelerator=self.accelerator,
                                       optimizer=config.offload_optimizer, params=config.offload_params)
