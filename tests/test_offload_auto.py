@@ -133,3 +133,30 @@ def test_offloading_needs_adam_and_names_the_budget_that_holds_everything(tmp_pa
     opt = zeroshard.ZeroOptimizer(TinyGPT(CFG), torch.optim.SGD, lr=0.1, stage=3, offload="auto",
                                   memory_budget="1GiB", nvme_path=str(tmp_path))
     assert opt.swapper is None and opt.unit_store is None  # everything fits: plain in-memory SGD
+
+
+def test_planner_fits_the_budget_and_moves_less_with_more_memory():
+    """The pure planner on a 38-block model: every plan's predicted peak stays within its budget,
+    traffic never grows with the budget, shards are kept before the rest, resident units are
+    spread out, and the minimum is where everything streams."""
+    from zeroshard.planner.placement import Fixed, MemoryBudget, UnitSpec, plan_auto
+    n = 28 << 20
+    units = [UnitSpec(i, shard=4 * n, master=0, grad=4 * n, moments=8 * n, master_in_shard=True) for i in range(38)]
+    fixed = Fixed(device=3 * 4 * n, staging=3 * 8 * n, pool=3 * 8 * n)
+    with pytest.raises(PlacementError) as exc:
+        plan_auto(units, MemoryBudget(host=1), fixed, accelerator=False, nvme=True)
+    lo = exc.value.minimum["host"]
+    last = None
+    for extra in range(0, exc.value.state + 1, exc.value.state // 10):
+        plan = plan_auto(units, MemoryBudget(host=lo + extra), fixed, accelerator=False, nvme=True)
+        assert plan.memory()["host"] <= lo + extra
+        io = plan.step_io()["read"] + plan.step_io()["written"]
+        assert last is None or io <= last
+        last = io
+        by = plan.bytes_by()
+        if by["moments"]["host"] or by["grad"]["host"]:
+            assert by["shard"]["nvme"] == 0  # shards save the most per byte: kept first
+    half = plan_auto(units, MemoryBudget(host=lo + 38 * 4 * n // 2), fixed, accelerator=False, nvme=True)
+    kept = [i for i in range(38) if half.tier(i, "shard") == "host"]
+    assert len(kept) == 19 and max(b - a for a, b in zip(kept, kept[1:])) <= 3  # spread, not the first 19
+    assert last == 0  # the whole state fits: nothing streams

@@ -19,7 +19,9 @@ one, kept on NVMe, costs a known number of bytes of disk traffic per step (``tra
 
 Placing to move the least under a budget is a knapsack; the planner is greedy by bytes saved
 per byte held (shards 3-4, the others 2) and fills what is left with any smaller item that
-fits, which is optimal when, as here, every unit has the same shape. What stays free after
+fits, which is optimal when, as here, every unit has the same shape. Among items of one
+ratio, units are taken in bit-reversed order, so resident units alternate with streamed
+ones and a streamed unit's reads overlap a resident unit's compute. What stays free after
 that is the parameter cache: swapped shards of the last units of forward (the first that
 backward gathers again) stay in memory from their forward gather to their backward gather,
 saving one read each (1 byte saved per byte, so it comes last).
@@ -225,8 +227,9 @@ def plan_auto(units: list[UnitSpec], budget: MemoryBudget, fixed: Fixed, *, acce
             f"{fmt_bytes(fixed.device + fixed.host)} of fixed memory, and without nvme_path nothing can "
             f"stream from disk: the smallest budget that fits is {minimum}; raise memory_budget or pass "
             "nvme_path=<directory on an NVMe drive>", need, state)
+    spread = _spread(len(units))
     items = sorted(((u, k) for u in units for k in KINDS if u.size(k)),
-                   key=lambda uk: (-_order(uk[1], uk[0], micro_batches), uk[0].index, KINDS.index(uk[1])))
+                   key=lambda uk: (-_order(uk[1], uk[0], micro_batches), spread[uk[0].index], KINDS.index(uk[1])))
     chosen: dict[tuple[int, str], str] = {}
     for u, k in items:  # greedy by bytes moved per byte held, then whatever still fits
         for t in (("device", "host") if k == "shard" and accelerator else ("host",)):
@@ -259,6 +262,18 @@ def plan_auto(units: list[UnitSpec], budget: MemoryBudget, fixed: Fixed, *, acce
                        f"({fmt_bytes(sum(units[i].shard for i in cached))}) stay in memory from forward to "
                        "backward (in memory the step's pool frees), one read less each per step")
     return Plan(tuple(units), tiers, frozenset(cached), budget, fixed, accelerator, "auto", tuple(reasons))
+
+
+def _spread(n: int) -> list[int]:
+    """A rank per unit index such that the first m ranks are spread evenly over the units (bit
+    reversal): resident units then alternate with streamed ones, so reads of the next unit
+    overlap the compute of a resident one in forward, backward and the step."""
+    bits = max(1, (n - 1).bit_length())
+    order = [r for r in (int(f"{i:0{bits}b}"[::-1], 2) for i in range(1 << bits)) if r < n]
+    rank = [0] * n
+    for pos, i in enumerate(order):
+        rank[i] = pos
+    return rank
 
 
 def _minimum(units: list[UnitSpec], fixed: Fixed, accelerator: bool, nvme: bool, state: int) -> dict[str, int]:
