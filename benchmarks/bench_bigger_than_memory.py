@@ -310,7 +310,8 @@ def main_auto(args: argparse.Namespace, raw: dict) -> None:
               f"{r['written_per_step'] / 2**30:.2f} GiB written per step (floor {r['floor_s']:.1f} s, "
               f"{_ratio(r['step_over_floor'])}), peak RSS {r['peak_rss'] / 2**30:.2f} GiB, cgroup peak "
               f"{r['peak_cgroup'] / 2**30:.2f} of {r['cgroup_limit'] / 2**30:.2f} GiB")
-    print(f"auto at the limit: {_ratio(result['auto_at_limit_over_floor'])} the floor of its streamed bytes (target <= 1.15)\n"
+    print(f"auto at the limit: {_ratio(result['auto_at_limit_over_floor'])} the floor of its streamed bytes "
+          "(target <= 1.15)\n"
           f"half the state in memory: {result['half_over_all_nvme']:.2f}x the all-NVMe step (target <= 0.6)")
 
 

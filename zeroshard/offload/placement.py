@@ -15,66 +15,69 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from zeroshard.io import ALIGN
 from zeroshard.offload.param_cache import ParamCache
+from zeroshard.offload.swap_file import aligned
 from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.optim.flat_unit import Placement
 from zeroshard.planner.placement import (KINDS, Fixed, MemoryBudget, Plan, UnitSpec, plan_auto, plan_explicit,
                                          report_text)
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
+def describe_units(config: Any, policy: Any, rank: int, layouts: Sequence[tuple[Any, Any]],
+                   unit_modules: Sequence[Any], param_dtype: torch.dtype, groups: Sequence[dict],
+                   accelerator: bool) -> tuple[list[UnitSpec], Fixed]:
+    """Each unit's bytes per kind of state on ``rank``, and the memory placement cannot move
+    (Note [automatic placement])."""
+    p = torch.finfo(param_dtype).bits // 8 if param_dtype.is_floating_point else 4
+    s = 8 if param_dtype == torch.float64 else 4
+    mixed = param_dtype not in (torch.float32, torch.float64)
+    specs, widest, widest_root, largest_run = [], 0, 0, 0
+    for i, (layout, _) in enumerate(layouts):
+        lo, hi = layout.slice_of(rank) if policy.shard_optimizer else (0, layout.padded_numel)
+        n = hi - lo
+        root = policy.shard_parameters and i < len(unit_modules) and unit_modules[i] is None
+        separate = mixed or accelerator  # (a master on the host beside a shard on the device)
+        runs = [2 * aligned(4 * (b - a)) for _, a, b in layout.group_runs(lo, hi)]
+        largest_run = max([largest_run] + runs)
+        specs.append(UnitSpec(i, shard=p * n if policy.shard_parameters else 0, master=s * n if separate else 0,
+                              grad=s * (n if policy.shard_gradients else layout.padded_numel), moments=sum(runs),
+                              shard_reads=1 if root else 2,
+                              master_in_shard=policy.shard_parameters and not separate, root=root))
+        if root:
+            widest_root = max(widest_root, layout.padded_numel)
+        else:
+            widest = max(widest, layout.padded_numel)
+    frozen = sum(q.numel() * q.element_size() for g in groups for q in g["params"] if not q.requires_grad)
+    if policy.shard_parameters:  # the gather buffers of the units alive at once
+        model = p * (widest_root + config.max_live_units * widest)
+    else:  # the model's own copy, which placement cannot move
+        model = sum(p * layout.padded_numel for layout, _ in layouts)
+    buckets = config.max_inflight_buckets * 4 * max(widest, widest_root)
+    parts = max((u.shard + u.master + u.grad for u in specs), default=0)
+    slots = 3 if config.offload_buffer_mb is None else max(1, min(3, int(config.offload_buffer_mb * 2**20
+                                                                       // max(1, largest_run + parts))))
+    return specs, Fixed(device=model + frozen + buckets, staging=slots * parts, pool=slots * largest_run)
 
 
 class StatePlacement:
     def __init__(self, opt: Any, layouts: Sequence[tuple[Any, Any]], unit_modules: Sequence[Any],
                  param_dtype: torch.dtype, groups: Sequence[dict], device: Optional[torch.device]) -> None:
-        config, policy, rank = opt.config, opt.policy, opt.comm.rank
+        config, rank = opt.config, opt.comm.rank
         self.config = config
         first = next((m.param for _, members in layouts for m in members), None)
         model_device = device or (first.device if first is not None else torch.device("cpu"))
         self.accelerator = model_device.type != "cpu"
         self.auto = config.offload == "auto"
-        p = torch.finfo(param_dtype).bits // 8 if param_dtype.is_floating_point else 4
-        s = 8 if param_dtype == torch.float64 else 4
-        mixed = param_dtype not in (torch.float32, torch.float64)
-        specs, widest, widest_root, largest_run = [], 0, 0, 0
-        for i, (layout, _) in enumerate(layouts):
-            lo, hi = layout.slice_of(rank) if policy.shard_optimizer else (0, layout.padded_numel)
-            n = hi - lo
-            root = policy.shard_parameters and i < len(unit_modules) and unit_modules[i] is None
-            separate = mixed or self.accelerator  # (a master on the host beside a shard on the device)
-            runs = [b - a for _, a, b in layout.group_runs(lo, hi)]
-            moments = sum(2 * _aligned(4 * r) for r in runs)
-            largest_run = max([largest_run] + [2 * _aligned(4 * r) for r in runs])
-            specs.append(UnitSpec(i, shard=p * n if policy.shard_parameters else 0,
-                                  master=s * n if separate else 0,
-                                  grad=s * (n if policy.shard_gradients else layout.padded_numel), moments=moments,
-                                  shard_reads=1 if root else 2,
-                                  master_in_shard=policy.shard_parameters and not separate, root=root))
-            if root:
-                widest_root = max(widest_root, layout.padded_numel)
-            else:
-                widest = max(widest, layout.padded_numel)
-        frozen = sum(q.numel() * q.element_size() for g in groups for q in g["params"] if not q.requires_grad)
-        if policy.shard_parameters:  # the gather buffers of the units alive at once
-            model = p * (widest_root + config.max_live_units * widest)
-        else:  # the model's own copy, which placement cannot move
-            model = sum(p * layout.padded_numel for layout, _ in layouts)
-        buckets = config.max_inflight_buckets * 4 * max(widest, widest_root)
-        per_slot = largest_run + max((u.shard + u.master + u.grad for u in specs), default=0)
-        slots = 3 if config.offload_buffer_mb is None else max(1, min(3, int(config.offload_buffer_mb * 2**20
-                                                                           // max(1, per_slot))))
-        fixed = Fixed(device=model + frozen + buckets, staging=slots * (per_slot - largest_run),
-                      pool=slots * largest_run)
+        specs, fixed = describe_units(config, opt.policy, rank, layouts, unit_modules, param_dtype, groups,
+                                      self.accelerator)
         self.specs = specs
         if self.auto:
             budget = MemoryBudget.parse(config.memory_budget)
             self.plan: Plan = plan_auto(specs, budget, fixed, accelerator=self.accelerator,
                                         nvme=config.nvme_path is not None)
             cls = opt._build_args[0]
-            if self.plan.offloads and not (isinstance(cls, type) and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW))):
+            adam = isinstance(cls, type) and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW))
+            if self.plan.offloads and not adam:
                 raise ValueError(
                     f"offload='auto' must offload part of the state to fit memory_budget ({budget}), and offloaded "
                     f"state is stepped by the fused Adam/AdamW kernel, which {getattr(cls, '__name__', cls)} does not "
@@ -93,7 +96,6 @@ class StatePlacement:
             opt._files_closers.append(weakref.finalize(opt, self.store.close))
             if self.plan.cached:
                 self.store.cache = _PendingCache(self.plan.cached)
-        self.swapper: Any = None
 
     # -- while the units are built ------------------------------------------------------------
     @property
@@ -136,7 +138,8 @@ class StatePlacement:
             self.store.max_in_flight = slots
         if not self.auto:
             return {}
-        return {"resident": {id(r.tensor) for r in runs if self.plan.tier(self._index[id(r.unit)], "moments") != "nvme"},
+        tier = self.plan.tier
+        return {"resident": {id(r.tensor) for r in runs if tier(self._index[id(r.unit)], "moments") != "nvme"},
                 "release_pool": True}
 
     # -- afterwards -----------------------------------------------------------------------------
@@ -151,7 +154,7 @@ class StatePlacement:
                 out[kind]["nvme" if u.swapped(kind) else "memory"] += t.numel() * t.element_size()
         swapper = opt.swapper
         for r in opt.runs:
-            nbytes = 2 * _aligned(4 * r.tensor.numel())
+            nbytes = 2 * aligned(4 * r.tensor.numel())
             kept = swapper is None or swapper.in_memory(r.tensor)
             out["moments"]["memory" if kept else "nvme"] += nbytes
         return out
