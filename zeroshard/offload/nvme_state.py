@@ -11,6 +11,11 @@ step reads unit ``i+1``'s master and gradient while unit ``i`` is updated and wr
 ``i``'s new master back behind it. (An fp32 model's master *is* its parameters: at stages
 1-2 they stay in memory, being the model.)
 
+Under ``offload="auto"`` some runs keep their moments in memory instead (``resident``, chosen
+by the planner: Note [automatic placement] in zeroshard/planner/placement.py), in buffers laid
+out like a pool slot and updated by the same kernel in the same pass; only the others have a
+region in the file (and without any, there is no file).
+
 The object is also the inner optimizer's ``state`` mapping: reading ``state[run.tensor]``
 reads that run's moments from the file, assigning writes them, so state dicts and
 checkpoints stream run by run through the same code as in-memory state.
