@@ -19,7 +19,8 @@ one, kept on NVMe, costs a known number of bytes of disk traffic per step (``tra
 
 Placing to move the least under a budget is a knapsack; the planner is greedy by bytes saved
 per byte held (shards 3-4, the others 2) and fills what is left with any smaller item that
-fits, which is optimal when, as here, every unit has the same shape. Among items of one
+fits: every item kept saves at least as much per byte as any streamed item that would have
+fit in its place, so it is within one item's traffic of the optimum. Among items of one
 ratio, units are taken in bit-reversed order, so resident units alternate with streamed
 ones and a streamed unit's reads overlap a resident unit's compute. What stays free after
 that is the parameter cache: swapped shards of the last units of forward (the first that
