@@ -16,6 +16,17 @@ What it does (root and cgroup v1 memory control are needed for the limit; it say
 
 It reports parameters, peak RSS, seconds per step, and the step time as a multiple of the
 time the disk needs to read and write the 16 B/parameter state once at the raw speed.
+
+``--auto`` compares placements instead (Note [automatic placement] in
+zeroshard/planner/placement.py), each in a fresh process in the cgroup, same model:
+- "all NVMe": ``offload_optimizer="nvme", offload_params="nvme"`` under ``--limit-gib``;
+- "auto at the limit": ``offload="auto"`` with ``memory_budget`` = the limit less
+  ``--headroom-gib`` (the interpreter, torch, activations: memory the budget does not cover);
+  its step time is compared with the floor of the bytes it still streams (measured by the swap
+  files per step, at the raw disk speed both ways);
+- "auto, half the state": a budget holding the planner's minimum plus half of the state, in a
+  cgroup of that budget plus the headroom; its step time is compared with the all-NVMe step.
+Peak RSS and the cgroup's peak usage are reported for each.
 """
 from __future__ import annotations
 
@@ -29,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional
 
 MODEL = dict(vocab=4096, d_model=1536, n_layers=38, n_heads=12, seq_len=64)
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
@@ -104,6 +116,53 @@ def child_train(args: argparse.Namespace) -> None:
                       "offloaded_bytes": rep.offloaded, "memory_report": str(rep)}))
 
 
+def child_placed(args: argparse.Namespace) -> None:
+    """--auto: one placement (``--budget`` bytes, 0 = all NVMe), ``--steps`` steps, the swap files'
+    bytes per step; with ``--budget -1`` only the planner's minimum and the state's size."""
+    import torch
+    import zeroshard
+    from zeroshard.planner.placement import PlacementError
+    from zeroshard.toy import TinyGPT
+    swap = os.path.join(args.dir, "swap")
+    os.makedirs(swap, exist_ok=True)
+    cfg = _config(args)
+    with torch.device("meta"):
+        model = TinyGPT(cfg)
+    place = (dict(offload_optimizer="nvme", offload_params="nvme") if args.budget == 0 else
+             dict(offload="auto", memory_budget={"host": max(1, args.budget)}))
+    try:
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-4, weight_decay=0.01, stage=3,
+                                      nvme_path=swap, **place)
+    except PlacementError as exc:
+        if args.budget != -1:
+            raise
+        print(json.dumps({"minimum": exc.minimum["host"], "state": exc.state}))
+        return
+    t0 = time.perf_counter()
+    zeroshard.init_meta_weights(model, seed=0)
+    init_s = time.perf_counter() - t0
+    io, steps = [], []
+    from zeroshard.toy import synthetic_batch
+    for step in range(args.steps):
+        before = opt.placement_report()["measured_io"]
+        t0 = time.perf_counter()
+        loss = model(*synthetic_batch(step, 1, cfg))
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        steps.append(time.perf_counter() - t0)
+        after = opt.placement_report()["measured_io"]
+        io.append({k: after[k] - before[k] for k in after})
+        print(f"  step {step + 1}: loss {loss.item():.6f} in {steps[-1]:.1f}s, read {io[-1]['read'] / 2**30:.2f} "
+              f"GiB, written {io[-1]['written'] / 2**30:.2f} GiB, peak RSS {_peak_rss() / 2**30:.2f} GiB",
+              file=sys.stderr, flush=True)
+    rep = opt.placement_report()
+    print(json.dumps({"init_s": init_s, "step_s": steps, "io": io, "predicted_io": rep["predicted_step_io"],
+                      "predicted_memory": rep["predicted_memory"], "peak_rss": _peak_rss(),
+                      "placement": rep["text"], "memory_report": str(opt.memory_report())}))
+
+
 def child_resume(args: argparse.Namespace) -> None:
     import zeroshard
     swap = os.path.join(args.dir, "swap")
@@ -117,7 +176,18 @@ def child_resume(args: argparse.Namespace) -> None:
 
 # -- the orchestrator -----------------------------------------------------------------------------
 def fio_speed(directory: str, size_gib: float) -> dict:
-    """Raw sequential write and read, GB/s, O_DIRECT 8 MiB x queue depth 16 (as bench_aio)."""
+    """Raw sequential write and read, GB/s, O_DIRECT 8 MiB x queue depth 16 (as bench_aio);
+    without fio, the same pattern through zeroshard's engine (``source`` says which)."""
+    if shutil.which("fio") is None:
+        import torch
+        from zeroshard.io import AsyncIO
+        from zeroshard.io.bench import measure
+        from zeroshard.io.buffers import aligned_empty
+        buf = aligned_empty(256 * 2**20, torch.uint8, pin=False).random_(0, 256)
+        with AsyncIO(block_size=8 * 2**20, queue_depth=16) as io:
+            w, r = measure(io, os.path.join(directory, "raw.dat"), int(size_gib * 2**30) // buf.numel() * buf.numel(),
+                           buf)
+        return {"write": w, "read": r, "source": "zeroshard AsyncIO, O_DIRECT 8 MiB x qd16 (no fio here)"}
     path = os.path.join(directory, "fio-raw.dat")
     out = {}
     try:
@@ -130,7 +200,7 @@ def fio_speed(directory: str, size_gib: float) -> dict:
     finally:
         if os.path.exists(path):
             os.unlink(path)
-    return out
+    return {**out, "source": "fio"}
 
 
 class Cgroup:
@@ -152,11 +222,22 @@ class Cgroup:
         with open(os.path.join(self.path, name)) as f:
             return f.read().strip()
 
-    def run(self, mode: str, args: argparse.Namespace) -> tuple[int, dict, float]:
+    def set_limit(self, limit_bytes: int) -> None:
+        if os.path.exists(os.path.join(self.path, "memory.memsw.limit_in_bytes")) and limit_bytes > self.limit:
+            self._write("memory.memsw.limit_in_bytes", str(limit_bytes))  # (memsw >= limit at all times)
+            self._write("memory.limit_in_bytes", str(limit_bytes))
+        else:
+            self._write("memory.limit_in_bytes", str(limit_bytes))
+            if os.path.exists(os.path.join(self.path, "memory.memsw.limit_in_bytes")):
+                self._write("memory.memsw.limit_in_bytes", str(limit_bytes))
+        self.limit = int(self._read("memory.limit_in_bytes"))
+
+    def run(self, mode: str, args: argparse.Namespace, *extra: str) -> tuple[int, dict, float]:
         """Runs ``mode`` in the cgroup; (exit status, its JSON, peak cgroup usage incl. page cache)."""
         self._write("memory.max_usage_in_bytes", "0")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--dir", args.dir,
-               "--steps", str(args.steps), "--resume-steps", str(args.resume_steps), "--layers", str(args.layers)]
+               "--steps", str(args.steps), "--resume-steps", str(args.resume_steps), "--layers", str(args.layers),
+               *extra]
         procs = os.path.join(self.path, "cgroup.procs")
         shell = f'echo $$ > {procs} && exec "$@"'
         p = subprocess.run(["sh", "-c", shell, "sh", *cmd], stdout=subprocess.PIPE, text=True)
@@ -176,6 +257,64 @@ class Cgroup:
             pass
 
 
+def _ratio(x: Optional[float]) -> str:
+    return "n/a (nothing streams)" if x is None else f"{x:.2f}x"
+
+
+def main_auto(args: argparse.Namespace, raw: dict) -> None:
+    """--auto: all NVMe vs automatic placement at the limit and with half the state in memory."""
+    limit = int(args.limit_gib * 2**30)
+    headroom = int(args.headroom_gib * 2**30)
+    cg = Cgroup(limit)
+    runs: dict = {}
+    try:
+        code, probe, _ = cg.run("placed", args, "--budget", "-1")
+        if code != 0 or "minimum" not in probe:
+            raise SystemExit(f"the planner probe failed with exit {code}")
+        half_budget = probe["minimum"] + probe["state"] // 2
+        plan = [("all NVMe", 0, limit), ("auto at the limit", limit - headroom, limit),
+                ("auto, half the state", half_budget, half_budget + headroom)]
+        for name, budget, cg_limit in plan:
+            cg.set_limit(cg_limit)
+            print(f"{name}: budget {budget / 2**30:.2f} GiB, cgroup limit {cg.limit / 2**30:.2f} GiB", flush=True)
+            code, res, peak = cg.run("placed", args, "--budget", str(budget))
+            if code != 0:
+                raise SystemExit(f"{name} failed with exit {code} (OOM kills so far: {cg.oom_kills()})")
+            steps = res["step_s"][1:]  # the first step reads no moments (they start at zero)
+            io = res["io"][1:]
+            step_s = statistics.median(steps)
+            read, written = (statistics.median(d[k] for d in io) for k in ("read", "written"))
+            floor = read / (raw["read"] * 1e9) + written / (raw["write"] * 1e9)
+            runs[name] = {"budget": budget, "cgroup_limit": cg.limit, "step_s": step_s, "all_step_s": res["step_s"],
+                          "read_per_step": read, "written_per_step": written, "predicted_io": res["predicted_io"],
+                          "floor_s": floor, "step_over_floor": step_s / floor if floor else None,
+                          "peak_rss": res["peak_rss"], "peak_cgroup": peak, "predicted_memory": res["predicted_memory"],
+                          "init_s": res["init_s"], "placement": res["placement"]}
+            print(res["placement"], flush=True)
+    finally:
+        cg.remove()
+    base = runs["all NVMe"]["step_s"]
+    result = {"raw_gbps": raw, "state_bytes": probe["state"], "minimum_budget": probe["minimum"],
+              "headroom": headroom, "runs": runs,
+              "auto_at_limit_over_floor": runs["auto at the limit"]["step_over_floor"],
+              "half_over_all_nvme": runs["auto, half the state"]["step_s"] / base,
+              "load_average": os.getloadavg()}
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(f"\nstate {probe['state'] / 2**30:.1f} GiB; raw disk write {raw['write']:.2f} / read {raw['read']:.2f} GB/s "
+          f"({raw['source']})")
+    for name, r in runs.items():
+        print(f"{name:>22}: {r['step_s']:.1f} s/step, streams {r['read_per_step'] / 2**30:.2f} GiB read + "
+              f"{r['written_per_step'] / 2**30:.2f} GiB written per step (floor {r['floor_s']:.1f} s, "
+              f"{_ratio(r['step_over_floor'])}), peak RSS {r['peak_rss'] / 2**30:.2f} GiB, cgroup peak "
+              f"{r['peak_cgroup'] / 2**30:.2f} of {r['cgroup_limit'] / 2**30:.2f} GiB")
+    print(f"auto at the limit: {_ratio(result['auto_at_limit_over_floor'])} the floor of its streamed bytes "
+          "(target <= 1.15)\n"
+          f"half the state in memory: {result['half_over_all_nvme']:.2f}x the all-NVMe step (target <= 0.6)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", required=True, help="directory on the NVMe drive (swap files, checkpoint)")
@@ -185,17 +324,23 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=MODEL["n_layers"])
     ap.add_argument("--fio-gib", type=float, default=4.0)
     ap.add_argument("--out", help="write the results as JSON here")
-    ap.add_argument("--child", choices=("plain", "train", "resume"), help=argparse.SUPPRESS)
+    ap.add_argument("--auto", action="store_true", help="compare all-NVMe with offload='auto' placements")
+    ap.add_argument("--headroom-gib", type=float, default=1.0,
+                    help="--auto: memory the budget leaves to the interpreter, torch and activations")
+    ap.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=("plain", "train", "resume", "placed"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        {"plain": child_plain, "train": child_train, "resume": child_resume}[args.child](args)
+        {"plain": child_plain, "train": child_train, "resume": child_resume, "placed": child_placed}[args.child](args)
         return
     os.makedirs(args.dir, exist_ok=True)
     for sub in ("swap", "ckpt"):
         shutil.rmtree(os.path.join(args.dir, sub), ignore_errors=True)
     raw = fio_speed(args.dir, args.fio_gib)
-    print(f"raw disk (fio O_DIRECT 8 MiB x qd16): write {raw['write']:.2f} GB/s, read {raw['read']:.2f} GB/s",
-          flush=True)
+    print(f"raw disk ({raw['source']}): write {raw['write']:.2f} GB/s, read {raw['read']:.2f} GB/s", flush=True)
+    if args.auto:
+        main_auto(args, raw)
+        return
     cg = Cgroup(int(args.limit_gib * 2**30))
     try:
         print(f"cgroup memory limit {cg.limit / 2**30:.2f} GiB", flush=True)

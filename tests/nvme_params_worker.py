@@ -15,14 +15,14 @@ CFG = GPTConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, seq_len=8)
 
 
 def make(nvme: str | None, mixed_precision: str | None = None, seed: int = 0, stage: int = 3,
-         optimizer: str | None = "nvme", params: str | None = "nvme"):
+         optimizer: str | None = "nvme", params: str | None = "nvme", cfg: GPTConfig = CFG, **options):
     """TinyGPT and its ZeroOptimizer; ``nvme=None`` keeps everything in memory."""
     torch.manual_seed(seed)
-    model = TinyGPT(CFG)
+    model = TinyGPT(cfg)
     on = nvme is not None or optimizer == "cpu"
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=stage,
                                   mixed_precision=mixed_precision, offload_optimizer=optimizer if on else None,
-                                  offload_params=params if on and stage == 3 else None, nvme_path=nvme)
+                                  offload_params=params if on and stage == 3 else None, nvme_path=nvme, **options)
     return model, opt
 
 
@@ -100,5 +100,92 @@ def run_matrix(rank: int, world: int, out: str, directory: str) -> None:
                 got = zeroshard.full_state_dict(model, rank0_only=False)
                 res[f"stage{stage}-{mp}-optim_{optimizer}-params_{params}"] = all(
                     torch.equal(want[k], got[k]) for k in want)
+    with open(f"{out}.rank{rank}", "w") as f:
+        json.dump(res, f)
+
+
+AUTO_CFG = GPTConfig(vocab=64, d_model=32, n_layers=8, n_heads=4, seq_len=8)
+"""CFG with 8 blocks: at stage 3 placement has 9 units to choose among."""
+
+
+def small_units(stage: int) -> dict:
+    """Stages 1-2: buckets of about 1k parameters, so they too have a dozen units to place."""
+    return {"cfg": AUTO_CFG} if stage == 3 else {"cfg": AUTO_CFG, "bucket_size_mb": 0.005}
+
+
+def make_auto(nvme: str, budget, mixed_precision: str | None = None, stage: int = 3, seed: int = 0):
+    """TinyGPT under offload="auto" with ``budget`` (bytes of host memory, this machine's one memory)."""
+    options = small_units(stage)
+    torch.manual_seed(seed)
+    model = TinyGPT(options.pop("cfg"))
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=stage,
+                                  mixed_precision=mixed_precision, offload="auto", memory_budget={"host": budget},
+                                  nvme_path=nvme, **options)
+    return model, opt
+
+
+def auto_budgets(nvme: str, mixed_precision: str | None, stage: int) -> dict[str, int]:
+    """Budgets where everything fits, about half the state fits, and only the minimum does."""
+    from zeroshard.planner.placement import PlacementError
+    try:
+        make_auto(nvme, 0, mixed_precision, stage)
+    except PlacementError as exc:
+        minimum = exc.minimum["host"]
+    else:
+        raise AssertionError("a zero budget was accepted")
+    _, opt = make_auto(nvme, 2**40, mixed_precision, stage)
+    state = sum(b for kind in opt.placement_report()["bytes"].values() for b in kind.values())
+    return {"all": 2**40, "half": minimum + state // 2, "minimum": minimum}
+
+
+def run_auto_matrix(rank: int, world: int, out: str, directory: str) -> None:
+    """offload="auto" at stages 1-3, fp32 and bf16, at budgets where everything, half and only the
+    minimum fits: the same bits as the all-resident run, and what each placed and streamed."""
+    swap = os.path.join(directory, f"auto{rank}")
+    os.makedirs(swap, exist_ok=True)
+    res: dict = {}
+    for stage in (1, 2, 3):
+        for mp in (None, "bf16"):
+            ref, ref_opt = make(None, mp, stage=stage, optimizer=None, params=None, **small_units(stage))
+            train(ref, ref_opt, 0, 2, accum=2)
+            want = zeroshard.full_state_dict(ref, rank0_only=False)
+            for name, budget in auto_budgets(swap, mp, stage).items():
+                model, opt = make_auto(swap, budget, mp, stage)
+                train(model, opt, 0, 2, accum=2)
+                got = zeroshard.full_state_dict(model, rank0_only=False)
+                rep = opt.placement_report()
+                res[f"stage{stage}-{mp}-{name}"] = {
+                    "equal": all(torch.equal(want[k], got[k]) for k in want),
+                    "nvme_bytes": sum(kind["nvme"] for kind in rep["bytes"].values()),
+                    "memory_bytes": sum(b for kind in rep["bytes"].values() for t, b in kind.items() if t != "nvme"),
+                    "cached": len(rep["cache"]["units"]), "swapper": opt.swapper is not None}
+                opt.close()
+    with open(f"{out}.rank{rank}", "w") as f:
+        json.dump(res, f)
+
+
+def auto_resume(rank: int, world: int, out: str, directory: str) -> None:
+    """A checkpoint saved under one automatic placement resumes under another and in memory,
+    bit for bit (stage 3, bf16)."""
+    swap = os.path.join(directory, f"resume{rank}")
+    os.makedirs(swap, exist_ok=True)
+    budgets = auto_budgets(swap, "bf16", 3)
+    ref, ref_opt = make(None, "bf16", stage=3, optimizer=None, params=None, cfg=AUTO_CFG)
+    train(ref, ref_opt, 0, 4)
+    want = zeroshard.full_state_dict(ref, rank0_only=False)
+    model, opt = make_auto(swap, budgets["half"], "bf16")
+    train(model, opt, 0, 2)
+    root = os.path.join(directory, "ckpt")
+    zeroshard.save_checkpoint(root, 2, model=model, optimizer=opt)
+    res = {}
+    for name in ("minimum", "memory"):
+        if name == "memory":
+            m2, o2 = make(None, "bf16", stage=3, optimizer=None, params=None, cfg=AUTO_CFG, seed=1)
+        else:
+            m2, o2 = make_auto(swap, budgets[name], "bf16", seed=1)
+        zeroshard.load_checkpoint(root, model=m2, optimizer=o2)
+        train(m2, o2, 2, 2)
+        got = zeroshard.full_state_dict(m2, rank0_only=False)
+        res[name] = all(torch.equal(want[k], got[k]) for k in want)
     with open(f"{out}.rank{rank}", "w") as f:
         json.dump(res, f)

@@ -66,6 +66,13 @@ class ZeroConfig:
     """Stage 3 only: where parameter slices live between gathers: None, "cpu" or "nvme"."""
     nvme_path: Optional[str] = None
     """Directory for the swap files of "nvme" offload."""
+    offload: Optional[str] = None
+    """"auto": the planner places each unit's shard, master, gradient and moments in memory or
+    on NVMe to fit ``memory_budget`` with the least traffic per step (Note [automatic placement]
+    in zeroshard/planner/placement.py), instead of offload_optimizer / offload_params."""
+    memory_budget: Any = None
+    """offload="auto": bytes this rank's state may hold in memory, e.g. {"device": "20GiB",
+    "host": "48GiB"} (on a CPU-only machine the two are one memory: their sum)."""
     mixed_precision: Optional[str] = None
     """None (fp32 everywhere), "bf16" or "fp16": the model's parameter dtype; the master
     pieces stay fp32. fp16 adds dynamic loss scaling."""
@@ -121,10 +128,11 @@ class ZeroConfig:
                 f"offload_params='nvme' needs offload_optimizer='nvme' too (got {self.offload_optimizer!r}): "
                 "the fp32 master of a swapped parameter shard lives in the same swap file as the "
                 "shard, and its optimizer states are streamed beside it")
-        uses_nvme = "nvme" in (self.offload_optimizer, self.offload_params)
+        self._check_auto()
+        uses_nvme = "nvme" in (self.offload_optimizer, self.offload_params) or self.offload == "auto"
         if self.nvme_path is not None and not isinstance(self.nvme_path, (str, os.PathLike)):
             raise TypeError(f"nvme_path={self.nvme_path!r} must be a directory path (a str)")
-        if uses_nvme and not self.nvme_path:
+        if uses_nvme and not self.nvme_path and self.offload != "auto":
             raise ValueError("offload to 'nvme' needs nvme_path=<directory for swap files>")
         if self.nvme_path is not None and not uses_nvme:
             raise ValueError(f"nvme_path={self.nvme_path!r} is only used by NVMe offload; pass "
@@ -157,6 +165,28 @@ class ZeroConfig:
         if self.hpz and self.offload_params == "nvme":
             raise ValueError("hpz=True keeps a secondary parameter partition in memory; it does not combine "
                              "with offload_params='nvme' (use offload_params='cpu' or None)")
+
+    def _check_auto(self) -> None:
+        if not _member(self.offload, (None, "auto")):
+            raise ValueError(f"offload={self.offload!r} is not supported; use 'auto' (with memory_budget) or None")
+        if self.offload is None:
+            if self.memory_budget is not None:
+                raise ValueError(f"memory_budget={self.memory_budget!r} is only used by offload='auto'; pass "
+                                 "offload='auto' too, or drop memory_budget")
+            return
+        explicit = {k: v for k, v in (("offload_optimizer", self.offload_optimizer),
+                                      ("offload_params", self.offload_params)) if v is not None}
+        if explicit:
+            raise ValueError(f"offload='auto' places the state itself, so it cannot be combined with "
+                             f"{', '.join(f'{k}={v!r}' for k, v in explicit.items())}; drop those, or drop "
+                             "offload='auto' to choose by hand")
+        if self.stage == 0:
+            raise ValueError("offload='auto' needs stage >= 1 (each rank places the state it owns)")
+        if self.memory_budget is None:
+            raise ValueError("offload='auto' needs memory_budget, e.g. memory_budget={'device': '20GiB', "
+                             "'host': '48GiB'} (per rank)")
+        from zeroshard.planner.placement import MemoryBudget
+        MemoryBudget.parse(self.memory_budget)
 
     @classmethod
     def field_names(cls) -> frozenset[str]:

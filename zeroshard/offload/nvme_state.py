@@ -11,6 +11,11 @@ step reads unit ``i+1``'s master and gradient while unit ``i`` is updated and wr
 ``i``'s new master back behind it. (An fp32 model's master *is* its parameters: at stages
 1-2 they stay in memory, being the model.)
 
+Under ``offload="auto"`` some runs keep their moments in memory instead (``resident``, chosen
+by the planner: Note [automatic placement] in zeroshard/planner/placement.py), in buffers laid
+out like a pool slot and updated by the same kernel in the same pass; only the others have a
+region in the file (and without any, there is no file).
+
 The object is also the inner optimizer's ``state`` mapping: reading ``state[run.tensor]``
 reads that run's moments from the file, assigning writes them, so state dicts and
 checkpoints stream run by run through the same code as in-memory state.
@@ -24,8 +29,8 @@ read; one deleted, truncated or zero-filled during a run fails the next read, na
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
-from typing import Any, Sequence
+from collections.abc import Collection, Iterator, MutableMapping
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -37,32 +42,55 @@ KEYS = ("exp_avg", "exp_avg_sq")
 
 
 class NvmeOptimizerState(MutableMapping):
-    def __init__(self, runs: Sequence[Any], nvme_path: str, rank: int, max_slots: int = 3) -> None:
+    def __init__(self, runs: Sequence[Any], nvme_path: Optional[str], rank: int, max_slots: int = 3,
+                 resident: Collection[int] = (), release_pool: bool = False) -> None:
+        """``resident``: ``id(run.tensor)`` of the runs whose moments automatic placement keeps
+        in memory (same layout as a pool slot, updated by the same kernel); the others stream.
+        ``release_pool``: the pool exists only during ``step`` (its memory serves the parameter
+        cache during forward and backward: zeroshard/offload/param_cache.py)."""
         self.runs = list(runs)
         self._offset: dict[int, int] = {}
+        self._resident: dict[int, torch.Tensor] = {
+            id(r.tensor): aligned_empty(aligned(r.tensor.numel() * 4) * len(KEYS) // 4, torch.float32)
+            for r in self.runs if id(r.tensor) in resident}
+        self.resident_bytes = sum(b.numel() * 4 for b in self._resident.values())
+        streamed = [r for r in self.runs if id(r.tensor) not in self._resident]
         offset = 0
-        for run in self.runs:
+        for run in streamed:
             self._offset[id(run.tensor)] = offset
             offset += aligned(run.tensor.numel() * 4) * len(KEYS)
         self.file_bytes = offset
-        self.file = SwapFile(nvme_path, "optim", rank)
-        self.path = self.file.path
-        self.file.reserve(0, offset, "offload_optimizer='nvme' needs {gib} GiB for this rank's optimizer state")
-        self.aio = self.file.aio
-        largest = max((aligned(r.tensor.numel() * 4) for r in self.runs), default=ALIGN)
+        self.file: Optional[SwapFile] = None
+        self.path: Optional[str] = None
+        self.aio = None
+        if streamed:
+            self.file = SwapFile(nvme_path, "optim", rank)
+            self.path = self.file.path
+            self.file.reserve(0, offset, "offload_optimizer='nvme' needs {gib} GiB for this rank's optimizer state")
+            self.aio = self.file.aio
+        largest = max((aligned(r.tensor.numel() * 4) for r in streamed), default=ALIGN)
         # Three slots overlap read, update and write; fewer runs need fewer slots (a one-unit
         # model must not hold 3x the moments it offloads).
-        slots = max(1, min(3, max_slots, len(self.runs)))
-        try:
-            self._pool = [aligned_empty(largest * len(KEYS) // 4, torch.float32) for _ in range(slots)]
-        except RuntimeError as exc:  # e.g. pinned or aligned host memory exhausted
-            raise RuntimeError(f"offload_optimizer='nvme' could not allocate its {slots} staging buffers of "
-                               f"{largest * len(KEYS) / 2**20:.1f} MiB ({exc}); lower offload_buffer_mb, or make "
-                               "units smaller (bucket_size_mb, or stage3_unit_numel at stage 3)") from exc
-        self.pool_bytes = sum(b.numel() * 4 for b in self._pool)
+        self._slots = max(1, min(3, max_slots, len(streamed))) if streamed else 0
+        self._slot_numel = largest * len(KEYS) // 4
+        self.release_pool = release_pool
+        self._pool: list[torch.Tensor] = []
+        self.pool_bytes = 0
+        """Bytes of the pool held now."""
+        if not release_pool:
+            self._allocate_pool()
         self._steps: dict[int, torch.Tensor] = {}
         self._keys = {id(r.tensor): r.tensor for r in self.runs}
         self.tensor_keys = KEYS
+
+    def _allocate_pool(self) -> None:
+        try:
+            self._pool = [aligned_empty(self._slot_numel, torch.float32) for _ in range(self._slots)]
+        except RuntimeError as exc:  # e.g. pinned or aligned host memory exhausted
+            raise RuntimeError(f"offload_optimizer='nvme' could not allocate its {self._slots} staging buffers of "
+                               f"{self._slot_numel * 4 / 2**20:.1f} MiB ({exc}); lower offload_buffer_mb, or make "
+                               "units smaller (bucket_size_mb, or stage3_unit_numel at stage 3)") from exc
+        self.pool_bytes = sum(b.numel() * 4 for b in self._pool)
 
     # -- layout ---------------------------------------------------------------------------------
     def _views(self, buf: torch.Tensor, numel: int) -> list[torch.Tensor]:
@@ -80,6 +108,10 @@ class NvmeOptimizerState(MutableMapping):
         off, nbytes = self._region(t)
         return self.file.pwrite(buf[:nbytes // 4], off)
 
+    def in_memory(self, t: torch.Tensor) -> bool:
+        """The run's moments stay in memory (automatic placement) rather than stream."""
+        return id(t) in self._resident
+
     # -- piecewise access (checkpoints stream through these) ------------------------------------
     def scalars(self, t: torch.Tensor) -> dict:
         """The run's non-tensor state (its step), without reading the file; {} before a step."""
@@ -89,6 +121,8 @@ class NvmeOptimizerState(MutableMapping):
         """Elements ``[lo, hi)`` of the run's ``key`` moment, read from the file."""
         if key not in KEYS:
             raise KeyError(key)
+        if id(t) in self._resident:
+            return self._views(self._resident[id(t)], t.numel())[KEYS.index(key)][lo:hi].clone()
         out = torch.empty(hi - lo, dtype=torch.float32)
         if hi > lo:
             base = self._offset[id(t)] + KEYS.index(key) * aligned(t.numel() * 4)
@@ -99,21 +133,27 @@ class NvmeOptimizerState(MutableMapping):
     def __getitem__(self, t: torch.Tensor) -> dict:
         if id(t) not in self._steps:
             raise KeyError(t)
-        buf = aligned_empty(self._region(t)[1] // 4, torch.float32)
-        self._read(t, buf).wait()
+        buf = self._resident.get(id(t))
+        if buf is None:
+            buf = aligned_empty(self._region(t)[1] // 4, torch.float32)
+            self._read(t, buf).wait()
         return {"step": self._steps[id(t)].clone(),
                 **{k: v.clone() for k, v in zip(KEYS, self._views(buf, t.numel()))}}
 
     def __setitem__(self, t: torch.Tensor, state: dict) -> None:
-        if id(t) not in self._offset:
+        if id(t) not in self._offset and id(t) not in self._resident:
             raise KeyError(f"tensor of shape {tuple(t.shape)} is not a run of this optimizer")
         missing = [k for k in ("step", *KEYS) if k not in state]
         if missing:
             raise ValueError(f"Adam state for an offloaded run lacks {missing}")
-        buf = aligned_empty(self._region(t)[1] // 4, torch.float32)
+        buf = self._resident.get(id(t))
+        kept = buf is not None
+        if not kept:
+            buf = aligned_empty(self._region(t)[1] // 4, torch.float32)
         for view, k in zip(self._views(buf, t.numel()), KEYS):
             view.copy_(state[k].reshape(-1))
-        self._write(t, buf).wait()
+        if not kept:
+            self._write(t, buf).wait()
         step = state["step"]
         self._steps[id(t)] = (step if isinstance(step, torch.Tensor) else torch.tensor(float(step))).detach().clone()
 
@@ -146,15 +186,20 @@ class NvmeOptimizerState(MutableMapping):
             u = next(upcoming, None)
             if u is not None:
                 fetch(u)
+        if len(self._pool) < self._slots:
+            self._allocate_pool()
         fetch_next()
         current = None
         reads: dict[int, Any] = {}
         started: set[int] = set()
         slots = len(self._pool)
         writes: list[Any] = [None] * slots
+        stream = [i for i, r in enumerate(todo) if id(r.tensor) not in self._resident]
+        slot_of = {i: k % max(1, slots) for k, i in enumerate(stream)}
+        after = dict(zip(stream, stream[1:]))  # the next streamed run
 
         def start_read(i: int) -> None:
-            slot = i % slots
+            slot = slot_of[i]
             if writes[slot] is not None:  # the buffer is still being written from an earlier run
                 writes[slot].wait()
                 writes[slot] = None
@@ -164,13 +209,20 @@ class NvmeOptimizerState(MutableMapping):
             else:  # first step: moments start at zero
                 self._pool[slot][:self._region(t)[1] // 4].zero_()
             started.add(i)
+        if stream:
+            start_read(stream[0])
         for i, run in enumerate(todo):
-            if i not in started:
-                start_read(i)
-            if slots > 1 and i + 1 < len(todo):  # read ahead into the next free slot
-                start_read(i + 1)
-            if i in reads:
-                reads.pop(i).wait()
+            t = run.tensor
+            kept = self._resident.get(id(t))
+            if kept is None:
+                if i not in started:
+                    start_read(i)
+                if slots > 1 and i in after and after[i] not in started:  # read ahead into the next slot
+                    start_read(after[i])
+                if i in reads:
+                    reads.pop(i).wait()
+            elif id(t) not in self._steps:  # first step: moments start at zero
+                kept.zero_()
             unit = run.unit
             store = getattr(unit, "swap", None)
             if store is not None and unit is not current:
@@ -179,26 +231,31 @@ class NvmeOptimizerState(MutableMapping):
                 store.wait_fetch(unit, store.parts_of(unit))
                 if store.max_in_flight > 1:
                     fetch_next()  # the next unit streams in while this one is updated
-            t = run.tensor
             group = param_groups[run.group]
             step = self._steps.setdefault(id(t), torch.tensor(0.0))
             step += 1
             beta1, beta2 = (float(b) for b in group["betas"])
-            exp_avg, exp_avg_sq = self._views(self._pool[i % slots], t.numel())
+            buf = kept if kept is not None else self._pool[slot_of[i]]
+            exp_avg, exp_avg_sq = self._views(buf, t.numel())
             adam_step_(t, t.grad, exp_avg, exp_avg_sq, step=int(step.item()), lr=float(group["lr"]),
                        beta1=beta1, beta2=beta2, eps=float(group["eps"]),
                        weight_decay=float(group["weight_decay"]), adamw_mode=bool(group["adamw_mode"]),
                        grad_scale=-grad_scale if group.get("maximize") else grad_scale)
-            writes[i % slots] = self._write(t, self._pool[i % slots])
-            if store is not None and last_run[id(unit)] == i:
+            if kept is None:
+                writes[slot_of[i]] = self._write(t, buf)
+            if last_run[id(unit)] == i:
                 unit.write_back()  # the low-precision shard from the new master
-                store.evict(unit, ("grad",))  # its file copy is current
-                store.flush(unit, [p for p in store.parts_of(unit) if p != "grad"])
+                if store is not None:
+                    store.evict(unit, ("grad",))  # its file copy is current
+                    store.flush(unit, [p for p in store.parts_of(unit) if p != "grad"])
         for u in order:
             u.swap.settle(u)
         for w in writes:
             if w is not None:
                 w.wait()
+        if self.release_pool:
+            self._pool, self.pool_bytes = [], 0
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()

@@ -138,6 +138,9 @@ class SwapFile:
         self.engine_path = proc if os.path.exists(proc) else self.path
         self.aio = AsyncIO()
         self.samples = PageSamples()
+        self.bytes_read = 0
+        self.bytes_written = 0
+        """Bytes requested of the file so far (what ``placement_report`` measures)."""
         self.closed = False
 
     @staticmethod
@@ -232,6 +235,7 @@ class SwapFile:
     # -- requests -----------------------------------------------------------------------------
     def pread(self, tensor: torch.Tensor, offset: int) -> _Checked:
         self.check()
+        self.bytes_read += tensor.numel() * tensor.element_size()
         try:
             h = self.aio.pread(tensor, self.engine_path, offset)
         except OSError as exc:
@@ -245,6 +249,7 @@ class SwapFile:
                              f"reserved in {self.path!r}")
         self.check()
         self.samples.record(offset, tensor)
+        self.bytes_written += nbytes
         try:
             h = self.aio.pwrite(tensor, self.engine_path, offset)
         except OSError as exc:

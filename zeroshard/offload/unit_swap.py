@@ -57,6 +57,8 @@ class NvmeUnitStore:
         self._writes: list[tuple[Any, Any, tuple[str, ...]]] = []  # (handle, unit, parts to free)
         self._reads: dict[tuple[int, str], Any] = {}
         self._lock = threading.RLock()
+        self.cache: Optional[Any] = None
+        """The parameter cache (``param_cache.ParamCache``) of automatic placement, if any."""
 
     # -- layout ------------------------------------------------------------------------------
     @staticmethod
@@ -74,14 +76,18 @@ class NvmeUnitStore:
         low-precision shard rewritten from it (an fp32 master *is* the shard, written directly)."""
         return tuple(p for p in ("shard", "master") if unit.separate_master and self.swaps(unit, p))
 
-    def adopt(self, unit: Any) -> None:
+    def adopt(self, unit: Any, parts: Optional[Sequence[str]] = None) -> None:
         """Takes a freshly built unit: reserves its region, writes its shard (and master) to
-        the file, releases every swapped part, and from now on serves them."""
-        parts = (("shard",) if self.swap_shards else ()) + (("master",) if unit.separate_master else ()) + ("grad",)
+        the file, releases every swapped part, and from now on serves them. ``parts`` (the
+        automatic placement's choice for this unit) defaults to what the options give every
+        unit; calls naming parts the unit does not swap do nothing for those parts."""
+        if parts is None:
+            parts = (("shard",) if self.swap_shards else ()) + (("master",) if unit.separate_master else ()) + ("grad",)
         if unit.frozen:  # (only weights: no master, no gradient)
             parts = ("shard",) if self.swap_shards else ()
-        if not parts:
-            return
+            if not parts:
+                return
+        parts = tuple(parts)
         self._parts[id(unit)] = parts
         start = self.file_bytes
         for part in parts:
@@ -127,7 +133,7 @@ class NvmeUnitStore:
         self.settle(unit)
         for part in parts:
             t = self.tensor_of(unit, part)
-            if is_allocated(t) or (id(unit), part) in self._reads:
+            if not self.swaps(unit, part) or is_allocated(t) or (id(unit), part) in self._reads:
                 continue
             alloc_storage(t)
             if part in skip_read or (part == "grad" and not unit.grad_valid):
@@ -148,7 +154,7 @@ class NvmeUnitStore:
     def flush(self, unit: Any, parts: Iterable[str], release: bool = True) -> None:
         """Writes ``parts`` back in the background; with ``release`` their memory is freed once
         written (``settle``)."""
-        parts = tuple(p for p in parts if is_allocated(self.tensor_of(unit, p)))
+        parts = tuple(p for p in parts if self.swaps(unit, p) and is_allocated(self.tensor_of(unit, p)))
         with self._lock:
             for part in parts:
                 h = self.file.pwrite(self.tensor_of(unit, part), self._offset(unit, part))
@@ -161,8 +167,15 @@ class NvmeUnitStore:
     def evict(self, unit: Any, parts: Iterable[str]) -> None:
         """Releases ``parts`` without writing (their file copy is current)."""
         for part in parts:
-            self.wait_fetch(unit, (part,))
-            free_storage(self.tensor_of(unit, part))
+            if self.swaps(unit, part):
+                self.wait_fetch(unit, (part,))
+                free_storage(self.tensor_of(unit, part))
+
+    def gathered(self, unit: Any, backward: bool) -> None:
+        """The gatherer copied the shard into the gathered buffer: drop it, unless the parameter
+        cache keeps it for the backward gather (``param_cache.py``)."""
+        if self.cache is None or not self.cache.keep(unit, backward):
+            self.evict(unit, ("shard",))
 
     @contextlib.contextmanager
     def resident(self, unit: Any, parts: Sequence[str], write: bool = False) -> Iterator[None]:

@@ -33,7 +33,7 @@ def memory_report(opt: Any) -> MemoryReport:
         frozen=frozen, frozen_offloaded=frozen_offloaded,
         gradients=sum(held(u, "grad", u.grad_store) for u in opt.units),
         master_weights=sum(held(u, "master", u.master) for u in opt.units if u.separate_master),
-        optimizer_states=(opt.swapper.pool_bytes if opt.swapper is not None else
+        optimizer_states=(opt.swapper.pool_bytes + opt.swapper.resident_bytes if opt.swapper is not None else
                           sum(tensor_bytes(v, seen) for s in opt.inner.state.values()
                               for v in s.values() if isinstance(v, torch.Tensor))),
         offloaded=((opt.swapper.file_bytes if opt.swapper is not None else 0)
@@ -68,9 +68,8 @@ def staging_slots(opt: Any) -> int:
     if opt.config.offload_buffer_mb is None:
         return 3
     moments = max((8 * r.tensor.numel() for r in opt.runs), default=0)
-    store = opt.unit_store
-    parts = max((sum(store.tensor_of(u, p).numel() * store.tensor_of(u, p).element_size()
-                     for p in store.parts_of(u)) for u in opt.units), default=0)
+    parts = max((sum(NvmeUnitStore.tensor_of(u, p).numel() * NvmeUnitStore.tensor_of(u, p).element_size()
+                     for p in (u.swap.parts_of(u) if u.swap is not None else ())) for u in opt.units), default=0)
     per_slot = moments + parts
     slots = int(opt.config.offload_buffer_mb * 2**20 // max(1, per_slot))
     if slots < 1:

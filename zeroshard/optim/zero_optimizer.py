@@ -36,6 +36,7 @@ from zeroshard.optim.module_guard import ModuleGuard
 from zeroshard.optim.grad_sync import GradientReducer
 from zeroshard.optim.hyperparams import check_inputs, check_optimizer_kwargs, single_dtype, trainable_params
 from zeroshard.offload import NvmeOptimizerState
+from zeroshard.offload.placement import StatePlacement
 from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.ops import FusedAdam
 from zeroshard.optim.param_state import ParamStateView
@@ -121,40 +122,38 @@ class ZeroOptimizer(torch.optim.Optimizer):
             layouts = layouts_for(groupings, self.comm.world_size)
         else:
             layouts = build_layouts(trainable, bucket_numel, self.comm.world_size)
-        placement = Placement(self.config.offload_optimizer, self.config.offload_params)
-        self.unit_store: Optional[NvmeUnitStore] = None
-        if self.config.offload_optimizer == "nvme":  # gradients, masters (and shards) on NVMe
-            self.unit_store = NvmeUnitStore(self.config.nvme_path, self.comm.rank,
-                                            swap_shards=self.config.offload_params == "nvme")
-            self._files_closers.append(weakref.finalize(self, self.unit_store.close))
+        self.placement = StatePlacement(self, layouts, unit_modules, param_dtype, groups,  # or offload="auto"
+                                        device if meta_shapes else None)  # (Note [automatic placement])
+        self.unit_store: Optional[NvmeUnitStore] = self.placement.store  # gradients, masters (and shards) on NVMe
         self.units = []
         for layout, members in layouts:  # one unit at a time: a swapped unit leaves memory at once
             unit = FlatUnit(layout, members, self.policy, self.comm.shard_rank, param_dtype,
-                            device if meta_shapes else None, placement)
-            if self.unit_store is not None:
-                self.unit_store.adopt(unit)
+                            device if meta_shapes else None, self.placement.of_unit(len(self.units)))
+            self.placement.adopt(unit)
             self.units.append(unit)
         self.frozen_units: list[FlatUnit] = []
         for layout, members in (layouts_for(frozen_groupings, self.comm.world_size, len(self.units))
                                 if frozen else []):
-            unit = FlatUnit(layout, members, self.policy, self.comm.rank, members[0].param.dtype,
-                            device if meta_shapes else None, placement, frozen=True)
-            if self.unit_store is not None:
+            # (frozen weights follow offload_params; offload="auto" places what trains)
+            unit = FlatUnit(layout, members, self.policy, self.comm.shard_rank, members[0].param.dtype,
+                            device if meta_shapes else None,
+                            Placement(self.config.offload_optimizer, self.config.offload_params), frozen=True)
+            if self.unit_store is not None and self.config.offload_params == "nvme":
                 self.unit_store.adopt(unit)
             self.frozen_units.append(unit)
         self.optimizer_class = optimizer_class
         self.runs, self.inner = kernel_choice.build_inner(optimizer_class, kwargs, groups, self.units,
                                                           self.config.fused_adam)
         self.swapper: Optional[NvmeOptimizerState] = None
-        if self.config.offload_optimizer == "nvme":
+        if self.placement.streams_optimizer:
             if kernel_choice.fused_part(self.inner) is None:
                 raise ValueError(
                     f"offload_optimizer='nvme' streams Adam/AdamW moments through the fused kernel; "
                     f"{optimizer_class.__name__}(**{kwargs}) does not run on it (use torch.optim.Adam "
                     "or AdamW without amsgrad/foreach/fused/capturable, or offload_optimizer='cpu')")
             slots = reports.staging_slots(self)
-            self.swapper = NvmeOptimizerState(self.runs, self.config.nvme_path, self.comm.rank, max_slots=slots)
-            self.unit_store.max_in_flight = slots
+            self.swapper = NvmeOptimizerState(self.runs, self.config.nvme_path, self.comm.rank, max_slots=slots,
+                                              **self.placement.state_options(self.runs, slots))
             self.inner.state = self.swapper
             self._files_closers.append(weakref.finalize(self, self.swapper.close))
         self.gatherer: Optional[ParameterGatherer] = None
@@ -287,7 +286,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for u in self.units:
             if not u.grad_valid:
                 continue
-            if u.swap is None:
+            if not u.swapped("grad"):
                 out.append(fn(u.owned_grad()))
             elif cached is not None and u.grad_stats is not None:
                 out.append(cached(u.grad_stats))
@@ -478,6 +477,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def memory_report(self) -> MemoryReport:
         """Bytes of model state this rank holds, by category (zeroshard/optim/reports.py)."""
         return reports.memory_report(self)
+
+    def placement_report(self, micro_batches: int = 1) -> dict:  # where state lives, why: offload/placement.py
+        return self.placement.report(self, micro_batches)
 
     def comm_report(self, reset: bool = False) -> dict[str, dict]:
         """``memory_report``'s sibling: what this rank's collectives moved since construction

@@ -230,7 +230,7 @@ class ParameterGatherer:
         if unit.swapped("shard"):
             unit.swap.wait_fetch(unit, ("shard",))
             unit.flat[lo:hi].copy_(unit.shard)
-            unit.swap.evict(unit, ("shard",))
+            unit.swap.gathered(unit, backward=_in_backward())  # (dropped unless the parameter cache keeps it)
         else:
             unit.flat[lo:hi].copy_(unit.shard)
         self._work[ui] = self.comm.gather_shards(unit.flat)

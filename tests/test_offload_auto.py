@@ -1,0 +1,163 @@
+"""offload="auto": the planner places each unit's shard, master, gradient and moments in memory or
+on NVMe under a memory budget; training is bit-identical whatever it chose, and what it predicts
+the swap files move per step is what they move."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zeroshard
+from tests.dist_results import run_ranks
+from tests.nvme_params_worker import AUTO_CFG, CFG, auto_budgets, make, make_auto, run_auto_matrix, small_units
+from zeroshard.planner.placement import PlacementError
+from zeroshard.toy import TinyGPT, synthetic_batch
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_auto_placement_at_every_budget_matches_memory_bit_for_bit(world, tmp_path):
+    """Stages 1-3, fp32 and bf16, budgets where everything / half / only the minimum fits, with
+    gradient accumulation and clipping, on 1 and 2 gloo ranks: the bits of the all-resident run."""
+    for r in run_ranks(run_auto_matrix, world, tmp_path, str(tmp_path)):
+        assert len(r) == 3 * 2 * 3
+        assert all(v["equal"] for v in r.values()), [k for k, v in r.items() if not v["equal"]]
+        for key, v in r.items():
+            if key.endswith("-all"):  # nothing offloaded: the plain in-memory optimizer
+                assert v["nvme_bytes"] == 0 and not v["swapper"], (key, v)
+            elif key.endswith("-half"):
+                assert v["nvme_bytes"] > 0 and v["memory_bytes"] > 0, (key, v)
+        for stage in (1, 2, 3):
+            for mp in (None, "bf16"):
+                half, low = r[f"stage{stage}-{mp}-half"], r[f"stage{stage}-{mp}-minimum"]
+                assert low["nvme_bytes"] > half["nvme_bytes"] and low["memory_bytes"] == 0, (stage, mp, low)
+
+
+def _steps(model, opt, start: int, n: int, accum: int) -> None:
+    for step in range(start, start + n):
+        for k in range(accum):
+            model(*synthetic_batch(step * accum + k, 2, AUTO_CFG)).backward()
+        opt.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+
+
+def _within(got: int, want: int) -> bool:
+    return abs(got - want) <= 0.1 * want
+
+
+@pytest.mark.parametrize("stage,mp", [(2, "bf16"), (3, None), (3, "bf16")])
+def test_predicted_placement_and_step_traffic_match_the_run(stage, mp, tmp_path):
+    """What the plan says each kind holds in memory and on NVMe is what the units and the optimizer
+    state hold, and the bytes it predicts the swap files read and write in a step (counted by
+    the swap files) are what they do, within 10%, at 1 and 2 micro-batches per step, with and
+    without the parameter cache. The explicit all-NVMe placement is predicted as well, and the
+    cache reads less than it."""
+    budgets = auto_budgets(str(tmp_path), mp, stage)
+    reads = {}
+    for name in ("half", "minimum", "explicit"):
+        for accum in (1, 2):
+            if name == "explicit":
+                model, opt = make(str(tmp_path), mp, stage=stage, cfg=AUTO_CFG, optimizer="nvme",
+                                  params="nvme" if stage == 3 else None, **{k: v for k, v in small_units(stage).items()
+                                                                            if k != "cfg"})
+            else:
+                model, opt = make_auto(str(tmp_path), budgets[name], mp, stage)
+            _steps(model, opt, 0, 2, accum)  # (the first step reads no moments: they start at zero)
+            before = opt.placement_report(accum)["measured_io"]
+            _steps(model, opt, 2, 1, accum)
+            rep = opt.placement_report(accum)
+            got = {k: rep["measured_io"][k] - before[k] for k in before}
+            want = rep["predicted_step_io"]
+            assert want["read"] > 0 and all(_within(got[k], want[k]) for k in want), (name, accum, got, want)
+            reads[(name, accum)] = got["read"]
+            for kind, tiers in rep["bytes"].items():  # the plan, as applied
+                planned_memory = tiers["device"] + tiers["host"]
+                assert _within(rep["applied"][kind]["memory"], planned_memory), (name, kind, rep["applied"], tiers)
+                assert _within(rep["applied"][kind]["nvme"], tiers["nvme"]), (name, kind, rep["applied"], tiers)
+            mem = opt.memory_report()
+            assert mem.gradients == rep["bytes"]["grad"]["host"]
+            assert mem.master_weights == rep["bytes"]["master"]["host"]
+            if name != "explicit":  # (between steps the moments' pool is released)
+                assert mem.optimizer_states == rep["bytes"]["moments"]["host"]
+            if stage == 3:
+                assert mem.parameters == rep["bytes"]["shard"]["host"]
+            if name == "minimum" and stage == 3:
+                assert rep["cache"]["units"], rep["text"]
+            opt.close()
+    if stage == 3:  # the cache saves a read of each cached shard per micro-batch
+        assert reads[("minimum", 1)] < reads[("explicit", 1)] and reads[("minimum", 2)] < reads[("explicit", 2)]
+
+
+def test_auto_with_explicit_options_and_missing_budget_are_refused(tmp_path):
+    model = TinyGPT(CFG)
+    with pytest.raises(ValueError, match="cannot be combined with offload_optimizer='nvme'"):
+        zeroshard.ZeroOptimizer(model, torch.optim.AdamW, stage=3, offload="auto", memory_budget="1GiB",
+                                offload_optimizer="nvme", nvme_path=str(tmp_path))
+    with pytest.raises(ValueError, match="needs memory_budget"):
+        zeroshard.ZeroOptimizer(model, torch.optim.AdamW, stage=3, offload="auto", nvme_path=str(tmp_path))
+    with pytest.raises(ValueError, match="only used by offload='auto'"):
+        zeroshard.ZeroOptimizer(model, torch.optim.AdamW, stage=3, memory_budget="1GiB")
+    with pytest.raises(ValueError, match="'device' and/or 'host'"):
+        zeroshard.ZeroOptimizer(model, torch.optim.AdamW, stage=3, offload="auto", memory_budget={"gpu": "1GiB"})
+    with pytest.raises(ValueError, match="cannot read '12 parsecs'"):
+        zeroshard.ZeroOptimizer(model, torch.optim.AdamW, stage=3, offload="auto", memory_budget="12 parsecs")
+    with pytest.raises(ValueError, match="offload='manual' is not supported"):
+        zeroshard.ZeroOptimizer(model, torch.optim.AdamW, stage=3, offload="manual")
+
+
+def test_too_small_a_budget_names_the_smallest_that_fits(tmp_path):
+    """Below the minimum, start-up fails with the smallest feasible budget, and that budget works;
+    without nvme_path the smallest budget is the whole state in memory."""
+    with pytest.raises(PlacementError, match=r"the smallest budget that fits is \{'host': '\d+MiB'\}") as exc:
+        make_auto(str(tmp_path), 1000)
+    model, opt = make_auto(str(tmp_path), exc.value.minimum["host"])
+    _steps(model, opt, 0, 1, 1)
+    assert sum(t["nvme"] for t in opt.placement_report()["bytes"].values()) > 0
+    with pytest.raises(PlacementError, match="without nvme_path") as exc:
+        make_auto(None, 100_000)
+    make_auto(None, exc.value.minimum["host"])  # everything in memory: fits exactly
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_checkpoint_resumes_across_placements(world, tmp_path):
+    """Saved with half the state on NVMe, resumed with only the minimum in memory and with
+    everything in memory: the uninterrupted run's bits."""
+    from tests.nvme_params_worker import auto_resume
+    for r in run_ranks(auto_resume, world, tmp_path, str(tmp_path)):
+        assert r == {"minimum": True, "memory": True}, r
+
+
+def test_offloading_needs_adam_and_names_the_budget_that_holds_everything(tmp_path):
+    half = auto_budgets(str(tmp_path), None, 3)["half"]
+    with pytest.raises(ValueError, match=r"SGD does not run on; .*at least \d+ bytes"):
+        zeroshard.ZeroOptimizer(TinyGPT(AUTO_CFG), torch.optim.SGD, lr=0.1, stage=3, offload="auto",
+                                memory_budget=half, nvme_path=str(tmp_path))
+    opt = zeroshard.ZeroOptimizer(TinyGPT(CFG), torch.optim.SGD, lr=0.1, stage=3, offload="auto",
+                                  memory_budget="1GiB", nvme_path=str(tmp_path))
+    assert opt.swapper is None and opt.unit_store is None  # everything fits: plain in-memory SGD
+
+
+def test_planner_fits_the_budget_and_moves_less_with_more_memory():
+    """The pure planner on a 38-block model: every plan's predicted peak stays within its budget,
+    traffic never grows with the budget, shards are kept before the rest, resident units are
+    spread out, and the minimum is where everything streams."""
+    from zeroshard.planner.placement import Fixed, MemoryBudget, UnitSpec, plan_auto
+    n = 28 << 20
+    units = [UnitSpec(i, shard=4 * n, master=0, grad=4 * n, moments=8 * n, master_in_shard=True) for i in range(38)]
+    fixed = Fixed(device=3 * 4 * n, staging=3 * 8 * n, pool=3 * 8 * n)
+    with pytest.raises(PlacementError) as exc:
+        plan_auto(units, MemoryBudget(host=1), fixed, accelerator=False, nvme=True)
+    lo = exc.value.minimum["host"]
+    last = None
+    for extra in range(0, exc.value.state + 1, exc.value.state // 10):
+        plan = plan_auto(units, MemoryBudget(host=lo + extra), fixed, accelerator=False, nvme=True)
+        assert plan.memory()["host"] <= lo + extra
+        io = plan.step_io()["read"] + plan.step_io()["written"]
+        assert last is None or io <= last
+        last = io
+        by = plan.bytes_by()
+        if by["moments"]["host"] or by["grad"]["host"]:
+            assert by["shard"]["nvme"] == 0  # shards save the most per byte: kept first
+    half = plan_auto(units, MemoryBudget(host=lo + 38 * 4 * n // 2), fixed, accelerator=False, nvme=True)
+    kept = [i for i in range(38) if half.tier(i, "shard") == "host"]
+    assert len(kept) == 19 and max(b - a for a, b in zip(kept, kept[1:])) <= 3  # spread, not the first 19
+    assert last == 0  # the whole state fits: nothing streams

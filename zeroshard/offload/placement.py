@@ -1,0 +1,198 @@
+"""Where each unit's state lives, for one ZeroOptimizer: the explicit options' single choice, or
+the per-unit plan of ``offload="auto"`` (Note [automatic placement] in
+zeroshard/planner/placement.py), and what it took to apply it.
+
+Lifecycle: built from the layouts before any unit exists (``StatePlacement(opt, ...)``);
+while the units are built it gives each its ``Placement`` (``of_unit``) and hands it to the
+swap file with the parts the plan puts there (``adopt``); the optimizer state then learns
+which runs keep their moments in memory (``resident_moments``); afterwards it reports
+(``report``) what was decided, why, and the bytes the swap files moved.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional, Sequence
+
+import torch
+
+from zeroshard.offload.param_cache import ParamCache
+from zeroshard.offload.swap_file import aligned
+from zeroshard.offload.unit_swap import NvmeUnitStore
+from zeroshard.optim.flat_unit import Placement
+from zeroshard.planner.placement import (KINDS, Fixed, MemoryBudget, Plan, UnitSpec, plan_auto, plan_explicit,
+                                         report_text)
+
+
+def describe_units(config: Any, policy: Any, rank: int, layouts: Sequence[tuple[Any, Any]],
+                   unit_modules: Sequence[Any], param_dtype: torch.dtype, groups: Sequence[dict],
+                   accelerator: bool) -> tuple[list[UnitSpec], Fixed]:
+    """Each unit's bytes per kind of state on ``rank``, and the memory placement cannot move
+    (Note [automatic placement])."""
+    p = torch.finfo(param_dtype).bits // 8 if param_dtype.is_floating_point else 4
+    s = 8 if param_dtype == torch.float64 else 4
+    mixed = param_dtype not in (torch.float32, torch.float64)
+    specs, widest, widest_root, largest_run = [], 0, 0, 0
+    for i, (layout, _) in enumerate(layouts):
+        lo, hi = layout.slice_of(rank) if policy.shard_optimizer else (0, layout.padded_numel)
+        n = hi - lo
+        root = policy.shard_parameters and i < len(unit_modules) and unit_modules[i] is None
+        separate = mixed or accelerator  # (a master on the host beside a shard on the device)
+        runs = [2 * aligned(4 * (b - a)) for _, a, b in layout.group_runs(lo, hi)]
+        largest_run = max([largest_run] + runs)
+        specs.append(UnitSpec(i, shard=p * n if policy.shard_parameters else 0, master=s * n if separate else 0,
+                              grad=s * (n if policy.shard_gradients else layout.padded_numel), moments=sum(runs),
+                              shard_reads=1 if root else 2,
+                              master_in_shard=policy.shard_parameters and not separate, root=root))
+        if root:
+            widest_root = max(widest_root, layout.padded_numel)
+        else:
+            widest = max(widest, layout.padded_numel)
+    frozen = sum(q.numel() * q.element_size() for g in groups for q in g["params"] if not q.requires_grad)
+    if policy.shard_parameters:  # the gather buffers of the units alive at once
+        model = p * (widest_root + config.max_live_units * widest)
+    else:  # the model's own copy, which placement cannot move
+        model = sum(p * layout.padded_numel for layout, _ in layouts)
+    buckets = config.max_inflight_buckets * 4 * max(widest, widest_root)
+    parts = max((u.shard + u.master + u.grad for u in specs), default=0)
+    slots = 3 if config.offload_buffer_mb is None else max(1, min(3, int(config.offload_buffer_mb * 2**20
+                                                                       // max(1, largest_run + parts))))
+    return specs, Fixed(device=model + frozen + buckets, staging=slots * parts, pool=slots * largest_run)
+
+
+class StatePlacement:
+    def __init__(self, opt: Any, layouts: Sequence[tuple[Any, Any]], unit_modules: Sequence[Any],
+                 param_dtype: torch.dtype, groups: Sequence[dict], device: Optional[torch.device]) -> None:
+        config, rank = opt.config, opt.comm.rank
+        self.config = config
+        first = next((m.param for _, members in layouts for m in members), None)
+        model_device = device or (first.device if first is not None else torch.device("cpu"))
+        self.accelerator = model_device.type != "cpu"
+        self.auto = config.offload == "auto"
+        specs, fixed = describe_units(config, opt.policy, rank, layouts, unit_modules, param_dtype, groups,
+                                      self.accelerator)
+        self.specs = specs
+        if self.auto:
+            budget = MemoryBudget.parse(config.memory_budget)
+            self.plan: Plan = plan_auto(specs, budget, fixed, accelerator=self.accelerator,
+                                        nvme=config.nvme_path is not None)
+            cls = opt._build_args[0]
+            adam = isinstance(cls, type) and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW))
+            if self.plan.offloads and not adam:
+                raise ValueError(
+                    f"offload='auto' must offload part of the state to fit memory_budget ({budget}), and offloaded "
+                    f"state is stepped by the fused Adam/AdamW kernel, which {getattr(cls, '__name__', cls)} does not "
+                    f"run on; use torch.optim.Adam/AdamW, or a budget that holds everything (at least "
+                    f"{fixed.device + fixed.host + sum(u.size(k) for u in specs for k in KINDS)} bytes here)")
+        else:
+            self.plan = plan_explicit(specs, fixed, accelerator=self.accelerator,
+                                      optimizer=config.offload_optimizer, params=config.offload_params)
+        self._index: dict[int, int] = {}
+        self.store: Optional[NvmeUnitStore] = None
+        self._explicit_nvme = not self.auto and config.offload_optimizer == "nvme"
+        if self._explicit_nvme or (self.auto and any(self.plan.swapped(i) for i in range(len(specs)))):
+            swap_shards = (config.offload_params == "nvme" if not self.auto else
+                           any("shard" in self.plan.swapped(i) for i in range(len(specs))))
+            self.store = NvmeUnitStore(config.nvme_path, rank, swap_shards=swap_shards)
+            opt._files_closers.append(weakref.finalize(opt, self.store.close))
+            if self.plan.cached:
+                self.store.cache = _PendingCache(self.plan.cached)
+
+    # -- while the units are built ------------------------------------------------------------
+    @property
+    def streams_optimizer(self) -> bool:
+        """The host-side step of ``NvmeOptimizerState`` runs (explicit NVMe offload, or a plan
+        that offloads anything)."""
+        return self._explicit_nvme or (self.auto and self.plan.offloads)
+
+    def of_unit(self, index: int) -> Placement:
+        if not self.auto:
+            return Placement(self.config.offload_optimizer, self.config.offload_params)
+        if not self.plan.offloads:
+            return Placement()
+        shard = {"device": None, "host": "cpu", "nvme": "nvme"}[self.plan.tier(index, "shard")]
+        return Placement(optimizer="nvme", params=shard if self.specs[index].shard else None)
+
+    def adopt(self, unit: Any) -> None:
+        index = len(self._index)
+        self._index[id(unit)] = index
+        if self.store is None:
+            return
+        if not self.auto:
+            self.store.adopt(unit)
+        elif self.plan.swapped(index):
+            self.store.adopt(unit, [p for p in self.plan.swapped(index) if p != "master" or unit.separate_master])
+        if isinstance(self.store.cache, _PendingCache) and index in self.store.cache.indices:
+            self.store.cache.units.append(unit)
+
+    def finish(self) -> None:
+        """Every unit is built: the parameter cache knows its units."""
+        if self.store is not None and isinstance(self.store.cache, _PendingCache):
+            self.store.cache = ParamCache(self.store.cache.units)
+
+    def state_options(self, runs: Sequence[Any], slots: int) -> dict:
+        """``NvmeOptimizerState``'s placement options: the runs whose moments stay in memory, and
+        whether its pool lives only during the step (auto: the parameter cache uses it in
+        between). The swap file of the units gets the ``slots`` the staging memory allows."""
+        self.finish()
+        if self.store is not None:
+            self.store.max_in_flight = slots
+        if not self.auto:
+            return {}
+        tier = self.plan.tier
+        return {"resident": {id(r.tensor) for r in runs if tier(self._index[id(r.unit)], "moments") != "nvme"},
+                "release_pool": True}
+
+    # -- afterwards -----------------------------------------------------------------------------
+    def applied(self, opt: Any) -> dict[str, dict[str, int]]:
+        """Bytes per kind in memory and in the swap files as the units and the optimizer state
+        hold them (what the plan's ``bytes_by`` predicts; memory is reported as "memory")."""
+        out = {k: {"memory": 0, "nvme": 0} for k in KINDS}
+        for u in opt.units:
+            parts = (("shard", u.shard) if u.policy.shard_parameters else None,
+                     ("master", u.master) if u.separate_master else None, ("grad", u.grad_store))
+            for kind, t in filter(None, parts):
+                out[kind]["nvme" if u.swapped(kind) else "memory"] += t.numel() * t.element_size()
+        swapper = opt.swapper
+        for r in opt.runs:
+            nbytes = 2 * aligned(4 * r.tensor.numel())
+            kept = swapper is None or swapper.in_memory(r.tensor)
+            out["moments"]["memory" if kept else "nvme"] += nbytes
+        return out
+
+    def measured_io(self, opt: Any) -> dict[str, int]:
+        """Bytes the swap files have read and written since construction."""
+        files = [f for f in (getattr(opt.swapper, "file", None), getattr(self.store, "file", None)) if f is not None]
+        return {"read": sum(f.bytes_read for f in files), "written": sum(f.bytes_written for f in files)}
+
+    def report(self, opt: Any, micro_batches: int = 1) -> dict:
+        """What was decided and why: bytes per kind and tier (planned, and as the units hold them
+        now), per unit, the parameter cache, the predicted traffic per step of ``micro_batches``
+        backward passes and the predicted peak memory, and what the swap files moved so far."""
+        plan = self.plan
+        measured = self.measured_io(opt)
+        return {
+            "mode": plan.mode,
+            "budget": None if plan.budget is None else {"device": plan.budget.device, "host": plan.budget.host},
+            "accelerator": plan.accelerator,
+            "bytes": plan.bytes_by(),
+            "units": [{"index": u.index, **{k: plan.tier(u.index, k) for k in KINDS if u.size(k)},
+                       "cached": u.index in plan.cached} for u in plan.units],
+            "cache": {"units": sorted(plan.cached), "bytes": sum(plan.units[i].shard for i in plan.cached)},
+            "applied": self.applied(opt),
+            "predicted_step_io": plan.step_io(micro_batches),
+            "predicted_memory": plan.memory(),
+            "measured_io": measured,
+            "reasons": list(plan.reasons),
+            "text": report_text(plan, measured),
+        }
+
+
+class _PendingCache:
+    """The cached units' indices until the units exist (never keeps a shard meanwhile)."""
+
+    def __init__(self, indices: frozenset[int]) -> None:
+        self.indices = indices
+        self.units: list[Any] = []
+
+    def keep(self, unit: Any, backward: bool) -> bool:
+        return False

@@ -1,0 +1,322 @@
+"""``offload="auto"``: which state of each unit stays in memory and which streams from NVMe.
+
+A pure planner (no tensors): the optimizer describes each flat unit (``UnitSpec``, its bytes
+per kind of state on this rank), the budget and its fixed costs, and gets a ``Plan``: a tier
+per unit and kind, the units whose stage-3 shards the parameter cache keeps between forward
+and backward, and the bytes each step reads and writes. See Note [automatic placement].
+
+Note [automatic placement]: the kinds of state of a unit are its stage-3 parameter shard,
+its separate fp32 master (mixed precision), its fp32 gradient and its Adam moments. Each
+one, kept on NVMe, costs a known number of bytes of disk traffic per step (``traffic``):
+
+    kind     | held (bytes)       | moved per step on NVMe
+    shard    | p·n                | read at each gather (2, the root unit 1) + written after the
+             |                    | step (+ read by the step when the shard is the fp32 master)
+    master   | 4·n                | read + written by the step
+    grad     | 4·n (stages 0-1: the whole unit) | written per micro-batch, read back per
+             |                    | micro-batch after the first and by the step (2k per k)
+    moments  | 2·align(4·n_run)   | read + written by the step
+
+Placing to move the least under a budget is a knapsack; the planner is greedy by bytes saved
+per byte held (shards 3-4, the others 2) and fills what is left with any smaller item that
+fits: every item kept saves at least as much per byte as any streamed item that would have
+fit in its place, so it is within one item's traffic of the optimum. Among items of one
+ratio, units are taken in bit-reversed order, so resident units alternate with streamed
+ones and a streamed unit's reads overlap a resident unit's compute. What stays free after
+that is the parameter cache: swapped shards of the last units of forward (the first that
+backward gathers again) stay in memory from their forward gather to their backward gather,
+saving one read each (1 byte saved per byte, so it comes last).
+
+Tiers: with an accelerator, "device" holds stage-3 shards (and, fixed, the model copy of
+stages 0-2 and the gather buffers), "host" the optimizer side (masters, gradients, moments:
+the fused CPU step, as ``offload_optimizer="nvme"``) and shards that do not fit the device,
+"nvme" the rest. When everything fits the device budget nothing is offloaded. On a CPU-only
+machine the model already lives in host memory: "device" and "host" are one memory whose
+budget is their sum, and the split is memory vs NVMe. Budgets are per rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from zeroshard.planner.units import fmt_bytes, parse_bytes
+
+KINDS = ("shard", "master", "grad", "moments")
+TIERS = ("device", "host", "nvme")
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Bytes of memory this rank's training state may use, per tier."""
+
+    device: int = 0
+    host: int = 0
+
+    @classmethod
+    def parse(cls, value: Any) -> "MemoryBudget":
+        """``{"device": "20GiB", "host": "48GiB"}`` (either key may be left out), or one size
+        (str or bytes) for host memory."""
+        if isinstance(value, MemoryBudget):
+            return value
+        if isinstance(value, (str, int)) and not isinstance(value, bool):
+            value = {"host": value}
+        if not isinstance(value, Mapping) or not value or set(value) - {"device", "host"}:
+            raise ValueError(f"memory_budget={value!r} must be a dict with 'device' and/or 'host' sizes, "
+                             "e.g. {'device': '20GiB', 'host': '48GiB'}")
+        out = {}
+        for k, v in value.items():
+            if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+                raise TypeError(f"memory_budget[{k!r}]={v!r} must be a size such as '20GiB' or a number of bytes")
+            out[k] = parse_bytes(v)
+            if out[k] < 0:
+                raise ValueError(f"memory_budget[{k!r}]={v!r} must be >= 0")
+        return cls(**out)
+
+    def __str__(self) -> str:
+        return f"device {fmt_bytes(self.device)}, host {fmt_bytes(self.host)}"
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """One unit's state on this rank, in bytes (0: the kind does not exist or cannot move)."""
+
+    index: int
+    shard: int
+    master: int
+    grad: int
+    moments: int
+    shard_reads: int = 2
+    """Gathers per step that read the shard (the root unit stays gathered: 1)."""
+    master_in_shard: bool = False
+    """The shard is the fp32 master (stage 3 in fp32): the step reads it too."""
+    root: bool = False
+
+    def size(self, kind: str) -> int:
+        return getattr(self, kind)
+
+    def traffic(self, kind: str, cached: bool = False, micro_batches: int = 1) -> tuple[int, int]:
+        """(read, written) bytes per step when ``kind`` is on NVMe."""
+        n = self.size(kind)
+        if kind == "shard":
+            return n * ((self.shard_reads - int(cached)) * micro_batches + int(self.master_in_shard)), n
+        if kind == "grad":
+            return n * micro_batches, n * micro_batches
+        return n, n
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """Memory the plan cannot move: per tier, and the NVMe pipeline's staging if anything streams."""
+
+    device: int = 0
+    host: int = 0
+    staging: int = 0
+    """Host memory of the NVMe pipeline's units in flight (gradients written behind backward, the
+    step's read-ahead) when anything streams."""
+    pool: int = 0
+    """Host memory of the moments' pool slots: held during the step only, so the parameter cache
+    (held from forward to backward) may use it."""
+    samples_per_byte: float = 1 / 512
+    """Host memory of a swap file's page samples per byte of it (Note [zero-fill detection])."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    units: tuple[UnitSpec, ...]
+    tiers: tuple[tuple[str, ...], ...]
+    """Per unit, the tier of each kind (``KINDS`` order)."""
+    cached: frozenset[int]
+    """Units whose swapped shard stays in memory from forward to backward."""
+    budget: Optional[MemoryBudget]
+    fixed: Fixed
+    accelerator: bool
+    mode: str
+    """"auto", or "explicit" for offload_optimizer / offload_params given by hand."""
+    reasons: tuple[str, ...] = field(default=())
+
+    def tier(self, index: int, kind: str) -> str:
+        return self.tiers[index][KINDS.index(kind)]
+
+    def swapped(self, index: int) -> tuple[str, ...]:
+        """What ``NvmeUnitStore`` keeps of the unit (moments live in ``NvmeOptimizerState``)."""
+        return tuple(k for k in ("shard", "master", "grad") if self.tier(index, k) == "nvme"
+                     and self.units[index].size(k))
+
+    @property
+    def streams(self) -> bool:
+        return any(t == "nvme" for ts in self.tiers for t in ts)
+
+    @property
+    def offloads(self) -> bool:
+        """State streams, or (with an accelerator) lives in host memory: the host-side step of
+        ``NvmeOptimizerState`` then runs, as with ``offload_optimizer="nvme"``."""
+        return self.streams or (self.accelerator and any(t == "host" for ts in self.tiers for t in ts))
+
+    def bytes_by(self) -> dict[str, dict[str, int]]:
+        out = {k: {t: 0 for t in TIERS} for k in KINDS}
+        for u, ts in zip(self.units, self.tiers):
+            for k, t in zip(KINDS, ts):
+                out[k][t] += u.size(k)
+        return out
+
+    def step_io(self, micro_batches: int = 1) -> dict[str, int]:
+        """Bytes the swap files read and write per training step (after the first, whose
+        moments start at zero), with ``micro_batches`` backward passes per step."""
+        read = written = 0
+        for u, ts in zip(self.units, self.tiers):
+            for k, t in zip(KINDS, ts):
+                if t == "nvme" and u.size(k):
+                    r, w = u.traffic(k, u.index in self.cached, micro_batches)
+                    read, written = read + r, written + w
+        return {"read": read, "written": written}
+
+    def memory(self) -> dict[str, int]:
+        """Predicted peak bytes per memory tier: resident state, fixed costs, cache, staging."""
+        by = self.bytes_by()
+        out = {t: sum(by[k][t] for k in KINDS) for t in ("device", "host")}
+        out["device"] += self.fixed.device
+        nvme = sum(by[k]["nvme"] for k in KINDS)
+        out["host"] += self.fixed.host + (self.fixed.staging + int(nvme * self.fixed.samples_per_byte)
+                                          + max(self.fixed.pool, sum(self.units[i].shard for i in self.cached))
+                                          if self.streams else 0)
+        if not self.accelerator:
+            return {"device": 0, "host": out["device"] + out["host"]}
+        return out
+
+
+class PlacementError(ValueError):
+    """No placement fits the budget; the message gives the smallest budget that does
+    (``minimum``: bytes per tier; ``state``: bytes of all the state to place)."""
+
+    def __init__(self, message: str, minimum: dict[str, int], state: int) -> None:
+        super().__init__(message)
+        self.minimum = minimum
+        self.state = state
+
+
+def _order(kind: str, spec: UnitSpec, micro_batches: int) -> float:
+    r, w = spec.traffic(kind, micro_batches=micro_batches)
+    return (r + w) / max(1, spec.size(kind))
+
+
+def plan_auto(units: list[UnitSpec], budget: MemoryBudget, fixed: Fixed, *, accelerator: bool,
+              nvme: bool, micro_batches: int = 1) -> Plan:
+    """The placement that moves the fewest bytes per step within ``budget`` (Note [automatic
+    placement]); ``PlacementError`` with the smallest feasible budget when none fits."""
+    state = sum(u.size(k) for u in units for k in KINDS)
+    if accelerator:
+        caps = {"device": budget.device - fixed.device, "host": budget.host - fixed.host}
+    else:  # one memory: its budget is the sum, its fixed costs all of them
+        caps = {"device": 0, "host": budget.device + budget.host - fixed.device - fixed.host}
+    resident = "device" if accelerator else "host"
+    if 0 <= state <= caps[resident] and caps["host"] >= 0:
+        return Plan(tuple(units), tuple(tuple(resident for _ in KINDS) for _ in units), frozenset(), budget,
+                    fixed, accelerator, "auto",
+                    (f"all {fmt_bytes(state)} of state fits the budget ({budget}) beside "
+                     f"{fmt_bytes(fixed.device + fixed.host)} of fixed memory: nothing is offloaded",))
+    need = _minimum(units, fixed, accelerator, nvme, state)
+    minimum = _fmt_min(need, accelerator)
+    if nvme:
+        caps["host"] -= fixed.staging + fixed.pool + int(state * fixed.samples_per_byte)
+    if caps["host"] < 0 or caps["device"] < 0:
+        raise PlacementError(
+            f"memory_budget ({budget}) is below what this rank needs with everything it can stream on "
+            f"NVMe (the model's working copy, gather buffers, NVMe staging buffers): the smallest budget "
+            f"that fits is {minimum}; raise memory_budget, or lower offload_buffer_mb / make units smaller "
+            "(stage3_unit_numel, bucket_size_mb)" if nvme else
+            f"memory_budget ({budget}) cannot hold this rank's {fmt_bytes(state)} of training state beside "
+            f"{fmt_bytes(fixed.device + fixed.host)} of fixed memory, and without nvme_path nothing can "
+            f"stream from disk: the smallest budget that fits is {minimum}; raise memory_budget or pass "
+            "nvme_path=<directory on an NVMe drive>", need, state)
+    spread = _spread(len(units))
+    items = sorted(((u, k) for u in units for k in KINDS if u.size(k)),
+                   key=lambda uk: (-_order(uk[1], uk[0], micro_batches), spread[uk[0].index], KINDS.index(uk[1])))
+    chosen: dict[tuple[int, str], str] = {}
+    for u, k in items:  # greedy by bytes moved per byte held, then whatever still fits
+        for t in (("device", "host") if k == "shard" and accelerator else ("host",)):
+            if u.size(k) <= caps[t]:
+                caps[t] -= u.size(k)
+                chosen[(u.index, k)] = t
+                break
+        else:
+            chosen[(u.index, k)] = "nvme"
+    streamed = sum(u.size(k) for u in units for k in KINDS if chosen.get((u.index, k)) == "nvme")
+    if streamed and not nvme:
+        raise PlacementError(
+            f"memory_budget ({budget}) cannot hold this rank's {fmt_bytes(state)} of training state, and "
+            f"without nvme_path nothing can stream from disk: the smallest budget that fits is {minimum}; "
+            "raise memory_budget or pass nvme_path=<directory on an NVMe drive>", need, state)
+    tiers = tuple(tuple(chosen.get((u.index, k), resident) for k in KINDS) for u in units)
+    cached: set[int] = set()
+    room = caps["host"] + fixed.pool  # what is left, and the pool (idle from forward to backward)
+    for u in sorted(units, key=lambda u: -u.index):  # last of forward first: backward wants them first
+        if not u.root and chosen.get((u.index, "shard")) == "nvme" and u.shard <= room:
+            room -= u.shard
+            cached.add(u.index)
+    reasons = [f"{fmt_bytes(state)} of state does not fit the budget ({budget}) beside "
+               f"{fmt_bytes(fixed.device + fixed.host)} of fixed memory"
+               + (f" and {fmt_bytes(fixed.staging + fixed.pool)} of NVMe staging buffers" if streamed else ""),
+               "kept in memory by bytes moved per byte held: shards first (3-4), then masters, "
+               f"gradients and moments (2); {fmt_bytes(streamed)} streams from NVMe"]
+    if cached:
+        reasons.append(f"parameter cache: the shards of {len(cached)} unit(s) "
+                       f"({fmt_bytes(sum(units[i].shard for i in cached))}) stay in memory from forward to "
+                       "backward (in memory the step's pool frees), one read less each per step")
+    return Plan(tuple(units), tiers, frozenset(cached), budget, fixed, accelerator, "auto", tuple(reasons))
+
+
+def _spread(n: int) -> list[int]:
+    """A rank per unit index such that the first m ranks are spread evenly over the units (bit
+    reversal): resident units then alternate with streamed ones, so reads of the next unit
+    overlap the compute of a resident one in forward, backward and the step."""
+    bits = max(1, (n - 1).bit_length())
+    order = [r for r in (int(f"{i:0{bits}b}"[::-1], 2) for i in range(1 << bits)) if r < n]
+    rank = [0] * n
+    for pos, i in enumerate(order):
+        rank[i] = pos
+    return rank
+
+
+def _minimum(units: list[UnitSpec], fixed: Fixed, accelerator: bool, nvme: bool, state: int) -> dict[str, int]:
+    if not nvme:  # everything resident
+        if accelerator:
+            shards = sum(u.shard for u in units)
+            return {"device": fixed.device + shards, "host": fixed.host + state - shards}
+        return {"device": 0, "host": fixed.device + fixed.host + state}
+    staging = fixed.staging + fixed.pool + int(state * fixed.samples_per_byte)
+    if accelerator:
+        return {"device": fixed.device, "host": fixed.host + staging}
+    return {"device": 0, "host": fixed.device + fixed.host + staging}
+
+
+def _fmt_min(m: dict[str, int], accelerator: bool) -> str:
+    if accelerator:
+        return f"{{'device': '{m['device'] / 2**20:.1f}MiB', 'host': '{m['host'] / 2**20:.1f}MiB'}}"
+    return f"{{'host': '{-(-m['host'] // 2**20)}MiB'}} (device and host are one memory here)"
+
+
+def plan_explicit(units: list[UnitSpec], fixed: Fixed, *, accelerator: bool, optimizer: Optional[str],
+                  params: Optional[str]) -> Plan:
+    """The placement ``offload_optimizer`` / ``offload_params`` give every unit, as a ``Plan``
+    (for ``placement_report``)."""
+    def where(choice: Optional[str]) -> str:
+        return {None: "device" if accelerator else "host", "cpu": "host", "nvme": "nvme"}[choice]
+    tiers = tuple((where(params), where(optimizer), where(optimizer), where(optimizer)) for _ in units)
+    return Plan(tuple(units), tiers, frozenset(), None, fixed, accelerator, "explicit",
+                (f"explicit: offload_optimizer={optimizer!r}, offload_params={params!r} for every unit",))
+
+
+def report_text(plan: Plan, measured: Optional[dict[str, int]] = None) -> str:
+    """A person's view of a plan: bytes per kind and tier, the step's predicted traffic, why."""
+    by = plan.bytes_by()
+    tiers = [t for t in TIERS if any(by[k][t] for k in KINDS)] or ["host"]
+    lines = [f"placement ({plan.mode}" + (f", budget {plan.budget}" if plan.budget else "") + ")",
+             "  kind     " + "".join(f"{t:>12}" for t in tiers)]
+    for k in KINDS:
+        lines.append(f"  {k:<9}" + "".join(f"{fmt_bytes(by[k][t]):>12}" for t in tiers))
+    io = plan.step_io()
+    lines.append(f"  per step from NVMe: read {fmt_bytes(io['read'])}, written {fmt_bytes(io['written'])}"
+                 + (f" (measured so far: read {fmt_bytes(measured['read'])}, written "
+                    f"{fmt_bytes(measured['written'])})" if measured else ""))
+    lines += [f"  - {r}" for r in plan.reasons]
+    return "\n".join(lines)
