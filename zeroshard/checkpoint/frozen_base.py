@@ -29,7 +29,7 @@ from zeroshard.checkpoint.pieces import PARAM, PieceRecord, _deferred
 from zeroshard.checkpoint.shard_file import CODES
 
 _PRIME = (1 << 61) - 1
-_CHUNK = 1 << 22  # elements hashed at once (bounds the int64 temporaries to ~100 MiB)
+_CHUNK = 1 << 20  # elements hashed at once (bounds the int64 temporaries to ~40 MiB)
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
