@@ -99,6 +99,8 @@ def check_frozen(record: Any, path: str) -> None:
     if not isinstance(record, dict) or not isinstance(record.get("saved"), bool) or \
             not isinstance(record.get("tensors"), dict):
         raise fail(path, "frozen is not an object with 'saved' (true/false) and 'tensors'")
+    if not isinstance(record.get("method", ""), str):
+        raise fail(path, f"frozen method {record.get('method')!r} is not a name")
     for name, e in record["tensors"].items():
         if not (isinstance(e, dict) and isinstance(e.get("shape"), list)
                 and all(is_int(d) and 0 <= d < 2**63 for d in e["shape"])
