@@ -102,9 +102,9 @@ def rebuild_with_group(opt: Any, param_group: dict) -> None:
     state = opt.consolidated_state_dict(to_rank=None)
     shown = {id(opt._show(m.param)): (opt._show(m.param), m.param) for u in opt.all_units for m in u.members}
     own = {i: orig for i, (_, orig) in shown.items()}
-    for visible, orig in shown.values():  # (stage 3: a frozen weight unfrozen through what torch code holds)
-        if visible is not orig and visible.requires_grad != orig.requires_grad:
-            orig.requires_grad_(visible.requires_grad)
+    for visible, orig in shown.values():  # (stage 3: a frozen weight unfrozen through either object torch
+        if visible is not orig and visible.requires_grad != orig.requires_grad:  # code may hold)
+            orig.requires_grad_(True)
     groups = [{**{k: v for k, v in g.items() if k != "adamw_mode"},  # (the kernel's key, derived again)
                "params": [own.get(id(p), p) for p in g["params"]]} for g in opt.param_groups]
     new = dict(param_group)
