@@ -83,3 +83,13 @@ def test_rank_killed_on_second_node_stops_the_job_and_restart_resumes(ws, refere
     assert all(p.returncode == 0 for p in second), _describe(second)
     assert _summary(out)["resumed_from"].endswith("step-00000003"), _summary(out)
     assert fh.bitwise_diff(fh.exported(out), reference) == []
+
+
+def test_two_launchers_equal_one_launcher_of_four_ranks_bitwise(ws, reference):
+    """The same job from one torchrun with 4 processes: the two-node run's parameters bit for bit."""
+    out = ws.out("one-launcher")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
+           fh.SCRIPT, *fh.args(ws, out)]
+    proc = subprocess.run(cmd, cwd=fh.REPO, env=fh.env(), capture_output=True, text=True, timeout=fh.TIMEOUT)
+    assert proc.returncode == 0, fh.describe(proc)
+    assert fh.bitwise_diff(fh.exported(out), reference) == []
