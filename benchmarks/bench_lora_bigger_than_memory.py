@@ -80,18 +80,7 @@ def child_plain(args: argparse.Namespace, resident: bool = True) -> None:
                 p.data = p.data.clone()
     model = get_peft_model(base, _lora())
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    losses, times = [], []
-    for step in range(args.steps):
-        t0 = time.perf_counter()
-        ids = _batch(step)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-        print(f"  plain step {step + 1}: {times[-1]:.1f}s", file=sys.stderr, flush=True)
+    losses, times = _steps(model, opt, 0, args.steps)
     print(json.dumps({"survived": True, "peak_rss": _peak_rss(), "step_s": times, "losses": losses}))
 
 
