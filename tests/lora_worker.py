@@ -79,19 +79,8 @@ class Cell:
 
 def train(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, world: int) -> list[float]:
     """The loop as people write it; only the optimizer differs between the two runs."""
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
-    per = GLOBAL_BATCH // world
-    losses = []
-    for step in range(STEPS):
-        batch = tokens(step)[rank * per:(rank + 1) * per]
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        opt.step()
-        sched.step()
-        model.zero_grad()
-        losses.append(float(loss))
-    return losses
+    return _steps(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s)), 0, STEPS,
+                  rank, world)
 
 
 def full_weights(model: torch.nn.Module, stage: int) -> dict[str, torch.Tensor]:
@@ -164,15 +153,19 @@ def worker(rank: int, world: int, out_path: str, cells: list[tuple], nvme_dir: s
         json.dump(results, f)
 
 
-def _steps(model: torch.nn.Module, opt: Any, sched: Any, start: int, stop: int, rank: int, world: int) -> None:
+def _steps(model: torch.nn.Module, opt: Any, sched: Any, start: int, stop: int, rank: int, world: int) -> list[float]:
     per = GLOBAL_BATCH // world
+    losses = []
     for step in range(start, stop):
         batch = tokens(step)[rank * per:(rank + 1) * per]
-        model(input_ids=batch, labels=batch).loss.backward()
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         sched.step()
         model.zero_grad()
+        losses.append(float(loss))
+    return losses
 
 
 def _fresh(cell: Cell, nvme_dir: str, perturb: bool = False) -> tuple[torch.nn.Module, Any, Any]:
