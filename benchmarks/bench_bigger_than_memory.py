@@ -21,7 +21,8 @@ time the disk needs to read and write the 16 B/parameter state once at the raw s
 zeroshard/planner/placement.py), each in a fresh process in the cgroup, same model:
 - "all NVMe": ``offload_optimizer="nvme", offload_params="nvme"`` under ``--limit-gib``;
 - "auto at the limit": ``offload="auto"`` with ``memory_budget`` = the limit less
-  ``--headroom-gib`` (the interpreter, torch, activations: memory the budget does not cover);
+  ``--headroom-gib`` (page cache: the budget covers the process's resident memory, Note [what
+  the budget covers] in zeroshard/planner/placement.py, but the cgroup counts the page cache too);
   its step time is compared with the floor of the bytes it still streams (measured by the swap
   files per step, at the raw disk speed both ways);
 - "auto, half the state": a budget holding the planner's minimum plus half of the state, in a
@@ -52,8 +53,33 @@ def _config(args: argparse.Namespace):
     return GPTConfig(**{**MODEL, "n_layers": args.layers})
 
 
+_SAMPLED = [0]
+
+
+def _sample_rss() -> None:
+    """A thread's VmRSS samples every 5 ms: offload="auto" resets VmHWM per step (to measure
+    each step's peak), so the process's own peak is sampled, independently of zeroshard."""
+    import threading
+
+    def run() -> None:
+        while True:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        _SAMPLED[0] = max(_SAMPLED[0], int(line.split()[1]) * 1024)
+            time.sleep(0.005)
+    threading.Thread(target=run, daemon=True).start()
+
+
 def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's resident peak: VmHWM (ru_maxrss would count a parent's before exec), or
+    the sampled peak where that is larger (VmHWM was reset)."""
+    hwm = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                hwm = int(line.split()[1]) * 1024
+    return max(hwm, _SAMPLED[0]) or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def child_plain(args: argparse.Namespace) -> None:
@@ -160,7 +186,15 @@ def child_placed(args: argparse.Namespace) -> None:
     rep = opt.placement_report()
     print(json.dumps({"init_s": init_s, "step_s": steps, "io": io, "predicted_io": rep["predicted_step_io"],
                       "predicted_memory": rep["predicted_memory"], "peak_rss": _peak_rss(),
+                      "step_peaks": rep["peak_memory"], "direct_fraction": _direct_fraction(opt),
                       "placement": rep["text"], "memory_report": str(opt.memory_report())}))
+
+
+def _direct_fraction(opt) -> float:
+    """Of the swap files' bytes, the share that went through O_DIRECT (Note [aligned swap parts])."""
+    files = [f for f in (getattr(opt.swapper, "file", None), getattr(opt.unit_store, "file", None)) if f is not None]
+    moved = sum(f.bytes_read + f.bytes_written for f in files)
+    return sum(f.direct_bytes for f in files) / moved if moved else 1.0
 
 
 def child_resume(args: argparse.Namespace) -> None:
@@ -289,6 +323,8 @@ def main_auto(args: argparse.Namespace, raw: dict) -> None:
                           "read_per_step": read, "written_per_step": written, "predicted_io": res["predicted_io"],
                           "floor_s": floor, "step_over_floor": step_s / floor if floor else None,
                           "peak_rss": res["peak_rss"], "peak_cgroup": peak, "predicted_memory": res["predicted_memory"],
+                          "step_peaks": res["step_peaks"], "direct_fraction": res["direct_fraction"],
+                          "rss_within_budget": None if budget <= 0 else res["peak_rss"] <= budget,
                           "init_s": res["init_s"], "placement": res["placement"]}
             print(res["placement"], flush=True)
     finally:
@@ -308,8 +344,11 @@ def main_auto(args: argparse.Namespace, raw: dict) -> None:
     for name, r in runs.items():
         print(f"{name:>22}: {r['step_s']:.1f} s/step, streams {r['read_per_step'] / 2**30:.2f} GiB read + "
               f"{r['written_per_step'] / 2**30:.2f} GiB written per step (floor {r['floor_s']:.1f} s, "
-              f"{_ratio(r['step_over_floor'])}), peak RSS {r['peak_rss'] / 2**30:.2f} GiB, cgroup peak "
-              f"{r['peak_cgroup'] / 2**30:.2f} of {r['cgroup_limit'] / 2**30:.2f} GiB")
+              f"{_ratio(r['step_over_floor'])}), peak RSS {r['peak_rss'] / 2**30:.2f} GiB"
+              + (f" (budget {r['budget'] / 2**30:.2f} GiB, predicted {r['predicted_memory']['host'] / 2**30:.2f})"
+                 if r["budget"] > 0 else "")
+              + f", cgroup peak {r['peak_cgroup'] / 2**30:.2f} of {r['cgroup_limit'] / 2**30:.2f} GiB, "
+              f"O_DIRECT {100 * r['direct_fraction']:.0f}% of swap bytes")
     print(f"auto at the limit: {_ratio(result['auto_at_limit_over_floor'])} the floor of its streamed bytes "
           "(target <= 1.15)\n"
           f"half the state in memory: {result['half_over_all_nvme']:.2f}x the all-NVMe step (target <= 0.6)")
@@ -325,12 +364,14 @@ def main() -> None:
     ap.add_argument("--fio-gib", type=float, default=4.0)
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--auto", action="store_true", help="compare all-NVMe with offload='auto' placements")
-    ap.add_argument("--headroom-gib", type=float, default=1.0,
-                    help="--auto: memory the budget leaves to the interpreter, torch and activations")
+    ap.add_argument("--headroom-gib", type=float, default=0.5,
+                    help="--auto: cgroup memory the budget leaves to the kernel's page cache (the budget "
+                         "itself covers the whole process's resident memory)")
     ap.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--child", choices=("plain", "train", "resume", "placed"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
+        _sample_rss()
         {"plain": child_plain, "train": child_train, "resume": child_resume, "placed": child_placed}[args.child](args)
         return
     os.makedirs(args.dir, exist_ok=True)

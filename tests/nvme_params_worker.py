@@ -114,12 +114,15 @@ def small_units(stage: int) -> dict:
 
 
 def make_auto(nvme: str, budget, mixed_precision: str | None = None, stage: int = 3, seed: int = 0):
-    """TinyGPT under offload="auto" with ``budget`` (bytes of host memory, this machine's one memory)."""
+    """TinyGPT under offload="auto" with ``budget`` (bytes of host memory, this machine's one memory)
+    for the state alone (reserve 0: the process's own memory, measured, would make plans depend
+    on what ran before in the same process)."""
     options = small_units(stage)
     torch.manual_seed(seed)
     model = TinyGPT(options.pop("cfg"))
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=stage,
-                                  mixed_precision=mixed_precision, offload="auto", memory_budget={"host": budget},
+                                  mixed_precision=mixed_precision, offload="auto",
+                                  memory_budget={"host": budget, "reserve": 0},
                                   nvme_path=nvme, **options)
     return model, opt
 
@@ -189,3 +192,47 @@ def auto_resume(rank: int, world: int, out: str, directory: str) -> None:
         res[name] = all(torch.equal(want[k], got[k]) for k in want)
     with open(f"{out}.rank{rank}", "w") as f:
         json.dump(res, f)
+
+
+def budget_covers_process(rank: int, world: int, out: str, directory: str, share: float) -> None:
+    """In a fresh process: a budget of the minimum plus ``share`` of the state, with the process's own
+    memory measured (no reserve given); the resident peak of steps 2-4, sampled every 2 ms by a
+    thread of this worker, against it."""
+    import threading
+    import time
+    from zeroshard.offload.peak_memory import resident_bytes
+    from zeroshard.planner.placement import PlacementError
+    cfg = GPTConfig(vocab=1024, d_model=512, n_layers=6, n_heads=8, seq_len=32)
+    peak, sampling, done = [0], [False], [False]
+
+    def sample() -> None:
+        while not done[0]:
+            if sampling[0]:
+                peak[0] = max(peak[0], resident_bytes())
+            time.sleep(0.002)
+    threading.Thread(target=sample, daemon=True).start()
+
+    def build(budget: int):
+        with torch.device("meta"):
+            model = TinyGPT(cfg)
+        return model, zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, stage=3, offload="auto",
+                                              memory_budget={"host": budget}, nvme_path=directory)
+    try:
+        build(1)
+    except PlacementError as exc:
+        minimum, state = exc.minimum["host"], exc.state
+    budget = minimum + int(state * share)
+    model, opt = build(budget)
+    zeroshard.init_meta_weights(model, seed=0)
+    for step in range(4):
+        sampling[0] = step > 0
+        model(*synthetic_batch(step, 2, cfg)).backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    done[0] = True
+    rep = opt.placement_report()
+    with open(f"{out}.rank{rank}", "w") as f:
+        json.dump({"budget": budget, "state": state, "peak": peak[0], "predicted": rep["predicted_memory"]["host"],
+                   "peaks": rep["peak_memory"], "in_memory": sum(v["host"] for v in rep["bytes"].values()),
+                   "streamed": sum(v["nvme"] for v in rep["bytes"].values())}, f)

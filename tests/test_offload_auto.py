@@ -12,6 +12,10 @@ from tests.nvme_params_worker import AUTO_CFG, CFG, auto_budgets, make, make_aut
 from zeroshard.planner.placement import PlacementError
 from zeroshard.toy import TinyGPT, synthetic_batch
 
+# Budgets here are for the state alone (reserve 0), so the process is over them: that warning
+# is tested on its own below.
+pytestmark = pytest.mark.filterwarnings("ignore:offload='auto'. step:RuntimeWarning")
+
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_auto_placement_at_every_budget_matches_memory_bit_for_bit(world, tmp_path):
@@ -130,9 +134,9 @@ def test_offloading_needs_adam_and_names_the_budget_that_holds_everything(tmp_pa
     half = auto_budgets(str(tmp_path), None, 3)["half"]
     with pytest.raises(ValueError, match=r"SGD does not run on; .*at least \d+ bytes"):
         zeroshard.ZeroOptimizer(TinyGPT(AUTO_CFG), torch.optim.SGD, lr=0.1, stage=3, offload="auto",
-                                memory_budget=half, nvme_path=str(tmp_path))
+                                memory_budget={"host": half, "reserve": 0}, nvme_path=str(tmp_path))
     opt = zeroshard.ZeroOptimizer(TinyGPT(CFG), torch.optim.SGD, lr=0.1, stage=3, offload="auto",
-                                  memory_budget="1GiB", nvme_path=str(tmp_path))
+                                  memory_budget={"host": "1GiB", "reserve": 0}, nvme_path=str(tmp_path))
     assert opt.swapper is None and opt.unit_store is None  # everything fits: plain in-memory SGD
 
 
@@ -161,3 +165,58 @@ def test_planner_fits_the_budget_and_moves_less_with_more_memory():
     kept = [i for i in range(38) if half.tier(i, "shard") == "host"]
     assert len(kept) == 19 and max(b - a for a, b in zip(kept, kept[1:])) <= 3  # spread, not the first 19
     assert last == 0  # the whole state fits: nothing streams
+
+
+@pytest.mark.parametrize("share", [0.125, 0.5])
+def test_the_budget_covers_the_whole_process(share, tmp_path):
+    """No reserve given: what the process holds outside the state is measured, so a budget of
+    the minimum plus an eighth or half of the state bounds the resident peak of the steps (sampled by the
+    worker's own thread), and the planner's predicted peak is within 10% of the measured."""
+    from tests.nvme_params_worker import budget_covers_process
+    (r,) = run_ranks(budget_covers_process, 1, tmp_path, str(tmp_path), share)
+    assert r["in_memory"] > 0 and r["streamed"] > 0, r
+    assert r["predicted"] <= r["budget"], r
+    assert r["peak"] <= r["budget"], r
+    assert abs(r["peak"] - r["predicted"]) <= 0.1 * r["predicted"], r
+    assert r["peaks"]["measured"] and r["peaks"]["steps"] == 4 and r["peaks"]["peak"] <= r["budget"], r
+
+
+def test_step_one_sizes_the_cache_and_a_step_over_budget_warns():
+    """StepPeaks with the real resident peak of this process: step 1's backward peak leaves
+    the cache the rest of the budget (less the margin); a budget below the peak gives it
+    nothing and is a warning with the figures."""
+    from zeroshard.offload.peak_memory import StepPeaks, cache_within, peak_bytes, resident_bytes
+    from zeroshard.planner.placement import Fixed, MemoryBudget, UnitSpec, plan_auto
+    rooms = []
+    for budget in (resident_bytes() + (1 << 30), 1 << 20):
+        peaks = StepPeaks(budget, calibrate=True, fit_cache=lambda room: rooms.append(room) or 0, margin=1 << 20)
+        if not peaks.works:
+            pytest.skip("no /proc/self/clear_refs here: the peak cannot be measured per step")
+        peaks.on_backward()
+        x = torch.ones(8 << 20)  # 32 MiB more resident during "backward"
+        peaks.on_backward_end()
+        del x
+        if budget == 1 << 20:
+            with pytest.warns(RuntimeWarning, match=r"step 1 peaked at .* over the host budget of 1 MiB"):
+                peaks.after_step()
+        else:
+            peaks.after_step()
+        assert peaks.steps == 1 and peaks.step_peak >= 32 << 20
+    assert 0 < rooms[0] <= (1 << 30) - (32 << 20) and rooms[1] == 0, rooms
+    units = [UnitSpec(i, shard=100, master=0, grad=100, moments=200, master_in_shard=True) for i in range(8)]
+    plan = plan_auto(units, MemoryBudget(host=1000), Fixed(staging=300, pool=400), accelerator=False, nvme=True)
+    assert len(plan.cached) >= 2, plan.reasons
+    none, some = cache_within(plan, plan.cached, 0), cache_within(plan, plan.cached, 250)
+    assert not none.cached and some.cached == frozenset(sorted(plan.cached)[-2:])  # the latest units first
+    assert none.step_io()["read"] == some.step_io()["read"] + 200  # a cached unit: one read less
+
+
+def test_a_given_reserve_is_part_of_the_minimum(tmp_path):
+    from zeroshard.planner.placement import PlacementError
+    mins = {}
+    for reserve in (0, 1 << 30):
+        with pytest.raises(PlacementError) as exc:
+            zeroshard.ZeroOptimizer(TinyGPT(AUTO_CFG), torch.optim.AdamW, stage=3, offload="auto",
+                                    memory_budget={"host": 1, "reserve": reserve}, nvme_path=str(tmp_path))
+        mins[reserve] = exc.value.minimum["host"]
+    assert mins[1 << 30] - mins[0] == 1 << 30

@@ -71,8 +71,10 @@ class ZeroConfig:
     on NVMe to fit ``memory_budget`` with the least traffic per step (Note [automatic placement]
     in zeroshard/planner/placement.py), instead of offload_optimizer / offload_params."""
     memory_budget: Any = None
-    """offload="auto": bytes this rank's state may hold in memory, e.g. {"device": "20GiB",
-    "host": "48GiB"} (on a CPU-only machine the two are one memory: their sum)."""
+    """offload="auto": memory this rank may use, e.g. {"device": "20GiB", "host": "48GiB"} (on a
+    CPU-only machine the two are one memory: their sum). The host budget is the process's
+    resident memory: what it holds outside the training state is measured as the optimizer is
+    built, or given as "reserve" (Note [what the budget covers] in zeroshard/planner/placement.py)."""
     mixed_precision: Optional[str] = None
     """None (fp32 everywhere), "bf16" or "fp16": the model's parameter dtype; the master
     pieces stay fp32. fp16 adds dynamic loss scaling."""

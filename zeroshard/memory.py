@@ -25,6 +25,8 @@ from typing import Optional
 
 import torch
 
+from zeroshard.io.buffers import held_bytes
+
 
 def tensor_bytes(t: torch.Tensor, seen: Optional[set[int]] = None) -> int:
     """Bytes of ``t``'s storage, counted once per storage when ``seen`` is shared."""
@@ -35,7 +37,7 @@ def tensor_bytes(t: torch.Tensor, seen: Optional[set[int]] = None) -> int:
         if key in seen:
             return 0
         seen.add(key)
-    return t.untyped_storage().nbytes()
+    return held_bytes(t)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import weakref
 import zlib
 from typing import Optional
 
@@ -27,6 +28,64 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, pin: Optional[bo
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=bool(pin))
     skip = (-raw.data_ptr()) % ALIGN
     return raw[skip:skip + nbytes].view(dtype)
+
+
+MAPPED_BYTES = 32 << 20
+"""glibc serves requests of at least this size (its largest mmap threshold) from their own
+mapping, at the same offset into the first page every time: see Note [aligned swap parts]."""
+
+
+def resizable_aligned(numel: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """An uninitialised 1-D CPU tensor on a 4096-byte boundary whose storage may be released
+    and re-allocated (``free_storage`` / ``alloc_storage`` in zeroshard/optim/flat_unit.py)
+    and usually comes back on the boundary again. Note [aligned swap parts]:
+
+    Swapped unit parts (stage-3 shards, masters, gradients and the gathered buffer a shard is
+    read into) keep one storage object for their whole life and resize it to 0 bytes and back,
+    so that every view of them stays valid. torch's allocator aligns to 64 bytes, and O_DIRECT
+    needs 4096: an unaligned buffer goes through the page cache, which costs a memory copy in
+    the kernel per byte moved (~2 core-seconds per GB here), charges the page cache to the
+    memory cgroup and, for writes, runs at a third of the disk's speed. So the tensor is a view
+    at a fixed offset into a storage of at least ``MAPPED_BYTES``: glibc maps such a request
+    on its own, and the offset of the returned pointer into its first page (64 on x86-64
+    glibc) is the same for every mapping, so the view is aligned after every re-allocation.
+    Pages of the padding are never touched and cost no resident memory. Under another
+    allocator the view may come back unaligned; the I/O engine then uses buffered I/O for it
+    (correct, only slower), which ``SwapFile.direct_fraction`` shows.
+    """
+    if not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel={numel!r} must be a non-negative int")
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(_padded(nbytes), dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % ALIGN  # a multiple of 64: of every element size too
+    t = raw[skip:skip + nbytes].view(dtype)
+    _PADDED[id(t)] = t
+    return t
+
+
+_PADDED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+"""The tensors ``resizable_aligned`` made, by id (their storage is larger than they are)."""
+
+
+def _padded(nbytes: int) -> int:
+    return max(MAPPED_BYTES, nbytes + ALIGN)
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    """The storage size that gives ``t`` (offset 0, or made by ``resizable_aligned``) its
+    memory back."""
+    if _PADDED.get(id(t)) is t:
+        return _padded(t.numel() * t.element_size())
+    return (t.storage_offset() + t.numel()) * t.element_size()
+
+
+def held_bytes(t: torch.Tensor) -> int:
+    """Bytes of memory ``t``'s storage holds: all of it, except for a ``resizable_aligned``
+    tensor, whose padding is never touched (no resident pages): its own bytes."""
+    n = t.untyped_storage().nbytes()
+    if n and _PADDED.get(id(t)) is t:
+        return t.numel() * t.element_size()
+    return n
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:

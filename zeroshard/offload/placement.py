@@ -10,12 +10,14 @@ which runs keep their moments in memory (``resident_moments``); afterwards it re
 """
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any, Optional, Sequence
 
 import torch
 
 from zeroshard.offload.param_cache import ParamCache
+from zeroshard.offload.peak_memory import StepPeaks, cache_within, resident_bytes, return_freed_memory
 from zeroshard.offload.swap_file import aligned
 from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.optim.flat_unit import Placement
@@ -53,10 +55,26 @@ def describe_units(config: Any, policy: Any, rank: int, layouts: Sequence[tuple[
     else:  # the model's own copy, which placement cannot move
         model = sum(p * layout.padded_numel for layout, _ in layouts)
     buckets = config.max_inflight_buckets * 4 * max(widest, widest_root)
+    working = 2 * p * max(widest, widest_root)  # (Note [what the budget covers])
     parts = max((u.shard + u.master + u.grad for u in specs), default=0)
     slots = 3 if config.offload_buffer_mb is None else max(1, min(3, int(config.offload_buffer_mb * 2**20
                                                                        // max(1, largest_run + parts))))
-    return specs, Fixed(device=model + frozen + buckets, staging=slots * parts, pool=slots * largest_run)
+    return specs, Fixed(device=model + frozen + buckets + working, staging=slots * parts, pool=slots * largest_run,
+                        working=working)
+
+
+def outside_state(groups: Sequence[dict]) -> int:
+    """The process's resident memory now, less its parameters in host memory: what it holds
+    outside the training state (Note [what the budget covers])."""
+    params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for g in groups for p in g["params"]
+              if p.device.type == "cpu" and not p.is_meta}
+    return max(0, resident_bytes() - sum(params.values())) + _FIRST_BACKWARD
+
+
+_FIRST_BACKWARD = 16 << 20
+"""Resident memory the first forward and backward add to the process whatever the model
+(autograd's engine and its thread, kernels loaded on first use): 14 MiB measured here with
+torch 2.13 on a 2-layer model, counted as memory outside the state."""
 
 
 class StatePlacement:
@@ -73,6 +91,12 @@ class StatePlacement:
         self.specs = specs
         if self.auto:
             budget = MemoryBudget.parse(config.memory_budget)
+            return_freed_memory()  # (Note [freed memory goes back] in peak_memory.py)
+            # Measured: plus 2% of the budget for what start-up cannot see (the batch's
+            # activations, I/O timing); step 1 then sizes the parameter cache (StepPeaks).
+            total = budget.host if self.accelerator else budget.device + budget.host
+            process = budget.reserve if budget.reserve is not None else outside_state(groups) + total // 50
+            fixed = dataclasses.replace(fixed, host=fixed.host + process, process=process)
             self.plan: Plan = plan_auto(specs, budget, fixed, accelerator=self.accelerator,
                                         nvme=config.nvme_path is not None)
             cls = opt._build_args[0]
@@ -87,6 +111,16 @@ class StatePlacement:
             self.plan = plan_explicit(specs, fixed, accelerator=self.accelerator,
                                       optimizer=config.offload_optimizer, params=config.offload_params)
         self._index: dict[int, int] = {}
+        self._units: list[Any] = []
+        self.peaks: Optional[StepPeaks] = None
+        self._planned_cache = self.plan.cached
+        if self.auto:
+            host = self.plan.budget.host if self.accelerator else self.plan.budget.device + self.plan.budget.host
+            parts = max((u.shard + u.master + u.grad for u in specs), default=0)
+            self.peaks = StepPeaks(host, calibrate=self.plan.budget.reserve is None, fit_cache=self._fit_cache,
+                                   margin=host // 50 + parts)
+            if self.peaks.calibrate and self.peaks.works and self.plan.cached:  # sized after step 1
+                self.plan = cache_within(self.plan, self._planned_cache, 0)
         self.store: Optional[NvmeUnitStore] = None
         self._explicit_nvme = not self.auto and config.offload_optimizer == "nvme"
         if self._explicit_nvme or (self.auto and any(self.plan.swapped(i) for i in range(len(specs)))):
@@ -115,6 +149,7 @@ class StatePlacement:
     def adopt(self, unit: Any) -> None:
         index = len(self._index)
         self._index[id(unit)] = index
+        self._units.append(unit)
         if self.store is None:
             return
         if not self.auto:
@@ -143,6 +178,23 @@ class StatePlacement:
                 "release_pool": True}
 
     # -- afterwards -----------------------------------------------------------------------------
+    def watch(self, reducer: Any) -> None:
+        """Measures each step's peak memory from its first backward (StepPeaks)."""
+        if self.peaks is not None:
+            reducer.on_pass_start.append(self.peaks.on_backward)
+            reducer.on_pass_end.append(self.peaks.on_backward_end)
+
+    def after_step(self) -> None:
+        if self.peaks is not None:
+            self.peaks.after_step()
+
+    def _fit_cache(self, room: int) -> int:
+        if self.store is None or not self._planned_cache:
+            return 0
+        self.plan = cache_within(self.plan, self._planned_cache, room)
+        self.store.cache = ParamCache([self._units[i] for i in sorted(self.plan.cached)])
+        return sum(self.plan.units[i].shard for i in self.plan.cached)
+
     def applied(self, opt: Any) -> dict[str, dict[str, int]]:
         """Bytes per kind in memory and in the swap files as the units and the optimizer state
         hold them (what the plan's ``bytes_by`` predicts; memory is reported as "memory")."""
@@ -182,6 +234,7 @@ class StatePlacement:
             "predicted_step_io": plan.step_io(micro_batches),
             "predicted_memory": plan.memory(),
             "measured_io": measured,
+            "peak_memory": self.peaks.report() if self.peaks is not None else None,
             "reasons": list(plan.reasons),
             "text": report_text(plan, measured),
         }

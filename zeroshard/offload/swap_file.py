@@ -140,6 +140,9 @@ class SwapFile:
         self.samples = PageSamples()
         self.bytes_read = 0
         self.bytes_written = 0
+        self.direct_bytes = 0
+        """Of those, the bytes that went through O_DIRECT (the rest through the page cache:
+        an unaligned buffer, Note [aligned swap parts] in zeroshard/io/buffers.py)."""
         """Bytes requested of the file so far (what ``placement_report`` measures)."""
         self.closed = False
 
@@ -240,6 +243,7 @@ class SwapFile:
             h = self.aio.pread(tensor, self.engine_path, offset)
         except OSError as exc:
             raise self.renamed(exc) from None
+        self.direct_bytes += h.direct_bytes
         return _Checked(self, h, tensor, offset, write=False)
 
     def pwrite(self, tensor: torch.Tensor, offset: int) -> _Checked:
@@ -254,6 +258,7 @@ class SwapFile:
             h = self.aio.pwrite(tensor, self.engine_path, offset)
         except OSError as exc:
             raise self.renamed(exc) from None
+        self.direct_bytes += h.direct_bytes
         return _Checked(self, h, tensor, offset, write=True)
 
     def close(self) -> None:

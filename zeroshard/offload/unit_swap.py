@@ -36,6 +36,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from zeroshard.io import ALIGN
 from zeroshard.offload.swap_file import SwapFile, aligned
 from zeroshard.optim.flat_unit import alloc_storage, free_storage, is_allocated
 
@@ -165,7 +166,12 @@ class NvmeUnitStore:
                 self.settle(self._writes[0][1])
 
     def evict(self, unit: Any, parts: Iterable[str]) -> None:
-        """Releases ``parts`` without writing (their file copy is current)."""
+        """Releases ``parts`` without writing (their file copy is current); a gather's read of
+        the shard into the gathered buffer completes first (that memory is about to go)."""
+        if "shard" in parts:
+            h = self._reads.pop((id(unit), "gather"), None)
+            if h is not None:
+                h.wait()
         for part in parts:
             if self.swaps(unit, part):
                 self.wait_fetch(unit, (part,))
@@ -176,6 +182,32 @@ class NvmeUnitStore:
         cache keeps it for the backward gather (``param_cache.py``)."""
         if self.cache is None or not self.cache.keep(unit, backward):
             self.evict(unit, ("shard",))
+
+    # -- a gather's shard ---------------------------------------------------------------------------
+    def fetch_for_gather(self, unit: Any, dest: torch.Tensor, backward: bool) -> None:
+        """Starts reading the shard for a gather into ``dest`` (the owned range of the gathered
+        buffer) when it is not in memory, the cache will not keep it and ``dest`` is aligned for
+        O_DIRECT: no shard allocation and no copy. Otherwise it is read into the shard as by
+        ``fetch``, and ``finish_gather`` copies it."""
+        self.settle(unit)  # (a write of the shard still in flight: read what it wrote)
+        keep = self.cache is not None and self.cache.keep(unit, backward)
+        if keep or is_allocated(unit.shard) or (id(unit), "shard") in self._reads or dest.data_ptr() % ALIGN:
+            self.fetch(unit, ("shard",))
+            return
+        self._reads[(id(unit), "gather")] = self.file.pread(dest, self._offset(unit, "shard"))
+
+    def finish_gather(self, unit: Any, dest: torch.Tensor, backward: bool) -> None:
+        """``dest`` holds the shard once this returns (see ``fetch_for_gather``)."""
+        h = self._reads.pop((id(unit), "gather"), None)
+        if h is None:
+            self.wait_fetch(unit, ("shard",))
+            dest.copy_(unit.shard)
+            self.gathered(unit, backward)
+            return
+        h.wait()
+        if self.cache is not None and self.cache.keep(unit, backward):  # (grad mode changed since the read began)
+            alloc_storage(unit.shard)
+            unit.shard.copy_(dest)
 
     @contextlib.contextmanager
     def resident(self, unit: Any, parts: Sequence[str], write: bool = False) -> Iterator[None]:

@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from zeroshard.comm.tensor_parallel import is_dtensor, local_of
+from zeroshard.io.buffers import resizable_aligned, storage_bytes
 from zeroshard.layout import NamedParam, UnitLayout
 from zeroshard.stages import StagePolicy
 
@@ -56,11 +57,17 @@ def free_storage(t: torch.Tensor) -> None:
 
 
 def alloc_storage(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(t.numel() * t.element_size())
+    t.untyped_storage().resize_(storage_bytes(t))  # (Note [aligned swap parts])
 
 
 def is_allocated(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() > 0
+
+
+def _zeros(numel: int, dtype: torch.dtype, device: torch.device, pin: bool, swappable: bool) -> torch.Tensor:
+    if swappable and device.type == "cpu" and not pin:
+        return resizable_aligned(numel, dtype).zero_()
+    return torch.zeros(numel, dtype=dtype, device=device, pin_memory=pin)
 
 
 class FlatUnit:
@@ -93,17 +100,19 @@ class FlatUnit:
         self.needs_init = any(m.param.is_meta or local_of(m.param).numel() != m.true_shape.numel()
                               for m in self.members)
         """Parameters had no values (meta device): the owner must initialise the shard."""
-        self.flat = torch.zeros(layout.padded_numel, dtype=param_dtype, device=self.device)
+        # Parts a swap file may hold are 4096-aligned (Note [aligned swap parts], io/buffers.py):
+        # the file reads and writes them with O_DIRECT, a stage-3 shard straight into ``flat``.
+        params_swap = placement.params == "nvme" and policy.shard_parameters
+        state_swap = placement.optimizer == "nvme"
+        self.flat = _zeros(layout.padded_numel, param_dtype, self.device, False, params_swap)
         if policy.shard_parameters:
-            self.shard = torch.zeros(hi - lo, dtype=param_dtype, device=shard_device,
-                                     pin_memory=pin and shard_device.type == "cpu")
+            self.shard = _zeros(hi - lo, param_dtype, shard_device, pin and shard_device.type == "cpu", params_swap)
         else:
             self.shard = self.flat[lo:hi]
         # fp32 master and optimizer state live where the placement says; a master on another
         # device than the model (CPU offload with a GPU model) is a separate copy.
         self.separate_master = not frozen and (self.separate_master or state_device != self.shard.device)
-        self.master = (torch.zeros(hi - lo, dtype=self.state_dtype, device=state_device,
-                                   pin_memory=pin and state_device.type == "cpu")
+        self.master = (_zeros(hi - lo, self.state_dtype, state_device, pin and state_device.type == "cpu", state_swap)
                        if self.separate_master else self.shard)
         with torch.no_grad():
             for m, seg in zip(self.members, layout.segments):
@@ -120,8 +129,10 @@ class FlatUnit:
         # Uninitialised on purpose: grad_valid=False makes the first reduction overwrite it, and
         # untouched pages cost no resident memory until the first backward (a model loaded for
         # inference or resumed from a checkpoint does not pay for gradients it never computes).
-        self.grad_store = torch.empty(store_numel, dtype=self.state_dtype, device=state_device,
-                                      pin_memory=pin and state_device.type == "cpu")
+        self.grad_store = (resizable_aligned(store_numel, self.state_dtype)
+                           if state_swap and state_device.type == "cpu" and not pin else
+                           torch.empty(store_numel, dtype=self.state_dtype, device=state_device,
+                                       pin_memory=pin and state_device.type == "cpu"))
         self.grad_valid = False
         """False after zero_grad(set_to_none=True): the next reduced gradient overwrites."""
         self.grad_stats: Optional[dict] = None

@@ -179,6 +179,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.grad_links = GradLinks(self.units, self.comm, show)
         self.reducer.on_pass_start.append(lifecycle.weak_method(self._begin_pass))  # (del opt frees it)
         self.reducer.on_pass_end.append(self.grad_links.publish)
+        self.placement.watch(self.reducer)
         self.reducer.register_hooks()
         if self.gatherer is not None:
             self.gatherer.register()
@@ -357,6 +358,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     unit.write_back()
         restore()
         self.gather_params()
+        self.placement.after_step()  # (offload="auto": the step's peak memory against the budget)
         return loss
 
     def _step_unit_by_unit(self, scale: float) -> None:

@@ -33,6 +33,20 @@ the fused CPU step, as ``offload_optimizer="nvme"``) and shards that do not fit 
 "nvme" the rest. When everything fits the device budget nothing is offloaded. On a CPU-only
 machine the model already lives in host memory: "device" and "host" are one memory whose
 budget is their sum, and the split is memory vs NVMe. Budgets are per rank.
+
+Note [what the budget covers]: the host budget is the process's resident memory, not only
+the state's, since that is what a memory limit (a cgroup, a scheduler's) kills for. So the
+fixed costs include ``Fixed.process``, the memory outside the training state: the budget's
+``reserve`` when given, else what the process held when the optimizer was built (the
+interpreter, torch, data) less the model's parameters (they become the state the plan
+places), plus what the first backward initialises and 2% of the budget; and
+``Fixed.working``, backward's unsharded gradients of two units. What neither sees (the
+batch's activations) shows in the first step: its resident peak from the first backward
+on is measured (VmHWM after a reset), and the parameter cache, the one placement that can
+change at no cost, starts empty and is then given what that peak left of the budget
+(zeroshard/offload/peak_memory.py). A step over the budget is a warning naming its peak and
+the reserve that would fit. Glibc's retention of freed memory is switched off under a budget
+(Note [freed memory goes back] there).
 """
 from __future__ import annotations
 
@@ -47,22 +61,27 @@ TIERS = ("device", "host", "nvme")
 
 @dataclass(frozen=True)
 class MemoryBudget:
-    """Bytes of memory this rank's training state may use, per tier."""
+    """Bytes of memory this rank may use, per tier: the whole process's resident memory on
+    the host (Note [what the budget covers]), the training state's on the device."""
 
     device: int = 0
     host: int = 0
+    reserve: Optional[int] = None
+    """Host memory outside the training state (interpreter, libraries, data, activations).
+    None: measured as the optimizer is built, and corrected by the first steps' peak."""
 
     @classmethod
     def parse(cls, value: Any) -> "MemoryBudget":
-        """``{"device": "20GiB", "host": "48GiB"}`` (either key may be left out), or one size
-        (str or bytes) for host memory."""
+        """``{"device": "20GiB", "host": "48GiB"}`` (either key may be left out, and
+        ``"reserve"`` may be given), or one size (str or bytes) for host memory."""
         if isinstance(value, MemoryBudget):
             return value
         if isinstance(value, (str, int)) and not isinstance(value, bool):
             value = {"host": value}
-        if not isinstance(value, Mapping) or not value or set(value) - {"device", "host"}:
-            raise ValueError(f"memory_budget={value!r} must be a dict with 'device' and/or 'host' sizes, "
-                             "e.g. {'device': '20GiB', 'host': '48GiB'}")
+        if not isinstance(value, Mapping) or not set(value) & {"device", "host"} or \
+                set(value) - {"device", "host", "reserve"}:
+            raise ValueError(f"memory_budget={value!r} must be a dict with 'device' and/or 'host' sizes (and "
+                             "optionally 'reserve'), e.g. {'device': '20GiB', 'host': '48GiB'}")
         out = {}
         for k, v in value.items():
             if isinstance(v, bool) or not isinstance(v, (str, int, float)):
@@ -118,6 +137,12 @@ class Fixed:
     (held from forward to backward) may use it."""
     samples_per_byte: float = 1 / 512
     """Host memory of a swap file's page samples per byte of it (Note [zero-fill detection])."""
+    process: int = 0
+    """Of ``host``: the process's memory outside the training state (the budget's reserve, or
+    what was resident when the optimizer was built, less the model's parameters)."""
+    working: int = 0
+    """Of ``device`` (one memory: ``host``): backward's unsharded gradients, which autograd
+    makes for a unit before the reducer takes them (two units at once)."""
 
 
 @dataclass(frozen=True)
@@ -221,7 +246,8 @@ def plan_auto(units: list[UnitSpec], budget: MemoryBudget, fixed: Fixed, *, acce
     if caps["host"] < 0 or caps["device"] < 0:
         raise PlacementError(
             f"memory_budget ({budget}) is below what this rank needs with everything it can stream on "
-            f"NVMe (the model's working copy, gather buffers, NVMe staging buffers): the smallest budget "
+            f"NVMe (the model's working copy, gather buffers, NVMe staging buffers{_outside(fixed)}): the "
+            f"smallest budget "
             f"that fits is {minimum}; raise memory_budget, or lower offload_buffer_mb / make units smaller "
             "(stage3_unit_numel, bucket_size_mb)" if nvme else
             f"memory_budget ({budget}) cannot hold this rank's {fmt_bytes(state)} of training state beside "
@@ -254,7 +280,7 @@ def plan_auto(units: list[UnitSpec], budget: MemoryBudget, fixed: Fixed, *, acce
             room -= u.shard
             cached.add(u.index)
     reasons = [f"{fmt_bytes(state)} of state does not fit the budget ({budget}) beside "
-               f"{fmt_bytes(fixed.device + fixed.host)} of fixed memory"
+               f"{fmt_bytes(fixed.device + fixed.host)} of fixed memory{_outside(fixed)}"
                + (f" and {fmt_bytes(fixed.staging + fixed.pool)} of NVMe staging buffers" if streamed else ""),
                "kept in memory by bytes moved per byte held: shards first (3-4), then masters, "
                f"gradients and moments (2); {fmt_bytes(streamed)} streams from NVMe"]
@@ -263,6 +289,13 @@ def plan_auto(units: list[UnitSpec], budget: MemoryBudget, fixed: Fixed, *, acce
                        f"({fmt_bytes(sum(units[i].shard for i in cached))}) stay in memory from forward to "
                        "backward (in memory the step's pool frees), one read less each per step")
     return Plan(tuple(units), tiers, frozenset(cached), budget, fixed, accelerator, "auto", tuple(reasons))
+
+
+def _outside(fixed: Fixed) -> str:
+    if not (fixed.process or fixed.working):
+        return ""
+    return (f"; of it {fmt_bytes(fixed.process)} outside the training state (interpreter, libraries, data: "
+            f"Note [what the budget covers]) and {fmt_bytes(fixed.working)} of backward's gradients")
 
 
 def _spread(n: int) -> list[int]:

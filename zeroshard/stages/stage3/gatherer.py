@@ -59,6 +59,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from zeroshard.comm import Comm, Work
+from zeroshard.io.buffers import held_bytes
 from zeroshard.optim.flat_unit import FlatUnit, alloc_storage, free_storage
 from zeroshard.comm.tensor_parallel import as_sharded_parameter, local_of
 from zeroshard.optim.sharded_tensor import ShardedTensor
@@ -217,7 +218,11 @@ class ParameterGatherer:
         alloc_storage(unit.flat)
         self.state[ui] = UnitState.GATHERING
         if unit.swapped("shard"):  # the shard streams in from the swap file first; the
-            unit.swap.fetch(unit, ("shard",))  # collective starts once it is here (_launch)
+            lo, hi = unit.owned      # collective starts once it is here (_launch)
+            if self.secondary is None:
+                unit.swap.fetch_for_gather(unit, unit.flat[lo:hi], backward=_in_backward())
+            else:
+                unit.swap.fetch(unit, ("shard",))
             return
         self._launch(ui)
 
@@ -227,10 +232,8 @@ class ParameterGatherer:
             return
         unit = self.units[ui]
         lo, hi = unit.owned
-        if unit.swapped("shard"):
-            unit.swap.wait_fetch(unit, ("shard",))
-            unit.flat[lo:hi].copy_(unit.shard)
-            unit.swap.gathered(unit, backward=_in_backward())  # (dropped unless the parameter cache keeps it)
+        if unit.swapped("shard"):  # (the shard is dropped unless the parameter cache keeps it)
+            unit.swap.finish_gather(unit, unit.flat[lo:hi], backward=_in_backward())
         else:
             unit.flat[lo:hi].copy_(unit.shard)
         self._work[ui] = self.comm.gather_shards(unit.flat)
@@ -286,7 +289,7 @@ class ParameterGatherer:
             self.release(ui)
 
     def gathered_bytes(self) -> int:
-        return sum(u.flat.untyped_storage().nbytes() for u in self.units)
+        return sum(held_bytes(u.flat) for u in self.units)
 
     # -- forward hooks --------------------------------------------------------------------------
     @torch.compiler.disable  # Note [compiled stage 3]

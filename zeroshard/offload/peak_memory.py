@@ -1,0 +1,150 @@
+"""The process's peak resident memory per training step, and what automatic placement does
+when it exceeds the budget (Note [what the budget covers] in zeroshard/planner/placement.py).
+
+Lifecycle: ``StepPeaks(...)`` as the plan is made; ``on_backward`` / ``on_backward_end`` from
+the gradient reducer's pass hooks, ``after_step()`` at the end of every optimizer step. The
+peak of a step is VmHWM after a reset (``/proc/self/clear_refs``, Linux >= 4.0) at its first
+backward, so neither start-up, weight loading nor a loaded and freed data set counts. With a
+measured reserve the parameter cache starts empty, and step 1's backward peak (everything
+the plan did not see: activations, autograd, lazy initialisation) sizes it. A step over the
+budget is a warning with the figures. Without a way to reset the peak (another OS, no
+/proc) nothing is measured and the planned cache is used as planned.
+
+Note [freed memory goes back]: glibc keeps freed heap chunks (requests under its mmap
+threshold, which grows up to 32 MiB as large blocks are freed) for reuse, so the resident
+memory of a training process stays at the high-water mark of everything it ever freed: on a
+6-block test model, 200 MiB over what it holds, and the peaks of later steps stack on it.
+A memory budget is a promise about resident memory, so under offload="auto" the threshold is
+fixed at 1 MiB (``return_freed_memory``): larger blocks are mapped on their own and unmapped
+when freed. It is a process-wide setting (mallopt), made only when a budget is asked for;
+the cost is a page fault per page of each new large block, small beside the state's I/O.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import warnings
+from typing import Any, Callable, Optional
+
+from zeroshard.planner.units import fmt_bytes
+
+
+def _status_kib(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (0 where it cannot be read)."""
+    rss = _status_kib("VmRSS")
+    if rss is None:
+        import psutil
+        rss = psutil.Process().memory_info().rss
+    return rss
+
+
+def peak_bytes() -> Optional[int]:
+    """The resident peak since the last ``reset_peak`` (or the process's start)."""
+    return _status_kib("VmHWM")
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def return_freed_memory(threshold: int = 1 << 20) -> bool:
+    """Note [freed memory goes back]; False where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # (only glibc has both the symbol and these parameters)
+    except (OSError, AttributeError):
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2 * threshold))
+
+
+def reset_peak() -> bool:
+    """Starts a new peak from the current resident memory; False where the OS cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class StepPeaks:
+    def __init__(self, host_budget: int, calibrate: bool, fit_cache: Callable[[int], int], margin: int = 0) -> None:
+        """``host_budget``: the bytes the process may hold. ``calibrate``: the reserve was
+        measured, not given, so the parameter cache is sized from the first step's backward
+        peak: ``fit_cache(room)`` keeps the planned cache units that fit in ``room`` bytes (all
+        of them for a huge room, none for 0) and returns their bytes; ``margin``: bytes of the
+        room left free (what the peak varies by from step to step)."""
+        self.budget = host_budget
+        self.margin = margin
+        self.calibrate = calibrate
+        self.fit_cache = fit_cache
+        self.steps = 0
+        self.backward_peak = 0
+        self.step_peak: Optional[int] = None
+        """The resident peak of the last step (its first backward to the end of the step)."""
+        self.peak: Optional[int] = None
+        """The largest step peak measured, over every step so far."""
+        self.cache = None
+        """Bytes of parameter cache the calibration allowed (None: not calibrated)."""
+        self._armed = False
+        self.works = reset_peak() and peak_bytes() is not None
+
+    # -- hooks: the gradient reducer's pass start and end, the optimizer's step ------------------
+    def on_backward(self) -> None:
+        if self.works and not self._armed:
+            reset_peak()
+            self._armed = True
+
+    def on_backward_end(self) -> None:
+        if self._armed:
+            self.backward_peak = max(self.backward_peak, peak_bytes() or 0)
+
+    def after_step(self) -> None:
+        if not self._armed:
+            return
+        self._armed = False
+        self.steps += 1
+        self.step_peak = max(self.backward_peak, peak_bytes() or 0)
+        self.peak = max(self.peak or 0, self.step_peak)
+        if self.steps == 1 and self.calibrate:
+            # Cached shards live from forward into backward, beside what backward holds; the
+            # step's own peak (the moments' pool) is after they are gone.
+            # Less a margin: later steps read moments step 1 did not, and what waits on I/O at
+            # the peak varies with the disk's timing by about a unit's parts.
+            self.cache = self.fit_cache(max(0, self.budget - self.backward_peak - self.margin))
+        over = self.step_peak - self.budget
+        if over > 0 and self.steps <= 2:
+            warnings.warn(
+                f"offload='auto': step {self.steps} peaked at {fmt_bytes(self.step_peak)} of resident memory, "
+                f"{fmt_bytes(over)} over the host budget of {fmt_bytes(self.budget)}; memory outside the plan "
+                "(activations, data) is larger than the plan allowed: raise memory_budget, or pass "
+                f"memory_budget={{..., 'reserve': ...}} with about {fmt_bytes(over)} more than it was",
+                RuntimeWarning, stacklevel=3)
+        self.backward_peak = 0
+
+    def report(self) -> dict[str, Any]:
+        return {"budget": self.budget, "measured": self.works, "steps": self.steps, "last_step_peak": self.step_peak,
+                "peak": self.peak, "cache_allowed": self.cache}
+
+
+def cache_within(plan: Any, candidates: frozenset, room: int) -> Any:
+    """``plan`` whose parameter cache is the ``candidates`` (latest units first: backward
+    frees them first) that fit in ``room`` bytes."""
+    keep, used = set(), 0
+    for i in sorted(candidates, reverse=True):
+        if used + plan.units[i].shard <= room:
+            keep.add(i)
+            used += plan.units[i].shard
+    note = (f"parameter cache sized by step 1's backward peak: {len(keep)} of {len(candidates)} planned unit(s) "
+            f"({fmt_bytes(used)}) in the {fmt_bytes(room)} the budget left")
+    return dataclasses.replace(plan, cached=frozenset(keep), reasons=plan.reasons + (note,))
