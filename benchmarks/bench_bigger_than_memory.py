@@ -167,17 +167,20 @@ def child_placed(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     zeroshard.init_meta_weights(model, seed=0)
     init_s = time.perf_counter() - t0
-    io, steps = [], []
+    io, steps, phases = [], [], []
     from zeroshard.toy import synthetic_batch
     for step in range(args.steps):
         before = opt.placement_report()["measured_io"]
         t0 = time.perf_counter()
         loss = model(*synthetic_batch(step, 1, cfg))
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         opt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
         steps.append(time.perf_counter() - t0)
+        phases.append({"forward": t1 - t0, "backward": t2 - t1, "step": steps[-1] - (t2 - t0)})
         after = opt.placement_report()["measured_io"]
         io.append({k: after[k] - before[k] for k in after})
         print(f"  step {step + 1}: loss {loss.item():.6f} in {steps[-1]:.1f}s, read {io[-1]['read'] / 2**30:.2f} "
@@ -186,7 +189,7 @@ def child_placed(args: argparse.Namespace) -> None:
     rep = opt.placement_report()
     print(json.dumps({"init_s": init_s, "step_s": steps, "io": io, "predicted_io": rep["predicted_step_io"],
                       "predicted_memory": rep["predicted_memory"], "peak_rss": _peak_rss(),
-                      "step_peaks": rep["peak_memory"], "direct_fraction": _direct_fraction(opt),
+                      "step_peaks": rep["peak_memory"], "direct_fraction": _direct_fraction(opt), "phases": phases,
                       "placement": rep["text"], "memory_report": str(opt.memory_report())}))
 
 
@@ -318,17 +321,25 @@ def main_auto(args: argparse.Namespace, raw: dict) -> None:
             io = res["io"][1:]
             step_s = statistics.median(steps)
             read, written = (statistics.median(d[k] for d in io) for k in ("read", "written"))
-            floor = read / (raw["read"] * 1e9) + written / (raw["write"] * 1e9)
             runs[name] = {"budget": budget, "cgroup_limit": cg.limit, "step_s": step_s, "all_step_s": res["step_s"],
                           "read_per_step": read, "written_per_step": written, "predicted_io": res["predicted_io"],
-                          "floor_s": floor, "step_over_floor": step_s / floor if floor else None,
                           "peak_rss": res["peak_rss"], "peak_cgroup": peak, "predicted_memory": res["predicted_memory"],
                           "step_peaks": res["step_peaks"], "direct_fraction": res["direct_fraction"],
+                          "phases_s": {k: statistics.median(p[k] for p in res["phases"][1:]) for k in res["phases"][0]},
                           "rss_within_budget": None if budget <= 0 else res["peak_rss"] <= budget,
                           "init_s": res["init_s"], "placement": res["placement"]}
             print(res["placement"], flush=True)
     finally:
         cg.remove()
+    # The disk is measured again after the runs and the faster of each direction makes the
+    # floor: a disk slowed by something else at one of the two moments must not lower it.
+    after = fio_speed(args.dir, args.fio_gib)
+    raw = {"write": max(raw["write"], after["write"]), "read": max(raw["read"], after["read"]),
+           "before": {k: raw[k] for k in ("write", "read")}, "after": {k: after[k] for k in ("write", "read")},
+           "source": raw["source"]}
+    for r in runs.values():
+        floor = r["read_per_step"] / (raw["read"] * 1e9) + r["written_per_step"] / (raw["write"] * 1e9)
+        r.update(floor_s=floor, step_over_floor=r["step_s"] / floor if floor else None)
     base = runs["all NVMe"]["step_s"]
     result = {"raw_gbps": raw, "state_bytes": probe["state"], "minimum_budget": probe["minimum"],
               "headroom": headroom, "runs": runs,

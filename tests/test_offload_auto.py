@@ -185,7 +185,7 @@ def test_step_one_sizes_the_cache_and_a_step_over_budget_warns():
     """StepPeaks with the real resident peak of this process: step 1's backward peak leaves
     the cache the rest of the budget (less the margin); a budget below the peak gives it
     nothing and is a warning with the figures."""
-    from zeroshard.offload.peak_memory import StepPeaks, cache_within, peak_bytes, resident_bytes
+    from zeroshard.offload.peak_memory import StepPeaks, cache_within, resident_bytes
     from zeroshard.planner.placement import Fixed, MemoryBudget, UnitSpec, plan_auto
     rooms = []
     for budget in (resident_bytes() + (1 << 30), 1 << 20):

@@ -26,32 +26,13 @@ import dataclasses
 import warnings
 from typing import Any, Callable, Optional
 
+from zeroshard.bench.rss import current_rss, peak_rss as peak_bytes, reset_peak_rss as reset_peak
 from zeroshard.planner.units import fmt_bytes
 
 
-def _status_kib(field: str) -> Optional[int]:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def resident_bytes() -> int:
-    """This process's resident memory now (0 where it cannot be read)."""
-    rss = _status_kib("VmRSS")
-    if rss is None:
-        import psutil
-        rss = psutil.Process().memory_info().rss
-    return rss
-
-
-def peak_bytes() -> Optional[int]:
-    """The resident peak since the last ``reset_peak`` (or the process's start)."""
-    return _status_kib("VmHWM")
+    """This process's resident memory now."""
+    return current_rss()
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -65,16 +46,6 @@ def return_freed_memory(threshold: int = 1 << 20) -> bool:
     except (OSError, AttributeError):
         return False
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2 * threshold))
-
-
-def reset_peak() -> bool:
-    """Starts a new peak from the current resident memory; False where the OS cannot."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 class StepPeaks:
@@ -97,7 +68,7 @@ class StepPeaks:
         self.cache = None
         """Bytes of parameter cache the calibration allowed (None: not calibrated)."""
         self._armed = False
-        self.works = reset_peak() and peak_bytes() is not None
+        self.works = reset_peak()
 
     # -- hooks: the gradient reducer's pass start and end, the optimizer's step ------------------
     def on_backward(self) -> None:
