@@ -150,7 +150,17 @@ class AsyncIO:
             # holds neither descriptors nor tensors of finished requests; failed ones stay for wait_all.
             self._pending = [p for p in self._pending if not p.reap()]
             self._pending.append(h)
+        h.on_success = self._forget
         return h
+
+    def _forget(self, h: Handle) -> None:
+        """A request waited on successfully leaves the list at once: its buffer (a gigabyte of
+        moments, say) is then freed when its owner drops it, not at the next submit."""
+        with self._lock:
+            for i in range(len(self._pending) - 1, -1, -1):
+                if self._pending[i] is h:
+                    del self._pending[i]
+                    break
 
 
 def _check_tensor(tensor: torch.Tensor, write: bool) -> None:

@@ -32,6 +32,9 @@ class Handle:
         """Bytes planned through O_DIRECT (the rest: unaligned tail or buffer, or no O_DIRECT)."""
         self.direct_fallbacks = 0
         """Blocks retried through the buffered descriptor because O_DIRECT was refused."""
+        self.on_success: Optional[Any] = None
+        """Called with this handle once a ``wait()`` returned successfully (the engine then lets
+        go of it: a finished request must not keep its buffer alive until the next submit)."""
 
     def done(self) -> bool:
         """True once every block has completed (successfully or not); never blocks."""
@@ -47,7 +50,10 @@ class Handle:
                 self._reported = True
                 raise self._error
             assert self._tensor is not None
-            return self._tensor
+            done, self.on_success = self.on_success, None
+        if done is not None:
+            done(self)
+        return self._tensor
 
     def reap(self) -> bool:
         """If the request has completed, closes its descriptors (records any error for
