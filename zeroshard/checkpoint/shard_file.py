@@ -431,6 +431,14 @@ _REAPERS: dict[int, "queue.Queue[list]"] = {}
 _REAPER_LOCK = threading.Lock()
 
 
+def _run_and_drop(batch: list) -> None:
+    """Calls the callables of ``batch`` (page trims); its other items die on return (a loop
+    variable of ``reap`` itself would keep the last buffer alive until the next batch)."""
+    for item in batch:
+        if callable(item):
+            item()
+
+
 def _reaper() -> "queue.Queue[list]":
     """This process's freeing thread (started on first use, and again in a forked child,
     which inherits the queue but not the thread)."""
@@ -441,9 +449,7 @@ def _reaper() -> "queue.Queue[list]":
 
             def reap() -> None:
                 while True:
-                    for item in q.get():  # the last references die here, so the unmapping runs on this thread
-                        if callable(item):
-                            item()
+                    _run_and_drop(q.get())  # the last references die there: the unmapping runs on this thread
             threading.Thread(target=reap, name="zeroshard-free", daemon=True).start()
             _REAPERS.clear()
             _REAPERS[pid] = q
