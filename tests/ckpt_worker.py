@@ -211,11 +211,13 @@ def damaged_peer(rank: int, world: int, out: str, root: str) -> None:
             f.seek(-1, os.SEEK_END)
             f.write(last)
     torch.distributed.barrier()
+    live = {id(v) for run in t.opt.runs for v in t.opt.inner.state[run.tensor].values()}
     t.load(step)
     moments = [v for run in t.opt.runs for k, v in t.opt.inner.state[run.tensor].items() if v.dim() > 0]
     loaded = _state_digest(t)
     _dump(out, rank, {"refused": refused, "untouched": untouched,
                       "restored": {k: loaded[k] for k in ("params", "masters", "state")} ==
                       {k: saved[k] for k in ("params", "masters", "state")},
-                      "adopted": sum(v.untyped_storage().nbytes() > v.nbytes for v in moments),
+                      # a copy writes into the live tensors; adopting replaces them
+                      "adopted": sum(id(v) not in live and v.untyped_storage().nbytes() == v.nbytes for v in moments),
                       "moments": len(moments)})

@@ -404,7 +404,9 @@ class ShardReader:
         if (a - base) % dtype.itemsize or (b - a) % dtype.itemsize:
             return None
         self._adopted.setdefault(id(buf), (buf, []))[1].append((a - base, b - base))
-        return buf[a - base:b - base].view(dtype)
+        # A tensor of its own storage over those bytes (keeping the buffer alive), not a view
+        # of the buffer's: storage sizes are what memory reports count.
+        return torch.frombuffer(memoryview(buf[a - base:b - base].numpy()), dtype=dtype)
 
     def release(self, defer: bool = False) -> None:
         """Drops the read buffers; ``defer``: on the reaper thread, since unmapping gigabytes
