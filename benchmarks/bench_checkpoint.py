@@ -11,7 +11,8 @@ directory (the headline ratios: one request of 64 MiB at a time) and, as a secon
 reference, as bench_bigger_than_memory does (fio or zeroshard's AsyncIO, O_DIRECT 8 MiB x
 queue depth 16: what the disk gives many requests in flight). All figures of one run are
 printed as GB/s and as ratios, so they compare on the same machine state; the median of
-each round's own zeroshard/dd ratio is printed too. After the rounds, one more cold load
+each round's own zeroshard/dd ratio is printed too, and how long the deletion of
+the step each zeroshard save rotates out (keep_last=1; a background thread) went on after it. After the rounds, one more cold load
 each way (optimizer moments adopted from the verified buffer, or copied as before) gives
 the peak and the remaining RSS growth of a load. Writes a JSON summary with ``--json PATH``.
 """
@@ -219,6 +220,7 @@ def main() -> None:
     best: dict[str, float] = {}
     paired: dict[str, list[float]] = {"save": [], "load": []}
     loads: list[float] = []
+    cleanup: list[float] = []
     for _ in range(args.rounds):
         # Interleaved, so every contender meets the same disk and CPU weather; the raw disk
         # is re-measured each round too. Loads start from a cold page cache.
@@ -241,12 +243,17 @@ def main() -> None:
                 best[key] = max(best.get(key, 0.0), speed)
                 if name == "zs":
                     paired[op].append(speed / (w if op == "save" else r))
+                if key == "zs_save":  # the rotated-out step, deleted in the background: timed apart
+                    t0 = time.perf_counter()
+                    zeroshard.wait_checkpoint()
+                    cleanup.append(time.perf_counter() - t0)
         if not all(torch.equal(a, b) for a, b in zip(model, expect)):
             raise RuntimeError("a load did not restore the state exactly")
     res: dict[str, float] = {"bytes": nbytes, **best, **async_stall(c, nbytes / best["zs_save"])}
     res["dcp_async_fraction"] = res["dcp_async_call_s"] / (nbytes / best["dcp_save"])
     res["zs_save_round_ratios"], res["zs_load_round_ratios"] = paired["save"], paired["load"]
     res["load_average_each_round"] = loads
+    res["zs_save_cleanup_s_each_round"] = cleanup
     res["load_average_1_5_15_at_end"] = list(os.getloadavg())
     res.update(load_memory(c))
     if args.export_shard_mb:
@@ -356,6 +363,9 @@ def report(r: dict) -> None:
                  if r.get(f"zs_{what}_round_ratios") else ""))
         for k, v in peers.items():
             print(f"  {k:18s} {v / GB:.2f} GB/s ({v / raw:.0%} of raw)")
+    if r.get("zs_save_cleanup_s_each_round"):
+        print(f"after each zeroshard save, deleting the rotated-out step went on for "
+              f"{', '.join(f'{x:.2f}' for x in r['zs_save_cleanup_s_each_round'])} s in the background")
     print(f"async save: blocks {r['async_call_s'] * 1e3:.0f} ms + next step waits {r['async_step_wait_s'] * 1e3:.0f} ms "
           f"= {r['async_stall_fraction']:.1%} of the synchronous save ({r['sync_save_s']:.2f} s); "
           f"DCP async_save blocks {r['dcp_async_call_s'] * 1e3:.0f} ms = {r['dcp_async_fraction']:.1%} of its save")

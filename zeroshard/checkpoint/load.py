@@ -355,8 +355,8 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
     Everything is read, decoded and checked on every rank before anything is applied; a
     step that fails (damaged, malformed) is skipped for the next newest, and nothing of it
     reaches the model, the optimizer or any other object passed in."""
-    from zeroshard.checkpoint.saver import wait_pending
-    wait_pending()
+    from zeroshard.checkpoint.saver import wait_checkpoint
+    wait_checkpoint()  # (and the deletion of rotated-out steps: it would compete for the disk)
     if model is None and optimizer is None:
         raise ValueError("load_checkpoint needs model=... and/or optimizer=...")
     if not isinstance(path, (str, os.PathLike)):
