@@ -7,8 +7,14 @@ and loaded by: zeroshard (checksums included), torch.save/torch.load, safetensor
 save_file/load_file, torch.distributed.checkpoint (FileSystemWriter, 2 threads); every save
 is fsynced, every load starts from a cold page cache (drop_caches as root, else
 posix_fadvise DONTNEED). The raw disk is measured with dd and O_DIRECT on the same
-directory. All figures of one run are printed as GB/s and as ratios, so they compare on
-the same machine state. Writes a JSON summary with ``--json PATH``.
+directory (the headline ratios: one request of 64 MiB at a time) and, as a second
+reference, as bench_bigger_than_memory does (fio or zeroshard's AsyncIO, O_DIRECT 8 MiB x
+queue depth 16: what the disk gives many requests in flight). All figures of one run are
+printed as GB/s and as ratios, so they compare on the same machine state; the median of
+each round's own zeroshard/dd ratio is printed too, and how long the deletion of
+the step each zeroshard save rotates out (keep_last=1; a background thread) went on after it. After the rounds, one more cold load
+each way (optimizer moments adopted from the verified buffer, or copied as before) gives
+the peak and the remaining RSS growth of a load. Writes a JSON summary with ``--json PATH``.
 """
 from __future__ import annotations
 
@@ -212,11 +218,19 @@ def main() -> None:
     c = Contenders(args.dir, model, opt, state)
     names = ["zs", "torch", "safetensors", "dcp"]
     best: dict[str, float] = {}
+    paired: dict[str, list[float]] = {"save": [], "load": []}
+    loads: list[float] = []
+    cleanup: list[float] = []
     for _ in range(args.rounds):
         # Interleaved, so every contender meets the same disk and CPU weather; the raw disk
         # is re-measured each round too. Loads start from a cold page cache.
         w, r = dd_speed(args.dir, nbytes)
         best["raw_write"], best["raw_read"] = max(best.get("raw_write", 0), w), max(best.get("raw_read", 0), r)
+        deep = queue_depth_speed(args.dir, nbytes)
+        best["raw_write_qd16"] = max(best.get("raw_write_qd16", 0), deep["write"])
+        best["raw_read_qd16"] = max(best.get("raw_read_qd16", 0), deep["read"])
+        best["raw_qd16_source"] = deep["source"]
+        loads.append(os.getloadavg()[0])
         for name in names:
             for op in ("save", "load"):
                 key = f"{name}_{op}"
@@ -227,10 +241,21 @@ def main() -> None:
                             p.zero_()
                 speed = nbytes / timed(getattr(c, key), 1)
                 best[key] = max(best.get(key, 0.0), speed)
+                if name == "zs":
+                    paired[op].append(speed / (w if op == "save" else r))
+                if key == "zs_save":  # the rotated-out step, deleted in the background: timed apart
+                    t0 = time.perf_counter()
+                    zeroshard.wait_checkpoint()
+                    cleanup.append(time.perf_counter() - t0)
         if not all(torch.equal(a, b) for a, b in zip(model, expect)):
             raise RuntimeError("a load did not restore the state exactly")
     res: dict[str, float] = {"bytes": nbytes, **best, **async_stall(c, nbytes / best["zs_save"])}
     res["dcp_async_fraction"] = res["dcp_async_call_s"] / (nbytes / best["dcp_save"])
+    res["zs_save_round_ratios"], res["zs_load_round_ratios"] = paired["save"], paired["load"]
+    res["load_average_each_round"] = loads
+    res["zs_save_cleanup_s_each_round"] = cleanup
+    res["load_average_1_5_15_at_end"] = list(os.getloadavg())
+    res.update(load_memory(c))
     if args.export_shard_mb:
         res.update(export_rss(c.zroot, os.path.join(args.dir, "hf"), args.export_shard_mb))
     shutil.rmtree(args.dir, ignore_errors=True)
@@ -238,6 +263,48 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
+
+
+def queue_depth_speed(directory: str, nbytes: int) -> dict:
+    """The second raw reference: bench_bigger_than_memory's (O_DIRECT 8 MiB x qd16), in B/s."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_bigger_than_memory import fio_speed
+    out = fio_speed(directory, nbytes / 2**30)
+    return {"write": out["write"] * GB, "read": out["read"] * GB, "source": out["source"]}
+
+
+def _status(key: str) -> int:
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
+
+
+def load_memory(c: Contenders) -> dict[str, float]:
+    """Peak RSS growth (VmHWM over the RSS before) and what remains a second later, of one
+    cold load each way: moments adopted as views of the verified buffer (as loads run), and
+    copied into the live tensors (adoption off: the load before Note [adopting verified
+    state] in zeroshard/checkpoint/load.py)."""
+    from zeroshard.checkpoint import load as load_mod
+    adopter = load_mod._adopter
+    out = {}
+    try:
+        for mode in ("adopt", "copy"):
+            if mode == "copy":
+                load_mod._adopter = lambda *a: None
+            drop_cache(c.d)
+            time.sleep(1.0)  # the previous load's buffers are unmapped
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5\n")  # VmHWM := VmRSS
+            base = _status("VmRSS:")
+            t0 = time.perf_counter()
+            c.zs_load()
+            out[f"zs_load_{mode}_s"] = time.perf_counter() - t0
+            out[f"zs_load_{mode}_peak_growth"] = _status("VmHWM:") - base
+            time.sleep(1.0)
+            out[f"zs_load_{mode}_after_growth"] = _status("VmRSS:") - base
+    except OSError:  # no clear_refs (not Linux, or not allowed): no memory figures
+        pass
+    finally:
+        load_mod._adopter = adopter
+    return out
 
 
 _RSS_CHILD = """
@@ -279,18 +346,34 @@ def export_only(model_gb: float, shard_mb: int) -> None:
 
 def report(r: dict) -> None:
     print(f"state: {r['bytes'] / GB:.2f} GB (fp32 params + AdamW moments), {os.cpu_count()} cores, "
-          f"load average {os.getloadavg()[0]:.1f}; best round of each")
+          f"load average {os.getloadavg()[0]:.1f} (rounds: "
+          f"{', '.join(f'{x:.1f}' for x in r.get('load_average_each_round', []))}); best round of each")
     print(f"raw disk (dd O_DIRECT): write {r['raw_write'] / GB:.2f} GB/s, read {r['raw_read'] / GB:.2f} GB/s")
+    if "raw_read_qd16" in r:
+        print(f"raw disk ({r['raw_qd16_source']}): write {r['raw_write_qd16'] / GB:.2f} GB/s, "
+              f"read {r['raw_read_qd16'] / GB:.2f} GB/s")
     for what, raw in (("save", r["raw_write"]), ("load", r["raw_read"])):
         mine = r[f"zs_{what}"]
         peers = {f"{k}_{what}": r[f"{k}_{what}"] for k in ("torch", "safetensors", "dcp")}
         best = max(peers.values())
-        print(f"zeroshard {what}: {mine / GB:.2f} GB/s = {mine / raw:.0%} of raw, {mine / best:.2f}x the best peer")
+        deep = r.get(f"raw_{'write' if what == 'save' else 'read'}_qd16")
+        print(f"zeroshard {what}: {mine / GB:.2f} GB/s = {mine / raw:.0%} of raw, {mine / best:.2f}x the best peer"
+              + (f"; {mine / deep:.0%} of the qd16 raw {deep / GB:.2f} GB/s" if deep else "")
+              + (f"; median of the rounds' own ratios {statistics.median(r[f'zs_{what}_round_ratios']):.0%}"
+                 if r.get(f"zs_{what}_round_ratios") else ""))
         for k, v in peers.items():
             print(f"  {k:18s} {v / GB:.2f} GB/s ({v / raw:.0%} of raw)")
+    if r.get("zs_save_cleanup_s_each_round"):
+        print(f"after each zeroshard save, deleting the rotated-out step went on for "
+              f"{', '.join(f'{x:.2f}' for x in r['zs_save_cleanup_s_each_round'])} s in the background")
     print(f"async save: blocks {r['async_call_s'] * 1e3:.0f} ms + next step waits {r['async_step_wait_s'] * 1e3:.0f} ms "
           f"= {r['async_stall_fraction']:.1%} of the synchronous save ({r['sync_save_s']:.2f} s); "
           f"DCP async_save blocks {r['dcp_async_call_s'] * 1e3:.0f} ms = {r['dcp_async_fraction']:.1%} of its save")
+    if "zs_load_adopt_peak_growth" in r:
+        print("load memory (RSS growth, GiB): " + "; ".join(
+            f"{m} {'moments as views of the verified buffer' if m == 'adopt' else 'copied'}: peak "
+            f"{r[f'zs_load_{m}_peak_growth'] / 2**30:.2f}, a second after {r[f'zs_load_{m}_after_growth'] / 2**30:.2f}"
+            f" ({r[f'zs_load_{m}_s']:.2f} s)" for m in ("adopt", "copy")))
     if "export_peak_growth" in r:
         print(f"export_hf: {r['export_model_bytes'] / 2**20:.0f} MiB of weights in {r['export_shard_bytes'] / 2**20:.0f} "
               f"MiB shards: peak RSS grew {r['export_peak_growth'] / 2**20:.0f} MiB over the post-import baseline "

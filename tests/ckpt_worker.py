@@ -163,3 +163,61 @@ def reference(rank: int, world: int, total: int, out: str) -> None:
     t = Trainer(world, 0, dropout=False, grouped=False)
     t.train(total)
     _dump(out, rank, t.result())
+
+
+def _state_digest(t: Trainer) -> dict:
+    """This rank's parameters and optimizer state as hashes of their bytes, and the ids of
+    the state tensors (a refused load must neither change nor replace them)."""
+    import hashlib
+
+    def digest(x: torch.Tensor) -> str:
+        return hashlib.sha256(x.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    state = [(k, v) for run in t.opt.runs for k, v in sorted(t.opt.inner.state.get(run.tensor, {}).items())]
+    return {"params": {n: digest(p) for n, p in t.model.named_parameters()},
+            "masters": [digest(u.master) for u in t.opt.units],
+            "state": [digest(v) for _, v in state], "ids": [id(v) for _, v in state]}
+
+
+def damaged_peer(rank: int, world: int, out: str, root: str) -> None:
+    """Saves at stage 2, flips the last byte of the last rank's data file and loads it: that
+    rank finds the damage after the others verified (and could adopt) all of theirs, and no
+    rank may change or replace a live tensor. Then the repaired step loads bit for bit."""
+    from zeroshard.checkpoint import CheckpointCorruptError
+    t = Trainer(world, 2, dropout=False, grouped=False)
+    t.train(2)
+    t.save(root)
+    zeroshard.wait_checkpoint()
+    saved = _state_digest(t)
+    t.train(3)  # the live state moves on from the checkpoint
+    step = os.path.join(root, "step-00000002")
+    path = os.path.join(step, f"rank-{world - 1:05d}.safetensors")
+    if rank == 0:
+        with open(path, "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last[0] ^ 0xFF]))
+    torch.distributed.barrier()
+    before = _state_digest(t)
+    try:
+        t.load(step)
+        refused = None
+    except CheckpointCorruptError as exc:
+        refused = str(exc)
+    untouched = _state_digest(t) == before
+    torch.distributed.barrier()
+    if rank == 0:  # repaired: now it loads, adopting the verified moments
+        with open(path, "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            f.write(last)
+    torch.distributed.barrier()
+    live = {id(v) for run in t.opt.runs for v in t.opt.inner.state[run.tensor].values()}
+    t.load(step)
+    moments = [v for run in t.opt.runs for k, v in t.opt.inner.state[run.tensor].items() if v.dim() > 0]
+    loaded = _state_digest(t)
+    _dump(out, rank, {"refused": refused, "untouched": untouched,
+                      "restored": {k: loaded[k] for k in ("params", "masters", "state")} ==
+                      {k: saved[k] for k in ("params", "masters", "state")},
+                      # a copy writes into the live tensors; adopting replaces them
+                      "adopted": sum(id(v) not in live and v.untyped_storage().nbytes() == v.nbytes for v in moments),
+                      "moments": len(moments)})

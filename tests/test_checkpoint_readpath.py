@@ -68,3 +68,60 @@ def test_damage_in_the_last_block_loads_nothing(tmp_path, monkeypatch):
     else:
         raise AssertionError("a damaged checkpoint loaded")
     assert all(torch.equal(a, b) for a, b in zip(fresh, before)), "a refused checkpoint changed the model"
+
+
+def test_damage_in_the_last_rank_file_leaves_every_rank_untouched(tmp_path):
+    """Stage 2 at world 2: rank 1 finds damage in its file's last byte, after rank 0 verified
+    all of its own; neither rank changes or replaces a live tensor (the adopted views come
+    in only after every rank verified), and the repaired step loads bit for bit."""
+    from tests import ckpt_worker
+    from tests.dist_results import run_ranks
+    results = run_ranks(ckpt_worker.damaged_peer, 2, tmp_path, str(tmp_path / "ck"))
+    for rank, res in enumerate(results):
+        assert res["refused"] is not None and "checksum mismatch" in res["refused"], (rank, res["refused"])
+        assert res["untouched"], f"rank {rank}: a refused load changed or replaced live tensors"
+        assert res["restored"], f"rank {rank}: the repaired step did not load bit for bit"
+        assert res["adopted"] == res["moments"] > 0, f"rank {rank}: moments were copied, not adopted: {res}"
+
+
+def test_adopted_state_trains_on_bit_for_bit(tmp_path, monkeypatch):
+    """Moments taken as views of the verified buffer (across many checksum blocks) are the
+    saved values, and training on from them equals training on from the saved run."""
+    monkeypatch.setattr(shard_file, "BLOCK", 4096)
+    model, opt = _build()
+    root = str(tmp_path / "ck")
+    zeroshard.save_checkpoint(root, 1, model=model, optimizer=opt)
+    saved = {k: v.clone() for k, v in opt.inner.state[opt.runs[0].tensor].items()}
+    fresh, fresh_opt = _build(seed=5)
+    live = {id(v) for s in fresh_opt.inner.state.values() for v in s.values()}
+    zeroshard.load_checkpoint(root, model=fresh, optimizer=fresh_opt)
+    for run, mine in zip(opt.runs, fresh_opt.runs):
+        for key in ("exp_avg", "exp_avg_sq"):
+            got = fresh_opt.inner.state[mine.tensor][key]
+            assert id(got) not in live, f"{key} was copied into the live tensor, not adopted"
+            assert got.untyped_storage().nbytes() == got.nbytes, "memory reports would count the whole buffer"
+            assert torch.equal(got, opt.inner.state[run.tensor][key])
+    for m, o in ((model, opt), (fresh, fresh_opt)):
+        for _ in range(2):
+            sum((p * p).sum() for p in m).backward()
+            o.step()
+            o.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(model, fresh))
+    # A second load replaces the adopted (and since updated) views by new ones.
+    zeroshard.load_checkpoint(root, model=fresh, optimizer=fresh_opt)
+    assert all(torch.equal(v, saved[k]) for k, v in fresh_opt.inner.state[fresh_opt.runs[0].tensor].items())
+
+
+def test_pages_outside_adopted_views_are_given_back():
+    """``release`` returns the pages of a read buffer that no adopted view covers (they read
+    as zero afterwards: MADV_DONTNEED), and leaves the viewed bytes intact."""
+    if shard_file._LIBC is None:
+        import pytest
+        pytest.skip("madvise is Linux-only")
+    page = shard_file._PAGE
+    buf = shard_file.aligned_empty(64 * page)
+    buf.fill_(7)
+    view = buf[20 * page + 3:40 * page + 5]
+    shard_file._give_back_outside(buf, [(20 * page + 3, 40 * page + 5)])
+    assert int(buf[:20 * page].sum()) == 0 and int(buf[41 * page:].sum()) == 0
+    assert bool((view == 7).all()) and int(buf[20 * page]) == 7 and int(buf[40 * page + 5]) == 7

@@ -51,11 +51,12 @@ def test_keep_last_rotation_keeps_the_newest_valid(tmp_path):
     model, opt, _ = _build(None)
     for step in range(1, 5):
         zeroshard.save_checkpoint(root, step, model=model, optimizer=opt, keep_last=2)
+    zeroshard.wait_checkpoint()  # rotated-out steps are deleted in the background
     assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-00000003", "step-00000004"]
     # A damaged newest step does not count as one of the kept: step 4 stays (rotation deletes
     # only valid steps, oldest first) and the newest valid one is never deleted.
     os.truncate(os.path.join(root, "step-00000004", "rank-00000.safetensors"), 10)
-    zeroshard.save_checkpoint(root, 5, model=model, optimizer=opt, keep_last=1)
+    zeroshard.save_checkpoint(root, 5, model=model, optimizer=opt, keep_last=1).wait()
     assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-00000004", "step-00000005"]
     assert zeroshard.latest_checkpoint(root).endswith("step-00000005")
     with pytest.raises(ValueError, match="keep at least 1"):

@@ -23,7 +23,7 @@ from zeroshard.checkpoint.errors import CheckpointCorruptError, CheckpointError,
 from zeroshard.checkpoint.export import export_hf
 from zeroshard.checkpoint.load import load_checkpoint
 from zeroshard.checkpoint.locate import latest_checkpoint
-from zeroshard.checkpoint.saver import PendingSave, save_checkpoint, wait_pending as wait_checkpoint
+from zeroshard.checkpoint.saver import PendingSave, save_checkpoint, wait_checkpoint
 
 __all__ = ["save_checkpoint", "export_hf", "load_checkpoint", "latest_checkpoint", "wait_checkpoint", "PendingSave",
            "CheckpointError", "CheckpointCorruptError", "CheckpointMismatchError"]

@@ -34,6 +34,7 @@ class PieceRecord:
     stop: int
     tensors: dict[str, "torch.Tensor | Deferred"] = field(default_factory=dict)
     scalars: dict[str, Any] = field(default_factory=dict)
+    run: Optional[int] = None  # index in opt.runs: a run's tensors are stored kind by kind
 
     def key(self, kind: str) -> str:
         return f"{self.name}|{self.start}|{kind}"
@@ -66,7 +67,7 @@ def owned_pieces(model: Optional[nn.Module], opt: Any) -> list[PieceRecord]:
     """This rank's pieces, as views of the live tensors (callers copy before training goes on)."""
     names = name_map(model, opt)
     records = []
-    for run in opt.runs:
+    for ri, run in enumerate(opt.runs):
         wlo, whi = write_range(opt, run.unit)
         lo, hi = max(run.a, wlo), min(run.b, whi)
         if lo >= hi:
@@ -82,7 +83,7 @@ def owned_pieces(model: Optional[nn.Module], opt: Any) -> list[PieceRecord]:
                 if not tp.writes(piece.segment.name):
                     continue
                 off = tp.stored_offset(piece.segment.name)
-            rec = PieceRecord(names[piece.segment.name], off + piece.start, off + piece.stop)
+            rec = PieceRecord(names[piece.segment.name], off + piece.start, off + piece.stop, run=ri)
             # Swapped parts are read from the swap file when the writer gets to them.
             rec.tensors[PARAM] = (_deferred(run.unit.dtype, store.read_range, run.unit, "shard", ua, ub)
                                   if run.unit.swapped("shard") else run.unit.param_range(ua, ub))

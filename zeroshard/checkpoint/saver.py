@@ -48,6 +48,7 @@ class PendingSave:
 
     def wait(self) -> str:
         self._saver.wait()
+        commit.wait_discarded()
         return self.path
 
 
@@ -319,6 +320,13 @@ def checkpoint_comm(opt: Any) -> Comm:
 def wait_pending() -> None:
     """Waits for this process's in-flight asynchronous save; raises if it failed."""
     _SAVER.wait()
+
+
+def wait_checkpoint() -> None:
+    """Waits for this process's in-flight save (raising if it failed) and for the deletion of
+    the steps it rotated out (Note [deleting in the background] in commit.py)."""
+    _SAVER.wait()
+    commit.wait_discarded()
 
 
 def save_checkpoint(root: str, step: int, *, model: Optional[nn.Module], optimizer: Any,

@@ -12,11 +12,14 @@ read by this module so that:
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import itertools
 import json
 import os
 import queue
 import struct
+import sys
 import threading
 import zlib
 from collections import OrderedDict
@@ -227,6 +230,7 @@ class ShardReader:
                                          f"the file is {'truncated' if actual < self.size else 'damaged'}")
         # block index -> (verified buffer holding it, file offset of that buffer's byte 0)
         self._buffers: "OrderedDict[int, tuple[torch.Tensor, int]]" = OrderedDict()
+        self._adopted: dict[int, tuple[torch.Tensor, list[tuple[int, int]]]] = {}  # id(buffer) -> spans
         self.entries = self._parse_header()
         self.bytes_read = 0  # data blocks only, from here on (the header is metadata)
 
@@ -386,16 +390,55 @@ class ShardReader:
             pos += take
         return out.view(e.dtype)
 
+    def adopt(self, ranges: list[tuple[int, int]], dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """File byte ranges that follow one another, as one view of the verified buffer holding
+        them all, to keep (None where they are not adjacent, span two buffers or are not
+        aligned to ``dtype``). ``release`` then gives back the rest of that buffer's pages."""
+        a, b = ranges[0][0], ranges[-1][1]
+        if self.max_blocks is not None or b <= a or any(x[1] != y[0] for x, y in zip(ranges, ranges[1:])):
+            return None
+        held = [self._buffers.get(i) for i in range(a // self.block, (b - 1) // self.block + 1)]
+        if any(h is None or h[0] is not held[0][0] for h in held):
+            return None
+        buf, base = held[0]
+        if (a - base) % dtype.itemsize or (b - a) % dtype.itemsize:
+            return None
+        self._adopted.setdefault(id(buf), (buf, []))[1].append((a - base, b - base))
+        # A tensor of its own storage over those bytes (keeping the buffer alive), not a view
+        # of the buffer's: storage sizes are what memory reports count.
+        return torch.frombuffer(memoryview(buf[a - base:b - base].numpy()), dtype=dtype)
+
     def release(self, defer: bool = False) -> None:
         """Drops the read buffers; ``defer``: on the reaper thread, since unmapping gigabytes
-        takes ~0.15 s/GB here (page by page) and needs no GIL: the caller goes on meanwhile."""
-        if defer and self._buffers:
-            _reaper().put(list(self._buffers.values()))
+        takes ~0.15 s/GB here (page by page) and needs no GIL: the caller goes on meanwhile.
+        A buffer with adopted views stays mapped, its pages outside them given back."""
+        trims = [functools.partial(_give_back_outside, buf, spans) for buf, spans in self._adopted.values()]
+        self._adopted.clear()
+        if defer and (self._buffers or trims):
+            _reaper().put(trims + list(self._buffers.values()))
+        else:
+            for trim in trims:
+                trim()
         self._buffers.clear()
+
+
+def reap(objects: list) -> None:
+    """Drops ``objects`` (the caller's last references to big tensors) on the reaper thread."""
+    if objects:
+        _reaper().put(list(objects))
+    objects.clear()
 
 
 _REAPERS: dict[int, "queue.Queue[list]"] = {}
 _REAPER_LOCK = threading.Lock()
+
+
+def _run_and_drop(batch: list) -> None:
+    """Calls the callables of ``batch`` (page trims); its other items die on return (a loop
+    variable of ``reap`` itself would keep the last buffer alive until the next batch)."""
+    for item in batch:
+        if callable(item):
+            item()
 
 
 def _reaper() -> "queue.Queue[list]":
@@ -408,11 +451,30 @@ def _reaper() -> "queue.Queue[list]":
 
             def reap() -> None:
                 while True:
-                    q.get()  # the last references die here, so the unmapping runs on this thread
+                    _run_and_drop(q.get())  # the last references die there: the unmapping runs on this thread
             threading.Thread(target=reap, name="zeroshard-free", daemon=True).start()
             _REAPERS.clear()
             _REAPERS[pid] = q
         return _REAPERS[pid]
+
+
+_MADV_DONTNEED = 4  # Linux
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _give_back_outside(buf: torch.Tensor, spans: list[tuple[int, int]]) -> None:
+    """Returns to the system the whole pages of ``buf`` outside ``spans`` (byte ranges still
+    viewed), which nothing reads again: the bytes a load copied elsewhere, next to the state
+    it adopted. Without this, the adopted views would keep the copied bytes resident."""
+    if _LIBC is None:
+        return
+    edges = [0] + [x for span in sorted(spans) for x in span] + [buf.numel()]
+    for lo, hi in zip(edges[::2], edges[1::2]):
+        start = -(-(buf.data_ptr() + lo) // _PAGE) * _PAGE
+        stop = (buf.data_ptr() + hi) // _PAGE * _PAGE
+        if stop - start >= 16 * _PAGE:
+            _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), _MADV_DONTNEED)
 
 
 def verify_file(path: str, expect: dict) -> None:

@@ -246,12 +246,14 @@ def normalize_loaded(opt: "ZeroOptimizer") -> None:
 
 
 # -- in-place fill (checkpoint loading) ------------------------------------------------------
-def fill_run(opt: "ZeroOptimizer", run: Run, keys: list[str], fetch) -> None:
+def fill_run(opt: "ZeroOptimizer", run: Run, keys: list[str], fetch, adopt=None) -> None:
     """Rebuilds one run's optimizer state (and master) from per-piece data, writing into the
     state tensors the run already has (so state that lives elsewhere, e.g. offloaded, stays
     where it is) and allocating without zero-filling otherwise: the pieces of a run cover it
     exactly. ``fetch(name, start, stop, key)`` returns that range of a tensor state, a scalar,
-    or None (key ``"__master__"``: the master values); ``keys`` are the state keys."""
+    or None (key ``"__master__"``: the master values); ``keys`` are the state keys.
+    ``adopt(key)``, if given, returns a tensor holding the run's whole state ``key`` to take
+    as it is instead of copying, or None (Note [adopting verified state] in checkpoint/load.py)."""
     pieces = list(_run_pieces(run))
     if not pieces:
         return
@@ -265,6 +267,10 @@ def fill_run(opt: "ZeroOptimizer", run: Run, keys: list[str], fetch) -> None:
         # One value for the whole run (a scalar, or a per-tensor state of another shape).
         if not isinstance(probe, torch.Tensor) or probe.dim() == 0 or probe.numel() != first.numel:
             state[key] = probe.clone() if isinstance(probe, torch.Tensor) else probe
+            continue
+        whole = adopt(key) if adopt is not None else None
+        if whole is not None:
+            state[key] = whole
             continue
         buf = current.get(key)
         if not (isinstance(buf, torch.Tensor) and buf.shape == (run.b - run.a,)):
