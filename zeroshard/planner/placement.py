@@ -21,10 +21,7 @@ Placing to move the least under a budget is a knapsack; the planner is greedy by
 per byte held (shards 3-4, the others 2) and fills what is left with any smaller item that
 fits: every item kept saves at least as much per byte as any streamed item that would have
 fit in its place, so it is within one item's traffic of the optimum. Among items of one
-ratio, masters and moments come before gradients (their traffic is all in the step, while a
-gradient is written behind backward's compute: with half of the 16 GiB benchmark's state in
-memory the step then writes 1.5 GiB less for the same bytes per step), and units are taken
-in bit-reversed order, so resident units alternate with streamed
+ratio, units are taken in bit-reversed order, so resident units alternate with streamed
 ones and a streamed unit's reads overlap a resident unit's compute. What stays free after
 that is the parameter cache: swapped shards of the last units of forward (the first that
 backward gathers again) stay in memory from their forward gather to their backward gather,
@@ -222,11 +219,6 @@ class PlacementError(ValueError):
         self.state = state
 
 
-_EXPOSED = {"shard": 0, "master": 0, "moments": 0, "grad": 1}
-"""Ties of bytes per byte held: a streamed master's or moments' traffic all falls in the step,
-a gradient's write runs behind backward's compute, so they stay in memory first."""
-
-
 def _order(kind: str, spec: UnitSpec, micro_batches: int) -> float:
     r, w = spec.traffic(kind, micro_batches=micro_batches)
     return (r + w) / max(1, spec.size(kind))
@@ -264,8 +256,7 @@ def plan_auto(units: list[UnitSpec], budget: MemoryBudget, fixed: Fixed, *, acce
             "nvme_path=<directory on an NVMe drive>", need, state)
     spread = _spread(len(units))
     items = sorted(((u, k) for u in units for k in KINDS if u.size(k)),
-                   key=lambda uk: (-_order(uk[1], uk[0], micro_batches), _EXPOSED[uk[1]], spread[uk[0].index],
-                                   KINDS.index(uk[1])))
+                   key=lambda uk: (-_order(uk[1], uk[0], micro_batches), spread[uk[0].index], KINDS.index(uk[1])))
     chosen: dict[tuple[int, str], str] = {}
     for u, k in items:  # greedy by bytes moved per byte held, then whatever still fits
         for t in (("device", "host") if k == "shard" and accelerator else ("host",)):
