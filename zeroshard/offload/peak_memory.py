@@ -108,14 +108,14 @@ class StepPeaks:
                 "peak": self.peak, "cache_allowed": self.cache}
 
 
-def cache_within(plan: Any, candidates: frozenset, room: int) -> Any:
+def cache_within(plan: Any, candidates: frozenset, room: int, note: Optional[str] = None) -> Any:
     """``plan`` whose parameter cache is the ``candidates`` (latest units first: backward
-    frees them first) that fit in ``room`` bytes."""
+    frees them first) that fit in ``room`` bytes; ``note`` replaces the reason it adds."""
     keep, used = set(), 0
     for i in sorted(candidates, reverse=True):
         if used + plan.units[i].shard <= room:
             keep.add(i)
             used += plan.units[i].shard
-    note = (f"parameter cache sized by step 1's backward peak: {len(keep)} of {len(candidates)} planned unit(s) "
-            f"({fmt_bytes(used)}) in the {fmt_bytes(room)} the budget left")
+    note = note or (f"parameter cache sized by step 1's backward peak: {len(keep)} of {len(candidates)} planned "
+                    f"unit(s) ({fmt_bytes(used)}) in the {fmt_bytes(room)} the budget left")
     return dataclasses.replace(plan, cached=frozenset(keep), reasons=plan.reasons + (note,))

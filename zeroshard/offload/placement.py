@@ -120,7 +120,8 @@ class StatePlacement:
             self.peaks = StepPeaks(host, calibrate=self.plan.budget.reserve is None, fit_cache=self._fit_cache,
                                    margin=host // 50 + parts)
             if self.peaks.calibrate and self.peaks.works and self.plan.cached:  # sized after step 1
-                self.plan = cache_within(self.plan, self._planned_cache, 0)
+                self.plan = cache_within(self.plan, self._planned_cache, 0,
+                                         "parameter cache: empty until step 1, whose measured peak sizes it")
         self.store: Optional[NvmeUnitStore] = None
         self._explicit_nvme = not self.auto and config.offload_optimizer == "nvme"
         if self._explicit_nvme or (self.auto and any(self.plan.swapped(i) for i in range(len(specs)))):
