@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import signal
 import statistics
@@ -61,12 +60,11 @@ def _sample_rss() -> None:
     each step's peak), so the process's own peak is sampled, independently of zeroshard."""
     import threading
 
+    from zeroshard.bench.rss import current_rss
+
     def run() -> None:
         while True:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        _SAMPLED[0] = max(_SAMPLED[0], int(line.split()[1]) * 1024)
+            _SAMPLED[0] = max(_SAMPLED[0], current_rss())
             time.sleep(0.005)
     threading.Thread(target=run, daemon=True).start()
 
@@ -74,12 +72,8 @@ def _sample_rss() -> None:
 def _peak_rss() -> int:
     """This process's resident peak: VmHWM (ru_maxrss would count a parent's before exec), or
     the sampled peak where that is larger (VmHWM was reset)."""
-    hwm = 0
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                hwm = int(line.split()[1]) * 1024
-    return max(hwm, _SAMPLED[0]) or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from zeroshard.bench.rss import peak_rss
+    return max(peak_rss(), _SAMPLED[0])
 
 
 def child_plain(args: argparse.Namespace) -> None:
@@ -189,15 +183,15 @@ def child_placed(args: argparse.Namespace) -> None:
     rep = opt.placement_report()
     print(json.dumps({"init_s": init_s, "step_s": steps, "io": io, "predicted_io": rep["predicted_step_io"],
                       "predicted_memory": rep["predicted_memory"], "peak_rss": _peak_rss(),
-                      "step_peaks": rep["peak_memory"], "direct_fraction": _direct_fraction(opt), "phases": phases,
+                      "step_peaks": rep["peak_memory"], "direct_fraction": _direct_fraction(rep["measured_io"]),
+                      "phases": phases,
                       "placement": rep["text"], "memory_report": str(opt.memory_report())}))
 
 
-def _direct_fraction(opt) -> float:
+def _direct_fraction(io: dict) -> float:
     """Of the swap files' bytes, the share that went through O_DIRECT (Note [aligned swap parts])."""
-    files = [f for f in (getattr(opt.swapper, "file", None), getattr(opt.unit_store, "file", None)) if f is not None]
-    moved = sum(f.bytes_read + f.bytes_written for f in files)
-    return sum(f.direct_bytes for f in files) / moved if moved else 1.0
+    moved = io["read"] + io["written"]
+    return io["direct"] / moved if moved else 1.0
 
 
 def child_resume(args: argparse.Namespace) -> None:

@@ -317,11 +317,6 @@ def checkpoint_comm(opt: Any) -> Comm:
     return _SAVER._comm(opt)
 
 
-def wait_pending() -> None:
-    """Waits for this process's in-flight asynchronous save; raises if it failed."""
-    _SAVER.wait()
-
-
 def wait_checkpoint() -> None:
     """Waits for this process's in-flight save (raising if it failed) and for the deletion of
     the steps it rotated out (Note [deleting in the background] in commit.py)."""

@@ -51,7 +51,7 @@ def resizable_aligned(numel: int, dtype: torch.dtype = torch.uint8) -> torch.Ten
     glibc) is the same for every mapping, so the view is aligned after every re-allocation.
     Pages of the padding are never touched and cost no resident memory. Under another
     allocator the view may come back unaligned; the I/O engine then uses buffered I/O for it
-    (correct, only slower), which ``SwapFile.direct_fraction`` shows.
+    (correct, only slower), which ``SwapFile.direct_bytes`` shows.
     """
     if not isinstance(numel, int) or numel < 0:
         raise ValueError(f"numel={numel!r} must be a non-negative int")

@@ -26,14 +26,8 @@ import dataclasses
 import warnings
 from typing import Any, Callable, Optional
 
-from zeroshard.bench.rss import current_rss, peak_rss as peak_bytes, reset_peak_rss as reset_peak
+from zeroshard.bench.rss import current_rss as resident_bytes, peak_rss as peak_bytes, reset_peak_rss as reset_peak
 from zeroshard.planner.units import fmt_bytes
-
-
-def resident_bytes() -> int:
-    """This process's resident memory now."""
-    return current_rss()
-
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
@@ -78,14 +72,14 @@ class StepPeaks:
 
     def on_backward_end(self) -> None:
         if self._armed:
-            self.backward_peak = max(self.backward_peak, peak_bytes() or 0)
+            self.backward_peak = max(self.backward_peak, peak_bytes())
 
     def after_step(self) -> None:
         if not self._armed:
             return
         self._armed = False
         self.steps += 1
-        self.step_peak = max(self.backward_peak, peak_bytes() or 0)
+        self.step_peak = max(self.backward_peak, peak_bytes())
         self.peak = max(self.peak or 0, self.step_peak)
         if self.steps == 1 and self.calibrate:
             # Cached shards live from forward into backward, beside what backward holds; the

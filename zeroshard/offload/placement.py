@@ -56,11 +56,16 @@ def describe_units(config: Any, policy: Any, rank: int, layouts: Sequence[tuple[
         model = sum(p * layout.padded_numel for layout, _ in layouts)
     buckets = config.max_inflight_buckets * 4 * max(widest, widest_root)
     working = 2 * p * max(widest, widest_root)  # (Note [what the budget covers])
-    parts = max((u.shard + u.master + u.grad for u in specs), default=0)
+    parts = largest_parts(specs)
     slots = 3 if config.offload_buffer_mb is None else max(1, min(3, int(config.offload_buffer_mb * 2**20
                                                                        // max(1, largest_run + parts))))
     return specs, Fixed(device=model + frozen + buckets + working, staging=slots * parts, pool=slots * largest_run,
                         working=working)
+
+
+def largest_parts(specs: Sequence[UnitSpec]) -> int:
+    """Bytes of the largest unit's shard, master and gradient: what one unit in flight holds."""
+    return max((u.shard + u.master + u.grad for u in specs), default=0)
 
 
 def outside_state(groups: Sequence[dict]) -> int:
@@ -94,8 +99,8 @@ class StatePlacement:
             return_freed_memory()  # (Note [freed memory goes back] in peak_memory.py)
             # Measured: plus 2% of the budget for what start-up cannot see (the batch's
             # activations, I/O timing); step 1 then sizes the parameter cache (StepPeaks).
-            total = budget.host if self.accelerator else budget.device + budget.host
-            process = budget.reserve if budget.reserve is not None else outside_state(groups) + total // 50
+            host_budget = budget.host if self.accelerator else budget.device + budget.host
+            process = budget.reserve if budget.reserve is not None else outside_state(groups) + host_budget // 50
             fixed = dataclasses.replace(fixed, host=fixed.host + process, process=process)
             self.plan: Plan = plan_auto(specs, budget, fixed, accelerator=self.accelerator,
                                         nvme=config.nvme_path is not None)
@@ -115,10 +120,8 @@ class StatePlacement:
         self.peaks: Optional[StepPeaks] = None
         self._planned_cache = self.plan.cached
         if self.auto:
-            host = self.plan.budget.host if self.accelerator else self.plan.budget.device + self.plan.budget.host
-            parts = max((u.shard + u.master + u.grad for u in specs), default=0)
-            self.peaks = StepPeaks(host, calibrate=self.plan.budget.reserve is None, fit_cache=self._fit_cache,
-                                   margin=host // 50 + parts)
+            self.peaks = StepPeaks(host_budget, calibrate=budget.reserve is None, fit_cache=self._fit_cache,
+                                   margin=host_budget // 50 + largest_parts(specs))
             if self.peaks.calibrate and self.peaks.works and self.plan.cached:  # sized after step 1
                 self.plan = cache_within(self.plan, self._planned_cache, 0,
                                          "parameter cache: empty until step 1, whose measured peak sizes it")
@@ -213,9 +216,11 @@ class StatePlacement:
         return out
 
     def measured_io(self, opt: Any) -> dict[str, int]:
-        """Bytes the swap files have read and written since construction."""
+        """Bytes the swap files have read and written since construction, and of those the
+        bytes that went through O_DIRECT (``direct``, Note [aligned swap parts])."""
         files = [f for f in (getattr(opt.swapper, "file", None), getattr(self.store, "file", None)) if f is not None]
-        return {"read": sum(f.bytes_read for f in files), "written": sum(f.bytes_written for f in files)}
+        return {"read": sum(f.bytes_read for f in files), "written": sum(f.bytes_written for f in files),
+                "direct": sum(f.direct_bytes for f in files)}
 
     def report(self, opt: Any, micro_batches: int = 1) -> dict:
         """What was decided and why: bytes per kind and tier (planned, and as the units hold them

@@ -64,10 +64,14 @@ def is_allocated(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() > 0
 
 
-def _zeros(numel: int, dtype: torch.dtype, device: torch.device, pin: bool, swappable: bool) -> torch.Tensor:
+def _part(numel: int, dtype: torch.dtype, device: torch.device, pin: bool, swappable: bool,
+          zero: bool = True) -> torch.Tensor:
+    """A unit part; one a swap file may hold is 4096-aligned (Note [aligned swap parts])."""
     if swappable and device.type == "cpu" and not pin:
-        return resizable_aligned(numel, dtype).zero_()
-    return torch.zeros(numel, dtype=dtype, device=device, pin_memory=pin)
+        t = resizable_aligned(numel, dtype)
+    else:
+        t = torch.empty(numel, dtype=dtype, device=device, pin_memory=pin)
+    return t.zero_() if zero else t
 
 
 class FlatUnit:
@@ -104,15 +108,15 @@ class FlatUnit:
         # the file reads and writes them with O_DIRECT, a stage-3 shard straight into ``flat``.
         params_swap = placement.params == "nvme" and policy.shard_parameters
         state_swap = placement.optimizer == "nvme"
-        self.flat = _zeros(layout.padded_numel, param_dtype, self.device, False, params_swap)
+        self.flat = _part(layout.padded_numel, param_dtype, self.device, False, params_swap)
         if policy.shard_parameters:
-            self.shard = _zeros(hi - lo, param_dtype, shard_device, pin and shard_device.type == "cpu", params_swap)
+            self.shard = _part(hi - lo, param_dtype, shard_device, pin and shard_device.type == "cpu", params_swap)
         else:
             self.shard = self.flat[lo:hi]
         # fp32 master and optimizer state live where the placement says; a master on another
         # device than the model (CPU offload with a GPU model) is a separate copy.
         self.separate_master = not frozen and (self.separate_master or state_device != self.shard.device)
-        self.master = (_zeros(hi - lo, self.state_dtype, state_device, pin and state_device.type == "cpu", state_swap)
+        self.master = (_part(hi - lo, self.state_dtype, state_device, pin and state_device.type == "cpu", state_swap)
                        if self.separate_master else self.shard)
         with torch.no_grad():
             for m, seg in zip(self.members, layout.segments):
@@ -129,10 +133,8 @@ class FlatUnit:
         # Uninitialised on purpose: grad_valid=False makes the first reduction overwrite it, and
         # untouched pages cost no resident memory until the first backward (a model loaded for
         # inference or resumed from a checkpoint does not pay for gradients it never computes).
-        self.grad_store = (resizable_aligned(store_numel, self.state_dtype)
-                           if state_swap and state_device.type == "cpu" and not pin else
-                           torch.empty(store_numel, dtype=self.state_dtype, device=state_device,
-                                       pin_memory=pin and state_device.type == "cpu"))
+        self.grad_store = _part(store_numel, self.state_dtype, state_device, pin and state_device.type == "cpu",
+                                state_swap, zero=False)
         self.grad_valid = False
         """False after zero_grad(set_to_none=True): the next reduced gradient overwrites."""
         self.grad_stats: Optional[dict] = None
