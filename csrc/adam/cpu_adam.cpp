@@ -181,6 +181,12 @@ std::vector<std::string> supported_isas() {
 }  // namespace cpu
 }  // namespace zeroshard
 
+namespace zeroshard {
+namespace cpu {
+at::Tensor sqnorm_f64(const at::Tensor& t);  // grad_sqnorm.cpp
+}  // namespace cpu
+}  // namespace zeroshard
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace zc = zeroshard::cpu;
   using release = py::call_guard<py::gil_scoped_release>;
@@ -190,6 +196,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("adamw_mode"), py::arg("grad_scale"));
   m.def("copy_sweep", &zc::copy_sweep, release());
+  m.def("sqnorm_f64", &zc::sqnorm_f64, release(), py::arg("tensor"));
   m.def("isa", []() { return zc::active_isa().name; });
   m.def("set_isa", &zc::set_isa, py::arg("name"));
   m.def("supported_isas", &zc::supported_isas);

@@ -36,7 +36,8 @@ class KernelSpec:
 CPU_ADAM = KernelSpec(
     name="_cpu_adam",
     jit_name="zeroshard_cpu_adam",
-    sources=("adam/cpu_adam.cpp", "adam/adam_avx512.cpp", "adam/adam_avx2.cpp", "adam/adam_scalar.cpp"),
+    sources=("adam/cpu_adam.cpp", "adam/adam_avx512.cpp", "adam/adam_avx2.cpp", "adam/adam_scalar.cpp",
+             "adam/grad_sqnorm.cpp"),
     cflags=("-O3", "-fno-math-errno", "-fopenmp"),
     ldflags=("-fopenmp",),
 )

@@ -24,8 +24,10 @@ from typing import Any, Optional, Sequence
 import torch
 
 from zeroshard.comm.tensor_parallel import is_dtensor, local_of
-from zeroshard.io.buffers import resizable_aligned, storage_bytes
+from zeroshard.io.buffers import advise_huge_pages, resizable_aligned, storage_bytes
+from zeroshard.io.host_pool import HOST_POOL
 from zeroshard.layout import NamedParam, UnitLayout
+from zeroshard.ops.sqnorm import squared_norm_f64
 from zeroshard.stages import StagePolicy
 
 
@@ -52,12 +54,13 @@ def free_storage(t: torch.Tensor) -> None:
     """Releases ``t``'s memory but keeps the storage object, so every view of it (model
     parameters, and tensors autograd saved from them) sees the data again once
     ``alloc_storage`` re-allocates it and a gather refills it. See Note [released parameters]
-    in zeroshard/stages/stage3/gatherer.py."""
-    t.untyped_storage().resize_(0)
+    in zeroshard/stages/stage3/gatherer.py. The memory is kept for the next buffer of its size
+    (Note [reused host buffers] in zeroshard/io/host_pool.py)."""
+    HOST_POOL.release(t)
 
 
 def alloc_storage(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(storage_bytes(t))  # (Note [aligned swap parts])
+    HOST_POOL.acquire(t, storage_bytes(t))  # (Note [aligned swap parts])
 
 
 def is_allocated(t: torch.Tensor) -> bool:
@@ -71,6 +74,7 @@ def _part(numel: int, dtype: torch.dtype, device: torch.device, pin: bool, swapp
         t = resizable_aligned(numel, dtype)
     else:
         t = torch.empty(numel, dtype=dtype, device=device, pin_memory=pin)
+        advise_huge_pages(t)
     return t.zero_() if zero else t
 
 
@@ -206,9 +210,10 @@ class FlatUnit:
             self.swap.flush(self, ("grad",))
 
     def note_grad_stats(self) -> None:
-        g = self.owned_grad()
-        self.grad_stats = {"sqnorm": torch.linalg.vector_norm(g, 2.0, dtype=torch.float64) ** 2.0,
-                           "finite": bool(torch.isfinite(g.sum()))}
+        # Every element is finite exactly when the float64 sum of squares is: squares of floats
+        # cannot overflow a double, and a float32 sum (which could) is not needed.
+        sqnorm = squared_norm_f64(self.owned_grad())
+        self.grad_stats = {"sqnorm": sqnorm, "finite": bool(torch.isfinite(sqnorm))}
 
     def write_back(self, non_blocking: bool = False) -> None:
         """Copy updated master values into the model-dtype shard (mixed precision, or a master

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..ops.sqnorm import squared_norm_f64
+
 
 def _tp_parts(opt: Any, fn: Any) -> list[torch.Tensor]:
     out = []
@@ -43,6 +45,8 @@ def global_norm(opt: Any, norm_type: float) -> torch.Tensor:
         return total
 
     def power(g: torch.Tensor) -> torch.Tensor:
+        if norm_type == 2.0:  # (the same function as FlatUnit.note_grad_stats: same bits)
+            return squared_norm_f64(g)
         return torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) ** norm_type
     parts = (_tp_parts(opt, power) if tp is not None else
              opt._map_owned_grads(power, cached=(lambda s: s["sqnorm"]) if norm_type == 2.0 else None))

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from zeroshard.io.host_pool import HOST_POOL
 from zeroshard.comm import Comm, Work
 from zeroshard.comm.tensor_parallel import local_grad
 from zeroshard.layout import Segment
@@ -161,10 +162,14 @@ class GradientReducer:
             if in_place:  # Note [in-place first pass]
                 bucket = unit.grad_store
             else:
-                bucket = torch.empty(unit.layout.padded_numel, dtype=self.reduce_dtype,
-                                     device=unit.device)
+                bucket = self._new_bucket(unit)
             self._buckets[ui] = bucket
         return bucket
+
+    def _new_bucket(self, unit: FlatUnit) -> torch.Tensor:
+        if unit.device.type == "cpu":  # (Note [reused host buffers] in zeroshard/io/host_pool.py)
+            return HOST_POOL.empty(unit.layout.padded_numel, self.reduce_dtype)
+        return torch.empty(unit.layout.padded_numel, dtype=self.reduce_dtype, device=unit.device)
 
     # -- launching and retiring ---------------------------------------------------------------
     def _launch_ready(self) -> None:
@@ -209,6 +214,7 @@ class GradientReducer:
             p.unit.grad_valid = True
             return
         p.unit.accumulate(p.bucket if p.shard_out is None else p.shard_out, p.base, self.grad_factor)
+        HOST_POOL.release(p.bucket)  # (accumulate copied what it needed; nothing else holds it)
 
     def _reduced_part(self, p: _Pending) -> torch.Tensor:
         """What this rank keeps of a completed reduction: the whole bucket at stages 0-1, the

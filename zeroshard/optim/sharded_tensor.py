@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
+from zeroshard.ops.sqnorm import squared_norm_f64
 from zeroshard.stages.stage3.secondary import params_written
 
 aten = torch.ops.aten
@@ -239,6 +240,8 @@ def _norm(g: ShardedTensor, ord: Any = 2, dim: Any = None, keepdim: bool = False
         part, op = (x.abs().min() if x.numel() else x.new_full((), math.inf)), dist.ReduceOp.MIN
     elif ord == 0:
         part, op = (x != 0).sum().to(torch.float64), dist.ReduceOp.SUM
+    elif ord == 2.0:
+        part, op = squared_norm_f64(x), dist.ReduceOp.SUM
     else:
         part, op = torch.linalg.vector_norm(x, ord, dtype=torch.float64) ** ord, dist.ReduceOp.SUM
     total = _agree(g, part, op)

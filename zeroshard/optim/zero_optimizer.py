@@ -26,8 +26,10 @@ from zeroshard.comm import tensor_parallel
 from zeroshard.comm.mesh import comms_from
 from zeroshard.comm.tensor_parallel import local_of
 from zeroshard.config import ZeroConfig
+from zeroshard.io.host_pool import HOST_POOL
 from zeroshard.layout import Segment, build_layouts, layouts_for
 from zeroshard.memory import MemoryReport
+from zeroshard.ops.sqnorm import squared_norm_f64
 from zeroshard.optim import clipping, hooks, kernel_choice, lifecycle, registry, reports, state_io, untouched
 from zeroshard.optim.elementwise import check_elementwise
 from zeroshard.optim.flat_unit import FlatUnit, Placement
@@ -179,6 +181,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.grad_links = GradLinks(self.units, self.comm, show)
         self.reducer.on_pass_start.append(lifecycle.weak_method(self._begin_pass))  # (del opt frees it)
         self.reducer.on_pass_end.append(self.grad_links.publish)
+        self.reducer.on_pass_end.append(HOST_POOL.trim)  # (Note [reused host buffers])
         self.placement.watch(self.reducer)
         self.reducer.register_hooks()
         if self.gatherer is not None:
@@ -310,7 +313,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     "mixed_precision='fp16' needs the loss scaled before backward: call "
                     "optimizer.backward(loss) or optimizer.scale_loss(loss).backward() instead "
                     "of loss.backward()")
-            local = any(self._map_owned_grads(lambda g: not bool(torch.isfinite(g.sum())),
+            # (the test FlatUnit.note_grad_stats notes for swapped gradients, so both agree)
+            local = any(self._map_owned_grads(lambda g: not bool(torch.isfinite(squared_norm_f64(g))),
                                               cached=lambda s: not s["finite"]))
             self._overflow = self.comm.any_true(local)
             self._checked_pass = self.reducer.passes
@@ -359,6 +363,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         restore()
         self.gather_params()
         self.placement.after_step()  # (offload="auto": the step's peak memory against the budget)
+        HOST_POOL.trim()
         return loss
 
     def _step_unit_by_unit(self, scale: float) -> None:

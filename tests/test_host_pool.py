@@ -1,0 +1,144 @@
+"""HOST_POOL and huge pages: released unit buffers are reused, bounded, and returned at the
+end of each backward pass and step (Note [reused host buffers] in zeroshard/io/host_pool.py)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zeroshard
+from zeroshard.io import buffers
+from zeroshard.io.host_pool import HOST_POOL, MIN_BYTES, HostBufferPool
+from zeroshard.optim.flat_unit import alloc_storage, free_storage
+from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+
+MIB = 1 << 20
+
+
+def _tensor(mib: int) -> torch.Tensor:
+    return torch.empty(mib * MIB // 4, dtype=torch.float32)
+
+
+def test_a_released_buffer_is_handed_to_the_next_of_its_size() -> None:
+    pool = HostBufferPool(per_size=2)
+    a, b = _tensor(4), torch.empty(0)
+    a.fill_(7.0)
+    view = a[10:20]
+    ptr = a.data_ptr()
+    pool.release(a)
+    assert a.untyped_storage().nbytes() == 0 and view.untyped_storage().nbytes() == 0
+    assert pool.held == 4 * MIB
+    pool.acquire(b, 4 * MIB)
+    assert b.untyped_storage().data_ptr() == ptr and pool.held == 0 and pool.reused == 4 * MIB
+    pool.acquire(a, 4 * MIB)  # (nothing pooled now: fresh memory, and the views see it)
+    a.fill_(1.0)
+    assert a.untyped_storage().data_ptr() != ptr and view.sum().item() == 10.0
+
+
+def test_what_it_holds_is_bounded_and_trim_returns_it() -> None:
+    pool = HostBufferPool(per_size=2)
+    for mib in (2, 2, 2, 8):
+        pool.release(_tensor(mib))
+    # two buffers at most, and no more bytes than two of the largest: the oldest went first
+    assert pool.held == 10 * MIB
+    assert pool.trim() == 10 * MIB and pool.held == 0
+    t = torch.empty(0)
+    pool.acquire(t, 8 * MIB)
+    assert pool.reused == 0
+
+
+def test_small_and_pinned_buffers_are_not_pooled() -> None:
+    pool = HostBufferPool()
+    pool.release(torch.empty(MIN_BYTES // 8))
+    assert pool.held == 0
+    if torch.cuda.is_available():
+        pool.release(torch.empty(4 * MIB, dtype=torch.uint8, pin_memory=True))
+        assert pool.held == 0
+
+
+def test_empty_is_aligned_and_pooled() -> None:
+    pool = HostBufferPool()
+    t = pool.empty(3 * MIB, torch.float32)
+    assert t.numel() == 3 * MIB and t.data_ptr() % 4096 == 0
+    ptr = t.untyped_storage().data_ptr()
+    pool.release(t)
+    u = pool.empty(3 * MIB, torch.float32)
+    assert u.untyped_storage().data_ptr() == ptr and u.data_ptr() % 4096 == 0
+
+
+def test_free_and_alloc_storage_go_through_the_pool() -> None:
+    HOST_POOL.trim()
+    t = buffers.resizable_aligned(2 * MIB, torch.float32)
+    t.fill_(1.0)
+    before = HOST_POOL.reused
+    free_storage(t)
+    alloc_storage(t)
+    assert HOST_POOL.reused - before == buffers.storage_bytes(t)
+    assert t.data_ptr() % 4096 == 0
+    HOST_POOL.trim()
+
+
+def _train(path: str, steps: int = 3) -> tuple[list[float], list[int], int]:
+    """Losses, pooled bytes after each backward pass, and bytes reused, of a stage-3 NVMe run."""
+    cfg = GPTConfig(vocab=512, d_model=512, n_layers=3, n_heads=4, seq_len=16)
+    with torch.device("meta"):
+        model = TinyGPT(cfg)
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, stage=3, offload_optimizer="nvme",
+                                  offload_params="nvme", nvme_path=path)
+    zeroshard.init_meta_weights(model, seed=0)
+    HOST_POOL.trim()
+    reused = HOST_POOL.reused
+    after_backward: list[int] = []
+    opt.reducer.on_pass_end.append(lambda: after_backward.append(HOST_POOL.held))
+    losses = []
+    for step in range(steps):
+        loss = model(*synthetic_batch(step, 2, cfg))
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if HOST_POOL.held:
+            raise RuntimeError(f"{HOST_POOL.held} bytes pooled after step {step}")
+    return losses, after_backward, HOST_POOL.reused - reused
+
+
+def test_training_reuses_buffers_and_ends_each_step_with_nothing_pooled(tmp_path) -> None:
+    """A stage-3 NVMe run takes most buffers from the pool, holds nothing once backward and the
+    step are done, and gives the losses of a run with the pool off, bit for bit."""
+    (tmp_path / "on").mkdir()
+    (tmp_path / "off").mkdir()
+    losses, after_backward, reused = _train(str(tmp_path / "on"))
+    assert after_backward == [0, 0, 0]  # (trim runs before later callbacks of the pass end)
+    state = sum(p.numel() * 4 for p in TinyGPT(GPTConfig(vocab=512, d_model=512, n_layers=3, n_heads=4,
+                                                          seq_len=16)).parameters())
+    assert reused > 3 * state  # (each step gathers twice and swaps every part through memory)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_host_pool as t; "
+            "print(repr(t._train(sys.argv[2])[0]))")
+    env = {**os.environ, "ZEROSHARD_HOST_POOL": "0"}
+    out = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__), str(tmp_path / "off")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert eval(out.stdout.strip().splitlines()[-1]) == losses
+
+
+@pytest.mark.skipif(not buffers._ADVISE, reason="transparent huge pages are not in madvise mode here")
+def test_advised_buffers_get_huge_pages() -> None:
+    t = buffers.resizable_aligned(16 * MIB // 4, torch.float32)
+    t.fill_(1.0)
+    # (the advice splits the mapping: the advised part starts at the first 2 MiB boundary)
+    addr, huge_kb = -(-t.data_ptr() // (2 * MIB)) * 2 * MIB, None
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "AnonHugePages:":
+                huge_kb = int(line.split()[1])
+                break
+    assert huge_kb is not None and huge_kb >= 14 * 1024  # kB: the whole 2 MiB pages inside 16 MiB
