@@ -36,8 +36,6 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, pin: Optional[bo
 
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def _thp_mode() -> str:
@@ -50,6 +48,9 @@ def _thp_mode() -> str:
 
 
 _ADVISE = os.environ.get("ZEROSHARD_HUGE_PAGES", "1") != "0" and _thp_mode() == "madvise"
+if _ADVISE:  # (Linux only: the mode file exists nowhere else)
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def advise_huge_pages(t: torch.Tensor) -> None:

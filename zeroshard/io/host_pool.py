@@ -11,9 +11,8 @@ the next one: ``release`` moves a storage's memory into the pool instead of unma
 ``resize_(0)``), and ``acquire`` moves it into the next empty storage of that size.
 
 What it may hold is bounded in two ways, so that a memory budget still means what it says:
-- at most ``per_size`` buffers, as many bytes as that many of the largest (the oldest go
-  first). Within a forward or backward pass the pool then holds what was just released and is
-  about to be taken again. Buffers are matched by storage size, so the gradient buckets use the
+- at most ``max_buffers`` buffers (the oldest go first). Within a forward or backward pass
+  the pool then holds what was just released and is about to be taken again. Buffers are matched by storage size, so the gradient buckets use the
   same padded storages as swapped parts (Note [aligned swap parts]): at world size 1 a unit's
   gathered parameters, bucket and swapped gradient are then one size, and a buffer released by
   one is taken by the next of any of them;
@@ -37,17 +36,20 @@ MIN_BYTES = 1 << 20
 
 
 class HostBufferPool:
-    def __init__(self, per_size: int = 2) -> None:
-        self.per_size = per_size
+    def __init__(self, max_buffers: int = 2) -> None:
+        self.max_buffers = max_buffers
         self.enabled = (os.environ.get("ZEROSHARD_HOST_POOL", "1") != "0"
                         and hasattr(torch.UntypedStorage, "_swap_data_ptr_"))
-        self._free: dict[int, list[torch.UntypedStorage]] = {}
-        self._order: list[int] = []  # the sizes of the pooled buffers, oldest first
+        self._entries: list[tuple[int, torch.UntypedStorage]] = []  # (bytes, holder), oldest first
         self._lock = threading.Lock()
-        self.held = 0
-        """Bytes the pool holds now."""
         self.reused = 0
         """Bytes handed out again instead of newly mapped (since start)."""
+
+    @property
+    def held(self) -> int:
+        """Bytes the pool holds now."""
+        with self._lock:
+            return sum(n for n, _ in self._entries)
 
     def _takes(self, t: torch.Tensor) -> bool:
         return self.enabled and t.device.type == "cpu" and not t.is_pinned()
@@ -62,13 +64,8 @@ class HostBufferPool:
         holder = torch.UntypedStorage(0)
         holder._swap_data_ptr_(s)
         with self._lock:
-            self._free.setdefault(n, []).append(holder)
-            self._order.append(n)
-            self.held += n
-            while self._order and (len(self._order) > self.per_size or self.held > self.per_size * max(self._order)):
-                old = self._order.pop(0)  # (the oldest buffer is freed with its holder)
-                self._free[old].pop(0)
-                self.held -= old
+            self._entries.append((n, holder))
+            del self._entries[:max(0, len(self._entries) - self.max_buffers)]  # (oldest first, freed with their holders)
 
     def acquire(self, t: torch.Tensor, nbytes: int) -> None:
         """Gives ``t``'s empty storage ``nbytes`` of memory: a pooled buffer of that size if
@@ -80,14 +77,11 @@ class HostBufferPool:
         holder = None
         if s.nbytes() == 0 and nbytes >= MIN_BYTES and self._takes(t):
             with self._lock:
-                entries = self._free.get(nbytes)
-                if entries:
-                    holder = entries.pop()
-                    self._order.reverse()
-                    self._order.remove(nbytes)  # (the newest of that size)
-                    self._order.reverse()
-                    self.held -= nbytes
-                    self.reused += nbytes
+                for k in range(len(self._entries) - 1, -1, -1):  # (the newest of that size)
+                    if self._entries[k][0] == nbytes:
+                        holder = self._entries.pop(k)[1]
+                        self.reused += nbytes
+                        break
         if holder is not None:
             s._swap_data_ptr_(holder)
             return
@@ -107,8 +101,8 @@ class HostBufferPool:
     def trim(self) -> int:
         """Returns every pooled buffer to the system; the bytes returned."""
         with self._lock:
-            freed, self._free, self._order, self.held = self.held, {}, [], 0
-        return freed
+            entries, self._entries = self._entries, []
+        return sum(n for n, _ in entries)
 
 
 HOST_POOL = HostBufferPool()

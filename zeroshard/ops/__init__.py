@@ -16,8 +16,8 @@ from __future__ import annotations
 from ._functional import adam_step_, adam_step_multi_
 from ._reference import reference_adam_step_
 from ._status import kernel_status
-from .sqnorm import squared_norm_f64
 from .fused_adam import FusedAdam
+from .sqnorm import squared_norm_f64
 
 __all__ = ["FusedAdam", "adam_step_", "adam_step_multi_", "kernel_status", "reference_adam_step_",
            "squared_norm_f64"]

@@ -22,9 +22,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from zeroshard.io.host_pool import HOST_POOL
 from zeroshard.comm import Comm, Work
 from zeroshard.comm.tensor_parallel import local_grad
+from zeroshard.io.host_pool import HOST_POOL
 from zeroshard.layout import Segment
 from zeroshard.optim.flat_unit import FlatUnit
 
