@@ -150,6 +150,7 @@ def child_placed(args: argparse.Namespace) -> None:
         model = TinyGPT(cfg)
     place = (dict(offload_optimizer="nvme", offload_params="nvme") if args.budget == 0 else
              dict(offload="auto", memory_budget={"host": max(1, args.budget)}))
+    place["overlap_step"] = args.overlap_step == "on"  # (all NVMe too: the same step either way)
     try:
         opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-4, weight_decay=0.01, stage=3,
                                       nvme_path=swap, **place)
@@ -161,10 +162,9 @@ def child_placed(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     zeroshard.init_meta_weights(model, seed=0)
     init_s = time.perf_counter() - t0
-    io, steps, phases = [], [], []
+    steps, phases = [], []
     from zeroshard.toy import synthetic_batch
     for step in range(args.steps):
-        before = opt.placement_report()["measured_io"]
         t0 = time.perf_counter()
         loss = model(*synthetic_batch(step, 1, cfg))
         t1 = time.perf_counter()
@@ -175,12 +175,14 @@ def child_placed(args: argparse.Namespace) -> None:
         opt.zero_grad()
         steps.append(time.perf_counter() - t0)
         phases.append({"forward": t1 - t0, "backward": t2 - t1, "step": steps[-1] - (t2 - t0)})
-        after = opt.placement_report()["measured_io"]
-        io.append({k: after[k] - before[k] for k in after})
-        print(f"  step {step + 1}: loss {loss.item():.6f} in {steps[-1]:.1f}s, read {io[-1]['read'] / 2**30:.2f} "
-              f"GiB, written {io[-1]['written'] / 2**30:.2f} GiB, peak RSS {_peak_rss() / 2**30:.2f} GiB",
+        if step == 0:  # bytes are counted from here, over whole steps (the report waits for a step)
+            opt.finish_step()
+            before = opt.placement_report()["measured_io"]
+        print(f"  step {step + 1}: loss {loss.item():.6f} in {steps[-1]:.1f}s, peak RSS {_peak_rss() / 2**30:.2f} GiB",
               file=sys.stderr, flush=True)
+    opt.finish_step()
     rep = opt.placement_report()
+    io = {k: (rep["measured_io"][k] - before[k]) / (args.steps - 1) for k in before}
     print(json.dumps({"init_s": init_s, "step_s": steps, "io": io, "predicted_io": rep["predicted_step_io"],
                       "predicted_memory": rep["predicted_memory"], "peak_rss": _peak_rss(),
                       "step_peaks": rep["peak_memory"], "direct_fraction": _direct_fraction(rep["measured_io"]),
@@ -268,7 +270,7 @@ class Cgroup:
         self._write("memory.max_usage_in_bytes", "0")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--dir", args.dir,
                "--steps", str(args.steps), "--resume-steps", str(args.resume_steps), "--layers", str(args.layers),
-               *extra]
+               "--overlap-step", args.overlap_step, *extra]
         procs = os.path.join(self.path, "cgroup.procs")
         shell = f'echo $$ > {procs} && exec "$@"'
         p = subprocess.run(["sh", "-c", shell, "sh", *cmd], stdout=subprocess.PIPE, text=True)
@@ -311,15 +313,17 @@ def main_auto(args: argparse.Namespace, raw: dict) -> None:
             code, res, peak = cg.run("placed", args, "--budget", str(budget))
             if code != 0:
                 raise SystemExit(f"{name} failed with exit {code} (OOM kills so far: {cg.oom_kills()})")
-            steps = res["step_s"][1:]  # the first step reads no moments (they start at zero)
-            io = res["io"][1:]
+            # The first step reads no moments (they start at zero), and the second has no step
+            # before it to overlap (the first was finished there to start counting bytes).
+            steps = res["step_s"][2:]
             step_s = statistics.median(steps)
-            read, written = (statistics.median(d[k] for d in io) for k in ("read", "written"))
+            read, written = res["io"]["read"], res["io"]["written"]
             runs[name] = {"budget": budget, "cgroup_limit": cg.limit, "step_s": step_s, "all_step_s": res["step_s"],
                           "read_per_step": read, "written_per_step": written, "predicted_io": res["predicted_io"],
                           "peak_rss": res["peak_rss"], "peak_cgroup": peak, "predicted_memory": res["predicted_memory"],
                           "step_peaks": res["step_peaks"], "direct_fraction": res["direct_fraction"],
-                          "phases_s": {k: statistics.median(p[k] for p in res["phases"][1:]) for k in res["phases"][0]},
+                          "phases_s": {k: statistics.median(p[k] for p in res["phases"][2:]) for k in res["phases"][0]},
+                          "overlap_step": args.overlap_step,
                           "rss_within_budget": None if budget <= 0 else res["peak_rss"] <= budget,
                           "init_s": res["init_s"], "placement": res["placement"]}
             print(res["placement"], flush=True)
@@ -372,6 +376,8 @@ def main() -> None:
     ap.add_argument("--headroom-gib", type=float, default=0.5,
                     help="--auto: cgroup memory the budget leaves to the kernel's page cache (the budget "
                          "itself covers the whole process's resident memory)")
+    ap.add_argument("--overlap-step", choices=("on", "off"), default="on",
+                    help="--auto: overlap_step for every placement (Note [overlapped step])")
     ap.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--child", choices=("plain", "train", "resume", "placed"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -379,6 +385,8 @@ def main() -> None:
         _sample_rss()
         {"plain": child_plain, "train": child_train, "resume": child_resume, "placed": child_placed}[args.child](args)
         return
+    if args.auto and args.steps < 4:
+        raise SystemExit(f"--auto needs --steps >= 4 (got {args.steps}): the first two steps are left out of the median")
     os.makedirs(args.dir, exist_ok=True)
     for sub in ("swap", "ckpt"):
         shutil.rmtree(os.path.join(args.dir, sub), ignore_errors=True)

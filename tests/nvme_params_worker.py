@@ -236,3 +236,58 @@ def budget_covers_process(rank: int, world: int, out: str, directory: str, share
         json.dump({"budget": budget, "state": state, "peak": peak[0], "predicted": rep["predicted_memory"]["host"],
                    "peaks": rep["peak_memory"], "in_memory": sum(v["host"] for v in rep["bytes"].values()),
                    "streamed": sum(v["nvme"] for v in rep["bytes"].values())}, f)
+
+
+def run_overlap(rank: int, world: int, out: str, directory: str) -> None:
+    """Note [overlapped step]: stage 3 with everything in swap files, the step overlapped with
+    the next forward and not, and in memory, under an LR schedule, clipping, accumulation, an
+    evaluation forward right after each step and a checkpoint saved with a step in flight:
+    the same bits everywhere."""
+    swap = os.path.join(directory, f"ov{rank}")
+    os.makedirs(swap, exist_ok=True)
+    res: dict = {}
+    for mp in (None, "bf16"):
+        runs = {"memory": make(None, mp, cfg=AUTO_CFG), "sync": make(swap, mp, cfg=AUTO_CFG, overlap_step=False),
+                "overlap": make(swap, mp, cfg=AUTO_CFG, overlap_step=True)}
+        seen: dict = {}
+        for name, (model, opt) in runs.items():
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+            losses, evals, in_flight = [], [], []
+            for step in range(4):
+                for k in range(2):
+                    x, y = synthetic_batch(step * 2 + k, 2 * world, AUTO_CFG)
+                    loss = model(x[rank::world], y[rank::world])
+                    loss.backward()
+                    losses.append(loss.item())
+                opt.clip_grad_norm_(0.5)
+                opt.step()
+                in_flight.append(opt._inflight.running)
+                sched.step()  # (changes lr while the step may still run: it took a copy)
+                opt.zero_grad(set_to_none=step != 2)
+                if step == 1:  # the state after step 2, saved as soon as step() returned
+                    zeroshard.save_checkpoint(os.path.join(directory, f"ck_{mp}_{name}"), 2, model=model,
+                                              optimizer=opt)
+                with torch.no_grad():
+                    evals.append(model(*synthetic_batch(100, 2, AUTO_CFG)).item())
+            state = zeroshard.full_state_dict(model, rank0_only=False)
+            seen[name] = (losses, evals, state, opt.consolidated_state_dict(to_rank=None))
+            res[f"{mp}-{name}-in_flight"] = in_flight
+            opt.close()
+        want = seen["memory"]
+        for name in ("sync", "overlap"):
+            got = seen[name]
+            res[f"{mp}-{name}"] = (got[0] == want[0] and got[1] == want[1]
+                                   and all(torch.equal(want[2][k], got[2][k]) for k in want[2])
+                                   and all(torch.equal(a, b) for sa, sb in zip(want[3]["state"].values(),
+                                                                               got[3]["state"].values())
+                                           for a, b in zip(sa.values(), sb.values())))
+        # The checkpoint saved with the step in flight resumes to the same bits.
+        model, opt = make(swap, mp, cfg=AUTO_CFG, seed=5, overlap_step=True)
+        zeroshard.load_checkpoint(os.path.join(directory, f"ck_{mp}_overlap"), model=model, optimizer=opt)
+        ref, ref_opt = make(None, mp, cfg=AUTO_CFG, seed=5)
+        zeroshard.load_checkpoint(os.path.join(directory, f"ck_{mp}_memory"), model=ref, optimizer=ref_opt)
+        a, b = zeroshard.full_state_dict(ref, rank0_only=False), zeroshard.full_state_dict(model, rank0_only=False)
+        res[f"{mp}-checkpoint"] = all(torch.equal(a[k], b[k]) for k in a)
+        opt.close()
+    with open(f"{out}.rank{rank}", "w") as f:
+        json.dump(res, f)

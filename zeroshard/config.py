@@ -114,6 +114,14 @@ class ZeroConfig:
     partition of the parameters over its node (unit numel / node size per rank, model dtype),
     rebuilt at each step, so forward and backward gathers stay inside the node."""
 
+    overlap_step: Optional[bool] = None
+    """Stage 3 with the optimizer state streamed from NVMe: ``step()`` returns once what needs
+    the whole model is decided, and the units are updated in the background while the next
+    forward runs, each gather waiting for its own unit (Note [overlapped step] in
+    zeroshard/optim/step_in_flight.py; same bits). An error of the background step is
+    raised by the next call that needs the state. None: on under offload="auto", off
+    otherwise; ignored where nothing streams."""
+
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in _STAGES or not isinstance(self.stage, int):
             raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; use one of {_STAGES} (an int)")
@@ -161,6 +169,8 @@ class ZeroConfig:
         check_real("initial_loss_scale", self.initial_loss_scale, low=0.0, strict=True, high=_MAX_LOSS_SCALE)
         check_int("loss_scale_growth_interval", self.loss_scale_growth_interval, low=1)
         check_bool("hpz", self.hpz)
+        if self.overlap_step is not None:
+            check_bool("overlap_step", self.overlap_step)
         if self.hpz and self.stage != 3:
             raise ValueError(f"hpz=True partitions stage-3 parameters a second time inside each node; it needs "
                              f"stage=3, got stage={self.stage} (hybrid sharding at stages 0-2 is mesh= alone)")

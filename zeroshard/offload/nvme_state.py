@@ -29,7 +29,7 @@ read; one deleted, truncated or zero-filled during a run fails the next read, na
 """
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, MutableMapping
+from collections.abc import Callable, Collection, Iterator, MutableMapping
 from typing import Any, Optional, Sequence
 
 import torch
@@ -169,14 +169,34 @@ class NvmeOptimizerState(MutableMapping):
     # -- the step ---------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, param_groups: Sequence[dict], grad_scale: float = 1.0) -> None:
-        """One Adam/AdamW step over every run with a gradient, pipelined through the pool;
-        ``grad_scale`` (a pending clip coefficient) multiplies the gradients in the kernel.
-        Units kept in a swap file (``unit.swap``) are read ahead one unit and written back
-        (master, then the low-precision shard) as soon as their last run is updated."""
+        """One Adam/AdamW step over every run with a gradient (``prepare``, then ``run``)."""
+        self.run(self.prepare(param_groups), grad_scale)
+
+    def prepare(self, param_groups: Sequence[dict], unit_order: Optional[Sequence[Any]] = None) -> list[tuple]:
+        """What a step updates, taken in the caller's thread so that the step may run in
+        another (Note [overlapped step] in zeroshard/optim/step_in_flight.py): each run with a
+        gradient, that gradient, and its group's hyperparameters as they are now; units in
+        ``unit_order`` first, in that order (each run's update is independent of the others)."""
         todo = [r for r in self.runs if r.tensor.grad is not None and r.unit.grad_valid and r.tensor.numel()]
-        swapped = [r.unit for r in todo if getattr(r.unit, "swap", None) is not None]
+        if unit_order is not None:
+            pos = {id(u): k for k, u in enumerate(unit_order)}
+            todo.sort(key=lambda r: pos.get(id(r.unit), len(pos)))  # (stable: runs keep their order)
+        hyper = [{"lr": float(g["lr"]), "betas": tuple(float(b) for b in g["betas"]), "eps": float(g["eps"]),
+                  "weight_decay": float(g["weight_decay"]), "adamw_mode": bool(g["adamw_mode"]),
+                  "maximize": bool(g.get("maximize", False))} for g in param_groups]
+        return [(r, r.tensor.grad, hyper[r.group]) for r in todo]
+
+    @torch.no_grad()
+    def run(self, todo: Sequence[tuple], grad_scale: float = 1.0,
+            unit_done: Optional[Callable[[Any], None]] = None) -> None:
+        """The step ``prepare`` described, pipelined through the pool; ``grad_scale`` (a pending
+        clip coefficient) multiplies the gradients in the kernel. Units kept in a swap file
+        (``unit.swap``) are read ahead one unit and written back (master, then the
+        low-precision shard) as soon as their last run is updated; ``unit_done(unit)`` is
+        called then, once the unit's new weights are in memory or being written."""
+        swapped = [r.unit for r, _, _ in todo if getattr(r.unit, "swap", None) is not None]
         order = list(dict.fromkeys(swapped))  # units in step order, once each
-        last_run = {id(r.unit): i for i, r in enumerate(todo)}
+        last_run = {id(r.unit): i for i, (r, _, _) in enumerate(todo)}
         upcoming = iter(order)
 
         def fetch(u: Any) -> None:  # a separate low-precision shard is rewritten whole: not read
@@ -194,7 +214,7 @@ class NvmeOptimizerState(MutableMapping):
         started: set[int] = set()
         slots = len(self._pool)
         writes: list[Any] = [None] * slots
-        stream = [i for i, r in enumerate(todo) if id(r.tensor) not in self._resident]
+        stream = [i for i, (r, _, _) in enumerate(todo) if id(r.tensor) not in self._resident]
         slot_of = {i: k % max(1, slots) for k, i in enumerate(stream)}
         after = dict(zip(stream, stream[1:]))  # the next streamed run
 
@@ -203,7 +223,7 @@ class NvmeOptimizerState(MutableMapping):
             if writes[slot] is not None:  # the buffer is still being written from an earlier run
                 writes[slot].wait()
                 writes[slot] = None
-            t = todo[i].tensor
+            t = todo[i][0].tensor
             if id(t) in self._steps:
                 reads[i] = self._read(t, self._pool[slot])
             else:  # first step: moments start at zero
@@ -211,7 +231,7 @@ class NvmeOptimizerState(MutableMapping):
             started.add(i)
         if stream:
             start_read(stream[0])
-        for i, run in enumerate(todo):
+        for i, (run, grad, group) in enumerate(todo):
             t = run.tensor
             kept = self._resident.get(id(t))
             if kept is None:
@@ -231,16 +251,14 @@ class NvmeOptimizerState(MutableMapping):
                 store.wait_fetch(unit, store.parts_of(unit))
                 if store.max_in_flight > 1:
                     fetch_next()  # the next unit streams in while this one is updated
-            group = param_groups[run.group]
             step = self._steps.setdefault(id(t), torch.tensor(0.0))
             step += 1
-            beta1, beta2 = (float(b) for b in group["betas"])
+            beta1, beta2 = group["betas"]
             buf = kept if kept is not None else self._pool[slot_of[i]]
             exp_avg, exp_avg_sq = self._views(buf, t.numel())
-            adam_step_(t, t.grad, exp_avg, exp_avg_sq, step=int(step.item()), lr=float(group["lr"]),
-                       beta1=beta1, beta2=beta2, eps=float(group["eps"]),
-                       weight_decay=float(group["weight_decay"]), adamw_mode=bool(group["adamw_mode"]),
-                       grad_scale=-grad_scale if group.get("maximize") else grad_scale)
+            adam_step_(t, grad, exp_avg, exp_avg_sq, step=int(step.item()), lr=group["lr"],
+                       beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                       adamw_mode=group["adamw_mode"], grad_scale=-grad_scale if group["maximize"] else grad_scale)
             if kept is None:
                 writes[slot_of[i]] = self._write(t, buf)
             if last_run[id(unit)] == i:
@@ -248,6 +266,8 @@ class NvmeOptimizerState(MutableMapping):
                 if store is not None:
                     store.evict(unit, ("grad",))  # its file copy is current
                     store.flush(unit, [p for p in store.parts_of(unit) if p != "grad"])
+                if unit_done is not None:
+                    unit_done(unit)
         for u in order:
             u.swap.settle(u)
         for w in writes:

@@ -34,7 +34,8 @@ import itertools
 import os
 import re
 import stat
-from typing import Any
+import threading
+from typing import Any, Optional
 
 import torch
 
@@ -137,6 +138,8 @@ class SwapFile:
         proc = f"/proc/self/fd/{self.fd}"
         self.engine_path = proc if os.path.exists(proc) else self.path
         self.aio = AsyncIO()
+        self._urgent: Optional[AsyncIO] = None
+        self._count_lock = threading.Lock()  # (a step in flight counts from its own thread)
         self.samples = PageSamples()
         self.bytes_read = 0
         self.bytes_written = 0
@@ -236,14 +239,23 @@ class SwapFile:
         return type(exc)(exc.errno, msg, self.path, exc.offset, exc.nbytes)
 
     # -- requests -----------------------------------------------------------------------------
-    def pread(self, tensor: torch.Tensor, offset: int) -> _Checked:
+    def pread(self, tensor: torch.Tensor, offset: int, urgent: bool = False) -> _Checked:
+        """``urgent``: through a second engine of its own, so the read does not queue behind
+        the requests already in flight (a gather that forward waits on, behind a step in
+        flight: Note [overlapped step] in zeroshard/optim/step_in_flight.py)."""
         self.check()
-        self.bytes_read += tensor.numel() * tensor.element_size()
+        engine = self.aio
+        if urgent:
+            if self._urgent is None:
+                self._urgent = AsyncIO(queue_depth=8)
+            engine = self._urgent
         try:
-            h = self.aio.pread(tensor, self.engine_path, offset)
+            h = engine.pread(tensor, self.engine_path, offset)
         except OSError as exc:
             raise self.renamed(exc) from None
-        self.direct_bytes += h.direct_bytes
+        with self._count_lock:
+            self.bytes_read += tensor.numel() * tensor.element_size()
+            self.direct_bytes += h.direct_bytes
         return _Checked(self, h, tensor, offset, write=False)
 
     def pwrite(self, tensor: torch.Tensor, offset: int) -> _Checked:
@@ -253,12 +265,13 @@ class SwapFile:
                              f"reserved in {self.path!r}")
         self.check()
         self.samples.record(offset, tensor)
-        self.bytes_written += nbytes
         try:
             h = self.aio.pwrite(tensor, self.engine_path, offset)
         except OSError as exc:
             raise self.renamed(exc) from None
-        self.direct_bytes += h.direct_bytes
+        with self._count_lock:
+            self.bytes_written += nbytes
+            self.direct_bytes += h.direct_bytes
         return _Checked(self, h, tensor, offset, write=True)
 
     def close(self) -> None:
@@ -269,6 +282,8 @@ class SwapFile:
         try:
             if hasattr(self, "aio"):
                 self.aio.close()
+            if getattr(self, "_urgent", None) is not None:
+                self._urgent.close()
         except OSError:  # a failed request of a file being discarded loses nothing
             pass
         finally:

@@ -127,10 +127,11 @@ class NvmeUnitStore:
                     keep.append((h, u, parts))
             self._writes = keep
 
-    def fetch(self, unit: Any, parts: Iterable[str], skip_read: Iterable[str] = ()) -> None:
+    def fetch(self, unit: Any, parts: Iterable[str], skip_read: Iterable[str] = (), urgent: bool = False) -> None:
         """Starts reading ``parts`` of ``unit`` back into memory (``wait_fetch`` completes it).
         Parts in ``skip_read`` (about to be overwritten whole), and a gradient with no valid
-        value (first micro-batch), are allocated, not read."""
+        value (first micro-batch), are allocated, not read. ``urgent``: a gather's read, past
+        the queue of a step in flight (``SwapFile.pread``)."""
         self.settle(unit)
         for part in parts:
             t = self.tensor_of(unit, part)
@@ -139,7 +140,7 @@ class NvmeUnitStore:
             alloc_storage(t)
             if part in skip_read or (part == "grad" and not unit.grad_valid):
                 continue
-            self._reads[(id(unit), part)] = self.file.pread(t, self._offset(unit, part))
+            self._reads[(id(unit), part)] = self.file.pread(t, self._offset(unit, part), urgent=urgent)
 
     def wait_fetch(self, unit: Any, parts: Iterable[str]) -> None:
         for part in parts:
@@ -192,9 +193,9 @@ class NvmeUnitStore:
         self.settle(unit)  # (a write of the shard still in flight: read what it wrote)
         keep = self.cache is not None and self.cache.keep(unit, backward)
         if keep or is_allocated(unit.shard) or (id(unit), "shard") in self._reads or dest.data_ptr() % ALIGN:
-            self.fetch(unit, ("shard",))
+            self.fetch(unit, ("shard",), urgent=True)
             return
-        self._reads[(id(unit), "gather")] = self.file.pread(dest, self._offset(unit, "shard"))
+        self._reads[(id(unit), "gather")] = self.file.pread(dest, self._offset(unit, "shard"), urgent=True)
 
     def finish_gather(self, unit: Any, dest: torch.Tensor, backward: bool) -> None:
         """``dest`` holds the shard once this returns (see ``fetch_for_gather``)."""

@@ -91,6 +91,9 @@ class FlatUnit:
         self.members = list(members)
         self.swap: Optional[Any] = None
         """The swap file that holds some of this unit's parts between uses (NVMe offload)."""
+        self.step_in_flight: Optional[Any] = None
+        """The optimizer's ``StepInFlight``: what reads this unit's parts outside the optimizer
+        waits on it (Note [overlapped step] in zeroshard/optim/step_in_flight.py)."""
         self.policy = policy
         self.dtype = param_dtype
         self.device = device or self.members[0].param.device
@@ -145,6 +148,12 @@ class FlatUnit:
         """Swapped gradients only: the owned gradient's squared 2-norm and finiteness as of its
         last change, so clipping and the fp16 overflow check need not read it back from the
         swap file (the same expressions the optimizer would evaluate, hence the same bits)."""
+
+    def await_step(self) -> None:
+        """Returns once a step in flight has updated this unit (Note [overlapped step])."""
+        s = self.step_in_flight
+        if s is not None and s.running:
+            s.wait_unit(self)
 
     def swapped(self, part: str) -> bool:
         """``part`` ("shard", "master" or "grad") lives in the swap file between uses."""

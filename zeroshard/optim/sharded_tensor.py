@@ -363,6 +363,8 @@ class _resident:
         seen: set[tuple[int, str]] = set()
         for g in grads:
             u = g.unit
+            if u is not None:  # (a step still updating the unit in the background finishes it first)
+                u.await_step()
             if u is not None and u.swap is not None and u.swapped(g.part) and (id(u), g.part) not in seen:
                 seen.add((id(u), g.part))
                 self.ctxs.append(u.swap.resident(u, (g.part,), write=write))

@@ -35,6 +35,8 @@ from zeroshard.optim.elementwise import check_elementwise
 from zeroshard.optim.flat_unit import FlatUnit, Placement
 from zeroshard.optim.grad_links import GradLinks
 from zeroshard.optim.module_guard import ModuleGuard
+from zeroshard.optim import step_in_flight
+from zeroshard.optim.step_in_flight import JoinedAttribute, StepInFlight
 from zeroshard.optim.grad_sync import GradientReducer
 from zeroshard.optim.hyperparams import check_inputs, check_optimizer_kwargs, single_dtype, trainable_params
 from zeroshard.offload import NvmeOptimizerState
@@ -55,6 +57,12 @@ _DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": to
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
+    # (read through these, state is never seen with a step half done: Note [overlapped step])
+    units = JoinedAttribute()
+    runs = JoinedAttribute()
+    inner = JoinedAttribute()
+    swapper = JoinedAttribute()
+
     def __init__(self, model_or_params: ParamsLike, optimizer_class: type, *, stage: int = 2,
                  offload_optimizer: Optional[str] = None, offload_params: Optional[str] = None,
                  nvme_path: Optional[str] = None, mixed_precision: Optional[str] = None,
@@ -66,6 +74,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                                   mixed_precision=mixed_precision, process_group=process_group,
                                                   mesh=mesh, **kwargs))
         self._files_closers: list[Any] = []
+        self._inflight = StepInFlight()
         config_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in ZeroConfig.field_names()}
         self.config = ZeroConfig(stage=stage, offload_optimizer=offload_optimizer,
                                  offload_params=offload_params, nvme_path=nvme_path,
@@ -211,6 +220,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # when both sit on the CPU (the kernel's copy-out); elsewhere write_back copies.
         self._copy_out = {id(r.tensor): r.unit.shard[r.a - r.unit.owned[0]:r.b - r.unit.owned[0]]
                           for r in self.runs if r.unit.swap is None and self._copy_out_ok(r.unit)} if self._fused_step else {}
+        for unit in self.units:  # (what reads a unit's parts waits for a step in flight)
+            unit.step_in_flight = self._inflight
         self._clip_coef = 1.0  # pending clip coefficient, applied by the fused step
         self._checked_pass = -1  # reducer pass whose overflow flag is cached
         self._overflow = False
@@ -252,6 +263,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _begin_pass(self) -> None:
         """A backward pass starts: what torch code did to ``.grad`` goes into the stores, then
         ``.grad`` is detached so autograd accumulates this pass's gradients afresh."""
+        self._inflight.join()
         self._note_assigned()
         self.grad_links.reconcile()
         self.grad_links.detach_all()
@@ -333,6 +345,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ZeroRedundancyOptimizer passes them to its local optimizer."""
         if self.closed:
             raise RuntimeError("this ZeroOptimizer was closed (close()); build a new one to train on")
+        self._inflight.join()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -348,6 +361,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         restore = (untouched.freeze(self, untouched.untouched_everywhere(self)) if self.swapper is None
                    else lambda: None)  # (NVMe offload: unused parameters step with a zero gradient)
         scale, self._clip_coef = self._clip_coef, 1.0
+        if step_in_flight.overlaps(self):  # returns with the units updating (Note [overlapped step])
+            step_in_flight.start_swapped_step(self, scale)
+            return loss
         if self.swapper is not None:  # (writes swapped units back inside its pass)
             self.swapper.step(self.inner.param_groups, grad_scale=scale)
         elif self._fused_step and self.config.offload_optimizer == "cpu":
@@ -365,6 +381,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.placement.after_step()  # (offload="auto": the step's peak memory against the budget)
         HOST_POOL.trim()
         return loss
+
+    def finish_step(self) -> None:
+        """Waits for a step still updating in the background (Note [overlapped step]) and
+        raises its error, if any. Calls that need the state do this themselves."""
+        self._inflight.join()
 
     def _step_unit_by_unit(self, scale: float) -> None:
         """offload_optimizer="cpu": the CPU kernel updates one unit at a time and that unit's new
@@ -408,8 +429,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.reducer.finalize()  # every rank must finish the collectives it started
         self._clip_coef = 1.0
         had = {id(p) for group in self.param_groups for p in group["params"] if p.grad is not None}
-        for unit in self.units:
-            unit.clear_grads(set_to_none)
+        units = self._units
+        # (a step in flight still reads the stores: they are marked empty once it is joined)
+        if not (set_to_none and self._inflight.defer(lambda: [u.clear_grads(True) for u in units])):
+            self._inflight.join()
+            for unit in units:
+                unit.clear_grads(set_to_none)
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
@@ -443,6 +468,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         which then have no values left, must be reloaded."""
         if self.closed:
             return
+        self._inflight.join()
         self.reducer.finalize()
         if self.gatherer is not None:
             lifecycle.hand_back_stage3(self.gatherer, self.all_units)

@@ -1,0 +1,168 @@
+"""``StepInFlight``: an optimizer step that finishes in the background, unit by unit.
+
+Note [overlapped step]: with the optimizer state streamed from NVMe at stage 3, the step
+is the disk reading and writing every unit's moments (and gradient, master, shard), and it
+cannot start before backward ends: clipping and the fp16 overflow check need every
+gradient. Forward needs a unit's new weights only when it gathers that unit. So
+``optimizer.step()`` decides everything that depends on the whole model in the caller's
+thread (overflow, the clip coefficient, a snapshot of each group's hyperparameters and of
+the gradients to apply), then updates the units in a worker thread in the order the last
+forward gathered them, and returns. Forward's gather of a unit waits for that unit only;
+the disk keeps streaming the later units' state while the earlier units compute. The
+update of each unit is the same kernel call on the same values as in a synchronous step,
+so the bits are too.
+
+Everything else that reads or writes the state waits for the whole step first (``join``):
+the next ``step``, a backward pass (its first gradient hook), ``state_dict`` and checkpoint
+code (through the optimizer's ``units``/``runs``/``inner``/``swapper``), ``close``. The
+exception is ``zero_grad(set_to_none=True)``: what the user sees (``.grad`` is None) happens
+at once, and the units' gradient stores are marked empty once the step has read them
+(``defer``). An error in the worker (a damaged swap file, a full disk) is raised again, as
+itself, by the next call that waits: the step's own call has returned by then.
+
+Memory: the step's staging buffers are held while forward runs, beside forward's gathered
+units. Units the parameter cache keeps from forward to backward wait for the whole step, so
+the cache and the moments' pool (one memory in the plan: Note [automatic placement]) are
+never both held. Off with ``overlap_step=False``; on by default under ``offload="auto"``.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Iterable, Optional
+
+from zeroshard.io.host_pool import HOST_POOL
+
+
+class StepInFlight:
+    def __init__(self) -> None:
+        self._thread: Optional[threading.Thread] = None
+        self._done: dict[int, threading.Event] = {}
+        self._error: Optional[BaseException] = None
+        self._deferred: list[Callable[[], None]] = []
+        self._finished = threading.Event()
+        self._finished.set()
+
+    @property
+    def running(self) -> bool:
+        """A step was started and not joined yet (it may have finished its work)."""
+        return self._thread is not None
+
+    def start(self, units: Iterable[Any], work: Callable[[Callable[[Any], None]], None],
+              after: Callable[[], None]) -> None:
+        """Runs ``work(unit_done)`` in a worker thread; ``work`` calls ``unit_done(u)`` once unit
+        ``u``'s new weights are in place. ``units``: those it will update (any other unit is
+        ready at once). ``after`` runs in the worker once ``work`` returned."""
+        self.join()
+        self._done = {id(u): threading.Event() for u in units}
+        self._error = None
+        self._finished.clear()
+
+        def run() -> None:
+            try:
+                work(self._unit_done)
+                after()
+            except BaseException as exc:  # raised again by the next join (Note [overlapped step])
+                self._error = exc
+            finally:
+                for ev in self._done.values():
+                    ev.set()
+                self._finished.set()
+        self._thread = threading.Thread(target=run, name="zeroshard-step", daemon=False)
+        self._thread.start()
+
+    def _unit_done(self, unit: Any) -> None:
+        ev = self._done.get(id(unit))
+        if ev is not None:
+            ev.set()
+
+    def ready(self, unit: Any, whole: bool = False) -> bool:
+        if whole:
+            return self._finished.is_set()
+        ev = self._done.get(id(unit))
+        return ev is None or ev.is_set()
+
+    def wait_unit(self, unit: Any, whole: bool = False) -> None:
+        """Returns once ``unit`` is updated (``whole``: once the step's work is done)."""
+        if self._thread is None or threading.current_thread() is self._thread:
+            return
+        if whole:
+            self._finished.wait()
+        else:
+            ev = self._done.get(id(unit))
+            if ev is not None:
+                ev.wait()
+        if self._error is not None:
+            self.join()
+
+    def defer(self, action: Callable[[], None]) -> bool:
+        """Runs ``action`` when the step is joined; False (not deferred) when none is running."""
+        if self._thread is None:
+            return False
+        self._deferred.append(action)
+        return True
+
+    def join(self) -> None:
+        """Waits for the step, runs what was deferred, and raises the worker's error if any."""
+        thread = self._thread
+        if thread is None or threading.current_thread() is thread:
+            return
+        thread.join()
+        self._thread = None
+        deferred, self._deferred = self._deferred, []
+        for action in deferred:
+            action()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
+class JoinedAttribute:
+    """An attribute of the optimizer that waits for a step in flight before it is read, so
+    code that reaches the units, runs or optimizer state through the optimizer never sees a
+    step half done (Note [overlapped step]). Stored under ``_<name>``, which code that knows
+    it needs no wait (the step's own bookkeeping) reads directly."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.key = name, "_" + name
+
+    def __get__(self, obj: Any, objtype: Optional[type] = None) -> Any:
+        if obj is None:
+            return self
+        d = obj.__dict__
+        inflight = d.get("_inflight")
+        if inflight is not None and inflight.running:
+            inflight.join()
+        try:
+            return d[self.key]
+        except KeyError:
+            raise AttributeError(f"{type(obj).__name__!r} object has no attribute {self.name!r}") from None
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.key] = value
+
+
+def overlaps(opt: Any) -> bool:
+    """Whether ``opt.step()`` overlaps its swapped step with the next forward: ``overlap_step``
+    (None: under offload="auto"), stage 3 with state streamed, no hpZ."""
+    wanted = opt.config.overlap_step
+    if wanted is None:
+        wanted = opt.config.offload == "auto"
+    return (bool(wanted) and opt._swapper is not None and opt.gatherer is not None
+            and opt.gatherer.secondary is None and not opt.policy.gather_after_step)
+
+
+def start_swapped_step(opt: Any, scale: float) -> None:
+    """The swapped step of ``opt.step()`` in the worker, units in the last forward's order; what
+    follows it in a synchronous step (the step's peak memory, trimming the host pool) runs
+    there after it. ``scale``: the pending clip coefficient."""
+    order = [opt.all_units[i] for i in opt.gatherer.forward_unit_order()]
+    todo = opt._swapper.prepare(opt._inner.param_groups, unit_order=order)
+    swapper, placement = opt._swapper, opt.placement
+
+    def work(unit_done: Callable[[Any], None]) -> None:
+        swapper.run(todo, grad_scale=scale, unit_done=unit_done)
+
+    def after() -> None:
+        placement.after_step()
+        HOST_POOL.trim()
+    opt._inflight.start([r.unit for r, _, _ in todo], work, after)
