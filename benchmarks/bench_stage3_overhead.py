@@ -55,7 +55,8 @@ def child(args: argparse.Namespace) -> None:
                 raise RuntimeError("a 1-byte budget was accepted")
             except PlacementError as exc:
                 budget = exc.minimum["host"] + exc.state // 2
-            place = dict(offload="auto", memory_budget={"host": budget}, nvme_path=swap)
+            # (each phase is compared with plain torch's: the step stays in its own phase)
+            place = dict(offload="auto", memory_budget={"host": budget}, nvme_path=swap, overlap_step=False)
         model, opt = build(**place)
         zeroshard.init_meta_weights(model, seed=0)
     phases = []
