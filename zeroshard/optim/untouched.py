@@ -4,8 +4,10 @@ a parameter whose ``.grad`` is None (DDP gives such a parameter no gradient eith
 The inner optimizer updates whole runs (one tensor per unit and group), so it cannot skip
 one parameter inside a run; instead the step saves the values and elementwise state of the
 untouched parameters' pieces and puts them back afterwards. A parameter unused on only some
-ranks did get a gradient (the others' average with zeros), exactly as with DDP. What cannot
-be kept per parameter: a run's scalar state (Adam's ``step``) counts the steps of its run.
+ranks did get a gradient (the others' average with zeros), exactly as with DDP. A run none of
+whose parameters got a gradient is not stepped at all (``skip_whole_runs``), step count
+included. What cannot be kept per parameter in a run that is stepped: its scalar state
+(Adam's ``step``) counts the steps of the run.
 
 The global view costs one small all-reduce per step (a byte per parameter) at world > 1.
 """
@@ -70,3 +72,28 @@ def freeze(opt: Any, untouched: set[tuple[int, int]]) -> Callable[[], None]:
         for unit in units.values():  # the model-dtype copy was written from the master already
             unit.write_back()
     return restore
+
+
+def skip_whole_runs(opt: Any, untouched: set[tuple[int, int]]) -> Callable[[], None]:
+    """Runs all of whose parameters are untouched are left out of the step: their ``.grad`` is
+    hidden, so the inner optimizer (and the NVMe step) skips them as torch.optim skips a
+    parameter whose ``.grad`` is None, their step count included. (A run some of whose
+    parameters got a gradient is stepped, and ``freeze`` puts the others back.) Returns the
+    function that gives the gradients back."""
+    if not untouched:
+        return lambda: None
+    index = {id(u): ui for ui, u in enumerate(opt.units)}
+    hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for run in opt.runs:
+        ui = index[id(run.unit)]
+        seg_index = {seg.offset: si for si, seg in enumerate(run.unit.layout.segments)}
+        pieces = [p for p in run.unit.layout.pieces_in(run.a, run.b) if p.numel]
+        if run.tensor.grad is not None and pieces and all(
+                (ui, seg_index[p.segment.offset]) in untouched for p in pieces):
+            hidden.append((run.tensor, run.tensor.grad))
+            run.tensor.grad = None
+
+    def give_back() -> None:
+        for t, g in hidden:
+            t.grad = g
+    return give_back

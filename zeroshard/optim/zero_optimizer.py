@@ -358,24 +358,30 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._clip_coef = 1.0
             return loss
         self._sync_hyperparameters()
-        restore = (untouched.freeze(self, untouched.untouched_everywhere(self)) if self.swapper is None
-                   else lambda: None)  # (NVMe offload: unused parameters step with a zero gradient)
+        quiet = untouched.untouched_everywhere(self)
+        give_back = untouched.skip_whole_runs(self, quiet)  # (runs no parameter of which got a gradient)
+        restore = (untouched.freeze(self, quiet) if self.swapper is None
+                   else lambda: None)  # (NVMe offload: the others of a stepped run step with a zero gradient)
         scale, self._clip_coef = self._clip_coef, 1.0
-        if step_in_flight.overlaps(self):  # returns with the units updating (Note [overlapped step])
-            step_in_flight.start_swapped_step(self, scale)
-            return loss
-        if self.swapper is not None:  # (writes swapped units back inside its pass)
-            self.swapper.step(self.inner.param_groups, grad_scale=scale)
-        elif self._fused_step and self.config.offload_optimizer == "cpu":
-            self._step_unit_by_unit(scale)
-        else:
-            if self._fused_step:  # the bf16/fp16 model copy is written in the same pass
-                kernel_choice.step_without_hooks(self.inner, grad_scale=scale, copy_out=self._copy_out, **kwargs)
+        try:
+            if step_in_flight.overlaps(self):  # returns with the units updating (Note [overlapped step])
+                step_in_flight.start_swapped_step(self, scale)  # (it took the gradients it applies)
+                return loss
+            if self.swapper is not None:  # (writes swapped units back inside its pass)
+                self.swapper.step(self.inner.param_groups, grad_scale=scale)
+            elif self._fused_step and self.config.offload_optimizer == "cpu":
+                self._step_unit_by_unit(scale)
             else:
-                kernel_choice.step_without_hooks(self.inner, **kwargs)
-            for unit in self.units:
-                if not (self._fused_step and self._copy_out_ok(unit)):
-                    unit.write_back()
+                if self._fused_step:  # the bf16/fp16 model copy is written in the same pass
+                    kernel_choice.step_without_hooks(self.inner, grad_scale=scale, copy_out=self._copy_out,
+                                                     **kwargs)
+                else:
+                    kernel_choice.step_without_hooks(self.inner, **kwargs)
+                for unit in self.units:
+                    if not (self._fused_step and self._copy_out_ok(unit)):
+                        unit.write_back()
+        finally:
+            give_back()
         restore()
         self.gather_params()
         self.placement.after_step()  # (offload="auto": the step's peak memory against the budget)
