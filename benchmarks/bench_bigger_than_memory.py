@@ -168,17 +168,11 @@ def child_placed(args: argparse.Namespace) -> None:
     init_s = time.perf_counter() - t0
     steps, phases = [], []
     from zeroshard.toy import synthetic_batch
+    from zeroshard.bench.phases import timed_step
     for step in range(args.steps):
-        t0 = time.perf_counter()
-        loss = model(*synthetic_batch(step, 1, cfg))
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-        steps.append(time.perf_counter() - t0)
-        phases.append({"forward": t1 - t0, "backward": t2 - t1, "step": steps[-1] - (t2 - t0)})
+        loss, phase = timed_step(model, opt, synthetic_batch(step, 1, cfg), lambda: opt.clip_grad_norm_(1.0))
+        phases.append(phase)
+        steps.append(sum(phase.values()))
         if step == 0:  # bytes are counted from here, over whole steps (the report waits for a step)
             opt.finish_step()
             before = opt.placement_report()["measured_io"]

@@ -21,7 +21,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 MODES = ("plain", "stage 3", "auto, half the state", "all NVMe")
 
@@ -29,6 +28,7 @@ MODES = ("plain", "stage 3", "auto, half the state", "all NVMe")
 def child(args: argparse.Namespace) -> None:
     import torch
     import zeroshard
+    from zeroshard.bench.phases import timed_step
     from zeroshard.planner.placement import PlacementError
     from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
     cfg = GPTConfig(vocab=4096, d_model=args.d_model, n_layers=args.layers, n_heads=12, seq_len=64)
@@ -60,20 +60,10 @@ def child(args: argparse.Namespace) -> None:
         model, opt = build(**place)
         zeroshard.init_meta_weights(model, seed=0)
     phases = []
+    clip = ((lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) if args.child == "plain"
+            else (lambda: opt.clip_grad_norm_(1.0)))
     for step in range(args.steps):
-        t0 = time.perf_counter()
-        loss = model(*synthetic_batch(step, 1, cfg))
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        if args.child == "plain":
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        else:
-            opt.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-        t3 = time.perf_counter()
-        phases.append({"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2})
+        phases.append(timed_step(model, opt, synthetic_batch(step, 1, cfg), clip)[1])
         print(f"  {args.child} step {step + 1}: " + ", ".join(f"{k} {v:.2f}s" for k, v in phases[-1].items()),
               file=sys.stderr, flush=True)
     print(json.dumps({"phases": phases, "params": sum(p.numel() for p in model.parameters())}))

@@ -149,11 +149,17 @@ class FlatUnit:
         last change, so clipping and the fp16 overflow check need not read it back from the
         swap file (the same expressions the optimizer would evaluate, hence the same bits)."""
 
-    def await_step(self) -> None:
-        """Returns once a step in flight has updated this unit (Note [overlapped step])."""
+    def await_step(self, whole: bool = False) -> None:
+        """Returns once a step in flight has updated this unit (``whole``: once the step is
+        done; Note [overlapped step])."""
         s = self.step_in_flight
         if s is not None and s.running:
-            s.wait_unit(self)
+            s.wait_unit(self, whole=whole)
+
+    def step_pending(self, whole: bool = False) -> bool:
+        """A step in flight has not updated this unit yet (``await_step`` would wait)."""
+        s = self.step_in_flight
+        return s is not None and s.running and not s.ready(self, whole=whole)
 
     def swapped(self, part: str) -> bool:
         """``part`` ("shard", "master" or "grad") lives in the swap file between uses."""

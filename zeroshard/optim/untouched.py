@@ -13,7 +13,7 @@ The global view costs one small all-reduce per step (a byte per parameter) at wo
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -42,19 +42,47 @@ def untouched_everywhere(opt: Any) -> set[tuple[int, int]]:
     return out
 
 
-def freeze(opt: Any, untouched: set[tuple[int, int]]) -> Callable[[], None]:
-    """Saves the untouched pieces; the returned function restores them after the step."""
-    if not untouched:
-        return lambda: None
+def _untouched_pieces(opt: Any, untouched: set[tuple[int, int]]) -> Iterator[tuple[Any, list, list]]:
+    """Per run: its non-empty pieces, and those of them whose parameter is untouched."""
     index = {id(u): ui for ui, u in enumerate(opt.units)}
-    saved: list[tuple[Any, int, int, torch.Tensor, dict[str, torch.Tensor]]] = []
     for run in opt.runs:
         ui = index[id(run.unit)]
         seg_index = {seg.offset: si for si, seg in enumerate(run.unit.layout.segments)}
+        pieces = [p for p in run.unit.layout.pieces_in(run.a, run.b) if p.numel]
+        yield run, pieces, [p for p in pieces if (ui, seg_index[p.segment.offset]) in untouched]
+
+
+def skip_whole_runs(opt: Any, untouched: set[tuple[int, int]]) -> Callable[[], None]:
+    """Runs all of whose parameters are untouched are left out of the step: their ``.grad`` is
+    hidden, so the inner optimizer (and the NVMe step) skips them as torch.optim skips a
+    parameter whose ``.grad`` is None, their step count included. (A run some of whose
+    parameters got a gradient is stepped, and ``freeze`` puts the others back.) Returns the
+    function that gives the gradients back."""
+    if not untouched:
+        return lambda: None
+    hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for run, pieces, quiet in _untouched_pieces(opt, untouched):
+        if run.tensor.grad is not None and pieces and len(quiet) == len(pieces):
+            hidden.append((run.tensor, run.tensor.grad))
+            run.tensor.grad = None
+
+    def give_back() -> None:
+        for t, g in hidden:
+            t.grad = g
+    return give_back
+
+
+def freeze(opt: Any, untouched: set[tuple[int, int]]) -> Callable[[], None]:
+    """Saves the untouched pieces of the runs the step updates (after ``skip_whole_runs``, those
+    with a gradient); the returned function restores them after the step."""
+    if not untouched:
+        return lambda: None
+    saved: list[tuple[Any, int, int, torch.Tensor, dict[str, torch.Tensor]]] = []
+    for run, _, quiet in _untouched_pieces(opt, untouched):
+        if run.tensor.grad is None:  # (not stepped: nothing to put back)
+            continue
         state = opt.inner.state.get(run.tensor, {})
-        for piece in run.unit.layout.pieces_in(run.a, run.b):
-            if (ui, seg_index[piece.segment.offset]) not in untouched or piece.numel == 0:
-                continue
+        for piece in quiet:
             lo = piece.unit_offset - run.a
             hi = lo + piece.numel
             moments = {k: v[lo:hi].clone() for k, v in state.items() if elementwise_state(v, run.tensor)}
@@ -72,28 +100,3 @@ def freeze(opt: Any, untouched: set[tuple[int, int]]) -> Callable[[], None]:
         for unit in units.values():  # the model-dtype copy was written from the master already
             unit.write_back()
     return restore
-
-
-def skip_whole_runs(opt: Any, untouched: set[tuple[int, int]]) -> Callable[[], None]:
-    """Runs all of whose parameters are untouched are left out of the step: their ``.grad`` is
-    hidden, so the inner optimizer (and the NVMe step) skips them as torch.optim skips a
-    parameter whose ``.grad`` is None, their step count included. (A run some of whose
-    parameters got a gradient is stepped, and ``freeze`` puts the others back.) Returns the
-    function that gives the gradients back."""
-    if not untouched:
-        return lambda: None
-    index = {id(u): ui for ui, u in enumerate(opt.units)}
-    hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for run in opt.runs:
-        ui = index[id(run.unit)]
-        seg_index = {seg.offset: si for si, seg in enumerate(run.unit.layout.segments)}
-        pieces = [p for p in run.unit.layout.pieces_in(run.a, run.b) if p.numel]
-        if run.tensor.grad is not None and pieces and all(
-                (ui, seg_index[p.segment.offset]) in untouched for p in pieces):
-            hidden.append((run.tensor, run.tensor.grad))
-            run.tensor.grad = None
-
-    def give_back() -> None:
-        for t, g in hidden:
-            t.grad = g
-    return give_back

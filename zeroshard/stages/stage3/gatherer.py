@@ -215,7 +215,7 @@ class ParameterGatherer:
                 f"unit {ui} ({unit.layout.segments[0].name}, ...) has no values yet: the model was "
                 "built on the meta device. Load weights with zeroshard.load_safetensors(model, path) "
                 "or initialise them with zeroshard.init_meta_weights(model) before the first forward.")
-        self.await_step(unit)
+        unit.await_step(whole=self._waits_whole_step(unit))  # (Note [overlapped step])
         alloc_storage(unit.flat)
         self.state[ui] = UnitState.GATHERING
         if unit.swapped("shard"):  # the shard streams in from the swap file first; the
@@ -245,12 +245,6 @@ class ParameterGatherer:
         cache = getattr(unit.swap, "cache", None) if unit.swap is not None else None
         return cache is not None and cache.keep(unit, _in_backward())
 
-    def await_step(self, unit: FlatUnit) -> None:
-        """Returns once a step in flight has updated ``unit`` (Note [overlapped step])."""
-        s = unit.step_in_flight
-        if s is not None and s.running:
-            s.wait_unit(unit, whole=self._waits_whole_step(unit))
-
     def forward_unit_order(self) -> list[int]:
         """Unit indices in the order forward gathers them (the root group first, then the last
         forward's order), then any unit it did not gather: the order an overlapped step takes."""
@@ -260,8 +254,8 @@ class ParameterGatherer:
         return out + [i for i in range(len(self.units)) if i not in seen]
 
     def prefetch(self, ui: int) -> None:
-        s = self.units[ui].step_in_flight
-        if s is not None and s.running and not s.ready(self.units[ui], whole=self._waits_whole_step(self.units[ui])):
+        unit = self.units[ui]
+        if unit.step_pending(whole=self._waits_whole_step(unit)):
             return  # (a prefetch never waits for the step: the gather itself will)
         live = self.state[ui] is not UnitState.RELEASED or any(
             self.state[i] is not UnitState.RELEASED for i in self.groups[self.group_of[ui]])
