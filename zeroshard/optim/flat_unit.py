@@ -203,6 +203,13 @@ class FlatUnit:
                              f"owned range [{lo}, {hi}) and stage 3 holds nothing else")
         return self.shard[a - lo:b - lo]
 
+    @property
+    def grad_spans_unit(self) -> bool:
+        """The gradient store covers the whole padded unit (stages 0-1, or a shard group of one
+        rank), so a backward's bucket can be the store itself (Note [in-place first pass] in
+        zeroshard/optim/grad_sync.py)."""
+        return self.grad_base == 0 and self.grad_store.numel() == self.layout.padded_numel
+
     def owned_grad(self) -> torch.Tensor:
         return self.grad_range(*self.owned)
 
@@ -219,7 +226,17 @@ class FlatUnit:
             self.grad_store.add_(src, alpha=factor)
         else:
             torch.mul(src, factor, out=self.grad_store)
-            self.grad_valid = True
+        self._grad_final()
+
+    def reduced_in_place(self, factor: float) -> None:
+        """The store itself was the bucket and holds the reduced sum (Note [in-place first pass]
+        in zeroshard/optim/grad_sync.py): scale it by ``factor``."""
+        if factor != 1.0:
+            self.grad_store.mul_(factor)
+        self._grad_final()
+
+    def _grad_final(self) -> None:
+        self.grad_valid = True
         if self.swap is not None:  # written in the background, released once written
             self.note_grad_stats()
             self.swap.flush(self, ("grad",))

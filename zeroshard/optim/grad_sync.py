@@ -9,10 +9,14 @@ left (unused parameters contribute zeros). At most ``max_inflight`` reductions a
 flight; retiring one adds its result into the unit's fp32 gradient store and frees the
 bucket, which is what bounds stage 2's memory to a few buckets.
 
-Note [in-place first pass]: at stages 0-1 the gradient store is the full unit, so the
-first backward after zero_grad fills the store itself and reduces it in place: no bucket
-is allocated and nothing is copied twice. Later micro-batches (gradient accumulation)
-need a separate bucket, because the store already holds a reduced sum.
+Note [in-place first pass]: where the gradient store spans the whole unit (stages 0-1, and
+stages 2-3 when the shard group has one rank, as in single-GPU offload), the first backward
+after zero_grad fills the store itself and reduces it in place: no bucket is allocated and
+nothing is copied twice. A store kept in a swap file gets its memory at the unit's first
+gradient instead of at the reduction, and is written out from there. Later micro-batches
+(gradient accumulation) need a separate bucket, because the store already holds a reduced
+sum. (Copying each gradient once into the unit, then reducing, is what every sharded
+engine pays; the second copy, bucket to store, was a tenth of stage 3's backward on CPU.)
 """
 from __future__ import annotations
 
@@ -157,9 +161,11 @@ class GradientReducer:
         bucket = self._buckets[ui]
         if bucket is None:
             unit = self.units[ui]
-            in_place = (not unit.policy.shard_gradients and not unit.grad_valid and not unit.swapped("grad")
+            in_place = (unit.grad_spans_unit and not unit.grad_valid
                         and self.reduce_dtype == unit.grad_store.dtype and unit.grad_store.device == unit.device)
             if in_place:  # Note [in-place first pass]
+                if unit.swap is not None:  # (allocated, not read: grad_valid is False)
+                    unit.swap.load(unit, ("grad",))
                 bucket = unit.grad_store
             else:
                 bucket = self._new_bucket(unit)
@@ -209,9 +215,7 @@ class GradientReducer:
         if self.replicas is not None:  # hybrid: the shard group's sum, summed over replicas too
             self.replicas.all_reduce(self._reduced_part(p))
         if p.bucket is p.unit.grad_store:  # reduced in place: already the sum
-            if self.grad_factor != 1.0:
-                p.bucket.mul_(self.grad_factor)
-            p.unit.grad_valid = True
+            p.unit.reduced_in_place(self.grad_factor)
             return
         p.unit.accumulate(p.bucket if p.shard_out is None else p.shard_out, p.base, self.grad_factor)
         HOST_POOL.release(p.bucket)  # (accumulate copied what it needed; nothing else holds it)
