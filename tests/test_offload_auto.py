@@ -220,3 +220,45 @@ def test_a_given_reserve_is_part_of_the_minimum(tmp_path):
                                     memory_budget={"host": 1, "reserve": reserve}, nvme_path=str(tmp_path))
         mins[reserve] = exc.value.minimum["host"]
     assert mins[1 << 30] - mins[0] == 1 << 30
+
+
+_REUSE = r"""
+import ctypes, resource, sys
+import torch
+from zeroshard.offload.peak_memory import return_freed_memory, trim_freed_memory
+
+def faulted(nbytes):
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t = torch.empty(nbytes // 4).fill_(1.0)  # (a gradient: allocated, written, freed)
+    del t
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) * resource.getpagesize()
+
+largest = 24 << 20
+if sys.argv[1] == "1MiB":  # how it started: every block over 1 MiB mapped on its own
+    ctypes.CDLL(None).mallopt(-3, 1 << 20)
+else:
+    assert return_freed_memory(largest)
+faulted(largest)
+again = faulted(largest)
+trim_freed_memory()
+after_trim = faulted(largest)
+print(again, after_trim)
+"""
+
+
+@pytest.mark.parametrize("threshold", ["largest", "1MiB"])
+def test_a_budget_reuses_freed_gradients_within_a_phase_and_gives_them_back_after(threshold):
+    """Note [freed memory goes back]: under a budget, a block as large as the largest parameter's
+    gradient is reused when freed and allocated again (not page-faulted and zeroed anew), and
+    ``trim_freed_memory`` (end of backward, end of step) gives it back. Run in a fresh process:
+    the settings are process-wide."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _REUSE, threshold], capture_output=True, text=True, check=True)
+    again, after_trim = map(int, out.stdout.split())
+    block = 24 << 20
+    if threshold == "1MiB":
+        assert again >= block * 0.9  # (the old setting: every gradient faulted afresh)
+        return
+    assert again < block * 0.1, f"a freed 24 MiB block was faulted again: {again} bytes"
+    assert after_trim >= block * 0.9, f"trim_freed_memory kept the block: {after_trim} bytes faulted after it"

@@ -17,7 +17,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from zeroshard.offload.param_cache import ParamCache
-from zeroshard.offload.peak_memory import StepPeaks, cache_within, resident_bytes, return_freed_memory
+from zeroshard.offload.peak_memory import (StepPeaks, cache_within, resident_bytes, return_freed_memory,
+                                           trim_freed_memory)
 from zeroshard.offload.swap_file import aligned
 from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.optim.flat_unit import Placement
@@ -96,7 +97,10 @@ class StatePlacement:
         self.specs = specs
         if self.auto:
             budget = MemoryBudget.parse(config.memory_budget)
-            return_freed_memory()  # (Note [freed memory goes back] in peak_memory.py)
+            # (Note [freed memory goes back] in peak_memory.py: the largest block backward frees
+            # and allocates again is a parameter's gradient, in the model dtype)
+            return_freed_memory(torch.empty((), dtype=param_dtype).element_size()
+                                * max((seg.numel for layout, _ in layouts for seg in layout.segments), default=0))
             # Measured: plus 2% of the budget for what start-up cannot see (the batch's
             # activations, I/O timing); step 1 then sizes the parameter cache (StepPeaks).
             host_budget = budget.host if self.accelerator else budget.device + budget.host
@@ -187,10 +191,12 @@ class StatePlacement:
         if self.peaks is not None:
             reducer.on_pass_start.append(self.peaks.on_backward)
             reducer.on_pass_end.append(self.peaks.on_backward_end)
+            reducer.on_pass_end.append(trim_freed_memory)  # (after the peak is read)
 
     def after_step(self) -> None:
         if self.peaks is not None:
             self.peaks.after_step()
+            trim_freed_memory()
 
     def _fit_cache(self, room: int) -> int:
         if self.store is None or not self._planned_cache:

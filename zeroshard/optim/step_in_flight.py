@@ -163,6 +163,6 @@ def start_swapped_step(opt: Any, scale: float) -> None:
         swapper.run(todo, grad_scale=scale, unit_done=unit_done)
 
     def after() -> None:
-        placement.after_step()
         HOST_POOL.trim()
+        placement.after_step()
     opt._inflight.start([r.unit for r, _, _ in todo], work, after)

@@ -384,8 +384,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             give_back()
         restore()
         self.gather_params()
-        self.placement.after_step()  # (offload="auto": the step's peak memory against the budget)
         HOST_POOL.trim()
+        self.placement.after_step()  # (offload="auto": the step's peak memory against the budget)
         return loss
 
     def finish_step(self) -> None:
