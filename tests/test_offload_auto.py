@@ -239,7 +239,7 @@ if sys.argv[1] == "1MiB":  # how it started: every block over 1 MiB mapped on it
 else:
     assert return_freed_memory(largest)
 faulted(largest)
-again = faulted(largest)
+again = sum(faulted(largest) for _ in range(8))
 trim_freed_memory()
 after_trim = faulted(largest)
 print(again, after_trim)
@@ -251,14 +251,17 @@ def test_a_budget_reuses_freed_gradients_within_a_phase_and_gives_them_back_afte
     """Note [freed memory goes back]: under a budget, a block as large as the largest parameter's
     gradient is reused when freed and allocated again (not page-faulted and zeroed anew), and
     ``trim_freed_memory`` (end of backward, end of step) gives it back. Run in a fresh process:
-    the settings are process-wide."""
+    the settings are process-wide. glibc still gives such a block back now and then (the top
+    of its heap past the trim threshold): of 8 allocations after the first, 0-3 faulted in 16
+    processes here, so the test asks for at least 3 of the 8 to reuse, where the 1 MiB setting reuses
+    none."""
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "-c", _REUSE, threshold], capture_output=True, text=True, check=True)
     again, after_trim = map(int, out.stdout.split())
     block = 24 << 20
     if threshold == "1MiB":
-        assert again >= block * 0.9  # (the old setting: every gradient faulted afresh)
+        assert again >= 8 * block * 0.9  # (the old setting: every gradient faulted afresh)
         return
-    assert again < block * 0.1, f"a freed 24 MiB block was faulted again: {again} bytes"
+    assert again <= 5 * block, f"a freed 24 MiB block was faulted again in {again / block:.1f} of 8 allocations"
     assert after_trim >= block * 0.9, f"trim_freed_memory kept the block: {after_trim} bytes faulted after it"
