@@ -64,7 +64,7 @@ def _sample_rss() -> None:
     each step's peak), so the process's own peak is sampled, independently of zeroshard."""
     import threading
 
-    from zeroshard.bench.rss import current_rss
+    from zeroshard.offload.process_rss import current_rss
 
     def run() -> None:
         while True:
@@ -76,7 +76,7 @@ def _sample_rss() -> None:
 def _peak_rss() -> int:
     """This process's resident peak: VmHWM (ru_maxrss would count a parent's before exec), or
     the sampled peak where that is larger (VmHWM was reset)."""
-    from zeroshard.bench.rss import peak_rss
+    from zeroshard.offload.process_rss import peak_rss
     return max(peak_rss(), _SAMPLED[0])
 
 

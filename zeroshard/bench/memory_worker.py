@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from zeroshard.bench.configs import MemConfig
 from zeroshard.bench.models import ModelSource
-from zeroshard.bench.rss import current_rss, peak_rss, reset_peak_rss
+from zeroshard.offload.process_rss import current_rss, peak_rss, reset_peak_rss
 
 
 class _PeakSampler:

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from zeroshard.bench import peers
 from zeroshard.bench.models import ModelSource
-from zeroshard.bench.rss import peak_rss
+from zeroshard.offload.process_rss import peak_rss
 
 
 def worker(rank: int, world: int, source: ModelSource, kind: str, steps: int, global_batch: int, out: str) -> None:
