@@ -96,6 +96,10 @@ CONSTRUCTOR = [  # (id, model factory, optimizer class, kwargs, what the message
     ("meta-list", lambda: [nn.Parameter(torch.empty(3, device="meta"))], torch.optim.SGD, dict(lr=0.1),
      "on the meta device"),
     ("stage3-list", lambda: list(_net().parameters()), A, dict(stage=3), "nn.Module"),
+    ("budget-neg-str", _net, A, dict(offload="auto", memory_budget="-1"), "memory_budget='-1'"),
+    ("budget-overflow", _net, A, dict(offload="auto", memory_budget="1e400GB"), "memory_budget='1e400GB'"),
+    ("budget-nan", _net, A, dict(offload="auto", memory_budget=math.nan), "memory_budget=nan"),
+    ("budget-host-empty", _net, A, dict(offload="auto", memory_budget={"host": ""}), "memory_budget['host']=''"),
 ]
 
 

@@ -6,6 +6,7 @@ therefore sees the unclipped gradients again and sets the same coefficient.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -13,9 +14,31 @@ import torch
 from zeroshard.optim import grad_norm
 
 
+def check_clip_arguments(max_norm: Any, norm_type: Any) -> tuple[float, float]:
+    """(max_norm, norm_type) as numbers, as ``torch.nn.utils.clip_grad_norm_`` reads them
+    (``float(norm_type)``: "inf" and "2" are accepted there too), or an error naming the
+    argument. A negative bound would flip every gradient's sign; torch does not check it."""
+    try:
+        bound = float(max_norm)
+    except (TypeError, ValueError, RuntimeError):  # (RuntimeError: a tensor of more than one element)
+        raise TypeError(f"max_norm={max_norm!r} must be a number >= 0 (the largest gradient norm kept), "
+                        f"not a {type(max_norm).__name__}") from None
+    if math.isnan(bound) or bound < 0:
+        raise ValueError(f"max_norm={max_norm!r} must be a number >= 0 (the largest gradient norm kept); "
+                         "a negative bound would reverse the gradients")
+    try:
+        order = float(norm_type)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"norm_type={norm_type!r} must be a number (the order p of the p-norm, e.g. 2.0, "
+                         "or float('inf') for the largest magnitude)") from None
+    if math.isnan(order):
+        raise ValueError(f"norm_type={norm_type!r} must be a number, e.g. 2.0 or float('inf')")
+    return bound, order
+
+
 def clip_grad_norm(opt: Any, max_norm: float, norm_type: float = 2.0,
                    error_if_nonfinite: bool = False) -> torch.Tensor:
-    norm_type = float(norm_type)
+    max_norm, norm_type = check_clip_arguments(max_norm, norm_type)
     overflow = opt._finalize_grads()
     total = grad_norm.global_norm(opt, norm_type)  # (tensor parallelism: each element counted once)
     if not torch.isfinite(total):

@@ -50,6 +50,8 @@ the reserve that would fit. Glibc's retention of freed memory is switched off un
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -57,6 +59,29 @@ from zeroshard.planner.units import fmt_bytes, parse_bytes
 
 KINDS = ("shard", "master", "grad", "moments")
 TIERS = ("device", "host", "nvme")
+
+
+def _budget_bytes(name: str, value: Any) -> int:
+    """A size of ``memory_budget`` in bytes: a string such as "20GiB", or a finite number >= 0;
+    anything else is refused naming ``name`` (never an OverflowError from int(inf))."""
+    if isinstance(value, bool) or not isinstance(value, (str, numbers.Real)):
+        raise TypeError(f"{name}={value!r} must be a size such as '20GiB' or a number of bytes")
+    if isinstance(value, str) and value.strip().startswith("-"):
+        raise ValueError(f"{name}={value!r} must be a size >= 0, e.g. '20GiB'")
+    if isinstance(value, str):
+        try:
+            size = parse_bytes(value)
+        except ValueError as exc:
+            raise ValueError(f"{name}={value!r}: {exc}") from None
+        except OverflowError:  # ("1e400GB" reads as a float infinity)
+            raise ValueError(f"{name}={value!r} is too large to be a size; write e.g. '20GiB'") from None
+    else:
+        if not math.isfinite(value):
+            raise ValueError(f"{name}={value!r} must be a finite number of bytes >= 0, e.g. 20 * 2**30 or '20GiB'")
+        size = int(value)
+    if size < 0:
+        raise ValueError(f"{name}={value!r} must be >= 0 bytes, e.g. '20GiB'")
+    return size
 
 
 @dataclass(frozen=True)
@@ -73,23 +98,17 @@ class MemoryBudget:
     @classmethod
     def parse(cls, value: Any) -> "MemoryBudget":
         """``{"device": "20GiB", "host": "48GiB"}`` (either key may be left out, and
-        ``"reserve"`` may be given), or one size (str or bytes) for host memory."""
+        ``"reserve"`` may be given), or one size (str or a number of bytes: int, float or a
+        numpy scalar) for host memory."""
         if isinstance(value, MemoryBudget):
             return value
-        if isinstance(value, (str, int)) and not isinstance(value, bool):
-            value = {"host": value}
+        if isinstance(value, (str, numbers.Real)) and not isinstance(value, bool):
+            return cls(host=_budget_bytes("memory_budget", value))
         if not isinstance(value, Mapping) or not set(value) & {"device", "host"} or \
                 set(value) - {"device", "host", "reserve"}:
             raise ValueError(f"memory_budget={value!r} must be a dict with 'device' and/or 'host' sizes (and "
                              "optionally 'reserve'), e.g. {'device': '20GiB', 'host': '48GiB'}")
-        out = {}
-        for k, v in value.items():
-            if isinstance(v, bool) or not isinstance(v, (str, int, float)):
-                raise TypeError(f"memory_budget[{k!r}]={v!r} must be a size such as '20GiB' or a number of bytes")
-            out[k] = parse_bytes(v)
-            if out[k] < 0:
-                raise ValueError(f"memory_budget[{k!r}]={v!r} must be >= 0")
-        return cls(**out)
+        return cls(**{k: _budget_bytes(f"memory_budget[{k!r}]", v) for k, v in value.items()})
 
     def __str__(self) -> str:
         return f"device {fmt_bytes(self.device)}, host {fmt_bytes(self.host)}"

@@ -191,15 +191,17 @@ class ParameterGatherer:
         except (Stage3UsageError, torch._dynamo.exc.TorchDynamoException):
             raise
         except RuntimeError as exc:
+            # (the user's exception, of its own type, e.g. torch.OutOfMemoryError: the diagnosis
+            # is a note, and only where torch refused a tensor whose storage was released)
             released = [seg.name for i, u in enumerate(self.units) if self.state[i] is UnitState.RELEASED
                         for seg in u.layout.segments]
-            if not released:
-                raise
-            raise RuntimeError(
-                f"{exc}\n\nzeroshard stage 3: when this failed, the parameters of {len(released)} "
-                f"partitioned tensors were released (e.g. {released[:4]}). A parameter used outside "
-                "the module that owns it is not gathered there: make the module that uses it part "
-                "of a larger unit (stage3_unit_classes=[...]) or let it stay in the root unit.") from exc
+            if released and "storage of size 0" in str(exc):
+                exc.add_note(
+                    f"zeroshard stage 3: when this failed, the parameters of {len(released)} "
+                    f"partitioned tensors were released (e.g. {released[:4]}). A parameter used outside "
+                    "the module that owns it is not gathered there: make the module that uses it part "
+                    "of a larger unit (stage3_unit_classes=[...]) or let it stay in the root unit.")
+            raise
         finally:
             self._forwarding = outer
 
