@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from zeroshard.io import AsyncIO, aligned_empty, checksum
+from zeroshard.io import aligned_empty, checksum
 from zeroshard.offload.swap_file import SwapFile
 
 

@@ -22,7 +22,7 @@ import shutil
 import struct
 import sys
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch

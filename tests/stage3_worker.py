@@ -193,7 +193,7 @@ def check_errors(rank: int, world: int) -> dict:
             return x * self.scale
 
     for name, model in (("leaky", Leaky()), ("resizer", Resizer())):
-        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, stage=3)
+        _opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, stage=3)
         try:
             model(torch.randn(2, 8)).sum().backward()
             out[name] = ""

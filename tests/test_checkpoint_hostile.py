@@ -23,7 +23,7 @@ import pytest
 import zeroshard
 from tests.ckpt_worker import Trainer
 from tests.dist_results import run_ranks
-from tests.hostile_cases import CASES, S1, S2, Ctx
+from tests.hostile_cases import CASES, S2, Ctx
 from tests.hostile_consumers import (audit, max_rss_mib, references, run_loads, run_tools, save_fixture,
                                      save_refused_on_one_rank)
 from zeroshard.checkpoint import CheckpointError, commit

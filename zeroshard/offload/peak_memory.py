@@ -34,7 +34,7 @@ import dataclasses
 import warnings
 from typing import Any, Callable, Optional
 
-from zeroshard.offload.process_rss import current_rss as resident_bytes, peak_rss as peak_bytes, reset_peak_rss as reset_peak
+from zeroshard.offload.process_rss import current_rss as resident_bytes, peak_rss as peak_bytes, reset_peak_rss as reset_peak  # noqa: F401 (re-exported: placement.py, tests)
 from zeroshard.planner.units import fmt_bytes
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
