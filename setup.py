@@ -1,9 +1,13 @@
 """zeroshard packaging.
 
-Native kernels (``csrc/``) are optional: when torch's C++ toolchain is usable at build
-time they are compiled here, otherwise ``zeroshard.ops`` builds them just in time on
-first use, and failing that a pure-PyTorch path runs. Installation never fails because
-a kernel could not be compiled (see ``_OptionalBuildExt``).
+Native kernels (``csrc/``) are optional and by default are not compiled here:
+``zeroshard.ops`` builds them on first use (once per machine, cached, with a progress line
+every 10 s; see Note [build progress] in zeroshard/ops/_loader.py), because pip hides a
+build's output and a compile at install is a minute of silence. ``ZEROSHARD_BUILD_KERNELS=1``
+compiles them at install instead (for images whose runtime has no compiler), each kernel's
+files in parallel with ninja (``MAX_JOBS`` caps the jobs). Either way, failing that a
+pure-PyTorch path runs: installation never fails because a kernel could not be compiled
+(see ``_OptionalBuildExt``).
 
 Build with ``pip install --no-build-isolation -e .`` so that the torch already in the
 environment is used at build time instead of pip fetching a new one.
@@ -13,14 +17,16 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
 
 from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 
 def _extensions() -> tuple[list, dict]:
-    """Extension modules and cmdclass, or nothing when torch or a compiler is missing."""
-    if os.environ.get("ZEROSHARD_NO_BUILD", "0") == "1":
+    """Extension modules and cmdclass; nothing unless ZEROSHARD_BUILD_KERNELS=1, or without torch."""
+    # ZEROSHARD_NO_BUILD=1 (the old opt-out) still wins over ZEROSHARD_BUILD_KERNELS=1.
+    if os.environ.get("ZEROSHARD_BUILD_KERNELS", "0") != "1" or os.environ.get("ZEROSHARD_NO_BUILD", "0") == "1":
         return [], {}
     try:
         from torch.utils import cpp_extension  # noqa: F401
@@ -33,17 +39,23 @@ def _extensions() -> tuple[list, dict]:
     finally:
         sys.path.pop(0)
     exts = _build_spec.setup_extensions()
-    base = cpp_extension.BuildExtension.with_options(use_ninja=False)
+    # ninja compiles an extension's files in parallel (BuildExtension falls back to one at a
+    # time, with a warning, where ninja is missing).
+    base = cpp_extension.BuildExtension.with_options(use_ninja=True)
 
     class _OptionalBuildExt(base):  # type: ignore[misc, valid-type]
         """Builds each kernel on its own; a failure is reported, never fatal."""
 
         def build_extension(self, ext):  # noqa: D401
+            t0 = time.monotonic()
+            print(f"zeroshard: compiling {ext.name} ({len(ext.sources)} files)", file=sys.stderr, flush=True)
             try:
                 super().build_extension(ext)
             except Exception as exc:  # compiler missing, CUDA mismatch, ...
                 print(f"zeroshard: could not build {ext.name}: {exc}; it will be built on "
                       "first use or replaced by the PyTorch fallback", file=sys.stderr)
+            else:
+                print(f"zeroshard: {ext.name} built in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
 
     return exts, {"build_ext": _OptionalBuildExt}
 

@@ -111,11 +111,22 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if a.global_batch % a.world_size:
         raise SystemExit(f"--global-batch {a.global_batch} must be divisible by --world-size {a.world_size}")
+    _prepare_kernels()
     spawn(_stages, a.world_size, a.steps, a.global_batch)
     with tempfile.TemporaryDirectory(prefix="zeroshard-demo-") as root:
         spawn(_train_and_save, a.world_size, root, a.global_batch, [])
         spawn(_resume, a.world_size, root, a.global_batch, 2)   # fresh processes, as after a crash
         _resume_single(root, a.global_batch)                    # reshard: 1 process, stage 0
+
+
+def _prepare_kernels() -> None:
+    # The first run on a machine compiles the fused Adam kernel (with a progress line every
+    # 10 s); doing it here, once, lets the ranks load it from the cache instead of one compiling
+    # while the other waits, both printing progress.
+    from zeroshard.ops._loader import REGISTRY
+
+    print("zeroshard demo: loading the fused Adam kernel (compiled on first use, then cached)", flush=True)
+    REGISTRY.cpu()
 
 
 def _resume_single(root: str, global_batch: int) -> None:

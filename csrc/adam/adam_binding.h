@@ -3,7 +3,8 @@
 // Note [ISA translation units] in adam_common.h).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include <cmath>
 #include <vector>

@@ -6,8 +6,14 @@
 // list of 200 uneven tensors is balanced as well as one big tensor with one fork/join, each
 // chunk is a long run that hardware prefetchers follow, and when the OS deschedules one thread
 // (the cores are shared) the others keep taking chunks instead of waiting for its fixed half.
+//
+// Headers: only what this file uses (a tensor, the thread count, the pybind11 casters), not
+// torch/extension.h, which pulls in the whole C++ frontend and triples the compile time.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <omp.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -183,7 +189,16 @@ std::vector<std::string> supported_isas() {
 
 namespace zeroshard {
 namespace cpu {
-at::Tensor sqnorm_f64(const at::Tensor& t);  // grad_sqnorm.cpp
+double sqnorm_f64_sum(const float* x, int64_t n, int max_threads);  // grad_sqnorm.cpp
+
+at::Tensor sqnorm_f64(const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu(), "zeroshard sqnorm_f64: tensor must be on CPU, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "zeroshard sqnorm_f64: expected float32, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), "zeroshard sqnorm_f64: tensor must be contiguous");
+  const double total = sqnorm_f64_sum(t.data_ptr<float>(), t.numel(), at::get_num_threads());
+  return at::scalar_tensor(total, at::TensorOptions().dtype(at::kDouble));
+}
 }  // namespace cpu
 }  // namespace zeroshard
 

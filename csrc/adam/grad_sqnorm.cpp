@@ -8,8 +8,11 @@
 // the range is cut into fixed blocks of kBlock elements; each block is summed by 8 double
 // lanes in element order, the lanes are added in a fixed order, and the block sums are added
 // in block order after the parallel loop. Threads only decide who computes which block.
+//
+// No torch headers here (the tensor checks and the 0-dim result live in the binding,
+// cpu_adam.cpp): torch/extension.h alone costs ~40 s of compile time per translation unit.
 #include <omp.h>
-#include <torch/extension.h>
+#include <stdint.h>
 
 #include <algorithm>
 #include <vector>
@@ -38,16 +41,10 @@ double block_sqsum(const float* x, int64_t n) {
 }
 }  // namespace
 
-at::Tensor sqnorm_f64(const at::Tensor& t) {
-  TORCH_CHECK(t.device().is_cpu(), "zeroshard sqnorm_f64: tensor must be on CPU, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kFloat, "zeroshard sqnorm_f64: expected float32, got ",
-              t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), "zeroshard sqnorm_f64: tensor must be contiguous");
-  const int64_t n = t.numel();
-  const float* x = t.data_ptr<float>();
+double sqnorm_f64_sum(const float* x, int64_t n, int max_threads) {
   const int64_t nblocks = (n + kBlock - 1) / kBlock;
   std::vector<double> sums(static_cast<size_t>(nblocks), 0.0);
-  const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nblocks / 4)));
+  const int nthreads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_threads, nblocks / 4)));
 #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t lo = b * kBlock;
@@ -55,7 +52,7 @@ at::Tensor sqnorm_f64(const at::Tensor& t) {
   }
   double total = 0.0;
   for (double s : sums) total += s;
-  return at::scalar_tensor(total, at::TensorOptions().dtype(at::kDouble));
+  return total;
 }
 
 }  // namespace cpu

@@ -6,7 +6,13 @@ Note [kernel flags]: ``-fno-math-errno`` is what lets gcc turn ``sqrtf`` into ``
 instead of a libm call that must set errno (without it the loop runs ~3x below the memory
 ceiling); ``-O3`` and ``-fopenmp`` for vectorised, threaded loops. The instruction set is
 chosen at run time (see csrc/adam/adam_common.h), so no ``-march`` here: the library must
-load on any x86-64 CPU.
+load on any x86-64 CPU. ``-g0`` overrides the ``-g`` that setup.py inherits from Python's
+CFLAGS: debug information does not change the generated code (the objects disassemble
+identically) but costs a third of the compile time and 12 MB of library.
+
+Note [compile time]: the build is dominated by torch's headers, so only the binding
+(cpu_adam.cpp) includes them, and only the ones it uses; grad_sqnorm.cpp and the ISA files
+include none. The five CPU files compile in ~25 s on 2 cores, most of it cpu_adam.cpp.
 """
 from __future__ import annotations
 
@@ -38,7 +44,7 @@ CPU_ADAM = KernelSpec(
     jit_name="zeroshard_cpu_adam",
     sources=("adam/cpu_adam.cpp", "adam/adam_avx512.cpp", "adam/adam_avx2.cpp", "adam/adam_scalar.cpp",
              "adam/grad_sqnorm.cpp"),
-    cflags=("-O3", "-fno-math-errno", "-fopenmp"),
+    cflags=("-O3", "-fno-math-errno", "-fopenmp", "-g0"),
     ldflags=("-fopenmp",),
 )
 
@@ -117,6 +123,6 @@ AIO = KernelSpec(
     name="_aio",
     jit_name="zeroshard_aio",
     sources=("aio/aio_engine.cpp",),
-    cflags=("-O2",),
+    cflags=("-O2", "-g0"),
     ldflags=(),
 )

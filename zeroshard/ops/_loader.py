@@ -5,6 +5,12 @@ directory with a "lock" file baton, but that baton is a plain file: a process ki
 leaves it behind and every later process waits on it forever. We therefore take our own
 fcntl-based lock (released by the kernel when a holder dies) around the load, and while
 holding it remove a baton left over by a dead builder, since no live builder can hold it.
+
+Note [build progress]: setup.py does not compile by default (pip hides a build's output, so a
+compile at install is a minute of silence), and cpp_extension.load without verbose prints
+nothing while the compiler runs. So while a build runs, or while this process waits for another
+one's, a line goes to stderr every ``_PROGRESS_EVERY_S`` seconds (files compiled so far, time).
+A cache hit returns before ``_QUIET_FOR_S`` and prints nothing.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import importlib.util
 import os
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +29,8 @@ from types import ModuleType
 from ._build_spec import CPU_ADAM, CUDA_ADAM, KernelSpec, csrc_dir, cuda_unavailable_reason
 
 _LOCK_TIMEOUT_S = 900.0
+_PROGRESS_EVERY_S = 10.0
+_QUIET_FOR_S = 1.5
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,55 @@ def build_lock(build_dir: str, timeout_s: float = _LOCK_TIMEOUT_S) -> Iterator[N
         yield
 
 
+class _BuildProgress:
+    """The progress lines of one just-in-time build; see Note [build progress]."""
+
+    def __init__(self, spec: KernelSpec, build_dir: str) -> None:
+        self._spec, self._dir = spec, build_dir
+        self._t0 = time.monotonic()
+        self._wall0 = time.time()
+        self._done = threading.Event()
+        self._spoke = False
+        self.waiting = True
+        """True until this process holds the build lock (another process may be compiling)."""
+        self._thread = threading.Thread(target=self._run, name=f"zeroshard-build-{spec.jit_name}", daemon=True)
+
+    def __enter__(self) -> _BuildProgress:  # noqa: PYI034 (typing.Self needs Python 3.11)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        if self._spoke:
+            outcome = "failed" if exc[0] is not None else "ready"
+            self._say(f"{outcome} after {time.monotonic() - self._t0:.0f} s")
+
+    def _compiled(self) -> int:
+        # ninja writes one object per source into the build directory; count this build's.
+        try:
+            return sum(1 for f in os.listdir(self._dir)
+                       if f.endswith(".o") and os.path.getmtime(os.path.join(self._dir, f)) >= self._wall0 - 1)
+        except OSError:
+            return 0
+
+    def _say(self, what: str) -> None:
+        print(f"zeroshard: kernel {self._spec.jit_name}: {what}", file=sys.stderr, flush=True)
+
+    def _run(self) -> None:
+        if self._done.wait(_QUIET_FOR_S):
+            return
+        self._spoke = True
+        self._say(f"compiling {len(self._spec.sources)} files (first use on this machine, then cached in "
+                  f"{self._dir}; under a minute on 2 cores; ZEROSHARD_JIT_VERBOSE=1 shows the compiler)")
+        while not self._done.wait(_PROGRESS_EVERY_S):
+            elapsed = time.monotonic() - self._t0
+            if self.waiting:
+                self._say(f"waiting for another process that is compiling it, {elapsed:.0f} s")
+            else:
+                self._say(f"{self._compiled()}/{len(self._spec.sources)} files compiled, {elapsed:.0f} s")
+
+
 def _jit_build(spec: KernelSpec) -> ModuleType:
     from torch.utils import cpp_extension
 
@@ -72,7 +130,8 @@ def _jit_build(spec: KernelSpec) -> ModuleType:
     if root is None:
         raise RuntimeError("kernel sources (csrc/) are not shipped with this installation")
     build_dir = os.path.join(cache_dir(), spec.jit_name)
-    with build_lock(build_dir):
+    with _BuildProgress(spec, build_dir) as progress, build_lock(build_dir):
+        progress.waiting = False
         return cpp_extension.load(
             name=spec.jit_name,
             sources=[os.path.join(root, s) for s in spec.sources],
@@ -110,6 +169,10 @@ def _find(spec: KernelSpec) -> KernelState:
         try:
             return KernelState(spec.name, importlib.import_module(f"zeroshard.ops.{spec.name}"),
                                "installed", "built by setup.py")
+        except ModuleNotFoundError as exc:
+            # The usual case: setup.py compiles only with ZEROSHARD_BUILD_KERNELS=1.
+            installed_error = ("not built at install; ZEROSHARD_BUILD_KERNELS=1 builds it there"
+                               if exc.name == f"zeroshard.ops.{spec.name}" else str(exc))
         except ImportError as exc:
             installed_error = str(exc)
     if os.environ.get("ZEROSHARD_NO_JIT", "0") == "1":

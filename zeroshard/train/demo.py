@@ -88,6 +88,8 @@ def run_demo(workdir: str, nproc: int = 2, steps: int = 200, kill_after_step: in
     cmd = finetune_command(nproc, config, data, out, args)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     figures: dict = {}
+    from zeroshard.ops._loader import REGISTRY
+    REGISTRY.cpu()  # compiled here on a first run (progress lines), so the ranks find it cached
     print("$ " + shlex.join(cmd), flush=True)
 
     t0 = time.monotonic()
@@ -130,8 +132,7 @@ def run_demo(workdir: str, nproc: int = 2, steps: int = 200, kill_after_step: in
     if compare:
         ref = os.path.join(workdir, "uninterrupted")
         print("\n$ (the same job without interruption, for comparison)", flush=True)
-        subprocess.run(finetune_command(nproc, config, data, ref, args), env=env, check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _run_quietly_with_progress(finetune_command(nproc, config, data, ref, args), env, ref, steps)
         diff = bitwise_diff(load_exported(hf), load_exported(os.path.join(ref, "hf")))
         figures["bitwise_equal_to_uninterrupted"] = not diff
     figures["total_s"] = round(time.monotonic() - t0, 1)
@@ -139,6 +140,28 @@ def run_demo(workdir: str, nproc: int = 2, steps: int = 200, kill_after_step: in
     print(f"--- demo: {json.dumps(figures)}; final summary: step {summary['final_step']}, loss "
           f"{'-' if loss is None else format(loss, '.3f')}, resumed from {summary['resumed_from']}")
     return figures
+
+
+def _run_quietly_with_progress(cmd: list[str], env: dict, output_dir: str, steps: int,
+                               every_s: float = 10.0) -> None:
+    """Runs ``cmd`` with its output hidden, printing a line every ``every_s`` seconds so the
+    terminal never sits silent for the length of a training run."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while True:
+            try:
+                proc.wait(timeout=every_s)
+                break
+            except subprocess.TimeoutExpired:
+                print(f"    ... {time.monotonic() - t0:.0f} s, checkpointed step {_latest_step(output_dir)} "
+                      f"of {steps}", flush=True)
+    finally:
+        if proc.poll() is None:  # interrupted (Ctrl-C): do not leave the job running
+            proc.kill()
+            proc.wait()
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
 
 
 def load_exported(hf_dir: str) -> dict:
