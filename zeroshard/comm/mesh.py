@@ -8,7 +8,9 @@ dimension, across nodes. Gradients are reduced inside the shard group first (red
 at stages 2-3, so only this rank's slice remains), and that slice alone is then all-reduced
 across the replicas: the slow links carry 1/shard_size of the gradient, and parameter gathers
 (after the step, or stage 3's per unit) never leave the shard group. Each replica steps the
-same slices, so replicas stay identical without exchanging parameters.
+same slices, so replicas stay identical without exchanging parameters. A named mesh is read
+by its names, in either order (replicate: "dp_replicate", "replicate" or "node"; shard:
+"dp_shard", "shard" or "local"), anything else refused; an unnamed one by position.
 
 With ``hpz=True`` (stage 3, ZeRO++) the same 2-D mesh reads as (nodes, ranks in a node):
 state is sharded over all its ranks and the parameters get a secondary partition inside the
@@ -16,7 +18,8 @@ node (Note [hpZ slice order] in hierarchical.py).
 
 A mesh with a dimension named "tp" is a (dp, tp) mesh for tensor parallelism: zeroshard takes
 the other dimension(s) as its data-parallel mesh (Note [tensor-parallel parameters] in
-``tensor_parallel.py``).
+``tensor_parallel.py``). Such a mesh needs DTensor parameters: with plain ones each tp rank
+would train its own copy and write the same checkpoint files, so it is refused.
 """
 from __future__ import annotations
 
@@ -28,6 +31,55 @@ from zeroshard.comm.hierarchical import HierarchicalComm
 from zeroshard.comm.process_group import Comm
 
 
+REPLICATE_NAMES = ("dp_replicate", "replicate", "node")
+"""Names of the replicate (inter-node) dimension of a 2-D data-parallel mesh."""
+SHARD_NAMES = ("dp_shard", "shard", "local")
+"""Names of the shard (intra-node) dimension of a 2-D data-parallel mesh."""
+
+
+def _checked(mesh: Any) -> Any:
+    """``mesh`` once it is a DeviceMesh that holds this rank."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError as exc:  # (very old torch)
+        raise RuntimeError(f"mesh= needs torch.distributed.device_mesh: {exc}") from exc
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    if mesh.get_coordinate() is None:  # (torch then fails with an IndexError on its groups)
+        raise ValueError(f"mesh {mesh.mesh.tolist()} does not contain rank {dist.get_rank()}: every rank that "
+                         "builds the ZeroOptimizer passes a mesh it belongs to (e.g. init_device_mesh over all "
+                         "ranks, built the same on every rank)")
+    return mesh
+
+
+def data_parallel_mesh(mesh: Any) -> Any:
+    """The mesh zeroshard shards over: ``mesh`` without its "tp" dimension (Note
+    [tensor-parallel parameters])."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if "tp" not in names:
+        return mesh
+    rest = tuple(n for n in names if n != "tp")
+    if not rest:
+        raise ValueError("mesh has only a 'tp' dimension; pass the ('dp', 'tp') mesh or its mesh['dp']")
+    return mesh[rest[0]] if len(rest) == 1 else mesh[rest]
+
+
+def hybrid_dims(mesh: Any) -> tuple[int, int]:
+    """(replicate, shard) dimensions of a 2-D data-parallel mesh: by name where it has names
+    (in either order), else by position as FSDP2 does."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if not names:
+        return 0, 1
+    replicate = [i for i, n in enumerate(names) if n in REPLICATE_NAMES]
+    shard = [i for i, n in enumerate(names) if n in SHARD_NAMES]
+    if len(replicate) != 1 or len(shard) != 1:
+        raise ValueError(f"mesh_dim_names={names}: a 2-D data-parallel mesh names one replicate dimension "
+                         f"(one of {REPLICATE_NAMES}) and one shard dimension (one of {SHARD_NAMES}), e.g. "
+                         "mesh_dim_names=('dp_replicate', 'dp_shard'); an unnamed mesh is read as (replicate, "
+                         "shard). For tensor parallelism name the other dimension 'tp'")
+    return replicate[0], shard[0]
+
+
 def groups_from(process_group: Optional[dist.ProcessGroup], mesh: Any) -> tuple[Optional[dist.ProcessGroup],
                                                                                  Optional[dist.ProcessGroup]]:
     """(shard group, replicate group or None) from ``process_group=`` or ``mesh=``."""
@@ -35,22 +87,12 @@ def groups_from(process_group: Optional[dist.ProcessGroup], mesh: Any) -> tuple[
         return process_group, None
     if process_group is not None:
         raise ValueError("pass either process_group= or mesh=, not both (a mesh names its own groups)")
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError as exc:  # (very old torch)
-        raise RuntimeError(f"mesh= needs torch.distributed.device_mesh: {exc}") from exc
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    if "tp" in names:  # Note [tensor-parallel parameters]: zeroshard shards over the other dimensions
-        rest = tuple(n for n in names if n != "tp")
-        if not rest:
-            raise ValueError("mesh has only a 'tp' dimension; pass the ('dp', 'tp') mesh or its mesh['dp']")
-        mesh = mesh[rest[0]] if len(rest) == 1 else mesh[rest]
+    mesh = data_parallel_mesh(_checked(mesh))
     if mesh.ndim == 1:
         return mesh.get_group(0), None
     if mesh.ndim == 2:
-        return mesh.get_group(1), mesh.get_group(0)
+        replicate, shard = hybrid_dims(mesh)
+        return mesh.get_group(shard), mesh.get_group(replicate)
     names = getattr(mesh, "mesh_dim_names", None)
     raise ValueError(f"mesh has {mesh.ndim} dimensions {names or ''}; ZeroOptimizer takes a 1-D (shard) or "
                      "2-D (replicate, shard) data-parallel mesh: pass mesh['dp_replicate', 'dp_shard'] "
@@ -66,8 +108,10 @@ def comms_from(process_group: Optional[dist.ProcessGroup], mesh: Any,
     shard_group, replicate_group = groups_from(process_group, mesh)
     if replicate_group is None:
         return Comm(shard_group, dimension="dp"), None, None
+    dp = data_parallel_mesh(mesh)
+    ranks = dp.mesh if hybrid_dims(dp)[1] == 1 else dp.mesh.transpose(0, 1)  # (one row per shard group)
     return (Comm(shard_group, dimension="shard"), Comm(replicate_group, dimension="replicate"),
-            [row.tolist() for row in mesh.mesh])
+            [row.tolist() for row in ranks])
 
 
 def _hpz_comm(process_group: Optional[dist.ProcessGroup], mesh: Any) -> HierarchicalComm:
@@ -75,7 +119,7 @@ def _hpz_comm(process_group: Optional[dist.ProcessGroup], mesh: Any) -> Hierarch
         raise ValueError("hpz=True needs mesh= a 2-D DeviceMesh of (nodes, ranks per node), e.g. "
                          "init_device_mesh('cuda', (nodes, gpus_per_node)), and no process_group=: the "
                          "secondary partition lives in dimension 1, inside each node")
-    groups_from(None, mesh)  # (the type checks)
+    _checked(mesh)
     if "tp" in tuple(getattr(mesh, "mesh_dim_names", None) or ()):
         raise ValueError("hpz=True with tensor parallelism (a mesh with a 'tp' dimension) is not supported yet; "
                          "use hpZ on a (nodes, ranks per node) data-parallel mesh, or TP without hpz")
@@ -83,5 +127,6 @@ def _hpz_comm(process_group: Optional[dist.ProcessGroup], mesh: Any) -> Hierarch
         raise ValueError(f"hpz=True needs a mesh over every rank (the default group is its data-parallel "
                          f"group); this one holds {mesh.mesh.numel()} of {dist.get_world_size()} ranks (a "
                          "data-parallel sub-mesh next to tensor parallelism is not supported with hpZ yet)")
-    return HierarchicalComm(None, node=Comm(mesh.get_group(1), dimension="shard"),
-                            inter=Comm(mesh.get_group(0), dimension="replicate"))
+    inter, node = hybrid_dims(mesh)
+    return HierarchicalComm(None, node=Comm(mesh.get_group(node), dimension="shard"),
+                            inter=Comm(mesh.get_group(inter), dimension="replicate"))

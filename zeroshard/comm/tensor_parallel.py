@@ -193,11 +193,19 @@ class TensorParallel:
         return value.narrow(info.split.dim, info.split.dim_offset(info.part), info.split.sizes[info.part])
 
 
-def detect(params: list[torch.Tensor], names: dict[int, str], dp: Comm, config: Any, hybrid: bool) -> Optional[TensorParallel]:
+def detect(params: list[torch.Tensor], names: dict[int, str], dp: Comm, config: Any, hybrid: bool,
+           mesh: Any = None) -> Optional[TensorParallel]:
     """The TensorParallel of these parameters, or None when none is a DTensor; refuses what
-    is not supported (Note [tensor-parallel parameters])."""
+    is not supported (Note [tensor-parallel parameters]). ``mesh``: the one passed as ``mesh=``."""
     dts = [p for p in params if is_dtensor(p)]
     if not dts:
+        dims = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        if "tp" in dims and mesh["tp"].size() > 1:
+            # (each tp coordinate would train its own copy, and all of them save as the same ranks)
+            raise ValueError(f"mesh={mesh} has a 'tp' dimension of size {mesh['tp'].size()} but no parameter is a "
+                             "DTensor: every tp rank would train its own copy of the model. Parallelise the model "
+                             "over mesh['tp'] first (torch's parallelize_module), or for data parallelism alone pass "
+                             "a mesh without 'tp' over every rank (not this mesh's mesh['dp']) or process_group=")
         return None
     first = names.get(id(dts[0]), "?")
     if config.mixed_precision is not None:

@@ -101,7 +101,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Note [hybrid sharding], [hpZ slice order]; shard_group_ranks: rows of a hybrid mesh
         self.comm, self.replicas, self.shard_group_ranks = comms_from(process_group, mesh, self.config.hpz)
         params = [t for g in groups for t in g["params"]]
-        self.tp = tensor_parallel.detect(params, names, self.comm, self.config, self.replicas is not None)
+        self.tp = tensor_parallel.detect(params, names, self.comm, self.config, self.replicas is not None,
+                                         mesh)
         if self.tp is not None and frozen:
             raise ValueError(f"stage 3 with tensor parallelism partitions trainable parameters only; {len(frozen)} are "
                              f"frozen (e.g. {frozen[0].name!r}): use stage 1-2, or train them")
