@@ -6,11 +6,12 @@ import json
 import os
 import sys
 import time
-from typing import Callable
+from typing import Callable, Optional
 
-from zeroshard.checkpoint import locate
+from zeroshard.checkpoint import locate, manifest
 from zeroshard.checkpoint.errors import CheckpointError
 from zeroshard.checkpoint.export import export_hf
+from zeroshard.checkpoint.safe_fs import is_real_dir
 from zeroshard.checkpoint.shard_file import DTYPES
 from zeroshard.cli import Command
 
@@ -59,9 +60,10 @@ def _inspect(args: argparse.Namespace) -> int:
     for d in steps:
         reason = locate.quick_check(d)
         report.append(_summary(d) if reason is None else {"path": d, "invalid": reason})
+    invalid = 1 if any("invalid" in r for r in report) else 0  # (scripts rely on the status, not the text)
     if args.json:
         print(json.dumps(report, indent=1))
-        return 0
+        return invalid
     for r in report:
         if "invalid" in r:
             print(f"{r['path']}: INVALID ({r['invalid']})")
@@ -76,7 +78,7 @@ def _inspect(args: argparse.Namespace) -> int:
     latest = locate.latest_checkpoint(args.ckpt) if not locate.is_step_dir(args.ckpt) else None
     if latest:
         print(f"latest valid: {latest}")
-    return 0
+    return invalid
 
 
 # -- verify ----------------------------------------------------------------------------------
@@ -90,6 +92,10 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"no checkpoint steps under {args.ckpt}", file=sys.stderr)
         return 1
     bad = 0
+    skipped = None if locate.is_step_dir(args.ckpt) else _latest_left_out(args.ckpt)
+    if skipped is not None:
+        bad += 1
+        print(f"SKIPPED  {skipped}")
     for d in steps:
         t0 = time.perf_counter()
         reason = locate.full_check(d)
@@ -100,8 +106,28 @@ def _verify(args: argparse.Namespace) -> int:
             bad += 1
             print(f"DAMAGED  {d}: {reason}")
     if bad:
-        print(f"{bad} of {len(steps)} step(s) damaged; load_checkpoint(root) skips them", file=sys.stderr)
+        print(f"{bad} of {len(steps) + (skipped is not None)} step(s) damaged or skipped; load_checkpoint(root) "
+              "skips them", file=sys.stderr)
     return 1 if bad else 0
+
+
+def _latest_left_out(root: str) -> Optional[str]:
+    """What is wrong with ``root/latest`` when the step it names is not among the steps a load
+    tries (absent, or a symlink: step directories are never followed), else None."""
+    latest = os.path.join(root, manifest.LATEST)
+    if not os.path.lexists(latest):
+        return None
+    named = locate.read_latest(root)
+    if named is None:
+        return f"{latest}: not a regular file naming a step; load_checkpoint(root) ignores it"
+    path = os.path.join(root, named)
+    if not os.path.lexists(path):
+        return f"{path}: {latest} names it, and it does not exist"
+    if not is_real_dir(path):
+        kind = f"a symlink to {os.readlink(path)!r}" if os.path.islink(path) else "not a directory"
+        return (f"{path}: {latest} names it, and it is {kind}; step directories are never followed, so "
+                "load_checkpoint(root) and verify skip it")
+    return None
 
 
 # -- export ----------------------------------------------------------------------------------
@@ -111,6 +137,10 @@ def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-shard-size", default="2GB", help="e.g. 2GB, 500MiB (default 2GB)")
     p.add_argument("--dtype", default=None, help="cast floating tensors: bf16, fp16, fp32")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--base", default=None, metavar="DIR",
+                   help="the base model's Hugging Face directory (safetensors), for a checkpoint that left its "
+                        "frozen weights out (a PEFT model's): they are read from there, checked against the "
+                        "digests the checkpoint recorded, and the whole model is written")
 
 
 class _Bar:
@@ -152,7 +182,7 @@ def _export(args: argparse.Namespace) -> int:
     bar = _Bar(not args.no_progress)
     try:
         index = export_hf(args.ckpt, args.out, max_shard_size=args.max_shard_size, dtype=args.dtype,
-                          progress=bar)
+                          progress=bar, base=args.base)
     finally:
         bar.close()
     with open(index) as f:

@@ -12,7 +12,7 @@ import json
 import math
 import os
 import re
-from typing import Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
@@ -51,16 +51,19 @@ def _out_dtype(dtype: Union[None, str, torch.dtype], saved: torch.dtype) -> torc
     return _DTYPE_NAMES[dtype.lower()]
 
 
-def plan_shards(body: dict, max_bytes: int, dtype) -> list[list[tuple[str, torch.dtype, tuple[int, ...]]]]:
+def plan_shards(body: dict, max_bytes: int, dtype,
+                extra: Optional[dict[str, dict]] = None) -> list[list[tuple[str, torch.dtype, tuple[int, ...]]]]:
     """Tensors grouped greedily into shards of at most ``max_bytes`` (a bigger tensor alone).
     Tied aliases are written too (a copy of their target each), so a strict
     ``model.load_state_dict`` of the export finds every key of ``model.state_dict()``;
-    transformers re-ties them on load either way."""
+    transformers re-ties them on load either way. ``extra``: name -> {shape, dtype} of more
+    tensors (a lean checkpoint's frozen weights, from its base)."""
     aliases = body.get("aliases", {})
     shards: list[list] = [[]]
     size = 0
     entries = [(n, m) for n, m in body["tensors"].items() if n not in aliases]
     entries += [(alias, body["tensors"][target]) for alias, target in aliases.items() if target in body["tensors"]]
+    entries += list((extra or {}).items())
     for name, meta in entries:
         out = _out_dtype(dtype, DTYPES[meta["dtype"]])
         shape = tuple(meta["shape"])
@@ -76,27 +79,41 @@ def plan_shards(body: dict, max_bytes: int, dtype) -> list[list[tuple[str, torch
 
 
 def export_hf(step_dir: str, out_dir: str, max_shard_size: Union[int, str] = "2GB",
-              dtype: Union[None, str, torch.dtype] = None, progress: Optional[Progress] = None) -> str:
+              dtype: Union[None, str, torch.dtype] = None, progress: Optional[Progress] = None,
+              base: Optional[str] = None) -> str:
     """Writes the checkpoint's model weights to ``out_dir`` in the Hugging Face layout and
     returns the index path. ``dtype`` casts floating-point tensors (default: as saved).
-    ``progress(done_bytes, total_bytes)`` is called as data is written."""
+    ``progress(done_bytes, total_bytes)`` is called as data is written. ``base``: the base
+    model's Hugging Face directory (safetensors), for a checkpoint that recorded its frozen
+    weights without saving them (a PEFT model's): they are read from there, each checked
+    against the digest the checkpoint recorded, and the whole model is written."""
+    if base is not None and not isinstance(base, (str, os.PathLike)):
+        raise TypeError(f"base={base!r}: pass the base model's directory (a path)")
     step_dir, body = _choose(step_dir)
     frozen = body.get("frozen") or {}
     missing = sorted(set(frozen.get("tensors", {})) - set(body["tensors"]))
-    if missing:  # a LoRA checkpoint: the model would be incomplete (Note [frozen weights in checkpoints])
+    if missing and base is None:  # a LoRA checkpoint: the model would be incomplete (Note [frozen weights in checkpoints])
         raise ValueError(f"{step_dir} holds only what trains: its {len(missing)} frozen weights (e.g. {missing[:2]}) "
-                         "were not saved, so it is not a whole model. Export the trained model with "
-                         "zeroshard.export_merged(model, dir) / zeroshard.save_adapter(model, dir), or save with "
-                         "save_checkpoint(..., save_frozen=True)")
-    shards = plan_shards(body, parse_size(max_shard_size), dtype)
+                         "were not saved, so it is not a whole model. Pass the base model's directory "
+                         "(zeroshard export --base DIR, export_hf(..., base=DIR)) to write the whole model, export "
+                         "the trained model with zeroshard.export_merged(model, dir) / zeroshard.save_adapter(model, "
+                         "dir), or save with save_checkpoint(..., save_frozen=True)")
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         raise FileExistsError(f"output {out_dir!r} exists and is not a directory")
+    source = None
+    if missing:
+        from zeroshard.checkpoint.export_base import BaseSource  # (it reads safetensors as the stage-3 loader)
+        source = BaseSource(os.fspath(base), missing, frozen, step_dir)
+    extra = {n: {"shape": frozen["tensors"][n]["shape"], "dtype": frozen["tensors"][n]["dtype"]} for n in missing}
     readers: dict[str, ShardReader] = {}
     try:
-        return _write(step_dir, body, shards, out_dir, readers, progress)
+        shards = plan_shards(body, parse_size(max_shard_size), dtype, extra)
+        return _write(step_dir, body, shards, out_dir, readers, progress, source)
     finally:
         for r in readers.values():
             r.release()
+        if source is not None:
+            source.close()
 
 
 def _choose(path: str) -> tuple[str, dict]:
@@ -125,7 +142,7 @@ def _reader(step_dir: str, body: dict, readers: dict[str, ShardReader], fname: s
 
 
 def _write(step_dir: str, body: dict, shards: list, out_dir: str, readers: dict[str, ShardReader],
-           progress: Optional[Progress]) -> str:
+           progress: Optional[Progress], source: Any = None) -> str:
     os.makedirs(out_dir, exist_ok=True)
     total = sum(_nbytes(d, s) for shard in shards for _, d, s in shard)
     done = 0
@@ -138,7 +155,8 @@ def _write(step_dir: str, body: dict, shards: list, out_dir: str, readers: dict[
         def chunks() -> Iterator[memoryview]:
             nonlocal done
             for name, out, _ in shard:
-                for piece in _pieces(step_dir, body, readers, name, out):
+                from_base = source is not None and name in source.tensors
+                for piece in (source.chunks(name, out) if from_base else _pieces(step_dir, body, readers, name, out)):
                     done += len(piece)
                     yield piece
                     if progress is not None:

@@ -153,14 +153,19 @@ def check_compatible(body: dict, model: Optional[nn.Module], opt: Any, where: st
     unsaved = set(record["tensors"]) - set(saved)  # frozen weights checked by digest instead
     missing = sorted(set(expected) - set(saved) - unsaved)
     unexpected = sorted(set(saved) - set(expected))
+    # (the base it was trained on had them; an optimizer alone does not show a model's frozen weights)
+    base_lacking = sorted(unsaved - set(expected)) if model is not None else []
     wrong = [f"{n}: checkpoint {saved[n]['shape']} vs model {list(expected[n][0])}"
              for n in sorted(set(expected) & set(saved)) if list(expected[n][0]) != saved[n]["shape"]]
-    if missing or unexpected or wrong:
+    if missing or unexpected or base_lacking or wrong:
         parts = []
         if missing:
             parts.append(f"missing from the checkpoint: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
         if unexpected:
             parts.append(f"not in the model: {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
+        if base_lacking:
+            parts.append(f"frozen weights it was trained on (recorded, not saved), not in the model: "
+                         f"{base_lacking[:10]}{' ...' if len(base_lacking) > 10 else ''}")
         if wrong:
             parts.append("shape mismatch: " + "; ".join(wrong[:10]))
         raise CheckpointMismatchError(f"{where} was saved from a different model ({' | '.join(parts)}); load it "

@@ -327,17 +327,23 @@ def wait_checkpoint() -> None:
 def save_checkpoint(root: str, step: int, *, model: Optional[nn.Module], optimizer: Any,
                     scheduler: Any = None, dataloader: Any = None, extra: Any = None,
                     async_save: bool = False, keep_last: Optional[int] = None,
-                    save_frozen: bool = False) -> PendingSave:
+                    save_frozen: Optional[bool] = None) -> PendingSave:
     """Saves the full training state as ``root/step-NNNNNNNN`` (a collective: every rank of
     the optimizer's process group calls it). Each rank writes only the pieces it owns. With
     ``async_save=True`` it returns once the small state is captured; ``.wait()`` on the
     returned handle (or ``zeroshard.wait_checkpoint()``) blocks until committed.
 
-    Frozen parameters (``requires_grad=False``: a LoRA base) are recorded by name, shape and
-    digest, not written, and resuming checks the base matches; ``save_frozen=True`` writes them
-    too (Note [frozen weights in checkpoints] in zeroshard/checkpoint/frozen_base.py)."""
+    Frozen parameters (``requires_grad=False``) are written, except a PEFT model's base: that
+    is recorded by name, shape and digest, and resuming checks the base matches;
+    ``save_frozen=True``/``False`` writes them or not whatever the model (Note [frozen weights
+    in checkpoints] in zeroshard/checkpoint/frozen_base.py)."""
+    if model is None and optimizer is None:
+        raise ValueError("save_checkpoint needs model=... and/or optimizer=... (with neither it would save "
+                         "nothing): pass the model and its ZeroOptimizer")
+    if save_frozen is None:
+        save_frozen = frozen_base.save_frozen_default(model, optimizer)
     if not isinstance(save_frozen, bool):
-        raise TypeError(f"save_frozen={save_frozen!r} must be True or False")
+        raise TypeError(f"save_frozen={save_frozen!r} must be True, False or None (whole unless a PEFT model)")
     return _SAVER.save(root, step, model, optimizer, scheduler, dataloader, extra, async_save, keep_last,
                        save_frozen=save_frozen)
 

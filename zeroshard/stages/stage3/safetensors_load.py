@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from zeroshard.checkpoint import frozen_base
 from zeroshard.checkpoint.shard_file import DTYPES
 
 from zeroshard.optim.registry import optimizer_for
@@ -146,6 +147,9 @@ def load_safetensors(model: nn.Module, path: str, strict: bool = True) -> list[s
     try:
         return _load(opt, model, path, files, handle, strict)
     finally:
+        # (whole tensors are written through .data, which moves no version counter: a save
+        # must not reuse the old base's digests. Note [frozen weights in checkpoints])
+        frozen_base.forget(opt)
         for h in handles.values():
             h.close()
 
