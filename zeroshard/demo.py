@@ -80,7 +80,7 @@ def _train_and_save(rank: int, world: int, root: str, global_batch: int, out: li
     losses = _steps(model, opt, rank, world, 4, 8, global_batch)
     weights = _weights(model)
     if rank == 0:
-        print(f"\nstage 2, {world} ranks: trained 8 steps, checkpoint saved at step 4 in {root}: "
+        print(f"stage 2, {world} ranks: trained 8 steps, checkpoint saved at step 4 in {root}: "
               f"{sorted(os.listdir(os.path.join(root, 'step-00000004')))}", flush=True)
         save_file(weights, os.path.join(root, "uninterrupted.safetensors"), {"loss": repr(losses[-1])})
 
@@ -112,9 +112,12 @@ def main(argv: list[str] | None = None) -> None:
     if a.global_batch % a.world_size:
         raise SystemExit(f"--global-batch {a.global_batch} must be divisible by --world-size {a.world_size}")
     _prepare_kernels()
+    print(f"zeroshard demo: starting {a.world_size} gloo ranks (each imports torch, a few seconds)", flush=True)
     spawn(_stages, a.world_size, a.steps, a.global_batch)
     with tempfile.TemporaryDirectory(prefix="zeroshard-demo-") as root:
+        print("\nzeroshard demo: stage 2 on fresh ranks, 8 steps, a checkpoint at step 4", flush=True)
         spawn(_train_and_save, a.world_size, root, a.global_batch, [])
+        print("zeroshard demo: resuming in fresh processes, as after a crash", flush=True)
         spawn(_resume, a.world_size, root, a.global_batch, 2)   # fresh processes, as after a crash
         _resume_single(root, a.global_batch)                    # reshard: 1 process, stage 0
 
