@@ -55,6 +55,24 @@ class Traffic:
     dimension: str = "dp"
 
 
+def check_launched_with_group() -> None:
+    """A launcher (torchrun, ``accelerate launch``) that says there are several ranks
+    (``WORLD_SIZE`` > 1) needs ``init_process_group`` before the optimizer: without a group each
+    rank would silently train alone as a world of one, on its own data."""
+    if dist.is_available() and dist.is_initialized():
+        return
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:  # (not a launcher's value: torch.distributed would refuse it itself)
+        return
+    if world > 1:
+        raise RuntimeError(
+            f"the environment says WORLD_SIZE={world} (as torchrun sets it) but no process group is "
+            "initialized, so each rank would train alone as a world of one. Call "
+            "torch.distributed.init_process_group(backend) before building the ZeroOptimizer (or unset "
+            "WORLD_SIZE for a single process)")
+
+
 class Comm:
     """Rank, world size and collectives of one process group (or of a single process).
 

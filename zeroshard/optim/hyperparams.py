@@ -181,3 +181,23 @@ def single_dtype(trainable: list[NamedParam]) -> torch.dtype:
         raise TypeError(f"trainable parameters mix dtypes {sorted(map(str, dtypes))}; cast the model "
                         "to one dtype, or use mixed_precision='bf16'/'fp16' to let zeroshard do it")
     return dtypes.pop()
+
+
+def nvme_kernel_refusal(optimizer_class: type, kwargs: dict) -> ValueError:
+    return ValueError(
+        f"offload_optimizer='nvme' streams Adam/AdamW moments through the fused kernel; "
+        f"{getattr(optimizer_class, '__name__', optimizer_class)}(**{kwargs}) does not run on it (use "
+        "torch.optim.Adam or AdamW without amsgrad/foreach/fused/capturable, or offload_optimizer='cpu')")
+
+
+def check_nvme_kernel(config: ZeroConfig, optimizer_class: type, kwargs: dict, group_options: list[dict],
+                      params: list[torch.Tensor]) -> None:
+    """offload_optimizer="nvme" steps every group on the fused kernel: a class, option or dtype
+    it does not run is refused here, before any parameter is moved (Note [refused construction]
+    in zeroshard/optim/construction.py). ``group_options``: each group's options, no params."""
+    if config.offload_optimizer != "nvme":
+        return
+    from zeroshard.optim.kernel_choice import choose_kernels
+    float64 = config.mixed_precision is None and any(p.requires_grad and p.dtype == torch.float64 for p in params)
+    if not all(choose_kernels(optimizer_class, kwargs, group_options or [{}], config.fused_adam and not float64)):
+        raise nvme_kernel_refusal(optimizer_class, kwargs)

@@ -21,13 +21,20 @@ the group, or refuse. The guard's state-dict hook gives each such entry its own 
 copy, the size of the model's weights, for the duration of the caller's use); with
 ``keep_vars=True`` (the Parameters themselves) nothing is copied. Stage 3 shows sharded
 parameters instead (Note [sharded parameters] in zeroshard/stages/stage3/gatherer.py).
+
+The guard's forward pre-hook (run first) refuses a forward that DistributedDataParallel runs
+over the managed model: DDP kept around it would leave every gradient zero
+(zeroshard/optim/ddp_check.py).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
+
+from zeroshard.optim import ddp_check
 
 
 class ModuleGuard:
@@ -43,6 +50,10 @@ class ModuleGuard:
         # (a function, not a bound method: torch marks public hooks with an attribute)
         self._hooks = ([model.register_state_dict_post_hook(lambda *a: self._own_storage(*a))]
                        if self._flat else [])
+        # DDP kept around the model (zeroshard/optim/ddp_check.py); first, before any gather
+        self._ddp_seen: weakref.WeakSet = weakref.WeakSet()
+        self._hooks.append(model.register_forward_pre_hook(
+            lambda *a: ddp_check.refuse_active_ddp(self.managed, self._ddp_seen), prepend=True))
 
     def _own_storage(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
         for key, t in state_dict.items():  # Note [state dicts of flat parameters]

@@ -30,7 +30,8 @@ from zeroshard.io.host_pool import HOST_POOL
 from zeroshard.layout import Segment, build_layouts, layouts_for
 from zeroshard.memory import MemoryReport
 from zeroshard.ops.sqnorm import squared_norm_f64
-from zeroshard.optim import clipping, hooks, kernel_choice, lifecycle, registry, reports, state_io, untouched
+from zeroshard.optim import (clipping, construction, ddp_check, hooks, kernel_choice, lifecycle, registry, reports,
+                             state_io, untouched)
 from zeroshard.optim.elementwise import check_elementwise
 from zeroshard.optim.flat_unit import FlatUnit, Placement
 from zeroshard.optim.grad_links import GradLinks
@@ -38,7 +39,8 @@ from zeroshard.optim.module_guard import ModuleGuard
 from zeroshard.optim import step_in_flight
 from zeroshard.optim.step_in_flight import JoinedAttribute, StepInFlight
 from zeroshard.optim.grad_sync import GradientReducer
-from zeroshard.optim.hyperparams import check_inputs, check_optimizer_kwargs, single_dtype, trainable_params
+from zeroshard.optim.hyperparams import (check_inputs, check_optimizer_kwargs, nvme_kernel_refusal, single_dtype,
+                                         trainable_params)
 from zeroshard.offload import NvmeOptimizerState
 from zeroshard.offload.placement import StatePlacement
 from zeroshard.offload.unit_swap import NvmeUnitStore
@@ -86,6 +88,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError("stage=3 partitions parameters by module, so it needs the nn.Module: "
                              "ZeroOptimizer(model, ...), or with param groups "
                              "ZeroOptimizer(groups, ..., stage=3, module=model)")
+        # Everything checkable is checked before the model is touched; the rest is undone on an
+        # error (Note [refused construction] in zeroshard/optim/construction.py).
+        snapshot = construction.check_and_record(self.config, model_or_params, module, optimizer_class, kwargs)
+        try:
+            self._build(model_or_params, module, optimizer_class, process_group, mesh, kwargs, snapshot)
+        except BaseException as exc:
+            construction.abandon(self, snapshot, exc)
+            raise
+
+    def _build(self, model_or_params: Any, module: Optional[nn.Module], optimizer_class: type,
+               process_group: Optional[dist.ProcessGroup], mesh: Any, kwargs: dict,
+               snapshot: construction.ModelSnapshot) -> None:
         device = None
         meta_shapes: dict[int, torch.Size] = {}
         if isinstance(model_or_params, nn.Module):
@@ -120,21 +134,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                      self.policy.shard_parameters)
         lifecycle.check_unclaimed([m.param for m in trainable], names)
         param_dtype = _DTYPES[self.config.mixed_precision] or single_dtype(trainable)
-        if self.config.mixed_precision is not None:  # frozen weights compute in the model dtype too
-            for p in [p for g in groups for p in g["params"]] + [m.param for m in frozen]:
-                if not p.requires_grad and p.is_floating_point() and p.dtype != param_dtype:
-                    p.data = p.data.to(param_dtype)
+        all_params = [p for g in groups for p in g["params"]] + [m.param for m in frozen]
+        # frozen weights compute in the model dtype too: cast once nothing can refuse (the last step)
+        casts = construction.frozen_casts(all_params, param_dtype) if self.config.mixed_precision else {}
+        snapshot.keep_data_only_of(lambda p: self.policy.shard_parameters or local_of(p).dtype != param_dtype)
         reduce_dtype = _DTYPES[self.config.reduce_dtype] or (torch.float64 if param_dtype == torch.float64
                                                              else torch.float32)
         bucket_numel = max(1, int(self.config.bucket_size_mb * 2**20) // torch.finfo(param_dtype).bits * 8)
         unit_modules: list = []
         if self.policy.shard_parameters:
             groupings, unit_modules, frozen_groupings, frozen_modules = split_frozen(*plan_units(
-                module, trainable + frozen, self.config.stage3_unit_classes, self.config.stage3_unit_numel))
+                module, trainable + frozen, self.config.stage3_unit_classes, self.config.stage3_unit_numel),
+                dtype_of=lambda m: casts.get(id(m.param), m.param.dtype))
             layouts = layouts_for(groupings, self.comm.world_size)
         else:
             layouts = build_layouts(trainable, bucket_numel, self.comm.world_size)
-        self.placement = StatePlacement(self, layouts, unit_modules, param_dtype, groups,  # or offload="auto"
+        self.placement = StatePlacement(self, layouts, unit_modules, param_dtype,  # or offload="auto"
+                                        construction.as_planned(groups, casts),
                                         device if meta_shapes else None)  # (Note [automatic placement])
         self.unit_store: Optional[NvmeUnitStore] = self.placement.store  # gradients, masters (and shards) on NVMe
         self.units = []
@@ -147,7 +163,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for layout, members in (layouts_for(frozen_groupings, self.comm.world_size, len(self.units))
                                 if frozen else []):
             # (frozen weights follow offload_params; offload="auto" places what trains)
-            unit = FlatUnit(layout, members, self.policy, self.comm.shard_rank, members[0].param.dtype,
+            unit = FlatUnit(layout, members, self.policy, self.comm.shard_rank,
+                            casts.get(id(members[0].param), members[0].param.dtype),
                             device if meta_shapes else None,
                             Placement(self.config.offload_optimizer, self.config.offload_params), frozen=True)
             if self.unit_store is not None and self.config.offload_params == "nvme":
@@ -159,10 +176,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.swapper: Optional[NvmeOptimizerState] = None
         if self.placement.streams_optimizer:
             if kernel_choice.fused_part(self.inner) is None:
-                raise ValueError(
-                    f"offload_optimizer='nvme' streams Adam/AdamW moments through the fused kernel; "
-                    f"{optimizer_class.__name__}(**{kwargs}) does not run on it (use torch.optim.Adam "
-                    "or AdamW without amsgrad/foreach/fused/capturable, or offload_optimizer='cpu')")
+                raise nvme_kernel_refusal(optimizer_class, kwargs)
             slots = reports.staging_slots(self)
             self.swapper = NvmeOptimizerState(self.runs, self.config.nvme_path, self.comm.rank, max_slots=slots,
                                               **self.placement.state_options(self.runs, slots))
@@ -190,6 +204,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._set_grad_factor()
         self.grad_links = GradLinks(self.units, self.comm, show)
         self.reducer.on_pass_start.append(lifecycle.weak_method(self._begin_pass))  # (del opt frees it)
+        if module is None:  # (with a module, the module guard sees DDP's forward)
+            self.reducer.on_pass_start.append(ddp_check.at_first_backward(params))
         self.reducer.on_pass_end.append(self.grad_links.publish)
         self.reducer.on_pass_end.append(HOST_POOL.trim)  # (Note [reused host buffers])
         self.placement.watch(self.reducer)
@@ -227,6 +243,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._checked_pass = -1  # reducer pass whose overflow flag is cached
         self._overflow = False
         self._scaled_pass = -1
+        snapshot.commit()
+        construction.cast_frozen(all_params, casts)
 
     # -- properties users read -----------------------------------------------------------------
     @property

@@ -25,7 +25,7 @@ nodes read the later module's weights), and at the end of backward at the latest
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -45,11 +45,13 @@ def frozen_params(module: nn.Module, shapes: dict[int, torch.Size]) -> list[Name
     return out
 
 
-def split_frozen(groups: Sequence[Sequence[NamedParam]], modules: Sequence[Optional[nn.Module]]
+def split_frozen(groups: Sequence[Sequence[NamedParam]], modules: Sequence[Optional[nn.Module]],
+                 dtype_of: Callable[[NamedParam], torch.dtype] = lambda m: m.param.dtype
                  ) -> tuple[list[list[NamedParam]], list[Optional[nn.Module]],
                             list[list[NamedParam]], list[Optional[nn.Module]]]:
     """Splits planned units (each mixing trainable and frozen parameters of one module) into
-    trainable units and frozen units (one per dtype), keeping each unit's module."""
+    trainable units and frozen units (one per dtype: ``dtype_of``, the dtype a frozen weight will
+    have, e.g. cast by mixed precision), keeping each unit's module."""
     trainable, t_modules, frozen, f_modules = [], [], [], []
     for group, module in zip(groups, modules):
         train = [m for m in group if m.param.requires_grad]
@@ -59,7 +61,7 @@ def split_frozen(groups: Sequence[Sequence[NamedParam]], modules: Sequence[Optio
         by_dtype: dict[torch.dtype, list[NamedParam]] = {}
         for m in group:
             if not m.param.requires_grad:
-                by_dtype.setdefault(m.param.dtype, []).append(m)
+                by_dtype.setdefault(dtype_of(m), []).append(m)
         for members in by_dtype.values():
             frozen.append(members)
             f_modules.append(module)
