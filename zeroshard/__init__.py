@@ -17,7 +17,11 @@ __version__ = "0.1.0"
 __all__ = ["ZeroOptimizer", "ZeroConfig", "MemoryReport", "zero_formula", "full_state_dict",
            "init_meta_weights", "load_safetensors", "__version__"]
 __all__ += ["save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint", "wait_checkpoint"]
-from zeroshard.train.initialize import initialize  # noqa: E402 - a DeepSpeed config -> (model, optimizer, scheduler)
-__all__ += ["initialize"]
+# initialize(model, config) -> (model, optimizer, scheduler); DeepSpeed's keyword form -> (engine, optimizer,
+# dataloader, scheduler), so `import zeroshard as deepspeed` runs DeepSpeed scripts (zeroshard/deepspeed_compat/)
+from zeroshard.deepspeed_compat import add_config_arguments, init_distributed, initialize, zero  # noqa: E402
+import sys as _sys  # noqa: E402
+_sys.modules.setdefault("zeroshard.zero", zero)  # (`from zeroshard.zero import GatheredParameters`)
+__all__ += ["initialize", "add_config_arguments", "init_distributed", "zero"]
 from zeroshard.integrations.peft_export import export_merged, save_adapter  # noqa: E402 - PEFT (LoRA) exports
 __all__ += ["save_adapter", "export_merged"]

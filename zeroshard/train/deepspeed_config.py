@@ -342,8 +342,10 @@ def _optimizer(r: _Reader, unsupported: list[str]) -> tuple[Optional[type], dict
             cls = torch.optim.AdamW if mode else torch.optim.Adam
         else:
             cls = getattr(torch.optim, _OPTIMIZERS.get(key, str(name)))
-        if key in ("adam", "adamw"):
-            kwargs["weight_decay"] = 0.0  # DeepSpeed's FusedAdam default; torch's AdamW has 0.01
+        if key in ("adam", "adamw") and params.get("torch_adam") is not True:
+            # DeepSpeed's FusedAdam default; with torch_adam DeepSpeed builds torch's class, whose
+            # default (AdamW: 0.01) then applies.
+            kwargs["weight_decay"] = 0.0
     if str(name).lower() in ("adam", "adamw"):
         r.get("optimizer.params.adam_w_mode")
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}

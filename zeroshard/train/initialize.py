@@ -57,7 +57,7 @@ def initialize(model: nn.Module, config: Union[None, str, os.PathLike, Mapping] 
     ``config``: a DeepSpeed JSON file or dict (the common subset: zero_optimization, optimizer,
     scheduler, fp16/bf16, gradient_clipping, batch sizes; see ``deepspeed_config.py``). Keys it
     does not support raise a ValueError naming each (``strict=False``: a warning).
-    ``model_parameters``: param groups for stages 0-2 (default: the model).
+    ``model_parameters``: param groups (default: the model); at stage 3 too.
     ``overrides``: zeroshard names that win over the config and resolve its "auto" values:
     ``stage, offload_optimizer, offload_params, nvme_path, mixed_precision, bucket_size_mb,
     reduce_dtype, optimizer`` (a class), ``lr, weight_decay, betas, eps, momentum,
@@ -72,10 +72,9 @@ def initialize(model: nn.Module, config: Union[None, str, os.PathLike, Mapping] 
         raise ValueError("the config has no 'optimizer' section; add one (e.g. {\"type\": \"AdamW\", \"params\": "
                          "{\"lr\": 1e-4}}) or pass optimizer=torch.optim.AdamW, lr=... to initialize")
     params = model if model_parameters is None else model_parameters
-    if plan.zero.get("stage") == 3 and model_parameters is not None:
-        raise ValueError("stage 3 partitions by module and takes the model itself; drop model_parameters "
-                         "(per-group hyperparameters need stages 0-2)")
+    # module=: stage 3 plans its units by module, also when param groups are given.
     optimizer = ZeroOptimizer(params, plan.optimizer_class, process_group=process_group,
+                              module=model if model_parameters is not None else None,
                               **plan.zero, **plan.optimizer_kwargs)
     scheduler = build_schedule(plan.scheduler, optimizer, plan.scheduler_params) if plan.scheduler else None
     return Initialized(model, optimizer, scheduler, plan)
