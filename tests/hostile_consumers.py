@@ -189,7 +189,8 @@ def cli_verify_verdict(root: str, case: Case) -> Optional[str]:
 def cli_inspect_verdict(root: str, case: Case) -> Optional[str]:
     rc, text = _cli("inspect", root)
     invalid = f"{os.path.join(root, S2)}: INVALID" in text
-    if "Traceback" in text or rc != 0 or invalid != (quick_check(os.path.join(root, S2)) is not None) or \
+    # (exit status 1 exactly when a step it shows is invalid: scripts rely on it)
+    if "Traceback" in text or rc != int(": INVALID (" in text) or invalid != (quick_check(os.path.join(root, S2)) is not None) or \
             "latest valid:" not in text:
         return f"zeroshard inspect: rc {rc}: {text[-600:]}"
     return None

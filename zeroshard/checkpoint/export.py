@@ -12,13 +12,16 @@ import json
 import math
 import os
 import re
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
 import torch
 
 from zeroshard.checkpoint import tp_layout
 from zeroshard.checkpoint.pieces import PARAM
 from zeroshard.checkpoint.shard_file import DTYPES, ShardReader, header_bytes, tensor_bytes, write_stream
+
+if TYPE_CHECKING:
+    from zeroshard.checkpoint.export_base import BaseSource
 
 _BLOCKS = 1
 _CHUNK_ELEMS = 2 << 20
@@ -101,7 +104,7 @@ def export_hf(step_dir: str, out_dir: str, max_shard_size: Union[int, str] = "2G
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         raise FileExistsError(f"output {out_dir!r} exists and is not a directory")
     source = None
-    if missing:
+    if missing and base is not None:
         from zeroshard.checkpoint.export_base import BaseSource  # (it reads safetensors as the stage-3 loader)
         source = BaseSource(os.fspath(base), missing, frozen, step_dir)
     extra = {n: {"shape": frozen["tensors"][n]["shape"], "dtype": frozen["tensors"][n]["dtype"]} for n in missing}
@@ -142,7 +145,7 @@ def _reader(step_dir: str, body: dict, readers: dict[str, ShardReader], fname: s
 
 
 def _write(step_dir: str, body: dict, shards: list, out_dir: str, readers: dict[str, ShardReader],
-           progress: Optional[Progress], source: Any = None) -> str:
+           progress: Optional[Progress], source: Optional["BaseSource"] = None) -> str:
     os.makedirs(out_dir, exist_ok=True)
     total = sum(_nbytes(d, s) for shard in shards for _, d, s in shard)
     done = 0
@@ -155,8 +158,9 @@ def _write(step_dir: str, body: dict, shards: list, out_dir: str, readers: dict[
         def chunks() -> Iterator[memoryview]:
             nonlocal done
             for name, out, _ in shard:
-                from_base = source is not None and name in source.tensors
-                for piece in (source.chunks(name, out) if from_base else _pieces(step_dir, body, readers, name, out)):
+                pieces = source.chunks(name, out) if source is not None and name in source.tensors else \
+                    _pieces(step_dir, body, readers, name, out)
+                for piece in pieces:
                     done += len(piece)
                     yield piece
                     if progress is not None:

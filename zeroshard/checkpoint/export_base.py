@@ -11,6 +11,7 @@ export never mixes a checkpoint with a base it was not trained on. The base is r
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -79,7 +80,7 @@ class BaseSource:
                 wrong.append(f"{name}: checkpoint {want['shape']} vs {stored!r} {reader.shape(stored)}")
                 continue
             t = BaseTensor(files[stored], stored, dtype, tuple(want["shape"]))
-            have = frozen_base.streamed_digest(lambda a, b, t=t: self._read(t, a, b), math.prod(t.shape), _CHUNK)
+            have = frozen_base.streamed_digest(functools.partial(self._read, t), math.prod(t.shape), _CHUNK)
             if have != want["digest"]:
                 wrong.append(f"{name} ({stored!r}): values differ (digest {want['digest']} vs {have})")
                 continue

@@ -18,9 +18,10 @@ that holds them restores them.
 A resume always recomputes the digests (one read of the base, as loading it was), so no
 write to the base escapes it, whatever it went through (``.data`` writes and
 ``load_safetensors``, which copies through ``.data``, do not move the version counter). A
-save reuses the digests it computed last only for a base over ``_FRESH_BYTES`` (1.5 GB/s
-on the benchmark's VM: a 14 GB base costs 10 s a save, 256 MiB 0.2 s), and only while every
-tensor keeps its storage, its version and the CRCs of ``_PROBES`` blocks spread over it;
+save reuses the digests it computed last only for a base over ``_FRESH_BYTES`` (hashing runs
+at 1.5 GB/s on one core of the 2-core dev VM: a 14 GB base would cost 10 s a save, 256 MiB
+0.2 s; the probe of a 324 MiB base 1 ms), and only while every tensor keeps its storage,
+its version and the CRCs of ``_PROBES`` blocks spread over it;
 ``load_safetensors`` drops them (``forget``). A partial ``.data`` write to a big base between
 saves that misses every probed block goes unseen by the save's record (not by a resume).
 

@@ -23,12 +23,15 @@ would train its own copy and write the same checkpoint files, so it is refused.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch.distributed as dist
 
 from zeroshard.comm.hierarchical import HierarchicalComm
 from zeroshard.comm.process_group import Comm
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 REPLICATE_NAMES = ("dp_replicate", "replicate", "node")
@@ -37,7 +40,7 @@ SHARD_NAMES = ("dp_shard", "shard", "local")
 """Names of the shard (intra-node) dimension of a 2-D data-parallel mesh."""
 
 
-def _checked(mesh: Any) -> Any:
+def _checked(mesh: object) -> "DeviceMesh":
     """``mesh`` once it is a DeviceMesh that holds this rank."""
     try:
         from torch.distributed.device_mesh import DeviceMesh
@@ -52,7 +55,7 @@ def _checked(mesh: Any) -> Any:
     return mesh
 
 
-def data_parallel_mesh(mesh: Any) -> Any:
+def data_parallel_mesh(mesh: "DeviceMesh") -> "DeviceMesh":
     """The mesh zeroshard shards over: ``mesh`` without its "tp" dimension (Note
     [tensor-parallel parameters])."""
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
@@ -64,7 +67,7 @@ def data_parallel_mesh(mesh: Any) -> Any:
     return mesh[rest[0]] if len(rest) == 1 else mesh[rest]
 
 
-def hybrid_dims(mesh: Any) -> tuple[int, int]:
+def hybrid_dims(mesh: "DeviceMesh") -> tuple[int, int]:
     """(replicate, shard) dimensions of a 2-D data-parallel mesh: by name where it has names
     (in either order), else by position as FSDP2 does."""
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())

@@ -34,12 +34,15 @@ cannot stand behind it), no NVMe offload, no hybrid (3-D) mesh, DTensors on a 1-
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from zeroshard.comm.process_group import Comm
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def is_dtensor(t: Any) -> bool:
@@ -194,13 +197,13 @@ class TensorParallel:
 
 
 def detect(params: list[torch.Tensor], names: dict[int, str], dp: Comm, config: Any, hybrid: bool,
-           mesh: Any = None) -> Optional[TensorParallel]:
+           mesh: Optional["DeviceMesh"] = None) -> Optional[TensorParallel]:
     """The TensorParallel of these parameters, or None when none is a DTensor; refuses what
     is not supported (Note [tensor-parallel parameters]). ``mesh``: the one passed as ``mesh=``."""
     dts = [p for p in params if is_dtensor(p)]
     if not dts:
         dims = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        if "tp" in dims and mesh["tp"].size() > 1:
+        if mesh is not None and "tp" in dims and mesh["tp"].size() > 1:
             # (each tp coordinate would train its own copy, and all of them save as the same ranks)
             raise ValueError(f"mesh={mesh} has a 'tp' dimension of size {mesh['tp'].size()} but no parameter is a "
                              "DTensor: every tp rank would train its own copy of the model. Parallelise the model "
