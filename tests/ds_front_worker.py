@@ -87,7 +87,7 @@ def _run_all(deepspeed: Any, out: str, tag: str) -> dict:
     the checkpoint runs the same THEN steps."""
     results = {}
     for stage in STAGES:
-        ckpt = os.path.join(out, f"{tag}-stage{stage}")
+        ckpt = os.path.join(out, f"{tag}-w{dist.get_world_size()}-stage{stage}")
         straight = script(deepspeed, stage, FIRST + THEN, save_dir=ckpt, save_at=FIRST)
         resumed = script(deepspeed, stage, THEN, load_dir=ckpt)
         results[stage] = {"straight": straight, "resumed": resumed}
@@ -121,6 +121,23 @@ def gathered_checks(stage: int) -> dict:
             "moved_from_0.25": float((trained["0.weight"] - 0.25).abs().max())}
 
 
+def convert_and_resume(out: str) -> dict:
+    """The checkpoints real DeepSpeed wrote at stages 2-3 on 2 ranks (``_run_all``), converted
+    (rank 0, in a group of its own; the world-1 run reuses them) and resumed by zeroshard."""
+    import zeroshard
+    from zeroshard.deepspeed_compat.convert import convert_deepspeed
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    alone = [dist.new_group([r]) for r in range(world)]  # (a collective: every rank creates every group)
+    for stage in CONVERT_STAGES:
+        converted = os.path.join(out, f"converted-stage{stage}")
+        if world == 2 and rank == 0:
+            convert_deepspeed(os.path.join(out, f"ds-w2-stage{stage}"), converted, process_group=alone[0])
+        dist.barrier()
+        results[stage] = script(zeroshard, stage, THEN, load_dir=converted)
+    return results
+
+
 def run(rank: int, world: int, out: str, with_deepspeed: bool) -> None:
     import zeroshard
     results: dict[str, Any] = {"zeroshard": _run_all(zeroshard, out, "zs"),
@@ -130,5 +147,6 @@ def run(rank: int, world: int, out: str, with_deepspeed: bool) -> None:
         import deepspeed
         deepspeed.init_distributed(dist_backend="gloo")
         results["deepspeed"] = _run_all(deepspeed, out, "ds")
+        results["converted"] = convert_and_resume(out)
     with open(os.path.join(out, f"results-w{world}-r{rank}.json"), "w") as f:
         json.dump(results, f)

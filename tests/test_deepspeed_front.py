@@ -37,7 +37,7 @@ def runs(tmp_path_factory):
     if not HAVE_DEEPSPEED:
         pytest.skip("deepspeed is not installed (pip install deepspeed; CPU: DS_BUILD_OPS=0)")
     out = str(tmp_path_factory.mktemp("ds_front"))
-    results = {}
+    results: dict = {"out": out}
     for world in (2, 1):
         spawn(worker.run, world, out, True, threads=1)
         results[world] = {}
@@ -74,6 +74,32 @@ def test_resume_is_identical_and_returns_client_state(runs, world):
                                                                           "note": "from the script"}
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_converted_deepspeed_checkpoint_resumes_as_deepspeed_does(runs, world):
+    """DeepSpeed wrote stage 2 and 3 checkpoints on 2 ranks; converted, zeroshard resumes them on
+    ``world`` ranks and takes the steps DeepSpeed's own resume took."""
+    for stage in map(str, worker.CONVERT_STAGES):
+        ds = runs[2][0]["deepspeed"][stage]["resumed"]
+        for rank, res in runs[world].items():
+            got = res["converted"][stage]
+            assert got["lrs"] == ds["lrs"] and got["global_steps"] == ds["global_steps"], (stage, world, rank)
+            assert got["client"] == ds["client"]
+            diff = _rel(got["weights"], ds["weights"])
+            assert diff < RTOL, f"stage {stage} world {world} rank {rank}: {diff:.2e}"
+
+
+def test_convert_command_writes_a_loadable_checkpoint(runs, tmp_path):
+    from zeroshard.cli import main
+    src = os.path.join(runs["out"], "ds-w2-stage3")
+    assert main(["convert-deepspeed", src, str(tmp_path / "zs"), "--tag", f"global_step{worker.FIRST}"]) == 0
+    model = worker.make_model()
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, stage=1, lr=1e-3)
+    info = zeroshard.load_checkpoint(str(tmp_path / "zs"), model=model, optimizer=opt)
+    assert info["step"] == worker.FIRST and info["extra"]["client_state"]["note"] == "from the script"
+    assert info["extra"]["converted_from"]["world_size"] == 2
+    assert main(["convert-deepspeed", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 1
+
+
 def test_gathered_parameters_reads_and_writes_stage3_weights(runs):
     for stage in ("2", "3"):
         for rank, res in runs[2].items():
@@ -86,6 +112,32 @@ def test_gathered_parameters_reads_and_writes_stage3_weights(runs):
 
 
 # -- one process, no DeepSpeed needed ------------------------------------------------------------
+class _Shell:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_restricted_unpickler_refuses_code_and_reads_tensors(tmp_path):
+    import collections
+    import pickle
+    from zeroshard.deepspeed_compat.restricted_unpickler import load_pt
+    evil = _Shell()
+    evil.marker = str(tmp_path / "ran")
+    torch.save({"w": torch.ones(2), "payload": evil}, tmp_path / "evil.pt")
+    with pytest.raises(pickle.UnpicklingError, match=r"refusing to unpickle posix\.system"):
+        load_pt(str(tmp_path / "evil.pt"))
+    assert not os.path.exists(evil.marker)
+    good = {"a": torch.arange(6.).view(2, 3)[:, 1:], "b": collections.OrderedDict(x=torch.Size([2])),
+            "c": [torch.tensor(1, dtype=torch.int64), torch.zeros(0, dtype=torch.bfloat16)], "d": (1, "s", None)}
+    good["e"] = good["a"]  # (shared storage stays shared)
+    torch.save(good, tmp_path / "good.pt")
+    back = load_pt(str(tmp_path / "good.pt"))
+    assert torch.equal(back["a"], good["a"]) and back["b"] == good["b"] and back["d"] == good["d"]
+    assert back["c"][1].dtype == torch.bfloat16 and back["e"].data_ptr() == back["a"].data_ptr()
+    (tmp_path / "legacy.pt").write_bytes(pickle.dumps({"w": 1}))
+    with pytest.raises(ValueError, match="zip"):
+        load_pt(str(tmp_path / "legacy.pt"))
+
 def _reference(steps: int, stage_model: torch.nn.Module) -> dict:
     """The same training with torch.optim.AdamW, clip_grad_norm_ and a WarmupLR, by hand."""
     ref = worker.make_model()

@@ -61,6 +61,7 @@ SUBCOMMAND_MODULES: list[str] = [
     "zeroshard.train.finetune",  # finetune (torchrun; reruns resume)
     "zeroshard.planner.commands",  # estimate
     "zeroshard.io.commands",  # bench (aio; BENCH_MODULES there adds memory/step)
+    "zeroshard.deepspeed_compat.convert",  # convert-deepspeed
 ]
 
 

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from zeroshard.checkpoint import load_checkpoint, save_checkpoint
+from zeroshard.checkpoint import load_checkpoint, locate, save_checkpoint
 from zeroshard.checkpoint.safe_fs import read_small
 from zeroshard.checkpoint.errors import CheckpointCorruptError
 from zeroshard.optim.zero_optimizer import ZeroOptimizer
@@ -83,6 +83,18 @@ def _write_latest(save_dir: str, tag: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(save_dir, LATEST))
+
+
+def _converted(root: str) -> bool:
+    """The newest step under ``root`` came from ``convert_deepspeed``: its RNG states are the
+    converting process's, not the training run's, so they are not restored (DeepSpeed's own
+    resume leaves the RNG alone too)."""
+    try:
+        found = [root] if locate.is_step_dir(root) else locate.candidates(root)
+        extra = locate.check_step(found[0])["trainer"]["extra"] if found else None
+    except (CheckpointCorruptError, KeyError, TypeError):
+        return False  # (load_checkpoint reports what is wrong with it)
+    return isinstance(extra, dict) and "converted_from" in extra
 
 
 class DeepSpeedEngine(nn.Module):
@@ -272,7 +284,8 @@ class DeepSpeedEngine(nn.Module):
         if any(n.endswith("_model_states.pt") for n in os.listdir(root)):
             raise ValueError(f"{root} is a DeepSpeed checkpoint; convert it first: zeroshard convert-deepspeed "
                              f"{root} OUT, then engine.load_checkpoint(OUT)")
-        info = load_checkpoint(root, model=self.module, optimizer=self.optimizer, scheduler=self.lr_scheduler)
+        info = load_checkpoint(root, model=self.module, optimizer=self.optimizer, scheduler=self.lr_scheduler,
+                               load_rng=not _converted(root))
         extra = info["extra"] if isinstance(info["extra"], dict) else {}
         engine = extra.get(_EXTRA_ENGINE) or {}
         self.global_steps = int(engine.get("global_steps", info["step"]))
