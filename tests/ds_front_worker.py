@@ -138,6 +138,27 @@ def convert_and_resume(out: str) -> dict:
     return results
 
 
+def ds_bf16_variant(deepspeed: Any, out: str, stage: int) -> dict:
+    """Real DeepSpeed, bf16, a frozen weight and two param groups: a checkpoint, and
+    DeepSpeed's own fp32 reconstruction of it (zero_to_fp32) for the converter to match."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    model = make_model()
+    model[0].bias.requires_grad_(False)
+    groups = [{"params": [model[0].weight, model[2].weight, model[4].weight]},
+              {"params": [model[2].bias, model[4].bias], "weight_decay": 0.0}]
+    cfg = {**config(stage, dist.get_world_size()), "bf16": {"enabled": True}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
+    for micro in range(2 * ACCUM):
+        x, y = batch(micro, dist.get_rank(), dist.get_world_size())
+        engine.backward(torch.nn.functional.mse_loss(engine(x.bfloat16()).float(), y))
+        engine.step()
+    path = os.path.join(out, f"ds-w2-bf16-stage{stage}")
+    engine.save_checkpoint(path)
+    dist.barrier()
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(path) if dist.get_rank() == 0 else {}
+    return {n: t.float().tolist() for n, t in fp32.items()}
+
+
 def run(rank: int, world: int, out: str, with_deepspeed: bool) -> None:
     import zeroshard
     results: dict[str, Any] = {"zeroshard": _run_all(zeroshard, out, "zs"),
@@ -147,6 +168,8 @@ def run(rank: int, world: int, out: str, with_deepspeed: bool) -> None:
         import deepspeed
         deepspeed.init_distributed(dist_backend="gloo")
         results["deepspeed"] = _run_all(deepspeed, out, "ds")
+        if world == 2:
+            results["bf16_fp32"] = {stage: ds_bf16_variant(deepspeed, out, stage) for stage in CONVERT_STAGES}
         results["converted"] = convert_and_resume(out)
     with open(os.path.join(out, f"results-w{world}-r{rank}.json"), "w") as f:
         json.dump(results, f)

@@ -100,6 +100,28 @@ def test_convert_command_writes_a_loadable_checkpoint(runs, tmp_path):
     assert main(["convert-deepspeed", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 1
 
 
+@pytest.mark.parametrize("stage", worker.CONVERT_STAGES)
+def test_convert_bf16_with_frozen_weights_and_groups(runs, tmp_path, stage):
+    """fp32 masters exactly as DeepSpeed's zero_to_fp32 reconstructs them; the frozen weight, the
+    groups' weight decay and Adam's step come along."""
+    from zeroshard.deepspeed_compat.convert import convert_deepspeed
+    path = convert_deepspeed(os.path.join(runs["out"], f"ds-w2-bf16-stage{stage}"), str(tmp_path / "zs"))
+    model = worker.make_model()
+    model[0].bias.requires_grad_(False)
+    groups = [{"params": [model[0].weight, model[2].weight, model[4].weight]},
+              {"params": [model[2].bias, model[4].bias]}]
+    opt = zeroshard.ZeroOptimizer(groups, torch.optim.AdamW, stage=1, module=model, mixed_precision="bf16")
+    zeroshard.load_checkpoint(path, model=model, optimizer=opt)
+    want = runs[2][0]["bf16_fp32"][str(stage)]
+    masters = {seg.name: u.master[seg.offset:seg.end] for u in opt.units for seg in u.layout.segments}
+    assert set(masters) | {"0.bias"} == set(want)
+    for name, m in masters.items():
+        assert torch.equal(m, torch.tensor(want[name]).reshape(-1)), name
+    assert torch.equal(model[0].bias.float(), torch.tensor(want["0.bias"]))
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]
+    assert float(opt.consolidated_state_dict()["state"][0]["step"]) == 2
+
+
 def test_gathered_parameters_reads_and_writes_stage3_weights(runs):
     for stage in ("2", "3"):
         for rank, res in runs[2].items():

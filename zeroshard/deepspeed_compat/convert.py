@@ -241,7 +241,10 @@ def convert_deepspeed(ckpt: str, out: str, tag: Optional[str] = None,
     for group in shapes:
         for n, shape in group.items():
             holder.put(n, masters[n].view(shape), parameter=True)
-    frozen = ms.get("frozen_param_shapes") or {}
+    frozen = dict(ms.get("frozen_param_shapes") or {})
+    if stage <= 2:  # (stages 0-2 hold frozen weights whole in the module state, and may not list them)
+        known = {n for g in shapes for n in g} | set(buffers) | set(ms.get("shared_params") or {})
+        frozen.update({n: tuple(t.shape) for n, t in module_sd.items() if n not in known})
     fragments = [load_pt(f).get("frozen_param_fragments") or {} for f in model_files] if stage == 3 else []
     for n, shape in frozen.items():
         n_el = math.prod(shape)
