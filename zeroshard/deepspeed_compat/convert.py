@@ -26,7 +26,7 @@ import math
 import os
 import re
 import warnings
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -73,11 +73,13 @@ def _files(path: str) -> tuple[list[str], list[str]]:
         match = m or o
         if match is None:
             continue
-        mp = int(match.group(2 if m else 3))
-        if mp != 0:
+        if int(match.group(2 if m else 3)) != 0:
             raise ValueError(f"{name}: model (tensor/pipeline) parallel DeepSpeed checkpoints are not supported; "
                              "only data-parallel ZeRO ones (mp_rank_00)")
-        (models if m else optims)[int(m.group(1) or 0) if m else int(o.group(2))] = os.path.join(path, name)
+        if m is not None:
+            models[int(m.group(1) or 0)] = os.path.join(path, name)
+        else:
+            optims[int(match.group(2))] = os.path.join(path, name)
     if not models:
         raise ValueError(f"{path} holds no DeepSpeed *_model_states.pt file")
     for what, got in (("model states", models), ("optimizer states", optims)):
@@ -86,8 +88,12 @@ def _files(path: str) -> tuple[list[str], list[str]]:
     return [models[r] for r in sorted(models)], [optims[r] for r in sorted(optims)]
 
 
-def _value(v: Any) -> Any:
-    return v.value if isinstance(v, StandIn) else v
+def _stage_of(v: object) -> int:
+    """DeepSpeed's ZeroStageEnum (read as a StandIn) or a plain int."""
+    value = v.value if isinstance(v, StandIn) else v
+    if isinstance(value, bool) or not isinstance(value, int) or value not in (0, 1, 2, 3):
+        raise ValueError(f"the optimizer states say zero_stage={value!r}; expected a ZeRO stage 0-3")
+    return value
 
 
 def _full_tensors(stage: int, world: int, shapes: list[dict], flats: list[list[torch.Tensor]],
@@ -122,25 +128,26 @@ def _full_tensors(stage: int, world: int, shapes: list[dict], flats: list[list[t
 class _Holder(nn.Module):
     """A model with the checkpoint's parameter and buffer names (nested by their dots)."""
 
-    def put(self, name: str, value: torch.Tensor, parameter: bool, trainable: bool = True) -> None:
+    def _parent(self, name: str) -> tuple[nn.Module, str]:
         *path, leaf = name.split(".")
         module: nn.Module = self
         for part in path:
-            if part not in module._modules:
-                module.add_module(part, nn.Module())
-            module = module._modules[part]
+            child = module._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                module.add_module(part, child)
+            module = child
+        return module, leaf
+
+    def put(self, name: str, value: torch.Tensor, parameter: bool, trainable: bool = True) -> None:
+        module, leaf = self._parent(name)
         if parameter:
             module.register_parameter(leaf, nn.Parameter(value, requires_grad=trainable))
         else:
             module.register_buffer(leaf, value)
 
     def tie(self, name: str, source: str) -> None:
-        *path, leaf = name.split(".")
-        module: nn.Module = self
-        for part in path:
-            if part not in module._modules:
-                module.add_module(part, nn.Module())
-            module = module._modules[part]
+        module, leaf = self._parent(name)
         module.register_parameter(leaf, self.get_parameter(source))
 
 
@@ -148,17 +155,19 @@ class _Position:
     """The schedule position DeepSpeed saved, as zeroshard's schedules store it (Note
     [DeepSpeed step offset] in train/schedules.py: last_epoch = last_batch_iteration + 1)."""
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: object) -> None:
         self.state = state
 
     def state_dict(self) -> dict:
         if isinstance(self.state, dict) and set(self.state) == {"last_batch_iteration"}:
             done = int(self.state["last_batch_iteration"]) + 1
             return {"last_epoch": done, "_step_count": done + 1}
+        if not isinstance(self.state, dict):
+            raise ValueError(f"the checkpoint's lr_scheduler state is a {type(self.state).__name__}, not a dict")
         return self.state  # (a client scheduler's own state dict, plain data)
 
 
-def _plain(value: Any, key: str) -> Any:
+def _plain(value: object, key: str) -> object:
     """Client state as JSON can hold it: a Namespace (``args``) as its fields; the rest is
     kept if checkpoints can store it, else dropped with a warning naming the key."""
     if isinstance(value, StandIn):
@@ -191,7 +200,7 @@ def convert_deepspeed(ckpt: str, out: str, tag: Optional[str] = None,
     shapes = [{n: tuple(s) for n, s in g.items()} for g in (ms.get("param_shapes") or [])]
     osds = [load_pt(f)["optimizer_state_dict"] for f in optim_files]
     if osds:
-        stage = int(_value(osds[0]["zero_stage"]))
+        stage = _stage_of(osds[0]["zero_stage"])
         counts = osds[0]["partition_count"]
         world = max(counts) if isinstance(counts, list) else int(counts)
         if world != len(osds):

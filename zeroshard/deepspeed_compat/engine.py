@@ -24,6 +24,8 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
 
 from zeroshard.checkpoint import load_checkpoint, locate, save_checkpoint
 from zeroshard.checkpoint.safe_fs import read_small
@@ -50,7 +52,7 @@ _NOT_PROVIDED = {
 }
 
 
-def check_tag(tag: Any, where: str) -> str:
+def check_tag(tag: object, where: str) -> str:
     """A checkpoint tag is one directory name: never a path (``latest`` is read from disk)."""
     if not isinstance(tag, str) or not tag or len(tag) > MAX_TAG or tag in (".", "..") or \
             any(c in tag for c in ("/", "\\", "\0", "\n")):
@@ -100,8 +102,8 @@ def _converted(root: str) -> bool:
 class DeepSpeedEngine(nn.Module):
     """Wraps ``module`` as DeepSpeed's engine does; attributes it lacks are the module's."""
 
-    def __init__(self, module: nn.Module, optimizer: ZeroOptimizer, lr_scheduler: Any, plan: DeepSpeedPlan,
-                 config: dict, training_dataloader: Any = None, device: Optional[torch.device] = None) -> None:
+    def __init__(self, module: nn.Module, optimizer: ZeroOptimizer, lr_scheduler: Optional[LRScheduler], plan: DeepSpeedPlan,
+                 config: dict, training_dataloader: Optional[DataLoader] = None, device: Optional[torch.device] = None) -> None:
         super().__init__()
         self.module = module
         self.optimizer = optimizer
@@ -254,7 +256,7 @@ class DeepSpeedEngine(nn.Module):
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple:
+                        load_module_only: bool = False, custom_load_fn: object = None) -> tuple:
         """Loads ``load_dir/tag`` (default: the tag ``load_dir/latest`` names) at any world
         size; returns ``(path, client_state)``, or ``(None, None)`` with a warning when there is
         nothing to load (DeepSpeed's behaviour)."""

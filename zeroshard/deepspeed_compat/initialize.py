@@ -11,17 +11,20 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional, Union, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import Dataset
 
 from zeroshard.deepspeed_compat.engine import DeepSpeedEngine
 from zeroshard.optim.zero_optimizer import ZeroOptimizer
 from zeroshard.train.deepspeed_config import load_config, translate
 from zeroshard.train.initialize import initialize as zeroshard_initialize
 from zeroshard.train.schedules import build_schedule
+
+ConfigLike = Union[None, str, os.PathLike, Mapping]
 
 # Config keys the front reads itself (the translator knows only what ZeroOptimizer needs).
 FRONT_KEYS = ("dataloader_drop_last",)
@@ -45,7 +48,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
                      distributed_port: int = 29500, verbose: bool = True,
                      timeout: datetime.timedelta = datetime.timedelta(minutes=30), init_method: Optional[str] = None,
-                     dist_init_required: Optional[bool] = None, config: Any = None, rank: int = -1,
+                     dist_init_required: Optional[bool] = None, config: object = None, rank: int = -1,
                      world_size: int = -1) -> None:
     """Starts ``torch.distributed`` as DeepSpeed's launcher environment describes it (RANK,
     WORLD_SIZE, MASTER_ADDR, MASTER_PORT: what ``torchrun`` sets); without that environment,
@@ -68,7 +71,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     dist.init_process_group(backend, **kwargs)
 
 
-def _config_of(args: Any, config: Any, config_params: Any) -> Any:
+def _config_of(args: object, config: ConfigLike, config_params: ConfigLike) -> ConfigLike:
     if config is not None and config_params is not None:
         raise ValueError("initialize: pass config= or config_params= (the same thing), not both")
     config = config if config is not None else config_params
@@ -103,11 +106,13 @@ def _rebuild_optimizer(optimizer: torch.optim.Optimizer) -> tuple[type, list[dic
     return type(optimizer), groups, defaults
 
 
-def deepspeed_initialize(args: Any = None, model: Optional[nn.Module] = None, optimizer: Any = None,
-                         model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
-                         distributed_port: int = 29500, mpu: Any = None, dist_init_required: Optional[bool] = None,
-                         collate_fn: Optional[Callable] = None, config: Any = None, mesh_param: Any = None,
-                         config_params: Any = None, **unknown: Any) -> tuple:
+def deepspeed_initialize(args: object = None, model: Optional[nn.Module] = None,
+                         optimizer: Optional[torch.optim.Optimizer] = None,
+                         model_parameters: Optional[Iterable] = None, training_data: Optional[Dataset] = None,
+                         lr_scheduler: Optional[Callable] = None, distributed_port: int = 29500, mpu: object = None,
+                         dist_init_required: Optional[bool] = None, collate_fn: Optional[Callable] = None,
+                         config: ConfigLike = None, mesh_param: object = None, config_params: ConfigLike = None,
+                         **unknown: object) -> tuple:
     """DeepSpeed's ``initialize``: ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
     if unknown:
         raise TypeError(f"initialize got unexpected argument(s) {sorted(unknown)}. DeepSpeed's form takes "
@@ -136,9 +141,10 @@ def deepspeed_initialize(args: Any = None, model: Optional[nn.Module] = None, op
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"initialize(optimizer=...) must be a torch.optim.Optimizer instance, got "
                             f"{type(optimizer).__name__} (a callable that builds one is not supported)")
-        opt_class, params, opt_kwargs = _rebuild_optimizer(optimizer)
+        opt_class, groups, opt_kwargs = _rebuild_optimizer(optimizer)
+        params: Union[nn.Module, list] = groups
     else:
-        opt_class, opt_kwargs = plan.optimizer_class, plan.optimizer_kwargs
+        opt_class, opt_kwargs = cast(type, plan.optimizer_class), plan.optimizer_kwargs  # (checked above)
         params = list(model_parameters) if model_parameters is not None else model
         if isinstance(params, list) and not params:
             raise ValueError("initialize(model_parameters=...) is empty; pass model.parameters() or param groups")
@@ -166,7 +172,7 @@ def deepspeed_initialize(args: Any = None, model: Optional[nn.Module] = None, op
     return engine, zero_opt, loader, scheduler
 
 
-def _dataloader(dataset: Any, micro: Optional[int], opt: ZeroOptimizer, collate_fn: Optional[Callable],
+def _dataloader(dataset: Dataset, micro: Optional[int], opt: ZeroOptimizer, collate_fn: Optional[Callable],
                 drop_last: bool) -> torch.utils.data.DataLoader:
     """DeepSpeed's training loader: a DistributedSampler over the data-parallel ranks (shuffled,
     seed 0) and micro-batches of ``train_micro_batch_size_per_gpu``."""
@@ -176,7 +182,7 @@ def _dataloader(dataset: Any, micro: Optional[int], opt: ZeroOptimizer, collate_
         raise ValueError("initialize(training_data=...) needs train_micro_batch_size_per_gpu (or train_batch_size) "
                          "in the config to batch it")
     world, rank = _world(), (dist.get_rank() if _world() > 1 else 0)
-    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world, rank=rank)
+    sampler: torch.utils.data.DistributedSampler = torch.utils.data.DistributedSampler(dataset, num_replicas=world, rank=rank)
     return torch.utils.data.DataLoader(dataset, batch_size=micro, sampler=sampler, collate_fn=collate_fn,
                                        drop_last=drop_last)
 

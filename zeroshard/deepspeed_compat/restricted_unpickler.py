@@ -25,7 +25,7 @@ import io
 import os
 import pickle
 import zipfile
-from typing import Any, Callable, Optional
+from typing import IO, Any, Callable, Optional
 
 import torch
 
@@ -58,16 +58,16 @@ class StandIn:
 
     ds_class = "?"
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "StandIn":
+    def __new__(cls, *args: object, **kwargs: object) -> "StandIn":
         obj = object.__new__(cls)
         object.__setattr__(obj, "args", args)
         object.__setattr__(obj, "state", dict(kwargs))
         return obj
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         pass  # (__new__ recorded the arguments; nothing of the real class runs)
 
-    def __setstate__(self, state: Any) -> None:
+    def __setstate__(self, state: object) -> None:
         if isinstance(state, tuple) and len(state) == 2:  # (dict state, slot state)
             merged: dict = {}
             for part in state:
@@ -111,15 +111,15 @@ class _TensorType:
     """``torch.Tensor`` / ``torch.nn.Parameter`` as the type argument of a rebuild."""
 
 
-def _check_ints(what: str, values: Any) -> tuple:
+def _check_ints(what: str, values: object) -> tuple:
     if not isinstance(values, (tuple, list, torch.Size)) or not all(
             isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
         raise pickle.UnpicklingError(f"a tensor's {what} is {values!r}, not a tuple of non-negative ints")
     return tuple(values)
 
 
-def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False,
-                    backward_hooks: Any = None, metadata: Any = None) -> torch.Tensor:
+def _rebuild_tensor(storage: object, offset: object, size: object, stride: object, requires_grad: object = False,
+                    backward_hooks: object = None, metadata: object = None) -> torch.Tensor:
     if not isinstance(storage, torch.storage.TypedStorage):
         raise pickle.UnpicklingError(f"a tensor's storage is a {type(storage).__name__}, not a storage")
     if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
@@ -136,13 +136,13 @@ def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, requires_
         raise pickle.UnpicklingError(f"a tensor does not fit its storage: {exc}") from None
 
 
-def _rebuild_parameter(data: Any, requires_grad: Any = False, backward_hooks: Any = None) -> torch.Tensor:
+def _rebuild_parameter(data: object, requires_grad: object = False, backward_hooks: object = None) -> torch.Tensor:
     if not isinstance(data, torch.Tensor):
         raise pickle.UnpicklingError(f"a parameter's data is a {type(data).__name__}, not a tensor")
     return data
 
 
-def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any = None) -> torch.Tensor:
+def _rebuild_from_type(func: object, new_type: object, args: object, state: object = None) -> torch.Tensor:
     if func not in (_rebuild_tensor, _rebuild_parameter) or not isinstance(new_type, _TensorType) or \
             not isinstance(args, tuple):
         raise pickle.UnpicklingError("a tensor subclass rebuild that is not torch.Tensor's; refusing it")
@@ -168,7 +168,7 @@ class RestrictedUnpickler(pickle.Unpickler):
     """Unpickles tensors, plain containers and ``STAND_INS`` only (see the module docstring).
     ``storage(key, dtype, numel)`` returns the bytes of a storage record."""
 
-    def __init__(self, file: Any, storage: Callable[[str, torch.dtype, int], torch.storage.TypedStorage]) -> None:
+    def __init__(self, file: IO[bytes], storage: Callable[[str, torch.dtype, int], torch.storage.TypedStorage]) -> None:
         super().__init__(file)
         self._storage = storage
         self._cache: dict[str, torch.storage.TypedStorage] = {}
@@ -186,7 +186,7 @@ class RestrictedUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to unpickle {full}: a checkpoint file may hold only tensors and "
                                      "plain containers (running a pickled class could run any code)")
 
-    def persistent_load(self, pid: Any) -> Any:
+    def persistent_load(self, pid: object) -> torch.storage.TypedStorage:
         if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
             raise pickle.UnpicklingError(f"unknown persistent id {pid!r:.80}; not a torch.save file")
         _, kind, key, _location, numel = pid

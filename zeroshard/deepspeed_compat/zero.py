@@ -56,7 +56,7 @@ class GatheredParameters:
     A collective: every rank of the optimizer's group enters and leaves it."""
 
     def __init__(self, params: Union[torch.Tensor, Iterable[torch.Tensor], None], modifier_rank: Optional[int] = None,
-                 fwd_module: Any = None, enabled: bool = True) -> None:
+                 fwd_module: object = None, enabled: bool = True) -> None:
         if params is None:
             params = []
         elif isinstance(params, torch.Tensor):
@@ -109,7 +109,7 @@ class GatheredParameters:
                 opt.gatherer.ensure(ui)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         opt = self._opt
         if opt is None:
             return
@@ -127,6 +127,6 @@ class GatheredParameters:
         """The modifier rank's values everywhere: the full buffers, then each rank's shard and
         master (only of the parameters named, so the others keep their fp32 masters exact)."""
         views = [unit.flat[seg.offset:seg.end] for unit, seg in self._targets]
-        opt.comm.broadcast_tensors(views, src=self.modifier_rank)
+        opt.comm.broadcast_tensors(views, src=int(self.modifier_rank or 0))
         for (unit, seg), view in zip(self._targets, views):
             unit.load_segment(seg.offset, view.clone())
