@@ -425,6 +425,9 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
                               "optimizer are partly loaded: load again before training") from exc
     finally:
         src.release(defer=True)  # the gigabytes are unmapped on another thread
+    if optimizer is not None:  # a failed step no longer matters; steps_done is the loaded step
+        from zeroshard.optim.lifecycle import state_restored
+        state_restored(optimizer, body["step"])
     return {"step": body["step"], "path": step_dir, "extra": plan.extra,
             "skipped": skipped, "world_size": body["world_size"], "stage": body["stage"],
             "resharded": body["world_size"] != comm.world_size or

@@ -31,6 +31,7 @@ from zeroshard.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from zeroshard.checkpoint.pieces import PieceRecord, full_tensors, has_deferred, name_map, owned_pieces
 from zeroshard.checkpoint.shard_file import CODES, Deferred
 from zeroshard.comm import Comm
+from zeroshard.optim.registry import optimizer_for
 
 
 class SaveState(enum.Enum):
@@ -106,11 +107,18 @@ class CheckpointSaver:
                                          save_frozen)
         # Capture and the loader's checks on every rank, then agree: a rank that cannot save
         # (a lambda in its sampler state) must not leave the others waiting in the commit.
+        managed = opt if opt is not None else optimizer_for(model) if model is not None else None
+        gatherer = getattr(managed, "gatherer", None)
+        if gatherer is not None:  # units an unfinished forward left gathered (Note [saving between steps])
+            gatherer.settle()
         error: Optional[BaseException] = None
         try:
+            inflight = getattr(opt, "_inflight", None)
+            if inflight is not None:  # a step that failed part way left no state worth saving (Note [failed steps])
+                inflight.check(f"save_checkpoint of step {step}")
             snap = _capture(step, model, opt, scheduler, dataloader, extra, comm.rank, comm.world_size, save_frozen)
             shapes = _shapes(model, opt, save_frozen)
-        except (TypeError, ValueError, CheckpointError) as exc:
+        except (TypeError, ValueError, RuntimeError) as exc:  # (CheckpointError is one)
             error = exc
         others = [e for e in comm.all_gather_object(None if error is None else f"rank {comm.rank}: {error}") if e]
         if error is not None:

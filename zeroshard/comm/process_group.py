@@ -96,6 +96,8 @@ class Comm:
             self.rank = dist.get_rank(self.group)
             self.world_size = dist.get_world_size(self.group)
             self.backend = str(dist.get_backend(self.group))
+            from zeroshard.comm.clean_exit import watch  # (Note [clean exit]: groups destroyed at exit)
+            watch(self)
         forced = os.environ.get("ZEROSHARD_COLLECTIVES", "")
         if forced not in ("", "native", "emulated"):
             raise ValueError(f"ZEROSHARD_COLLECTIVES={forced!r}; use 'native' or 'emulated'")

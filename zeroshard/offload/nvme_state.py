@@ -82,6 +82,8 @@ class NvmeOptimizerState(MutableMapping):
         self._steps: dict[int, torch.Tensor] = {}
         self._keys = {id(r.tensor): r.tensor for r in self.runs}
         self.tensor_keys = KEYS
+        self.before_close: list[Callable[[], None]] = []
+        """Run once by ``close`` before the file goes (the optimizer's teardown joins a step in flight)."""
 
     def _allocate_pool(self) -> None:
         try:
@@ -277,5 +279,8 @@ class NvmeOptimizerState(MutableMapping):
             self._pool, self.pool_bytes = [], 0
 
     def close(self) -> None:
+        run, self.before_close = self.before_close, []
+        for action in run:
+            action()
         if self.file is not None:
             self.file.close()

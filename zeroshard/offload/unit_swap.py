@@ -60,6 +60,9 @@ class NvmeUnitStore:
         self._lock = threading.RLock()
         self.cache: Optional[Any] = None
         """The parameter cache (``param_cache.ParamCache``) of automatic placement, if any."""
+        self.before_close: list[Any] = []
+        """Run once by ``close`` before the file goes: the optimizer's teardown, which may still
+        read the shards (lifecycle.Teardown)."""
 
     # -- layout ------------------------------------------------------------------------------
     @staticmethod
@@ -261,6 +264,9 @@ class NvmeUnitStore:
             self.file.pwrite(src, self._offset(unit, part, a)).wait()
 
     def close(self) -> None:
+        run, self.before_close = self.before_close, []
+        for action in run:
+            action()
         try:
             self.settle()
         except OSError:  # closing discards the file: a failed write there loses nothing

@@ -38,7 +38,10 @@ def _set_local(p: torch.Tensor, data: torch.Tensor) -> None:
 
 
 def _ptr(t: torch.Tensor) -> int:
-    return local_of(t).untyped_storage().data_ptr()
+    local = local_of(t)
+    if local.layout != torch.strided:  # (sparse: no storage to point at; refused later by name)
+        return id(local)
+    return local.untyped_storage().data_ptr()
 
 
 def tensors_of(model_or_params: Any) -> list[torch.Tensor]:

@@ -9,9 +9,13 @@ the hooks reach it through weak references, so ``del opt`` really frees it.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
+import signal
+import threading
+import warnings
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -61,17 +65,36 @@ def weak_method(method: Callable) -> Callable:
 
 class Teardown:
     """Removes what a ZeroOptimizer attached to the model; idempotent. Runs from ``close()``
-    or from a finalizer once the optimizer is collected (so it must not reference it)."""
+    or once the optimizer is collected (so it must not reference it): then it first waits for
+    a step in flight and, at stage 3, gives the parameters back (``hand_back``), before the
+    swap files close (they run it first: ``before_close``)."""
 
-    def __init__(self, removers: Sequence[Callable[[], None]], params: Sequence[torch.Tensor]) -> None:
+    def __init__(self, removers: Sequence[Callable[[], None]], params: Sequence[torch.Tensor],
+                 inflight: Optional[Any] = None, hand_back: Optional[Callable[[], None]] = None) -> None:
         self._removers = list(removers)
         self._params = [weakref.ref(p) for p in params]
+        self._inflight = inflight
+        self._hand_back = hand_back
         self.done = False
 
-    def __call__(self) -> None:
+    def __call__(self, handed_back: bool = False) -> None:
         if self.done:
             return
         self.done = True
+        # (at interpreter exit nothing will use the model again: no reading it back from disk)
+        exiting = not threading.main_thread().is_alive()
+        if self._inflight is not None:
+            try:
+                self._inflight.join()
+            except BaseException as exc:  # (a finalizer has no caller to raise to)
+                warnings.warn(f"the optimizer step in flight when the ZeroOptimizer was collected failed: "
+                              f"{type(exc).__name__}: {exc}; its parameters are partly updated", stacklevel=2)
+        if self._hand_back is not None and not handed_back and not exiting:
+            try:
+                self._hand_back()
+            except Exception as exc:
+                warnings.warn(f"giving the stage-3 parameters back as the ZeroOptimizer was collected failed "
+                              f"({type(exc).__name__}: {exc}); call opt.close() before dropping it", stacklevel=2)
         for remove in self._removers:
             remove()
         for ref in self._params:
@@ -94,6 +117,64 @@ def hand_back_stage3(gatherer: Any, units: Sequence[Any]) -> None:
                 else:
                     m.param.data = own
     gatherer.release_all()
+
+
+def hand_back_collected(gatherer: Any, units: Sequence[Any], world_size: int) -> None:
+    """Stage 3, the optimizer collected without ``close()``: no collective can run from a
+    finalizer (other ranks collect theirs at other times). One rank holds everything, so it
+    gets its full parameters as ``close()`` gives them; with more, every parameter stays the
+    sharded one torch code saw between uses (Note [sharded parameters]), with its shard in
+    memory, so reads, ``state_dict()``, ``zeroshard.full_state_dict`` and SPMD ops stay correct."""
+    if world_size == 1:
+        hand_back_stage3(gatherer, units)
+        return
+    gatherer.settle()
+    for unit in units:
+        store = getattr(unit, "swap", None)
+        if store is not None and store.swaps(unit, "shard"):
+            store.load(unit, ("shard",))
+        unit.swap = None  # (its files close with the optimizer)
+    gatherer.keep_sharded = True
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Ctrl-C (SIGINT) inside the block takes effect as it ends, so an update is applied to every
+    unit or to none (Note [saving between steps] in stages/stage3/gatherer.py); a second Ctrl-C
+    goes through at once (a hung collective can still be interrupted). Only where Python
+    handles SIGINT: the main thread, with a Python-level handler."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):  # SIG_IGN, SIG_DFL, or a handler set outside Python
+        yield
+        return
+    held: list[Any] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        held.append(frame)
+        if len(held) > 1:
+            signal.signal(signal.SIGINT, previous)
+            previous(signum, frame)
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGINT) is hold:
+            signal.signal(signal.SIGINT, previous)
+        if len(held) == 1:
+            previous(signal.SIGINT, held[0])
+
+
+def state_restored(opt: Any, step: Optional[int] = None) -> None:
+    """The optimizer's whole state was loaded (a checkpoint, a state dict): a failed step's
+    refusal ends (Note [failed steps]), and a checkpoint's step becomes ``steps_done``."""
+    inflight = getattr(opt, "_inflight", None)
+    if inflight is not None:
+        inflight.restored()
+        if step is not None:
+            inflight.steps = int(step)
 
 
 def rebuild_with_group(opt: Any, param_group: dict) -> None:

@@ -20,6 +20,13 @@ at once, and the units' gradient stores are marked empty once the step has read 
 (``defer``). An error in the worker (a damaged swap file, a full disk) is raised again, as
 itself, by the next call that waits: the step's own call has returned by then.
 
+Note [failed steps]: a step that fails part way (an I/O error in the background step, a full
+disk, a damaged swap file; or any error inside a synchronous update) leaves some units updated
+and others not, and nothing can tell which. Its error is raised once, as itself; from then on
+the optimizer is *poisoned* (``poisoned``): ``step()`` and ``save_checkpoint`` refuse with a
+RuntimeError that names the error, until ``load_checkpoint`` or ``load_state_dict`` restores
+the state (``restored``). Forward and evaluation still run, on the half-updated weights.
+
 Memory: the step's staging buffers are held while forward runs, beside forward's gathered
 units. Units the parameter cache keeps from forward to backward wait for the whole step, so
 the cache and the moments' pool (one memory in the plan: Note [automatic placement]) are
@@ -41,6 +48,10 @@ class StepInFlight:
         self._deferred: list[Callable[[], None]] = []
         self._finished = threading.Event()
         self._finished.set()
+        self.poisoned: Optional[BaseException] = None
+        """The error of a step that failed part way, until the state is restored (Note [failed steps])."""
+        self.steps = 0
+        """Steps completed (``ZeroOptimizer.steps_done``)."""
 
     @property
     def running(self) -> bool:
@@ -113,7 +124,22 @@ class StepInFlight:
             action()
         error, self._error = self._error, None
         if error is not None:
+            self.poisoned = error
             raise error
+
+    def check(self, what: str) -> None:
+        """Refuses ``what`` while a failed step's half-applied state is in place (Note [failed steps])."""
+        error = self.poisoned
+        if error is not None:
+            raise RuntimeError(
+                f"{what} refused: an earlier optimizer step failed part way ({type(error).__name__}: {error}), "
+                "so some parameters and optimizer state were updated and others were not. Load a checkpoint "
+                "first (zeroshard.load_checkpoint(root, model=model, optimizer=opt), or opt.load_state_dict(...) "
+                "with a state dict saved before the error), then train on") from error
+
+    def restored(self) -> None:
+        """The whole state was loaded again: a failed step no longer matters."""
+        self.poisoned = None
 
 
 class JoinedAttribute:

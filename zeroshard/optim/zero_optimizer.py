@@ -230,8 +230,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if module is not None:
             removers += [self.module_guard.remove, self._load_hook.remove,
                          functools.partial(registry.unregister, module)]
-        self._teardown = lifecycle.Teardown(removers, managed)
+        # (collected mid-step or with units gathered: the step is joined and stage-3 parameters
+        # given back first, before the swap files close: their closers run the teardown first)
+        hand_back = (functools.partial(lifecycle.hand_back_collected, self.gatherer, self.all_units,
+                                       self.comm.world_size) if self.gatherer is not None else None)
+        self._teardown = lifecycle.Teardown(removers, managed, self._inflight, hand_back)
         weakref.finalize(self, self._teardown)
+        for files in (self.unit_store, self.swapper):
+            if files is not None:
+                files.before_close.append(self._teardown)
         self.closed = False
         # The fused pass writes the updated master straight into the low-precision shard
         # when both sit on the CPU (the kernel's copy-out); elsewhere write_back copies.
@@ -250,6 +257,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @property
     def stage(self) -> int:
         return self.config.stage
+
+    @property
+    def steps_done(self) -> int:
+        """Optimizer steps completed (skipped ones too: fp16 overflow, no gradient), counted from
+        construction or from the step of the checkpoint ``load_checkpoint`` loaded. A step is
+        whole or not begun even under Ctrl-C, so this is the step to save after an interrupt
+        (README: "Save on interrupt")."""
+        return self._inflight.steps
 
     @property
     def all_units(self) -> list[FlatUnit]:
@@ -365,27 +380,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.closed:
             raise RuntimeError("this ZeroOptimizer was closed (close()); build a new one to train on")
         self._inflight.join()
+        self._inflight.check("optimizer.step()")  # (Note [failed steps])
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with lifecycle.interrupts_held():  # a step is whole or not begun (Note [saving between steps])
+            self._apply_step(kwargs)
+            self._inflight.steps += 1
+        return loss
+
+    def _apply_step(self, kwargs: dict) -> None:
         overflow = self._finalize_grads()
         if self.scaler is not None:
             self.scaler.update(overflow)
             self._set_grad_factor()
         if overflow or not any(u.grad_valid for u in self.units):  # no gradient: torch.optim skips too
             self._clip_coef = 1.0
-            return loss
+            return
         self._sync_hyperparameters()
         quiet = untouched.untouched_everywhere(self)
         give_back = untouched.skip_whole_runs(self, quiet)  # (runs no parameter of which got a gradient)
         restore = (untouched.freeze(self, quiet) if self.swapper is None
                    else lambda: None)  # (NVMe offload: the others of a stepped run step with a zero gradient)
         scale, self._clip_coef = self._clip_coef, 1.0
+        updating = False
         try:
             if step_in_flight.overlaps(self):  # returns with the units updating (Note [overlapped step])
                 step_in_flight.start_swapped_step(self, scale)  # (it took the gradients it applies)
-                return loss
+                return
+            updating = True
             if self.swapper is not None:  # (writes swapped units back inside its pass)
                 self.swapper.step(self.inner.param_groups, grad_scale=scale)
             elif self._fused_step and self.config.offload_optimizer == "cpu":
@@ -399,13 +423,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 for unit in self.units:
                     if not (self._fused_step and self._copy_out_ok(unit)):
                         unit.write_back()
+        except BaseException as exc:
+            if updating:  # some units may be updated and others not (Note [failed steps])
+                self._inflight.poisoned = exc
+            raise
         finally:
             give_back()
         restore()
         self.gather_params()
         HOST_POOL.trim()
         self.placement.after_step()  # (offload="auto": the step's peak memory against the budget)
-        return loss
 
     def finish_step(self) -> None:
         """Waits for a step still updating in the background (Note [overlapped step]) and
@@ -498,7 +525,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.gatherer is not None:
             lifecycle.hand_back_stage3(self.gatherer, self.all_units)
         self.closed = True
-        self._teardown()
+        self._teardown(handed_back=True)
 
     def __deepcopy__(self, memo: dict) -> "ZeroOptimizer":
         raise TypeError(
@@ -525,6 +552,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             else:
                 state_io.load_consolidated(self, sd)
         hooks.with_load_state_dict_hooks(self, state_dict, apply)
+        lifecycle.state_restored(self)  # (Note [failed steps])
 
     def consolidated_state_dict(self, to_rank: Optional[int] = 0) -> Optional[dict]:
         """The whole optimizer state as a plain ``torch.optim`` state dict (loadable by the same

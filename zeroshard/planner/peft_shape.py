@@ -19,8 +19,9 @@ def lora_counts(hf_config: str, r: Optional[int] = None, targets: Optional[Seque
     except ImportError as exc:
         raise RuntimeError(f"counting LoRA parameters needs peft and transformers: {exc}") from exc
     if peft_config is None:
-        if r is None or r < 1:
-            raise ValueError(f"--lora-r={r!r} must be >= 1")
+        from zeroshard.train.config import LORA_R_MAX
+        if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= LORA_R_MAX:
+            raise ValueError(f"--lora-r={r!r} must be an int in [1, {LORA_R_MAX}]")
         peft_config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets) if targets else "all-linear")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(load_hf_config(hf_config))

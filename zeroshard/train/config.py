@@ -8,6 +8,7 @@ dict (``as_deepspeed``), so a run configured by flags and a run configured by
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 from dataclasses import dataclass, field, fields
@@ -17,6 +18,13 @@ _SCHEDULES = ("constant", "linear", "cosine")
 _PRECISIONS = ("fp32", "bf16", "fp16")
 _OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
 _OFFLOAD = ("none", "cpu", "nvme")
+JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+"""Data files read as JSON documents (``--text-field`` names their text); others are plain text."""
+LORA_R_MAX = 65536
+"""The largest LoRA rank accepted (``--lora-r``, a ``--peft-config`` file, the planner): far
+above any useful rank, low enough that a typo is refused before anything is allocated."""
+MAX_PEFT_CONFIG_BYTES = 1 << 20
+"""An adapter_config.json is a few KiB; anything this large is the wrong file."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +87,8 @@ class FinetuneConfig:
     """Comma-separated module names the adapters wrap (default PEFT's "all-linear")."""
     lora_dropout: float = 0.0
     peft_config: Optional[str] = None
-    """A JSON file of ``peft.LoraConfig`` arguments (e.g. an ``adapter_config.json``) instead of the --lora-* flags."""
+    """A JSON file of ``peft.LoraConfig`` arguments (e.g. an ``adapter_config.json``) instead of the --lora-* flags
+    (its ``inference_mode``, which PEFT writes as true, is ignored: the adapters train)."""
     explicit: frozenset = field(default_factory=frozenset)
     """Names of the options given on the command line (for precedence over ``deepspeed``)."""
 
@@ -104,6 +113,10 @@ class FinetuneConfig:
         for name in ("data", "output_dir", "text_field"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)!r} must be a non-empty string")
+        if "text_field" in self.explicit and not self.data.endswith(JSON_SUFFIXES):
+            raise ValueError(f"--text-field {self.text_field} names a field of JSON documents, but --data "
+                             f"{self.data} is read as plain text (not {'/'.join(JSON_SUFFIXES)}); drop "
+                             "--text-field or give JSON Lines")
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3) or not isinstance(self.stage, int):
             raise ValueError(f"--stage={self.stage!r}: use 0, 1, 2 or 3")
         checks = (("lr_schedule", _SCHEDULES), ("precision", _PRECISIONS), ("optimizer", tuple(_OPTIMIZERS)),
@@ -134,8 +147,8 @@ class FinetuneConfig:
         self._check_lora()
 
     def _check_lora(self) -> None:
-        if isinstance(self.lora_r, bool) or not isinstance(self.lora_r, int) or not 0 <= self.lora_r <= 65536:
-            raise ValueError(f"--lora-r={self.lora_r!r} must be an int in [0, 65536] (0: no LoRA)")
+        if isinstance(self.lora_r, bool) or not isinstance(self.lora_r, int) or not 0 <= self.lora_r <= LORA_R_MAX:
+            raise ValueError(f"--lora-r={self.lora_r!r} must be an int in [1, {LORA_R_MAX}] (or 0: no LoRA)")
         if self.lora_alpha is not None and not (isinstance(self.lora_alpha, (int, float)) and self.lora_alpha > 0
                                                 and math.isfinite(self.lora_alpha)):
             raise ValueError(f"--lora-alpha={self.lora_alpha!r} must be a positive number")
@@ -164,20 +177,7 @@ class FinetuneConfig:
         except ImportError as exc:
             raise ValueError(f"--lora-r/--peft-config need the peft library (pip install peft): {exc}") from None
         if self.peft_config is not None:
-            import json
-            with open(self.peft_config, encoding="utf-8") as f:
-                raw = json.load(f)
-            if not isinstance(raw, dict):
-                raise ValueError(f"--peft-config {self.peft_config}: not a JSON object of LoraConfig arguments")
-            known = set(LoraConfig.__dataclass_fields__)
-            unknown = sorted(set(raw) - known)
-            if unknown:
-                raise ValueError(f"--peft-config {self.peft_config}: {unknown[:5]} are not peft.LoraConfig arguments")
-            kwargs = {k: v for k, v in raw.items() if k not in ("peft_type", "task_type", "base_model_name_or_path")}
-            try:
-                return LoraConfig(**kwargs)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"--peft-config {self.peft_config}: {exc}") from None
+            return peft_file_config(self.peft_config)
         targets = ([t.strip() for t in self.lora_targets.split(",") if t.strip()] if self.lora_targets
                    else "all-linear")
         return LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha or 2 * self.lora_r, target_modules=targets,
@@ -301,7 +301,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--lora-alpha", type=float, help="LoRA alpha (default 2 x --lora-r)")
     a("--lora-targets", help="comma-separated modules to adapt, e.g. q_proj,v_proj (default all linear layers)")
     a("--lora-dropout", type=float, help="dropout on the adapters' input (default 0)")
-    a("--peft-config", help="JSON file of peft.LoraConfig arguments (e.g. an adapter_config.json)")
+    a("--peft-config", help="JSON file of peft.LoraConfig arguments, e.g. an adapter_config.json PEFT wrote (its "
+                           "inference_mode is ignored: the adapters train)")
     a("--deepspeed", "--ds-config", dest="deepspeed",
       help="DeepSpeed JSON config (zero_optimization, optimizer, scheduler, fp16/bf16, batch); flags override it")
 
@@ -310,3 +311,90 @@ def parse(argv: Optional[Sequence[str]] = None) -> FinetuneConfig:
     parser = argparse.ArgumentParser(prog="finetune_causal_lm", description=__doc__)
     add_arguments(parser)
     return FinetuneConfig.from_args(parser.parse_args(argv))
+
+
+def _peft_file_error(path: str, what: str) -> ValueError:
+    return ValueError(f"--peft-config {path}: {what}")
+
+
+def _read_peft_file(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_PEFT_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise _peft_file_error(path, f"cannot read it ({exc.strerror or exc})") from None
+    if len(data) > MAX_PEFT_CONFIG_BYTES:
+        raise _peft_file_error(path, f"over {MAX_PEFT_CONFIG_BYTES >> 20} MiB: not an adapter_config.json")
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise _peft_file_error(path, f"not UTF-8 text (byte {exc.start}); give a JSON file") from None
+    except json.JSONDecodeError as exc:
+        raise _peft_file_error(path, f"not valid JSON ({exc}); give a JSON object of peft.LoraConfig "
+                                     "arguments, e.g. an adapter_config.json") from None
+    except RecursionError:
+        raise _peft_file_error(path, "nests deeper than an adapter config does") from None
+    if not isinstance(raw, dict):
+        raise _peft_file_error(path, f"holds a JSON {type(raw).__name__}, not a JSON object of peft.LoraConfig "
+                                     "arguments")
+    return raw
+
+
+def _is_rank(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= LORA_R_MAX
+
+
+def _is_positive(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
+
+
+def _check_peft_values(path: str, raw: dict) -> None:
+    """The fields whose bad values PEFT would take or fail on without naming them."""
+    ranks = f"an int in [1, {LORA_R_MAX}]"
+    if "peft_type" in raw and raw["peft_type"] not in ("LORA", None):
+        raise _peft_file_error(path, f"'peft_type'={raw['peft_type']!r}: only LoRA adapters (\"LORA\") are trained "
+                                     "here")
+    if "r" in raw and not _is_rank(raw["r"]):
+        raise _peft_file_error(path, f"'r'={raw['r']!r} must be {ranks} (the LoRA rank, as --lora-r)")
+    if "lora_alpha" in raw and not _is_positive(raw["lora_alpha"]):
+        raise _peft_file_error(path, f"'lora_alpha'={raw['lora_alpha']!r} must be a positive finite number")
+    dropout = raw.get("lora_dropout", 0.0)
+    if not (isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and 0.0 <= dropout < 1.0):
+        raise _peft_file_error(path, f"'lora_dropout'={dropout!r} must be a number in [0, 1)")
+    targets = raw.get("target_modules")
+    if not (targets is None or isinstance(targets, str)
+            or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
+        raise _peft_file_error(path, f"'target_modules'={targets!r} must be a module name, a list of names or "
+                                     "\"all-linear\"")
+    for name, check, want in (("rank_pattern", _is_rank, ranks), ("alpha_pattern", _is_positive, "a positive number")):
+        pattern = raw.get(name)
+        if pattern is None:
+            continue
+        if not isinstance(pattern, dict):
+            raise _peft_file_error(path, f"'{name}'={pattern!r} must be an object of module name -> value")
+        for key, value in pattern.items():
+            if not check(value):
+                raise _peft_file_error(path, f"'{name}'[{key!r}]={value!r} must be {want}")
+
+
+def peft_file_config(path: str) -> Any:
+    """The ``peft.LoraConfig`` of a ``--peft-config`` file: LoraConfig's own arguments, as
+    ``LoraConfig.save_pretrained`` / ``PeftModel.save_pretrained`` write them (an
+    ``adapter_config.json``). Errors name the file and the field."""
+    from peft import LoraConfig
+    raw = _read_peft_file(path)
+    known = set(LoraConfig.__dataclass_fields__)
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise _peft_file_error(path, f"{', '.join(repr(k) for k in unknown[:5])} are not peft.LoraConfig "
+                                     "arguments")
+    _check_peft_values(path, raw)
+    # PEFT writes inference_mode=true into every adapter it saves; with it get_peft_model
+    # freezes the adapters too. Fine-tuning from such a file means training them: ignored.
+    kwargs = {k: v for k, v in raw.items()
+              if k not in ("peft_type", "task_type", "base_model_name_or_path", "inference_mode")}
+    try:
+        return LoraConfig(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise _peft_file_error(path, " ".join(str(exc).split())[:400]) from None

@@ -317,6 +317,16 @@ def _precision(r: _Reader) -> tuple[Optional[str], dict]:
     return precision, scaler if precision == "fp16" else {}
 
 
+_SUPPORTED_TYPES = (f"{sorted(_OPTIMIZERS.values())} (DeepSpeed's names, any case) or another elementwise "
+                    "torch.optim optimizer class by name, e.g. \"RMSprop\"")
+
+
+def _is_torch_optimizer(name: str) -> bool:
+    """A concrete optimizer class of torch.optim (not the base class, a module or a function)."""
+    cls = getattr(torch.optim, name, None)
+    return isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer
+
+
 def _optimizer(r: _Reader, unsupported: list[str]) -> tuple[Optional[type], dict]:
     cls = r.overrides.get("optimizer")
     name = r.get("optimizer.type")
@@ -327,14 +337,15 @@ def _optimizer(r: _Reader, unsupported: list[str]) -> tuple[Optional[type], dict
     if not isinstance(params, dict):
         raise ValueError(f"optimizer.params={params!r} must be an object, e.g. {{\"lr\": 1e-4}}")
     if cls is None and name is None:
+        if r.has("optimizer") and r.raw["optimizer"]:  # params without a type: nothing would read them
+            raise ValueError(f"the optimizer section has no optimizer.type; set it to one of {_SUPPORTED_TYPES}")
         return None, {}
     if cls is None and not isinstance(name, str):
-        raise ValueError(f"optimizer.type={name!r} must be a name such as \"AdamW\"")
+        raise ValueError(f"optimizer.type={name!r} must be a name, one of {_SUPPORTED_TYPES}")
     if cls is None:
         key = str(name).lower()
-        if key in _REFUSED_OPTIMIZERS or (key not in _OPTIMIZERS and not hasattr(torch.optim, str(name))):
-            raise ValueError(f"optimizer.type={name!r} is not supported; use one of "
-                             f"{sorted(_OPTIMIZERS.values())} or another elementwise torch.optim class")
+        if key in _REFUSED_OPTIMIZERS or (key not in _OPTIMIZERS and not _is_torch_optimizer(str(name))):
+            raise ValueError(f"optimizer.type={name!r} is not supported; use one of {_SUPPORTED_TYPES}")
         if key == "adam":  # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false
             mode = r.get("optimizer.params.adam_w_mode", True)
             if not isinstance(mode, bool):

@@ -1,7 +1,8 @@
 """A local text corpus as fixed-length token blocks for causal-LM fine-tuning.
 
-Input: a ``.txt`` file (one document; blank lines are kept) or JSON Lines (``.jsonl``,
-``.json`` with one object per line; the ``text_field`` of each). Documents are tokenised with
+Input: a ``.txt`` file (one document; blank lines are kept), JSON Lines (``.jsonl``,
+``.json`` with one object per line; the ``text_field`` of each) or a ``.json`` file holding
+one array of such objects. Documents are tokenised with
 the model's tokenizer when its directory has one, else with ``ByteTokenizer`` (UTF-8 bytes
 as ids 0-255), joined with the end-of-sequence id, and cut into blocks of ``seq_len``
 tokens (the tail shorter than a block is dropped). Blocks are what the sampler shuffles.
@@ -22,6 +23,8 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from zeroshard.train.config import JSON_SUFFIXES
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
@@ -92,11 +95,62 @@ def _data_file(path: str) -> None:
         raise ValueError(f"--data {path!r} is not a regular file; give a .txt or .jsonl file")
 
 
+MAX_JSON_ARRAY_BYTES = 256 << 20
+"""A ``.json`` file holding one JSON array of documents is parsed whole (about ten times its
+size in memory); larger ones must be JSON Lines, which are read a line at a time."""
+
+
+def _json_kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _document_text(obj: Any, text_field: str, where: str) -> str:
+    """The text of one JSON document; an error names the field looked for, the fields there
+    and the flag that chooses another."""
+    if isinstance(obj, dict) and isinstance(obj.get(text_field), str):
+        return obj[text_field]
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where} is a JSON {_json_kind(obj)}, not an object with a string field {text_field!r}; "
+                         "each document is an object such as {\"text\": \"...\"} (--text-field names the field)")
+    found = "it is missing" if text_field not in obj else f"it is {_json_kind(obj[text_field])}, not a string"
+    fields = sorted(obj)[:20]
+    raise ValueError(f"{where} has no string field {text_field!r} ({found}; its fields: {fields}); choose the field "
+                     "with --text-field NAME")
+
+
+def _is_json_array(path: str) -> bool:
+    if not path.endswith(".json"):
+        return False
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    return head.startswith(b"[")
+
+
+def _array_documents(path: str, text_field: str) -> Iterator[Iterator[str]]:
+    size = os.path.getsize(path)
+    if size > MAX_JSON_ARRAY_BYTES:
+        raise ValueError(f"--data {path!r} is one JSON array of {size >> 20} MiB; above "
+                         f"{MAX_JSON_ARRAY_BYTES >> 20} MiB give JSON Lines (.jsonl, one object per line), e.g. "
+                         f"jq -c '.[]' {path} > data.jsonl")
+    with open(path, encoding="utf-8") as f:
+        try:
+            docs = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--data {path!r} starts a JSON array but is not valid JSON ({exc})") from None
+        except RecursionError:
+            raise ValueError(f"--data {path!r} nests too deeply to be a list of documents") from None
+    for n, obj in enumerate(docs):
+        text = _document_text(obj, text_field, f"{path}[{n}]")
+        yield _pieces(text[i:i + PIECE_CHARS] for i in range(0, len(text), PIECE_CHARS))
+
+
 def read_documents(path: str, text_field: str = "text") -> Iterator[Iterator[str]]:
     """The documents of ``path``, each as an iterator of text pieces (see ``PIECE_CHARS``)."""
     _data_file(path)
     try:
-        if path.endswith((".jsonl", ".json", ".ndjson")):
+        if _is_json_array(path):
+            yield from _array_documents(path, text_field)
+        elif path.endswith(JSON_SUFFIXES):
             with open(path, encoding="utf-8") as f:
                 for n, line in enumerate(f, 1):
                     if not line.strip():
@@ -109,11 +163,7 @@ def read_documents(path: str, text_field: str = "text") -> Iterator[Iterator[str
                     except RecursionError:
                         raise ValueError(f"{path}:{n} nests too deeply to be a document; JSON Lines hold one "
                                          "object with a text field per line") from None
-                    if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
-                        keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-                        raise ValueError(f"{path}:{n} has no string field {text_field!r} (it has {keys}); "
-                                         "choose the field with --text-field")
-                    text = obj[text_field]
+                    text = _document_text(obj, text_field, f"{path}:{n}")
                     del obj, line
                     yield _pieces(text[i:i + PIECE_CHARS] for i in range(0, len(text), PIECE_CHARS))
         else:

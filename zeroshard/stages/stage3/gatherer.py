@@ -47,6 +47,14 @@ forward (a weight, or a view like ``weight.t()``) therefore see the re-gathered 
 the output hook has run, and hold no memory in between. Using a released parameter (e.g. a
 weight used outside the module that owns it) fails with "data is not allocated"; the root
 forward wrapper adds which units were released.
+
+Note [saving between steps]: a forward that raised, a ``loss = model(x)`` not yet followed by
+backward, or Ctrl-C anywhere in an iteration leaves units gathered (the root one always, while
+gradients are enabled) and their modules holding the unsharded parameters. A gathered buffer is
+a copy of the shards, which only the step writes, so ``settle`` (run by ``save_checkpoint``)
+releases every unit and the save records the committed shards: the state as if the unfinished
+forward never ran. A graph kept from before still works: its output hooks gather the units
+again in backward.
 """
 from __future__ import annotations
 
@@ -60,9 +68,10 @@ from torch.utils._pytree import tree_flatten
 
 from zeroshard.comm import Comm, Work
 from zeroshard.io.buffers import held_bytes
-from zeroshard.optim.flat_unit import FlatUnit, alloc_storage, free_storage
+from zeroshard.optim.flat_unit import FlatUnit, alloc_storage, free_storage, is_allocated
 from zeroshard.comm.tensor_parallel import as_sharded_parameter, local_of
 from zeroshard.optim.sharded_tensor import ShardedTensor
+from zeroshard.stages.stage3.forward_check import ForwardAgreement
 
 
 class Stage3UsageError(RuntimeError):
@@ -120,6 +129,12 @@ class ParameterGatherer:
         self._regs: list[list[tuple[nn.Module, str, nn.Parameter]]] = [[] for _ in self.units]
         self.secondary: Optional[Any] = None
         """hpZ's SecondaryPartition (zeroshard/stages/stage3/secondary.py), which gathers units then."""
+        self.forward_check = ForwardAgreement(comm)
+        """An evaluation's first forward agrees with the other ranks first (Note [forward on every rank])."""
+        self._evaluating = False
+        self.keep_sharded = False
+        """``remove`` leaves the sharded parameters registered (the optimizer was collected at
+        world size > 1: lifecycle.hand_back_collected)."""
         self._make_sharded()
 
     # -- sharded parameters (Note [sharded parameters]) -------------------------------------------
@@ -178,7 +193,7 @@ class ParameterGatherer:
             h.remove()
         self._handles.clear()
         for ui in range(len(self.units)):  # the model's own parameters are registered again
-            self.show(ui, sharded=False)
+            self.show(ui, sharded=self.keep_sharded)
         if self._orig_forward is not None:
             del self.model.forward  # the instance attribute; the class method shows again
             self._orig_forward = None
@@ -308,6 +323,20 @@ class ParameterGatherer:
         for ui in self.groups[gi]:
             self.release(ui)
 
+    def settle(self) -> None:
+        """Every unit released and what a forward or backward that never finished (an exception,
+        Ctrl-C) left behind dropped, so torch code sees the sharded parameters over the committed
+        shards: a save between steps records exactly those (Note [saving between steps])."""
+        if _in_backward():
+            raise RuntimeError("a checkpoint cannot be saved from inside backward (a gradient hook): "
+                               "save after backward returns, or after catching the KeyboardInterrupt")
+        self.release_all()
+        for ui, unit in enumerate(self.units):  # (interrupted between allocating and gathering)
+            if self.state[ui] is UnitState.RELEASED and is_allocated(unit.flat):
+                free_storage(unit.flat)
+            self.show(ui, sharded=True)
+        self._bw_callback = False
+
     def gathered_bytes(self) -> int:
         return sum(held_bytes(u.flat) for u in self.units)
 
@@ -315,6 +344,10 @@ class ParameterGatherer:
     @torch.compiler.disable  # Note [compiled stage 3]
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         if not _in_backward():
+            evaluating = not torch.is_grad_enabled() or not self.model.training
+            if evaluating and not self._evaluating:  # an evaluation starts: on every rank? (Note [forward on every rank])
+                self.forward_check.check(self.model)
+            self._evaluating = evaluating
             if self._order:
                 self._last_order = self._order
             self._order = []
