@@ -132,6 +132,12 @@ def save_between_steps(rank: int, world: int, out: str, directory: str) -> None:
     train(model, opt, 2, 4)
     res["backward_raised_train_on"] = {"equal": same(full(model), want),
                                        "released": opt.gatherer.gathered_bytes() == 0}
+    # issue 29: full_state_dict of a torch.compile wrapper gathers the full weights (keys as the
+    # wrapper's state_dict has them), not this rank's pieces
+    compiled = torch.compile(model, backend="eager")
+    got, plain = zeroshard.full_state_dict(compiled, rank0_only=False), full(model)
+    res["compiled_full_state"] = (sorted(got) == sorted(f"_orig_mod.{k}" for k in plain)
+                                  and all(torch.equal(got[f"_orig_mod.{k}"], v) for k, v in plain.items()))
     with open(f"{out}.rank{rank}", "w") as f:
         json.dump(res, f)
 

@@ -24,6 +24,7 @@ def test_stage3_saves_from_any_point_between_steps_and_resumes_bit_for_bit(tmp_p
         for case in ("forward_raised", "no_backward", "backward_raised"):
             assert r[case] == {"committed": True, "resumed": True, "continued": True, "state": True}, (case, r[case])
         assert r["backward_raised_train_on"] == {"equal": True, "released": True}
+        assert r["compiled_full_state"], r  # (issue 29: full_state_dict(torch.compile(model)))
 
 
 # -- del opt mid-step -------------------------------------------------------------------------

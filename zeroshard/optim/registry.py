@@ -32,6 +32,15 @@ def unregister(model: nn.Module) -> None:
 
 
 def optimizer_for(model: nn.Module) -> Optional["ZeroOptimizer"]:
-    ref = _BY_MODEL.get(model)
-    opt = ref() if ref is not None else None
-    return opt if opt is not None and not getattr(opt, "closed", False) else None
+    """The live optimizer of ``model``, or of the module a ``torch.compile`` wrapper holds
+    (``_orig_mod``: the wrapper's state dict has the same tensors under ``_orig_mod.`` keys, so
+    ``full_state_dict(torch.compile(model))`` gathers them like the model's own)."""
+    while True:
+        ref = _BY_MODEL.get(model)
+        opt = ref() if ref is not None else None
+        if opt is not None and not getattr(opt, "closed", False):
+            return opt
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return None
+        model = inner
