@@ -104,14 +104,20 @@ def _touch_state(model: torch.nn.Module) -> dict:
     """Mid-training, what torch code does with a model's parameters and state dict: read a
     parameter, print it, torch.save / torch.load / load_state_dict its own state dict, then
     load a full state dict with other values (the initial weights) and train on from there."""
+    import copy
     import io
     w = model.transformer.h[0].mlp.c_fc.weight
     probe = {"read_sum": float(w.sum()), "read_norm": float(w.norm()), "repr": len(repr(w)) > 0}
     buf = io.BytesIO()
-    torch.save(model.state_dict(), buf)
-    probe["saved_bytes"] = buf.tell()
-    buf.seek(0)
-    model.load_state_dict(torch.load(buf, weights_only=True))  # nothing is unpickled but tensors
+    try:  # (refused for pieces of sharded tensors: Note [saving pieces] in zeroshard/optim/sharded_tensor.py)
+        torch.save(model.state_dict(), buf)
+    except RuntimeError as exc:
+        probe["save_refused"] = str(exc)
+        model.load_state_dict(copy.deepcopy(model.state_dict()))  # in memory: pieces load back
+    else:
+        probe["saved_bytes"] = buf.tell()
+        buf.seek(0)
+        model.load_state_dict(torch.load(buf, weights_only=True))  # nothing is unpickled but tensors
     model.load_state_dict(gpt2().state_dict())
     probe["after_load_sum"] = float(model.transformer.h[0].mlp.c_fc.weight.sum())
     return probe

@@ -4,8 +4,8 @@ against plain torch.optim.AdamW on one process with the same global batch
 (tests/dropin_worker.py runs the cells).
 
 Bounds. fp32 cells: loss within 1e-6 relative and weights within 1e-5 after 8 steps, with
-clipping that bites on every step; ``state_dict`` reads a parameter, torch.save /
-torch.load / load_state_dict the model's own state dict and loads a full one (the initial
+clipping that bites on every step; ``state_dict`` reads a parameter, torch.save (refused for
+rank pieces at stage 3 over 2 ranks, naming the fix) / torch.load / load_state_dict the model's own state dict and loads a full one (the initial
 weights) mid-training; ``compile`` runs ``torch.compile(model)`` with default
 options against the eager reference. Autocast cells (fp16 with GradScaler, bf16): the ranks
 compute their half batches in 16-bit, the reference the whole batch, so matmul blocking
@@ -52,8 +52,10 @@ def test_loop_matches_torch_optim(results, stage, scenario):
             got, ref = res["probes"], res["ref_probes"]
             for key in ("read_sum", "read_norm", "after_load_sum"):
                 assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), (key, got, ref)
-            share = got["saved_bytes"] / ref["saved_bytes"]
-            assert (share > 0.9) if (stage < 3 or world == 1) else (0.3 < share < 0.8), (share, got, ref)
+            if stage < 3 or world == 1:  # whole tensors: a plain file (loads without zeroshard)
+                assert got["saved_bytes"] / ref["saved_bytes"] > 0.9, (got, ref)
+            else:  # rank pieces: torch.save is refused naming the fix (issue 29)
+                assert "zeroshard.full_state_dict" in got["save_refused"], got
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -175,3 +177,33 @@ def test_add_param_group_after_construction_trains_like_torch(tmp_path, stage, w
     torch.optim.AdamW doing the same; the existing state is kept across the rebuild."""
     for r in run_ranks(w.add_group_worker, world, tmp_path, stage):
         assert r["diff"] < 1e-5, r
+
+
+def test_a_one_rank_stage3_state_dict_saved_with_torch_save_loads_without_zeroshard(tmp_path):
+    """nanoGPT's checkpoint (torch.save of model.state_dict()) at stage 3 on one rank is a plain
+    file: its sample.py loads it with weights_only=True in a process that never imports
+    zeroshard, and gets the trained weights (issue 29; Note [saving pieces])."""
+    import subprocess
+    import sys
+
+    import torch
+
+    import zeroshard
+    from tests.models import TinyNet
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=3)
+    model(torch.randint(0, 32, (2, 5))).sum().backward()
+    opt.step()
+    torch.save(model.state_dict(), tmp_path / "ckpt.pt")
+    torch.save(zeroshard.full_state_dict(model), tmp_path / "full.pt")
+    opt.close()
+    check = ("import sys, torch\n"
+             "sd = torch.load(sys.argv[1], weights_only=True); full = torch.load(sys.argv[2], weights_only=True)\n"
+             "assert 'zeroshard' not in sys.modules, 'zeroshard was imported'\n"
+             "assert all(type(v) is torch.Tensor for v in sd.values()), {type(v) for v in sd.values()}\n"
+             "assert sd.keys() == full.keys() and all(torch.equal(sd[k], full[k]) for k in sd)\n"
+             "print('ok', len(sd))\n")
+    proc = subprocess.run([sys.executable, "-c", check, str(tmp_path / "ckpt.pt"), str(tmp_path / "full.pt")],
+                          capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stderr[-3000:]

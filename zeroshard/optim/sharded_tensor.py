@@ -80,9 +80,29 @@ class ShardedTensor(torch.Tensor):
         return self.store[self.lo:self.lo + self.n]
 
     def __reduce_ex__(self, protocol: int) -> Any:
+        """Note [saving pieces]: a whole tensor pickles as a plain one, so ``torch.save`` of a
+        one-rank stage-3 ``model.state_dict()`` loads in a process that never imports zeroshard
+        (nanoGPT's ``sample.py``). A piece of a tensor sharded over ranks is refused: a file
+        written from one rank (nanoGPT saves on ``master_process``) would hold only that
+        rank's elements, which no plain ``torch.load`` can turn back into weights. In-memory
+        copies (``copy.deepcopy(model.state_dict())``) keep pieces and load back."""
+        if self.sharded:
+            raise RuntimeError(
+                f"torch.save of a sharded tensor ({self!r}): a stage-3 model.state_dict() (or a stage-2/3 "
+                "gradient) holds only this rank's piece of each tensor, so the file could not be loaded as "
+                "weights. Save the full weights with sd = zeroshard.full_state_dict(model) on every rank (a "
+                "collective; rank 0 gets them) and torch.save(sd, path) on rank 0, or the whole training state "
+                "with zeroshard.save_checkpoint(...); copy.deepcopy(model.state_dict()) keeps an in-memory copy")
         with _resident([self], False):
             local = self.local.detach().clone()
-        return _rebuild_piece, (local, tuple(self.shape), self.dtype, self.start, self.whole)
+        return local.view(self.shape).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: dict) -> "ShardedTensor":
+        with _resident([self], False):
+            local = self.local.detach().clone()
+        copy = _rebuild_piece(local, tuple(self.shape), self.dtype, self.start, self.whole)
+        memo[id(self)] = copy
+        return copy
 
     @property
     def sharded(self) -> bool:
@@ -132,7 +152,8 @@ def local_part(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def _rebuild_piece(local: torch.Tensor, shape: tuple, dtype: torch.dtype, start: int, whole: bool) -> ShardedTensor:
-    """What ``torch.save`` stored: a piece that knows where it sits, detached from any run."""
+    """A piece that knows where it sits, detached from any run: a deep copy, or what
+    ``torch.save`` stored before Note [saving pieces] (such files still load)."""
     return ShardedTensor(local, 0, local.numel(), torch.Size(shape), dtype, local.device, start, None, None,
                          whole=whole, part="saved")
 
