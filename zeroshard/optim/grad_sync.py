@@ -247,5 +247,11 @@ class GradientReducer:
         """Complete all reductions: afterwards every unit's gradient store is final."""
         if self._next > 0 or any(self._seen):
             self.flush()
+        elif self._in_backward:
+            # A pass that ended before any gradient reached a bucket (an exception or Ctrl-C in
+            # backward: its end-of-backward callback never ran) started no collective; left
+            # marked as running, the next backward would skip its start (joining a step in
+            # flight, reconciling .grad) and its end (the flush), and train on wrong gradients.
+            self._reset_pass()
         while self._inflight:
             self._retire(self._inflight.popleft())

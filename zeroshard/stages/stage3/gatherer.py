@@ -48,6 +48,12 @@ the output hook has run, and hold no memory in between. Using a released paramet
 weight used outside the module that owns it) fails with "data is not allocated"; the root
 forward wrapper adds which units were released.
 
+Note [abandoned backward]: a backward that raised (an exception in a hook, Ctrl-C) never runs
+the end-of-backward callback it queued, which releases every unit. Its flag left set, the
+next backward would queue none either, so the root unit would stay gathered across the step
+and the next forward would run on its old values. A forward (outside backward) that finds the
+flag set settles first: every unit released, to be gathered again from the current shards.
+
 Note [saving between steps]: a forward that raised, a ``loss = model(x)`` not yet followed by
 backward, or Ctrl-C anywhere in an iteration leaves units gathered (the root one always, while
 gradients are enabled) and their modules holding the unsharded parameters. A gathered buffer is
@@ -344,6 +350,8 @@ class ParameterGatherer:
     @torch.compiler.disable  # Note [compiled stage 3]
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         if not _in_backward():
+            if self._bw_callback:  # the last backward never ended (Note [abandoned backward])
+                self.settle()
             evaluating = not torch.is_grad_enabled() or not self.model.training
             if evaluating and not self._evaluating:  # an evaluation starts: on every rank? (Note [forward on every rank])
                 self.forward_check.check(self.model)
