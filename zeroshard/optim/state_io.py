@@ -168,6 +168,7 @@ def consolidated_state_dict(opt: "ZeroOptimizer", to_rank: Optional[int]) -> Opt
             for k, v in keys.items():
                 merged.setdefault(g, {}).setdefault(k, v)
     index = _param_index(opt)
+    masters = _full_masters(opt)
     state: dict[int, dict[str, Any]] = {}
     for unit in opt.units:
         groups_here = {seg.group for seg in unit.layout.segments}
@@ -186,6 +187,8 @@ def consolidated_state_dict(opt: "ZeroOptimizer", to_rank: Optional[int]) -> Opt
             for k, v in merged.get(seg.group, {}).items():
                 entry[k] = (v.clone() if isinstance(v, torch.Tensor) else v) if v is not None else \
                     _global(opt, seg.name, fulls[k][seg.offset:seg.end].view(seg.shape).clone())
+            if entry and id(unit) in masters:
+                entry[MASTER_KEY] = _global(opt, seg.name, masters[id(unit)][seg.offset:seg.end].view(seg.shape).clone())
             if entry:
                 state[index[seg.name]] = entry
     if to_rank is not None and opt.comm.rank != to_rank:
@@ -196,6 +199,35 @@ def consolidated_state_dict(opt: "ZeroOptimizer", to_rank: Optional[int]) -> Opt
         groups.append({**_hparams(g), "params": list(range(i, i + n))})
         i += n
     return {"state": state, "param_groups": groups}
+
+
+MASTER_KEY = "zeroshard_master"
+"""Note [masters in the consolidated state]: under mixed precision the fp32 master of each
+parameter goes into ``consolidated_state_dict()`` beside its moments (as DeepSpeed's bf16
+optimizer state keeps its fp32 partitions), so a resume through ``model.state_dict()`` +
+``consolidated_state_dict()`` -- what the Trainer, Accelerate, Lightning and plain scripts
+save -- continues from the masters, bit for bit, not from the bf16 weights rounded from them.
+``load_state_dict`` takes it when present (the weights' values otherwise); a plain torch
+optimizer loading the dict keeps it as an unused state entry."""
+
+
+def _full_masters(opt: "ZeroOptimizer") -> dict[int, torch.Tensor]:
+    """id(unit) -> the unit's whole fp32 master (a collective where state is sharded), for
+    units with masters apart from their low-precision weights."""
+    out: dict[int, torch.Tensor] = {}
+    for unit in opt.units:
+        if unit.separate_master:
+            out[id(unit)] = torch.zeros(unit.layout.padded_numel, dtype=unit.master.dtype, device=unit.device)
+    if not out:
+        return out
+    for run in resident_runs(opt.runs):
+        if id(run.unit) in out:
+            out[id(run.unit)][run.a:run.b].copy_(run.tensor)
+    if opt.policy.shard_optimizer:
+        for unit in opt.units:
+            if id(unit) in out:
+                opt.comm.gather_shards(out[id(unit)]).wait()
+    return out
 
 
 def _global(opt: "ZeroOptimizer", name: str, t: torch.Tensor) -> torch.Tensor:
@@ -226,9 +258,9 @@ def load_consolidated(opt: "ZeroOptimizer", sd: dict) -> None:
     _set_hparams(opt, sd["param_groups"])
     for run in resident_runs(opt.runs, write=True):
         names = [piece.segment.name for piece in _run_pieces(run)]
-        keys = sorted(set().union(*(saved.get(index[n], {}) for n in names))) if names else []
-        fill_run(opt, run, keys, lambda name, a, b, key: _slice_plain(saved.get(index[name], {}), a, b, key,
-                                                                     numel[name]))
+        keys = sorted(set().union(*(saved.get(index[n], {}) for n in names)) - {MASTER_KEY}) if names else []
+        fill_run(opt, run, keys, lambda name, a, b, key: _slice_plain(  # (Note [masters in the consolidated state])
+            saved.get(index[name], {}), a, b, MASTER_KEY if key == "__master__" else key, numel[name]))
     normalize_loaded(opt)
 
 
