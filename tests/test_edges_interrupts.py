@@ -257,11 +257,16 @@ def test_save_on_ctrl_c_with_the_overlapped_nvme_step_commits_and_resumes_bit_fo
         return (a[0].keys() == b[0].keys() and all(torch.equal(a[0][k], b[0][k]) for k in a[0])
                 and a[1].keys() == b[1].keys()
                 and all(torch.equal(torch.as_tensor(a[1][i][k]), torch.as_tensor(b[1][i][k])) for i in a[1] for k in a[1][i]))
+    def differing(a: tuple, b: tuple) -> list:
+        return ([k for k in a[0] if not torch.equal(a[0][k], b[0][k])]
+                + [f"state {i}.{k}" for i in a[1] for k in a[1][i]
+                   if not torch.equal(torch.as_tensor(a[1][i][k]), torch.as_tensor(b[1][i].get(k)))])
     m2, o2 = make(None, "bf16", cfg=AUTO_CFG, seed=5)
     for name, step in saves:
         info = zeroshard.load_checkpoint(str(root / name), model=m2, optimizer=o2)  # committed and valid
         assert info["step"] == step and not info["skipped"], (name, info)
-        assert equal(state(m2, o2), states[step]), (name, step, saves, phases)
+        got = state(m2, o2)
+        assert equal(got, states[step]), (name, step, saves, phases, differing(got, states[step]))
     first = min(step for _, step in saves[:-1])  # resumed in memory from the earliest save
     zeroshard.load_checkpoint(str(root / f"int{[s for _, s in saves].index(first):02d}"), model=m2, optimizer=o2)
     for step in range(first, last):
