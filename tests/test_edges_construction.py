@@ -83,8 +83,9 @@ def _assert_intact(model: nn.Module, before: dict, x: torch.Tensor, out: torch.T
     opt.close()
 
 
-def _fill(directory: str) -> None:
-    with open(os.path.join(directory, "filler"), "wb") as f:
+def _fill(directory: str, name: str = "filler") -> None:
+    """Writes ``name`` until the file system is full."""
+    with open(os.path.join(directory, name), "wb") as f:
         try:
             while True:
                 f.write(b"\0" * 4096)

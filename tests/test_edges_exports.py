@@ -13,6 +13,7 @@ import torch
 import zeroshard
 from tests import lora_worker as w
 from tests.dist_results import run_ranks
+from tests.test_edges_construction import _fill
 from tests.test_io_helpers import read_only_mount, small_filesystem
 
 VARIANTS = {
@@ -92,13 +93,7 @@ def failing_writes_worker(rank: int, world: int, out: str, read_only: str, full:
              ("adapter_full", lambda: zeroshard.save_adapter(model, os.path.join(full, "adapter")))]
     for name, call in cases:
         if name == "adapter_full" and rank == 0:  # (the adapter is small: no room at all now)
-            with open(os.path.join(full, "filler2"), "wb") as f:
-                try:
-                    while True:
-                        f.write(b"\0" * 4096)
-                        f.flush()
-                except OSError:
-                    pass
+            _fill(full, "filler2")
         t0 = time.monotonic()
         try:
             call()
