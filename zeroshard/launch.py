@@ -2,6 +2,15 @@
 
 Real training is launched with ``torchrun``; this helper exists so a single command can
 show (and test) real multi-process behaviour on one machine without a launcher.
+
+Note [start method]: a "spawn" child imports torch and zeroshard afresh, about 3 s of CPU per
+rank, which dominated the test suite on 2 cores (a 2-rank job of one all-reduce: 9 s). With
+``ZEROSHARD_START_METHOD=forkserver`` (the test suite sets it) the ranks fork from one server
+that imported them once (the same job: under 1 s). A forked child gets the server's environment,
+so each child takes the caller's environment as it starts; variables read when a process or a
+library starts (the allocator's, OpenMP's, the interpreter's) cannot be applied that way, so
+when they differ from the server's the ranks are spawned. A forked child also leaves through
+``os._exit``: no ``atexit`` handlers run in it, which is why "spawn" stays the default.
 """
 from __future__ import annotations
 
@@ -24,8 +33,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Variables read when a process or a library starts (Note [start method]).
+_EXEC_TIME = ("MALLOC_", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "PYTHON", "GLIBC_", "ZEROSHARD_HUGE_PAGES")
+_server_env: dict[str, str] | None = None
+
+
+def _exec_time_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(_EXEC_TIME)}
+
+
+def _start_method() -> str:
+    """"spawn", or "forkserver" when asked for and the process-start environment is the server's."""
+    global _server_env
+    method = os.environ.get("ZEROSHARD_START_METHOD", "spawn")
+    if method not in ("spawn", "forkserver"):
+        raise ValueError(f"ZEROSHARD_START_METHOD={method!r}: use 'spawn' (the default) or 'forkserver'")
+    if method == "forkserver":
+        if _server_env is None:  # (the server starts with the first rank, in this environment)
+            mp.set_forkserver_preload(["torch", "torch.distributed", "zeroshard"])
+            _server_env = _exec_time_env()
+        elif _exec_time_env() != _server_env:
+            return "spawn"
+    return method
+
+
 def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, args: tuple,
-           errors: Any) -> None:
+           errors: Any, env: dict[str, str] | None = None) -> None:
+    if env is not None:  # forked from the server: the caller's environment (Note [start method])
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
@@ -50,10 +86,12 @@ def spawn(fn: Callable, world_size: int, *args: Any, threads: int | None = None)
     failing rank's traceback. ``fn`` must be importable (module level)."""
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
-    ctx = mp.get_context("spawn")
+    method = _start_method()
+    ctx = mp.get_context(method)
     errors = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, threads, fn, args, errors))
+    env = dict(os.environ) if method == "forkserver" else None
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, threads, fn, args, errors, env))
              for r in range(world_size)]
     for p in procs:
         p.start()
