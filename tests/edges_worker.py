@@ -43,7 +43,7 @@ def ddp_and_callback(rank: int, world: int, out: str) -> None:
             assert FIX in str(exc), exc
         else:
             _refused(lambda: ddp(x).sum().backward(), f"stage {stage}: DDP after the optimizer")
-            del ddp
+            ddp = None  # (drops the DDP)
         opt.close()
         _train_once(model, zeroshard.ZeroOptimizer(model, A, lr=1e-2, stage=stage))  # works without DDP
         # the optimizer over a DDP-wrapped model, or over the model a DDP wraps
@@ -52,7 +52,7 @@ def ddp_and_callback(rank: int, world: int, out: str) -> None:
         opt = zeroshard.ZeroOptimizer(wrapped.module, A, lr=1e-2, stage=stage)  # DDP built before
         _refused(lambda: wrapped(x).sum().backward(), f"stage {stage}: over the module a DDP wraps")
         opt.close()
-        del wrapped
+        wrapped = None  # (drops the DDP)
     # param groups (no module): a DDP over them is seen at the first backward
     for before in (False, True):
         model = Net()
@@ -60,7 +60,7 @@ def ddp_and_callback(rank: int, world: int, out: str) -> None:
         opt = zeroshard.ZeroOptimizer([p for p in model.parameters() if p.requires_grad], A, lr=1e-2, stage=2)
         ddp = ddp or DDP(model)
         _refused(lambda: ddp(x).sum().backward(), f"param list, DDP {'before' if before else 'after'}")
-        del ddp
+        ddp = None  # (drops the DDP)
         opt.close()
 
     # ZeroCallback: the Trainer's world (every process) against the optimizer's (here one rank)

@@ -32,6 +32,8 @@ import torch
 
 from zeroshard.checkpoint import manifest
 from zeroshard.checkpoint.errors import CheckpointError
+from zeroshard.checkpoint.locate import quick_check
+from zeroshard.checkpoint.names import committed_steps
 from zeroshard.checkpoint.pieces import PieceRecord
 from zeroshard.checkpoint.safe_fs import is_real_dir
 from zeroshard.checkpoint.shard_file import CODES, WrittenFile, write_json, write_shard
@@ -218,18 +220,8 @@ def _set_latest(root: str, name: str) -> bool:
     return True
 
 
-def committed_steps(root: str) -> list[tuple[int, str]]:
-    """(step, directory name) of every committed-looking step under root, oldest first."""
-    try:
-        names = os.listdir(root)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    return sorted((step, n) for n in names if (step := manifest.step_of(n)) is not None)
-
-
 def rotate(root: str, keep_last: int, keep: str) -> None:
     """Deletes the oldest valid steps beyond ``keep_last``; never ``keep`` nor the only valid one."""
-    from zeroshard.checkpoint.locate import quick_check
     valid = [n for _, n in committed_steps(root) if quick_check(os.path.join(root, n)) is None]
     doomed = [n for n in valid[:max(0, len(valid) - keep_last)] if n != keep]
     for n in doomed:

@@ -12,41 +12,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import zlib
-from typing import Optional
 
 from zeroshard.checkpoint.errors import CheckpointCorruptError
+from zeroshard.checkpoint.names import FILE_RE, STEP_RE, data_file, rng_file, step_dir_name, step_of  # noqa: F401
 from zeroshard.checkpoint.safe_fs import parse_json, read_small
-from zeroshard.checkpoint.validate import FORMAT, VERSION, check_files, check_header, check_step_name, check_tensors
+from zeroshard.checkpoint.validate import FORMAT, VERSION, check_files, check_header, check_step_name, check_tensors  # noqa: F401
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
-STEP_RE = re.compile(r"step-([0-9]{8,})", re.ASCII)
-"""A committed step's directory name, matched with ``fullmatch`` (ASCII digits only, nothing
-after them: ``step-0000٩`` and ``step-00000009\\n`` are not steps)."""
-FILE_RE = re.compile(r"(rank|rng)-[0-9]{5}\.(safetensors|json)", re.ASCII)
 MAX_MANIFEST = 256 << 20
 """Bytes a manifest may have (read whole, so this bounds the memory a hostile one costs): about
 200 bytes per piece, so a million pieces fit."""
-
-
-def step_of(name: str) -> Optional[int]:
-    """The step a directory name stands for, or None: only the canonical spelling counts."""
-    m = STEP_RE.fullmatch(name)
-    return int(m.group(1)) if m and name == step_dir_name(int(m.group(1))) else None
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def data_file(rank: int) -> str:
-    return f"rank-{rank:05d}.safetensors"
-
-
-def rng_file(rank: int) -> str:
-    return f"rng-{rank:05d}.json"
 
 
 def _canonical(body: dict) -> bytes:

@@ -18,6 +18,7 @@ import torch
 
 from zeroshard.checkpoint import jsontree
 from zeroshard.checkpoint.errors import CheckpointCorruptError
+from zeroshard.checkpoint.names import FILE_RE, data_file, rng_file, step_dir_name
 from zeroshard.checkpoint.shard_file import DTYPES
 
 FORMAT = "zeroshard.checkpoint"
@@ -62,7 +63,6 @@ def check_step_name(dir_name: str, step: int, path: str) -> None:
     """A directory named like a step must be named for the manifest's step, exactly: a
     ``step-0000٩`` or ``step-00000009\\n`` directory holding another step's manifest must
     not pass for step 9."""
-    from zeroshard.checkpoint.manifest import step_dir_name
     if _STEP_LIKE.fullmatch(dir_name) and dir_name != step_dir_name(step):
         raise fail(path, f"the directory is named {dir_name!r} but the manifest is of step {step} "
                          f"({step_dir_name(step)!r}); a renamed or forged step is not loaded")
@@ -170,7 +170,6 @@ def check_files(body: dict, path: str) -> None:
     """Exactly one data and one RNG file per saved rank, each with a sane size, block size
     and one valid CRC32 per block. Nothing in a manifest is used as a path: names must be
     the names a save writes, joined to the step directory by the loader."""
-    from zeroshard.checkpoint.manifest import FILE_RE, data_file, rng_file
     files = body.get("files")
     if not isinstance(files, dict):
         raise fail(path, "'files' is not an object")

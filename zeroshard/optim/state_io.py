@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from zeroshard.offload.unit_swap import resident_runs
+from zeroshard.optim.inner import normalize_state
 
 if TYPE_CHECKING:
     from zeroshard.optim.flat_unit import FlatUnit
@@ -272,7 +273,6 @@ def _slice_plain(entry: dict, a: int, b: int, key: str, numel: int) -> Optional[
 
 
 def normalize_loaded(opt: "ZeroOptimizer") -> None:
-    from zeroshard.optim.kernel_choice import normalize_state
     if getattr(opt, "swapper", None) is None:  # (swapped state is FusedAdam's, already in form)
         normalize_state(opt.inner)
 
