@@ -138,3 +138,41 @@ def test_fp16_without_scaled_loss_is_an_error():
     model(batch(0, 4)).backward()
     with pytest.raises(RuntimeError, match="scale_loss"):
         opt.step()
+
+
+class _SGDWithHpz(torch.optim.SGD):
+    """An optimizer with an argument named like a zeroshard option."""
+    zeroshard_elementwise = True
+
+    def __init__(self, params, lr: float = 0.1, hpz: int = 7):
+        super().__init__(params, lr=lr)
+        self.hpz_seen = hpz
+
+
+def test_optimizer_kwargs_go_to_the_inner_optimizer_only():
+    """A name that is both a zeroshard option and an argument of the optimizer is refused in
+    **kwargs (naming optimizer_kwargs); through optimizer_kwargs it reaches the optimizer, and the
+    keywords stay zeroshard's. Today's call (inner arguments as keywords) is unchanged."""
+    with pytest.raises(TypeError, match=r"\['hpz'\] is both a ZeroOptimizer option and an argument of _SGDWithHpz.*optimizer_kwargs"):
+        zeroshard.ZeroOptimizer(TinyNet(), _SGDWithHpz, lr=0.1, hpz=2)
+    opt = zeroshard.ZeroOptimizer(TinyNet(), _SGDWithHpz, stage=1, optimizer_kwargs={"lr": 0.2, "hpz": 3})
+    assert opt.inner.hpz_seen == 3 and opt.param_groups[0]["lr"] == 0.2 and opt.config.hpz != 3
+    opt.close()
+    with pytest.raises(TypeError, match=r"\['lr'\] given both as keywords and in optimizer_kwargs"):
+        zeroshard.ZeroOptimizer(TinyNet(), torch.optim.AdamW, lr=0.1, optimizer_kwargs={"lr": 0.2})
+    with pytest.raises(TypeError, match="optimizer_kwargs must be a dict"):
+        zeroshard.ZeroOptimizer(TinyNet(), torch.optim.AdamW, optimizer_kwargs=[("lr", 0.2)])
+    # the same training either way
+    torch.manual_seed(0)
+    a, b = TinyNet(), TinyNet()
+    b.load_state_dict(a.state_dict())
+    oa = zeroshard.ZeroOptimizer(a, torch.optim.AdamW, lr=1e-2, betas=(0.8, 0.9), stage=2)
+    ob = zeroshard.ZeroOptimizer(b, torch.optim.AdamW, stage=2, optimizer_kwargs={"lr": 1e-2, "betas": (0.8, 0.9)})
+    for model, opt in ((a, oa), (b, ob)):
+        for step in range(3):
+            model(batch(step, 4)).backward()
+            opt.step()
+            opt.zero_grad()
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    oa.close()
+    ob.close()

@@ -10,7 +10,7 @@ is one line that names the argument (or group and key) and what to pass instead.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -123,6 +123,35 @@ def check_inputs(model_or_params: Any, stage: int, kwargs: Mapping[str, Any]) ->
     if meta and not real:
         raise _meta_refusal(meta, stage)
     return items
+
+
+def separate_optimizer_kwargs(optimizer_class: type, config_kwargs: dict, kwargs: dict,
+                              optimizer_kwargs: Optional[dict]) -> dict:
+    """The inner optimizer's arguments: ``kwargs`` left after zeroshard's own options were taken
+    out, plus ``optimizer_kwargs``, which go to the inner optimizer only. A name that is both a
+    zeroshard option and an argument of ``optimizer_class`` is refused in ``**kwargs`` unless
+    ``optimizer_kwargs`` was given (then ``**kwargs`` are zeroshard's): guessing would hand one of
+    them a value meant for the other."""
+    if optimizer_kwargs is None:
+        try:
+            accepted = set(inspect.signature(optimizer_class.__init__).parameters)
+        except (TypeError, ValueError):
+            accepted = set()
+        both = sorted(set(config_kwargs) & accepted)
+        if both:
+            raise TypeError(
+                f"{both} is both a ZeroOptimizer option and an argument of {optimizer_class.__name__}: pass "
+                f"the optimizer's in optimizer_kwargs={{{both[0]!r}: ...}} (then {both} as keywords are "
+                "ZeroOptimizer's)")
+        return kwargs
+    if not isinstance(optimizer_kwargs, dict) or not all(isinstance(k, str) for k in optimizer_kwargs):
+        raise TypeError(f"optimizer_kwargs must be a dict of argument names to values, got {optimizer_kwargs!r}")
+    twice = sorted(set(kwargs) & set(optimizer_kwargs))
+    if twice:
+        raise TypeError(f"{twice} given both as keywords and in optimizer_kwargs: give each once")
+    if "params" in optimizer_kwargs:
+        raise TypeError("optimizer_kwargs names 'params': the parameters are ZeroOptimizer's first argument")
+    return {**kwargs, **optimizer_kwargs}
 
 
 def check_optimizer_kwargs(optimizer_class: type, kwargs: dict) -> None:

@@ -39,8 +39,8 @@ from zeroshard.optim.module_guard import ModuleGuard
 from zeroshard.optim import step_in_flight
 from zeroshard.optim.step_in_flight import JoinedAttribute, StepInFlight
 from zeroshard.optim.grad_sync import GradientReducer
-from zeroshard.optim.hyperparams import (check_inputs, check_optimizer_kwargs, nvme_kernel_refusal, single_dtype,
-                                         trainable_params)
+from zeroshard.optim.hyperparams import (check_inputs, check_optimizer_kwargs, nvme_kernel_refusal,
+                                         separate_optimizer_kwargs, single_dtype, trainable_params)
 from zeroshard.offload import NvmeOptimizerState
 from zeroshard.offload.placement import StatePlacement
 from zeroshard.offload.unit_swap import NvmeUnitStore
@@ -69,15 +69,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  offload_optimizer: Optional[str] = None, offload_params: Optional[str] = None,
                  nvme_path: Optional[str] = None, mixed_precision: Optional[str] = None,
                  process_group: Optional[dist.ProcessGroup] = None, mesh: Any = None,
-                 module: Optional[nn.Module] = None, **kwargs: Any) -> None:
+                 module: Optional[nn.Module] = None, optimizer_kwargs: Optional[dict] = None,
+                 **kwargs: Any) -> None:
         # (kept to rebuild the layout in add_param_group)
         self._build_args = (optimizer_class, dict(stage=stage, offload_optimizer=offload_optimizer,
                                                   offload_params=offload_params, nvme_path=nvme_path,
                                                   mixed_precision=mixed_precision, process_group=process_group,
-                                                  mesh=mesh, **kwargs))
+                                                  mesh=mesh, optimizer_kwargs=optimizer_kwargs, **kwargs))
         self._files_closers: list[Any] = []
         self._inflight = StepInFlight()
         config_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in ZeroConfig.field_names()}
+        kwargs = separate_optimizer_kwargs(optimizer_class, config_kwargs, kwargs, optimizer_kwargs)
         self.config = ZeroConfig(stage=stage, offload_optimizer=offload_optimizer,
                                  offload_params=offload_params, nvme_path=nvme_path,
                                  mixed_precision=mixed_precision, **config_kwargs)
