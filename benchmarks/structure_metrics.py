@@ -11,7 +11,7 @@ count. ``--json`` prints them as JSON (tests/test_structure.py reads them as a r
   imports inside functions (a lazy import hides a circle, it does not remove it); a package's
   ``__init__`` re-exporting its files is left out;
 - offload_kind_compares: comparisons with "nvme"/"cpu"/"auto" outside ``config.py`` and the
-  placement policy (``offload/placement.py``);
+  placement policy (``offload/placement.py``), not counting a device's type (``x.device.type == "cpu"``);
 - any_annotations: annotations that are or contain ``Any``.
 """
 from __future__ import annotations
@@ -148,7 +148,9 @@ def measure() -> dict:
                 consts = [v for v in values if isinstance(v, ast.Constant) and v.value in KINDS]
                 consts += [e for v in values if isinstance(v, (ast.Tuple, ast.List, ast.Set))
                            for e in v.elts if isinstance(e, ast.Constant) and e.value in KINDS]
-                if consts:
+                device_type = any(isinstance(v, ast.Attribute) and v.attr == "type" or
+                                  "device" in ast.unparse(v) for v in values)  # (a device's type, not an offload kind)
+                if consts and not device_type:
                     kind_compares.append(f"{rel}:{node.lineno}")
     return {
         "facade_lines": facade_lines,

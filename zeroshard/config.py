@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
+import torch
+
 _STAGES = (0, 1, 2, 3)
 _OFFLOAD = (None, "cpu", "nvme")
 _PRECISIONS = (None, "bf16", "fp16")
@@ -52,6 +54,36 @@ def check_int(name: str, value: Any, low: Optional[int] = None) -> None:
 def check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name}={value!r} must be True or False, not a {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a unit's pieces live (``offload_optimizer`` / ``offload_params``, or one unit's
+    share of ``offload="auto"``'s plan): "cpu" puts them in (pinned, when the model is on an
+    accelerator) host memory, "nvme" in a swap file with host memory as the staging place. On
+    a CPU-only machine the model already lives on the host, so "cpu" changes nothing. The
+    offload kinds are read here and in ``ZeroConfig``, nowhere else."""
+
+    optimizer: Optional[str] = None
+    params: Optional[str] = None
+    pin: bool = True
+
+    @property
+    def state_swapped(self) -> bool:
+        """Optimizer moments (and, with parameters swapped, master and gradient) in a swap file."""
+        return self.optimizer == "nvme"
+
+    @property
+    def params_swapped(self) -> bool:
+        return self.params == "nvme"
+
+    def optimizer_device(self, model_device: torch.device) -> torch.device:
+        # "nvme": the moments go to the swap file; master and gradients wait in host memory.
+        return torch.device("cpu") if self.optimizer in ("cpu", "nvme") else model_device
+
+    def param_device(self, model_device: torch.device) -> torch.device:
+        # "nvme": the shard is read into host memory for the gather, then dropped.
+        return torch.device("cpu") if self.params in ("cpu", "nvme") else model_device
 
 
 @dataclass(frozen=True)
@@ -199,6 +231,32 @@ class ZeroConfig:
                              "'host': '48GiB'} (per rank)")
         from zeroshard.planner.placement import MemoryBudget
         MemoryBudget.parse(self.memory_budget)
+
+    @property
+    def optimizer_swapped(self) -> bool:
+        """``offload_optimizer="nvme"``: moments streamed through a swap file each step."""
+        return self.offload_optimizer == "nvme"
+
+    @property
+    def optimizer_on_host(self) -> bool:
+        """``offload_optimizer="cpu"``: master and moments in host memory."""
+        return self.offload_optimizer == "cpu"
+
+    @property
+    def params_swapped(self) -> bool:
+        """``offload_params="nvme"``: stage-3 shards (with their masters, gradients) in a swap file."""
+        return self.offload_params == "nvme"
+
+    @property
+    def automatic(self) -> bool:
+        """``offload="auto"``: the planner places each unit's state against ``memory_budget``."""
+        return self.offload == "auto"
+
+    @property
+    def placement(self) -> Placement:
+        """The placement every unit gets when it is chosen by hand (``offload="auto"`` gives each
+        unit its own, from the plan)."""
+        return Placement(self.offload_optimizer, self.offload_params)
 
     @classmethod
     def field_names(cls) -> frozenset[str]:

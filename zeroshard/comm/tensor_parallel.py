@@ -214,7 +214,7 @@ def detect(params: list[torch.Tensor], names: dict[int, str], dp: Comm, config: 
     if config.mixed_precision is not None:
         raise ValueError(f"parameter {first!r} is a DTensor: mixed_precision={config.mixed_precision!r} is not "
                          "supported with tensor parallelism (the DTensor keeps its dtype); use fp32 parameters")
-    if config.offload_optimizer == "nvme":
+    if config.optimizer_swapped:
         raise ValueError("offload_optimizer='nvme' is not supported with DTensor (tensor-parallel) parameters")
     if hybrid:
         raise ValueError("a hybrid (replicate, shard) mesh together with tensor parallelism is not supported; "

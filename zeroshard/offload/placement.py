@@ -21,7 +21,7 @@ from zeroshard.offload.peak_memory import (StepPeaks, cache_within, resident_byt
                                            trim_freed_memory)
 from zeroshard.offload.swap_file import aligned
 from zeroshard.offload.unit_swap import NvmeUnitStore
-from zeroshard.optim.flat_unit import Placement
+from zeroshard.config import Placement
 from zeroshard.planner.placement import (KINDS, Fixed, MemoryBudget, Plan, UnitSpec, plan_auto, plan_explicit,
                                          report_text)
 
@@ -148,7 +148,7 @@ class StatePlacement:
 
     def of_unit(self, index: int) -> Placement:
         if not self.auto:
-            return Placement(self.config.offload_optimizer, self.config.offload_params)
+            return self.config.placement
         if not self.plan.offloads:
             return Placement()
         shard = {"device": None, "host": "cpu", "nvme": "nvme"}[self.plan.tier(index, "shard")]

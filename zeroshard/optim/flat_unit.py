@@ -18,7 +18,6 @@ the methods below read or write the file where needed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -27,27 +26,9 @@ from zeroshard.comm.tensor_parallel import is_dtensor, local_of
 from zeroshard.io.buffers import advise_huge_pages, resizable_aligned, storage_bytes
 from zeroshard.io.host_pool import HOST_POOL
 from zeroshard.layout import NamedParam, UnitLayout
+from zeroshard.config import Placement
 from zeroshard.ops.sqnorm import squared_norm_f64
 from zeroshard.stages import StagePolicy
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a unit's pieces live (``offload_optimizer`` / ``offload_params``): "cpu" puts
-    them in (pinned, when the model is on an accelerator) host memory. On a CPU-only
-    machine the model already lives there, so the placement changes nothing."""
-
-    optimizer: Optional[str] = None
-    params: Optional[str] = None
-    pin: bool = True
-
-    def optimizer_device(self, model_device: torch.device) -> torch.device:
-        # "nvme": the moments go to the swap file; master and gradients wait in host memory.
-        return torch.device("cpu") if self.optimizer in ("cpu", "nvme") else model_device
-
-    def param_device(self, model_device: torch.device) -> torch.device:
-        # "nvme": the shard is read into host memory for the gather, then dropped.
-        return torch.device("cpu") if self.params in ("cpu", "nvme") else model_device
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -113,8 +94,8 @@ class FlatUnit:
         """Parameters had no values (meta device): the owner must initialise the shard."""
         # Parts a swap file may hold are 4096-aligned (Note [aligned swap parts], io/buffers.py):
         # the file reads and writes them with O_DIRECT, a stage-3 shard straight into ``flat``.
-        params_swap = placement.params == "nvme" and policy.shard_parameters
-        state_swap = placement.optimizer == "nvme"
+        params_swap = placement.params_swapped and policy.shard_parameters
+        state_swap = placement.state_swapped
         self.flat = _part(layout.padded_numel, param_dtype, self.device, False, params_swap)
         if policy.shard_parameters:
             self.shard = _part(hi - lo, param_dtype, shard_device, pin and shard_device.type == "cpu", params_swap)

@@ -76,10 +76,15 @@ def _meta_refusal(names: list[str], stage: int) -> ValueError:
         "the module itself and zeroshard.load_safetensors / zeroshard.init_meta_weights")
 
 
-def check_inputs(model_or_params: Any, stage: int, kwargs: Mapping[str, Any]) -> Union[nn.Module, list]:
+def check_inputs(model_or_params: Any, stage: int, kwargs: Mapping[str, Any],
+                 module: Optional[nn.Module] = None) -> Union[nn.Module, list]:
     """Checks the parameters and hyperparameters of a ZeroOptimizer; returns the module, or
     the parameters as a list (a generator can be read once only)."""
     check_hyperparameters(kwargs)
+    if stage == 3 and not isinstance(model_or_params, nn.Module) and module is None:
+        raise ValueError("stage=3 partitions parameters by module, so it needs the nn.Module: "
+                         "ZeroOptimizer(model, ...), or with param groups "
+                         "ZeroOptimizer(groups, ..., stage=3, module=model)")
     if isinstance(model_or_params, nn.Module):
         if stage != 3:
             meta = [n for n, p in model_or_params.named_parameters() if p.is_meta]
@@ -224,7 +229,7 @@ def check_nvme_kernel(config: ZeroConfig, optimizer_class: type, kwargs: dict, g
     """offload_optimizer="nvme" steps every group on the fused kernel: a class, option or dtype
     it does not run is refused here, before any parameter is moved (Note [refused construction]
     in zeroshard/optim/construction.py). ``group_options``: each group's options, no params."""
-    if config.offload_optimizer != "nvme":
+    if not config.optimizer_swapped:
         return
     from zeroshard.optim.kernel_choice import choose_kernels
     float64 = config.mixed_precision is None and any(p.requires_grad and p.dtype == torch.float64 for p in params)

@@ -172,7 +172,7 @@ def overlaps(opt: Any) -> bool:
     (None: under offload="auto"), stage 3 with state streamed, no hpZ."""
     wanted = opt.config.overlap_step
     if wanted is None:
-        wanted = opt.config.offload == "auto"
+        wanted = opt.config.automatic
     return (bool(wanted) and opt._swapper is not None and opt.gatherer is not None
             and opt.gatherer.secondary is None and not opt.policy.gather_after_step)
 

@@ -33,7 +33,7 @@ from zeroshard.ops.sqnorm import squared_norm_f64
 from zeroshard.optim import (clipping, construction, ddp_check, hooks, kernel_choice, lifecycle, registry, reports,
                              state_io, untouched)
 from zeroshard.optim.elementwise import check_elementwise
-from zeroshard.optim.flat_unit import FlatUnit, Placement
+from zeroshard.optim.flat_unit import FlatUnit
 from zeroshard.optim.grad_links import GradLinks
 from zeroshard.optim.module_guard import ModuleGuard
 from zeroshard.optim import step_in_flight
@@ -85,11 +85,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                  mixed_precision=mixed_precision, **config_kwargs)
         check_elementwise(optimizer_class)
         check_optimizer_kwargs(optimizer_class, kwargs)
-        model_or_params = check_inputs(model_or_params, self.config.stage, kwargs)
-        if self.config.stage == 3 and not isinstance(model_or_params, nn.Module) and module is None:
-            raise ValueError("stage=3 partitions parameters by module, so it needs the nn.Module: "
-                             "ZeroOptimizer(model, ...), or with param groups "
-                             "ZeroOptimizer(groups, ..., stage=3, module=model)")
+        model_or_params = check_inputs(model_or_params, self.config.stage, kwargs, module)
         # Everything checkable is checked before the model is touched; the rest is undone on an
         # error (Note [refused construction] in zeroshard/optim/construction.py).
         snapshot = construction.check_and_record(self.config, model_or_params, module, optimizer_class, kwargs)
@@ -168,8 +164,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             unit = FlatUnit(layout, members, self.policy, self.comm.shard_rank,
                             casts.get(id(members[0].param), members[0].param.dtype),
                             device if meta_shapes else None,
-                            Placement(self.config.offload_optimizer, self.config.offload_params), frozen=True)
-            if self.unit_store is not None and self.config.offload_params == "nvme":
+                            self.config.placement, frozen=True)
+            if self.unit_store is not None and self.config.params_swapped:
                 self.unit_store.adopt(unit)
             self.frozen_units.append(unit)
         self.optimizer_class = optimizer_class
@@ -414,7 +410,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             updating = True
             if self.swapper is not None:  # (writes swapped units back inside its pass)
                 self.swapper.step(self.inner.param_groups, grad_scale=scale)
-            elif self._fused_step and self.config.offload_optimizer == "cpu":
+            elif self._fused_step and self.config.optimizer_on_host:
                 self._step_unit_by_unit(scale)
             else:
                 if self._fused_step:  # the bf16/fp16 model copy is written in the same pass
