@@ -40,3 +40,37 @@ def test_structure_figures_do_not_rise():
     risen = {k: (got[k], ceiling) for k, ceiling in CEILINGS.items() if got[k] > ceiling}
     assert not risen, (f"structure figures rose (now, ceiling): {risen}; where: "
                        f"{ {k: got['where'].get(k) for k in risen} }")
+
+
+def _notes() -> tuple[dict[str, set[str]], set[str]]:
+    """Notes cited (``Note [name]``) and defined (``Note [name]:``, a ``# Note [name]`` heading,
+    or ``(Note [name]):``) in the code, csrc, docs and README; names compared with comment
+    markers and line breaks collapsed."""
+    import glob
+    import re
+
+    def norm(name: str) -> str:
+        return re.sub(r"\s+", " ", re.sub(r"\s*(#|//|\*)\s*", " ", name)).strip()
+    paths = [p for pattern in ("zeroshard/**/*.py", "csrc/**/*", "docs/*.md", "README.md", "benchmarks/*.py")
+             for p in glob.glob(os.path.join(REPO, pattern), recursive=True) if os.path.isfile(p)]
+    cited: dict[str, set[str]] = {}
+    defined: set[str] = set()
+    for path in paths:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        for m in re.finditer(r"Note \[([^\]]+)\]", text):
+            name, after = norm(m.group(1)), text[m.end():m.end() + 2]
+            line_start = text.rfind("\n", 0, m.start()) + 1
+            heading = text[line_start:m.start()].strip() in ("#", "//") and after[:1] in ("\n", "")
+            if after[:1] == ":" or after == "):" or heading:
+                defined.add(name)
+            else:
+                cited.setdefault(name, set()).add(os.path.relpath(path, REPO))
+    return cited, defined
+
+
+def test_every_cited_note_is_written_somewhere():
+    cited, defined = _notes()
+    missing = {name: sorted(where) for name, where in cited.items() if name not in defined}
+    assert not missing, f"Notes cited but written nowhere (name: citing files): {missing}"
+    assert len(defined) >= 50  # (the check reads the Notes at all)
