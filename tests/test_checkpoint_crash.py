@@ -33,29 +33,26 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def killed(tmp_path_factory):
     """The children, two at a time (they are independent; two cores): {point: (root, expect
     path, process)}."""
+    from tests.ckpt_crash_child import main
+    from zeroshard.launch import start_process
     base = tmp_path_factory.mktemp("crash")
     runs = {}
-    errors: dict[str, str] = {}
     for k, (point, occurrence, _) in enumerate(POINTS):
         if k >= 2:
-            done = POINTS[k - 2][0]
-            errors[done] = runs[done][2].communicate(timeout=300)[1]
+            runs[POINTS[k - 2][0]][2].join(300)
         root, expect = str(base / point / "ckpt"), str(base / point / "expect.json")
         os.makedirs(base / point)
-        proc = subprocess.Popen([sys.executable, "-m", "tests.ckpt_crash_child", root, point, str(occurrence),
-                                 expect], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
-        runs[point] = (root, expect, proc)
-    for point, (_, _, proc) in runs.items():
-        if point not in errors:
-            errors[point] = proc.communicate(timeout=300)[1]
-    return {p: (*runs[p], errors[p]) for p in runs}
+        # (a process like the ranks': forked from the preloaded server under the test suite)
+        runs[point] = (root, expect, start_process(main, root, point, occurrence, expect))
+    for _, _, proc in runs.values():
+        proc.join(300)
+    return runs
 
 
 @pytest.mark.parametrize("point,occurrence,survivor", POINTS, ids=[p[0] for p in POINTS])
 def test_sigkill_inside_save(killed, point, occurrence, survivor):
-    root, expect_path, proc, stderr = killed[point]
-    assert proc.returncode == -signal.SIGKILL, f"child was not killed at {point}: {proc.returncode} {stderr}"
+    root, expect_path, proc = killed[point]
+    assert proc.exitcode == -signal.SIGKILL, f"child was not killed at {point}: exit {proc.exitcode} (its stderr is above)"
     expect = json.load(open(expect_path))
     assert zeroshard.latest_checkpoint(root) is not None
     model, opt = build(seed=5)

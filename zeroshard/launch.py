@@ -81,6 +81,25 @@ def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, ar
         time.sleep(0.05)
 
 
+def _run_alone(fn: Callable, args: tuple, env: dict[str, str] | None, threads: int) -> None:
+    if env is not None:  # (forked from the server: Note [start method])
+        os.environ.clear()
+        os.environ.update(env)
+    torch.set_num_threads(threads)
+    fn(*args)
+
+
+def start_process(fn: Callable, *args: Any, threads: int = 1) -> Any:
+    """Starts one process running ``fn(*args)`` (no process group), the way ``spawn`` starts
+    ranks (Note [start method]); returns the started ``multiprocessing`` process. For a child
+    that is meant to die (a crash test kills it mid-save) without paying for a fresh import."""
+    method = _start_method()
+    proc = mp.get_context(method).Process(
+        target=_run_alone, args=(fn, args, dict(os.environ) if method == "forkserver" else None, threads))
+    proc.start()
+    return proc
+
+
 def spawn(fn: Callable, world_size: int, *args: Any, threads: int | None = None) -> None:
     """Runs ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; raises with the
     failing rank's traceback. ``fn`` must be importable (module level)."""
