@@ -20,6 +20,7 @@ import os
 import socket
 import time
 import traceback
+from multiprocessing.process import BaseProcess
 from typing import Any, Callable
 
 import torch
@@ -89,7 +90,7 @@ def _run_alone(fn: Callable, args: tuple, env: dict[str, str] | None, threads: i
     fn(*args)
 
 
-def start_process(fn: Callable, *args: Any, threads: int = 1) -> Any:
+def start_process(fn: Callable, *args: object, threads: int = 1) -> BaseProcess:
     """Starts one process running ``fn(*args)`` (no process group), the way ``spawn`` starts
     ranks (Note [start method]); returns the started ``multiprocessing`` process. For a child
     that is meant to die (a crash test kills it mid-save) without paying for a fresh import."""
