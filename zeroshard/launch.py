@@ -58,11 +58,15 @@ def _start_method() -> str:
     return method
 
 
-def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, args: tuple,
-           errors: Any, env: dict[str, str] | None = None) -> None:
+def _adopt(env: dict[str, str] | None) -> None:
     if env is not None:  # forked from the server: the caller's environment (Note [start method])
         os.environ.clear()
         os.environ.update(env)
+
+
+def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, args: tuple,
+           errors: Any, env: dict[str, str] | None = None) -> None:
+    _adopt(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
@@ -83,9 +87,7 @@ def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, ar
 
 
 def _run_alone(fn: Callable, args: tuple, env: dict[str, str] | None, threads: int) -> None:
-    if env is not None:  # (forked from the server: Note [start method])
-        os.environ.clear()
-        os.environ.update(env)
+    _adopt(env)
     torch.set_num_threads(threads)
     fn(*args)
 
