@@ -2,7 +2,7 @@
 the per-unit plan of ``offload="auto"`` (Note [automatic placement] in
 zeroshard/planner/placement.py), and what it took to apply it.
 
-Lifecycle: built from the layouts before any unit exists (``StatePlacement(opt, ...)``);
+Lifecycle: built from the layouts before any unit exists (``StatePlacement(config, policy, ...)``);
 while the units are built it gives each its ``Placement`` (``of_unit``) and hands it to the
 swap file with the parts the plan puts there (``adopt``); the optimizer state then learns
 which runs keep their moments in memory (``resident_moments``); afterwards it reports
@@ -11,8 +11,7 @@ which runs keep their moments in memory (``resident_moments``); afterwards it re
 from __future__ import annotations
 
 import dataclasses
-import weakref
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
@@ -21,12 +20,17 @@ from zeroshard.offload.peak_memory import (StepPeaks, cache_within, resident_byt
                                            trim_freed_memory)
 from zeroshard.offload.swap_file import aligned
 from zeroshard.offload.unit_swap import NvmeUnitStore
-from zeroshard.config import Placement
+from zeroshard.config import Placement, ZeroConfig
 from zeroshard.planner.placement import (KINDS, Fixed, MemoryBudget, Plan, UnitSpec, plan_auto, plan_explicit,
                                          report_text)
 
+if TYPE_CHECKING:  # (types only: the optimizer state and runs are built after the placement)
+    from zeroshard.offload.nvme_state import NvmeOptimizerState
+    from zeroshard.optim.state_io import Run
+    from zeroshard.stages import StagePolicy
 
-def describe_units(config: Any, policy: Any, rank: int, layouts: Sequence[tuple[Any, Any]],
+
+def describe_units(config: ZeroConfig, policy: StagePolicy, rank: int, layouts: Sequence[tuple[Any, Any]],
                    unit_modules: Sequence[Any], param_dtype: torch.dtype, groups: Sequence[dict],
                    accelerator: bool) -> tuple[list[UnitSpec], Fixed]:
     """Each unit's bytes per kind of state on ``rank``, and the memory placement cannot move
@@ -84,15 +88,15 @@ torch 2.13 on a 2-layer model, counted as memory outside the state."""
 
 
 class StatePlacement:
-    def __init__(self, opt: Any, layouts: Sequence[tuple[Any, Any]], unit_modules: Sequence[Any],
-                 param_dtype: torch.dtype, groups: Sequence[dict], device: Optional[torch.device]) -> None:
-        config, rank = opt.config, opt.comm.rank
+    def __init__(self, config: ZeroConfig, policy: StagePolicy, rank: int, optimizer_class: type,
+                 layouts: Sequence[tuple[Any, Any]], unit_modules: Sequence[Any], param_dtype: torch.dtype,
+                 groups: Sequence[dict], device: Optional[torch.device]) -> None:
         self.config = config
         first = next((m.param for _, members in layouts for m in members), None)
         model_device = device or (first.device if first is not None else torch.device("cpu"))
         self.accelerator = model_device.type != "cpu"
         self.auto = config.offload == "auto"
-        specs, fixed = describe_units(config, opt.policy, rank, layouts, unit_modules, param_dtype, groups,
+        specs, fixed = describe_units(config, policy, rank, layouts, unit_modules, param_dtype, groups,
                                       self.accelerator)
         self.specs = specs
         if self.auto:
@@ -108,7 +112,7 @@ class StatePlacement:
             fixed = dataclasses.replace(fixed, host=fixed.host + process, process=process)
             self.plan: Plan = plan_auto(specs, budget, fixed, accelerator=self.accelerator,
                                         nvme=config.nvme_path is not None)
-            cls = opt._build_args[0]
+            cls = optimizer_class
             adam = isinstance(cls, type) and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW))
             if self.plan.offloads and not adam:
                 raise ValueError(
@@ -134,8 +138,7 @@ class StatePlacement:
         if self._explicit_nvme or (self.auto and any(self.plan.swapped(i) for i in range(len(specs)))):
             swap_shards = (config.offload_params == "nvme" if not self.auto else
                            any("shard" in self.plan.swapped(i) for i in range(len(specs))))
-            self.store = NvmeUnitStore(config.nvme_path, rank, swap_shards=swap_shards)
-            opt._files_closers.append(weakref.finalize(opt, self.store.close))
+            self.store = NvmeUnitStore(config.nvme_path, rank, swap_shards=swap_shards)  # (its owner closes it)
             if self.plan.cached:
                 self.store.cache = _PendingCache(self.plan.cached)
 
@@ -205,35 +208,36 @@ class StatePlacement:
         self.store.cache = ParamCache([self._units[i] for i in sorted(self.plan.cached)])
         return sum(self.plan.units[i].shard for i in self.plan.cached)
 
-    def applied(self, opt: Any) -> dict[str, dict[str, int]]:
+    def applied(self, runs: Sequence[Run], swapper: Optional[NvmeOptimizerState]) -> dict[str, dict[str, int]]:
         """Bytes per kind in memory and in the swap files as the units and the optimizer state
-        hold them (what the plan's ``bytes_by`` predicts; memory is reported as "memory")."""
+        (``runs``, streamed by ``swapper``) hold them (what the plan's ``bytes_by`` predicts;
+        memory is reported as "memory")."""
         out = {k: {"memory": 0, "nvme": 0} for k in KINDS}
-        for u in opt.units:
+        for u in self._units:
             parts = (("shard", u.shard) if u.policy.shard_parameters else None,
                      ("master", u.master) if u.separate_master else None, ("grad", u.grad_store))
             for kind, t in filter(None, parts):
                 out[kind]["nvme" if u.swapped(kind) else "memory"] += t.numel() * t.element_size()
-        swapper = opt.swapper
-        for r in opt.runs:
+        for r in runs:
             nbytes = 2 * aligned(4 * r.tensor.numel())
             kept = swapper is None or swapper.in_memory(r.tensor)
             out["moments"]["memory" if kept else "nvme"] += nbytes
         return out
 
-    def measured_io(self, opt: Any) -> dict[str, int]:
+    def measured_io(self, swapper: Optional[NvmeOptimizerState]) -> dict[str, int]:
         """Bytes the swap files have read and written since construction, and of those the
         bytes that went through O_DIRECT (``direct``, Note [aligned swap parts])."""
-        files = [f for f in (getattr(opt.swapper, "file", None), getattr(self.store, "file", None)) if f is not None]
+        files = [f for f in (swapper.file if swapper is not None else None,
+                             self.store.file if self.store is not None else None) if f is not None]
         return {"read": sum(f.bytes_read for f in files), "written": sum(f.bytes_written for f in files),
                 "direct": sum(f.direct_bytes for f in files)}
 
-    def report(self, opt: Any, micro_batches: int = 1) -> dict:
+    def report(self, runs: Sequence[Run], swapper: Optional[NvmeOptimizerState], micro_batches: int = 1) -> dict:
         """What was decided and why: bytes per kind and tier (planned, and as the units hold them
         now), per unit, the parameter cache, the predicted traffic per step of ``micro_batches``
         backward passes and the predicted peak memory, and what the swap files moved so far."""
         plan = self.plan
-        measured = self.measured_io(opt)
+        measured = self.measured_io(swapper)
         return {
             "mode": plan.mode,
             "budget": None if plan.budget is None else {"device": plan.budget.device, "host": plan.budget.host},
@@ -242,7 +246,7 @@ class StatePlacement:
             "units": [{"index": u.index, **{k: plan.tier(u.index, k) for k in KINDS if u.size(k)},
                        "cached": u.index in plan.cached} for u in plan.units],
             "cache": {"units": sorted(plan.cached), "bytes": sum(plan.units[i].shard for i in plan.cached)},
-            "applied": self.applied(opt),
+            "applied": self.applied(runs, swapper),
             "predicted_step_io": plan.step_io(micro_batches),
             "predicted_memory": plan.memory(),
             "measured_io": measured,

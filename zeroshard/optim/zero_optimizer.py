@@ -147,10 +147,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             layouts = layouts_for(groupings, self.comm.world_size)
         else:
             layouts = build_layouts(trainable, bucket_numel, self.comm.world_size)
-        self.placement = StatePlacement(self, layouts, unit_modules, param_dtype,  # or offload="auto"
-                                        construction.as_planned(groups, casts),
+        self.placement = StatePlacement(self.config, self.policy, self.comm.rank, optimizer_class,  # or "auto"
+                                        layouts, unit_modules, param_dtype, construction.as_planned(groups, casts),
                                         device if meta_shapes else None)  # (Note [automatic placement])
         self.unit_store: Optional[NvmeUnitStore] = self.placement.store  # gradients, masters (and shards) on NVMe
+        if self.unit_store is not None:
+            self._files_closers.append(weakref.finalize(self, self.unit_store.close))
         self.units = []
         for layout, members in layouts:  # one unit at a time: a swapped unit leaves memory at once
             unit = FlatUnit(layout, members, self.policy, self.comm.shard_rank, param_dtype,
@@ -185,8 +187,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.gatherer = ParameterGatherer(self.all_units, unit_modules + (frozen_modules if frozen else []),
                                               module, self.comm, self.config.max_live_units)
             self.gatherer.secondary = SecondaryPartition(self.all_units, self.comm) if self.config.hpz else None
-        show = self.gatherer.visible if self.gatherer is not None else (lambda p: p)
-        self._show = show
+        self._show = show = self.gatherer.visible if self.gatherer is not None else (lambda p: p)
         user_groups = [{**{k: v for k, v in ig.items() if k != "params"}, "params": [show(p) for p in g["params"]],
                         **({"param_names": g["param_names"]} if "param_names" in g else {})}
                        for g, ig in zip(groups, self.inner.param_groups)]
@@ -222,9 +223,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._fused_step = isinstance(self.inner, FusedAdam)
         managed = [m.param for u in self.all_units for m in u.members]
         lifecycle.claim(managed, self)
-        removers = [self.reducer.remove_hooks]
-        if self.gatherer is not None:
-            removers.append(self.gatherer.remove)
+        removers = [self.reducer.remove_hooks] + ([self.gatherer.remove] if self.gatherer is not None else [])
         if module is not None:
             removers += [self.module_guard.remove, self._load_hook.remove,
                          functools.partial(registry.unregister, module)]
@@ -566,7 +565,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return reports.memory_report(self)
 
     def placement_report(self, micro_batches: int = 1) -> dict:  # where state lives, why: offload/placement.py
-        return self.placement.report(self, micro_batches)
+        return self.placement.report(self.runs, self.swapper, micro_batches)
 
     def comm_report(self, reset: bool = False) -> dict[str, dict]:
         """``memory_report``'s sibling: what this rank's collectives moved since construction
