@@ -35,9 +35,17 @@ never both held. Off with ``overlap_step=False``; on by default under ``offload=
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 from zeroshard.io.host_pool import HOST_POOL
+
+if TYPE_CHECKING:  # (types only: these modules build on this one)
+    from zeroshard.config import ZeroConfig
+    from zeroshard.offload.nvme_state import NvmeOptimizerState
+    from zeroshard.offload.placement import StatePlacement
+    from zeroshard.optim.flat_unit import FlatUnit
+    from zeroshard.stages import StagePolicy
+    from zeroshard.stages.stage3.gatherer import ParameterGatherer
 
 
 class StepInFlight:
@@ -167,23 +175,26 @@ class JoinedAttribute:
         obj.__dict__[self.key] = value
 
 
-def overlaps(opt: Any) -> bool:
-    """Whether ``opt.step()`` overlaps its swapped step with the next forward: ``overlap_step``
+def overlaps(config: ZeroConfig, policy: StagePolicy, swapper: Optional[NvmeOptimizerState],
+             gatherer: Optional[ParameterGatherer]) -> bool:
+    """Whether ``step()`` overlaps its swapped step with the next forward: ``overlap_step``
     (None: under offload="auto"), stage 3 with state streamed, no hpZ."""
-    wanted = opt.config.overlap_step
+    wanted = config.overlap_step
     if wanted is None:
-        wanted = opt.config.automatic
-    return (bool(wanted) and opt._swapper is not None and opt.gatherer is not None
-            and opt.gatherer.secondary is None and not opt.policy.gather_after_step)
+        wanted = config.automatic
+    return (bool(wanted) and swapper is not None and gatherer is not None
+            and gatherer.secondary is None and not policy.gather_after_step)
 
 
-def start_swapped_step(opt: Any, scale: float) -> None:
-    """The swapped step of ``opt.step()`` in the worker, units in the last forward's order; what
-    follows it in a synchronous step (the step's peak memory, trimming the host pool) runs
-    there after it. ``scale``: the pending clip coefficient."""
-    order = [opt.all_units[i] for i in opt.gatherer.forward_unit_order()]
-    todo = opt._swapper.prepare(opt._inner.param_groups, unit_order=order)
-    swapper, placement = opt._swapper, opt.placement
+def start_swapped_step(inflight: StepInFlight, units: Sequence[FlatUnit], gatherer: ParameterGatherer,
+                       swapper: NvmeOptimizerState, param_groups: list[dict], placement: StatePlacement,
+                       scale: float) -> None:
+    """The swapped step of ``step()`` in ``inflight``'s worker, ``units`` (every unit, frozen
+    ones included, as the gatherer numbers them) in the last forward's order; what follows it in
+    a synchronous step (the step's peak memory, trimming the host pool) runs there after it.
+    ``scale``: the pending clip coefficient."""
+    order = [units[i] for i in gatherer.forward_unit_order()]
+    todo = swapper.prepare(param_groups, unit_order=order)
 
     def work(unit_done: Callable[[Any], None]) -> None:
         swapper.run(todo, grad_scale=scale, unit_done=unit_done)
@@ -191,4 +202,4 @@ def start_swapped_step(opt: Any, scale: float) -> None:
     def after() -> None:
         HOST_POOL.trim()
         placement.after_step()
-    opt._inflight.start([r.unit for r, _, _ in todo], work, after)
+    inflight.start([r.unit for r, _, _ in todo], work, after)

@@ -318,8 +318,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for ui, unit in enumerate(self.units):
             for si, m in enumerate(unit.members):
                 p = self._show(m.param)  # the parameter torch code holds
-                g = p.grad
-                if g is not None and g is not published.get(id(p)):
+                if p.grad is not None and p.grad is not published.get(id(p)):
                     self.reducer.mark_touched(ui, si)
 
     def _owned_grads(self) -> list[torch.Tensor]:
@@ -403,8 +402,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         scale, self._clip_coef = self._clip_coef, 1.0
         updating = False
         try:
-            if step_in_flight.overlaps(self):  # returns with the units updating (Note [overlapped step])
-                step_in_flight.start_swapped_step(self, scale)  # (it took the gradients it applies)
+            if step_in_flight.overlaps(self.config, self.policy, self.swapper, self.gatherer):  # (Note [overlapped step])
+                step_in_flight.start_swapped_step(self._inflight, self.all_units, self.gatherer, self.swapper,
+                                                  self.inner.param_groups, self.placement, scale)  # returns at once
                 return
             updating = True
             if self.swapper is not None:  # (writes swapped units back inside its pass)
