@@ -23,6 +23,7 @@ from zeroshard.checkpoint import jsontree, manifest, rng
 from zeroshard.checkpoint.errors import CheckpointMismatchError
 from zeroshard.checkpoint.shard_file import read_json
 from zeroshard.checkpoint.validate import compatible
+from zeroshard.optim.state_io import apply_group_options, apply_loss_scaler
 
 
 @dataclass
@@ -88,14 +89,9 @@ def apply(plan: TrainerPlan, opt: Any, scheduler: Any, dataloader: Any) -> tuple
     undo = _snapshot(opt, scheduler, dataloader)
     try:
         if plan.groups is not None:
-            for saved, mine in zip(plan.groups, opt.param_groups):
-                for k, v in saved.items():
-                    if k != "params":
-                        mine[k] = v
-            opt._sync_hyperparameters()
+            apply_group_options(opt, plan.groups)
         if plan.scaler is not None:
-            opt.scaler.load_state_dict(plan.scaler)
-            opt._set_grad_factor()
+            apply_loss_scaler(opt, plan.scaler)
         if plan.scheduler is not None:
             scheduler.load_state_dict(plan.scheduler)
         if plan.dataloader is not None:
@@ -120,14 +116,9 @@ def _snapshot(opt: Any, scheduler: Any, dataloader: Any) -> Callable[[], None]:
 
     def undo() -> None:
         if groups is not None:
-            for saved, mine in zip(groups, opt.param_groups):
-                for k in [k for k in mine if k != "params" and k not in saved]:
-                    del mine[k]
-                mine.update(saved)
-            opt._sync_hyperparameters()
+            apply_group_options(opt, groups, replace=True)
         if scaler is not None:
-            opt.scaler.load_state_dict(scaler)
-            opt._set_grad_factor()
+            apply_loss_scaler(opt, scaler)
         if sched is not None:
             scheduler.load_state_dict(sched)
         if loader is not None:

@@ -97,12 +97,23 @@ def _check_groups(opt: "ZeroOptimizer", groups: list[dict], by_name: bool) -> No
         raise ValueError("state dict does not match this optimizer's parameters: " + "; ".join(problems))
 
 
-def _set_hparams(opt: "ZeroOptimizer", groups: list[dict]) -> None:
+def apply_group_options(opt: "ZeroOptimizer", groups: list[dict], replace: bool = False) -> None:
+    """Saved param-group options (all but "params") take effect, in ``opt.param_groups`` and in the
+    inner optimizer; ``replace``: options the saved groups lack are removed too (an undo)."""
     for saved, mine in zip(groups, opt.param_groups):
+        if replace:
+            for k in [k for k in mine if k != "params" and k not in saved]:
+                del mine[k]
         for k, v in saved.items():
             if k != "params":
                 mine[k] = v
     opt._sync_hyperparameters()
+
+
+def apply_loss_scaler(opt: "ZeroOptimizer", state: dict) -> None:
+    """The fp16 loss scaler's saved state takes effect, and with it the gradients' factor."""
+    opt.scaler.load_state_dict(state)
+    opt._set_grad_factor()
 
 
 def load_sharded(opt: "ZeroOptimizer", sd: dict) -> None:
@@ -125,15 +136,14 @@ def load_sharded(opt: "ZeroOptimizer", sd: dict) -> None:
             f"saved by rank {meta['rank']} of {meta['world_size']} at stage {meta['stage']}, this is rank "
             f"{opt.comm.rank} of {opt.comm.world_size} at stage {opt.stage}. To change world size or "
             "stage, load a checkpoint (zeroshard.load_checkpoint) or a consolidated_state_dict().")
-    _set_hparams(opt, sd["param_groups"])
+    apply_group_options(opt, sd["param_groups"])
     for run in resident_runs(opt.runs, write=True):
         names = [piece.segment.name for piece in _run_pieces(run)]
         keys = sorted(set().union(*(pieces[n]["state"] for n in names))) if names else []
         fill_run(opt, run, keys, lambda name, a, b, key: _slice_entry(pieces[name], a, b, key))
     normalize_loaded(opt)
     if opt.scaler is not None and sd.get("loss_scaler"):
-        opt.scaler.load_state_dict(sd["loss_scaler"])
-        opt._set_grad_factor()
+        apply_loss_scaler(opt, sd["loss_scaler"])
 
 
 def _slice_entry(entry: dict, a: int, b: int, key: str) -> Optional[torch.Tensor]:
@@ -256,7 +266,7 @@ def load_consolidated(opt: "ZeroOptimizer", sd: dict) -> None:
                 wrong.append(f"{name}.{k}: {tuple(v.shape)} has {v.numel()} elements, parameter has {numel[name]}")
     if wrong:
         raise ValueError("optimizer state does not fit this model: " + "; ".join(wrong[:10]))
-    _set_hparams(opt, sd["param_groups"])
+    apply_group_options(opt, sd["param_groups"])
     for run in resident_runs(opt.runs, write=True):
         names = [piece.segment.name for piece in _run_pieces(run)]
         keys = sorted(set().union(*(saved.get(index[n], {}) for n in names)) - {MASTER_KEY}) if names else []
