@@ -7,11 +7,10 @@ therefore sees the unclipped gradients again and sets the same coefficient.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from zeroshard.optim import grad_norm
 
 
 def check_clip_arguments(max_norm: Any, norm_type: Any) -> tuple[float, float]:
@@ -36,19 +35,12 @@ def check_clip_arguments(max_norm: Any, norm_type: Any) -> tuple[float, float]:
     return bound, order
 
 
-def clip_grad_norm(opt: Any, max_norm: float, norm_type: float = 2.0,
-                   error_if_nonfinite: bool = False) -> torch.Tensor:
-    max_norm, norm_type = check_clip_arguments(max_norm, norm_type)
-    overflow = opt._finalize_grads()
-    total = grad_norm.global_norm(opt, norm_type)  # (tensor parallelism: each element counted once)
+def clip_coefficient(total: torch.Tensor, max_norm: float, norm_type: float,
+                     error_if_nonfinite: bool) -> Optional[torch.Tensor]:
+    """The factor gradients are multiplied by (at most 1), or None when the norm ``total`` is
+    not finite (nothing is clipped then, as torch leaves them; an error if asked for)."""
     if not torch.isfinite(total):
-        if error_if_nonfinite and not overflow:
+        if error_if_nonfinite:
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total.item()}")
-        return total
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    if opt._fused_step:  # applied inside the fused Adam pass: no extra sweep over gradients
-        opt._clip_coef = float(coef)
-    else:  # (swapped gradients imply the fused kernel: offload_optimizer="nvme")
-        for g in opt._owned_grads():
-            g.mul_(coef)
-    return total
+        return None
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)

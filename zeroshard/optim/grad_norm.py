@@ -9,21 +9,46 @@ each element counted once: TP-sharded pieces on every tp rank, replicated ones o
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..ops.sqnorm import squared_norm_f64
 
+if TYPE_CHECKING:
+    from zeroshard.comm.process_group import Comm
+    from zeroshard.comm.tensor_parallel import TensorParallel
+    from zeroshard.optim.flat_unit import FlatUnit
+    from zeroshard.stages import StagePolicy
 
-def _tp_parts(opt: Any, fn: Any) -> list[torch.Tensor]:
+
+def map_owned_grads(units: Sequence[FlatUnit], fn: Callable[[torch.Tensor], Any],
+                    cached: Optional[Callable[[dict], Any]] = None) -> list[Any]:
+    """``fn`` of each owned gradient, reading swapped ones back one unit at a time unless
+    ``cached`` computes the same value from the unit's ``grad_stats``."""
     out = []
-    for u in opt.units:
+    for u in units:
+        if not u.grad_valid:
+            continue
+        if not u.swapped("grad"):
+            out.append(fn(u.owned_grad()))
+        elif cached is not None and u.grad_stats is not None:
+            out.append(cached(u.grad_stats))
+        else:
+            with u.swap.resident(u, ("grad",)):
+                out.append(fn(u.owned_grad()))
+    return out
+
+
+def _tp_parts(units: Sequence[FlatUnit], tp: TensorParallel, fn: Callable[[torch.Tensor], torch.Tensor]
+              ) -> list[torch.Tensor]:
+    out = []
+    for u in units:
         if not u.grad_valid:
             continue
         g = u.owned_grad()
-        ranges = opt.tp.counted_ranges(u)
+        ranges = tp.counted_ranges(u)
         if ranges is None:
             out.append(fn(g))
         else:
@@ -31,15 +56,16 @@ def _tp_parts(opt: Any, fn: Any) -> list[torch.Tensor]:
     return out
 
 
-def global_norm(opt: Any, norm_type: float) -> torch.Tensor:
-    """The norm of order ``norm_type`` of all gradients of all ranks (a collective)."""
-    device = opt.units[0].grad_store.device if opt.units else torch.device("cpu")
-    tp = opt.tp
+def global_norm(units: Sequence[FlatUnit], tp: Optional[TensorParallel], policy: StagePolicy, comm: Comm,
+                norm_type: float) -> torch.Tensor:
+    """The norm of order ``norm_type`` of all gradients of all ranks (a collective): ``units``
+    are this rank's, ``comm`` its shard group (summed over when ``policy`` shards the state)."""
+    device = units[0].grad_store.device if units else torch.device("cpu")
     if norm_type == math.inf:  # (a maximum: counting a replicated element twice changes nothing)
-        parts = opt._map_owned_grads(lambda g: g.abs().max())
+        parts = map_owned_grads(units, lambda g: g.abs().max())
         total = torch.stack(parts).max().clone() if parts else torch.zeros((), device=device)
-        if opt.policy.shard_optimizer:
-            opt.comm.all_reduce(total.view(1), op=dist.ReduceOp.MAX, what="norm")
+        if policy.shard_optimizer:
+            comm.all_reduce(total.view(1), op=dist.ReduceOp.MAX, what="norm")
         if tp is not None:
             tp.comm.all_reduce(total.view(1), op=dist.ReduceOp.MAX, what="norm")
         return total
@@ -48,11 +74,11 @@ def global_norm(opt: Any, norm_type: float) -> torch.Tensor:
         if norm_type == 2.0:  # (the same function as FlatUnit.note_grad_stats: same bits)
             return squared_norm_f64(g)
         return torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) ** norm_type
-    parts = (_tp_parts(opt, power) if tp is not None else
-             opt._map_owned_grads(power, cached=(lambda s: s["sqnorm"]) if norm_type == 2.0 else None))
+    parts = (_tp_parts(units, tp, power) if tp is not None else
+             map_owned_grads(units, power, cached=(lambda s: s["sqnorm"]) if norm_type == 2.0 else None))
     local = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64, device=device)
-    if opt.policy.shard_optimizer:
-        opt.comm.all_reduce(local.view(1), what="norm")
+    if policy.shard_optimizer:
+        comm.all_reduce(local.view(1), what="norm")
     if tp is not None:
         tp.comm.all_reduce(local.view(1), what="norm")
-    return (local ** (1.0 / norm_type)).to(opt.units[0].master.dtype if opt.units else torch.float32)
+    return (local ** (1.0 / norm_type)).to(units[0].master.dtype if units else torch.float32)

@@ -30,8 +30,8 @@ from zeroshard.io.host_pool import HOST_POOL
 from zeroshard.layout import Segment, build_layouts, layouts_for
 from zeroshard.memory import MemoryReport
 from zeroshard.ops.sqnorm import squared_norm_f64
-from zeroshard.optim import (clipping, construction, ddp_check, hooks, kernel_choice, lifecycle, registry, reports,
-                             state_io, untouched)
+from zeroshard.optim import (clipping, construction, ddp_check, grad_norm, hooks, kernel_choice, lifecycle, registry,
+                             reports, state_io, untouched)
 from zeroshard.optim.elementwise import check_elementwise
 from zeroshard.optim.flat_unit import FlatUnit
 from zeroshard.optim.grad_links import GradLinks
@@ -324,23 +324,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _owned_grads(self) -> list[torch.Tensor]:
         return [u.owned_grad() for u in self.units if u.grad_valid]
 
-    def _map_owned_grads(self, fn: Callable[[torch.Tensor], Any],
-                         cached: Optional[Callable[[dict], Any]] = None) -> list[Any]:
-        """``fn`` of each owned gradient, reading swapped ones back one unit at a time unless
-        ``cached`` computes the same value from the unit's ``grad_stats``."""
-        out = []
-        for u in self.units:
-            if not u.grad_valid:
-                continue
-            if not u.swapped("grad"):
-                out.append(fn(u.owned_grad()))
-            elif cached is not None and u.grad_stats is not None:
-                out.append(cached(u.grad_stats))
-            else:
-                with u.swap.resident(u, ("grad",)):
-                    out.append(fn(u.owned_grad()))
-        return out
-
     def _finalize_grads(self) -> bool:
         """Completes reductions and takes in what torch code did to ``.grad``; returns True
         when the step must be skipped (fp16 overflow)."""
@@ -356,7 +339,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     "optimizer.backward(loss) or optimizer.scale_loss(loss).backward() instead "
                     "of loss.backward()")
             # (the test FlatUnit.note_grad_stats notes for swapped gradients, so both agree)
-            local = any(self._map_owned_grads(lambda g: not bool(torch.isfinite(squared_norm_f64(g))),
+            local = any(grad_norm.map_owned_grads(self.units, lambda g: not bool(torch.isfinite(squared_norm_f64(g))),
                                               cached=lambda s: not s["finite"]))
             self._overflow = self.comm.any_true(local)
             self._checked_pass = self.reducer.passes
@@ -366,7 +349,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clips the gradients of all ranks by their global norm and returns that norm
         (zeroshard/optim/clipping.py)."""
-        return clipping.clip_grad_norm(self, max_norm, norm_type, error_if_nonfinite)
+        max_norm, norm_type = clipping.check_clip_arguments(max_norm, norm_type)
+        overflow = self._finalize_grads()
+        # (tensor parallelism: each element counted once)
+        total = grad_norm.global_norm(self.units, self.tp, self.policy, self.comm, norm_type)
+        coef = clipping.clip_coefficient(total, max_norm, norm_type, error_if_nonfinite and not overflow)
+        if coef is not None and self._fused_step:  # applied inside the fused Adam pass: no extra sweep
+            self._clip_coef = float(coef)
+        elif coef is not None:  # (swapped gradients imply the fused kernel: offload_optimizer="nvme")
+            for g in self._owned_grads():
+                g.mul_(coef)
+        return total
 
     # -- the step --------------------------------------------------------------------------------
     @torch.no_grad()
