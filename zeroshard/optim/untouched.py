@@ -13,25 +13,31 @@ The global view costs one small all-reduce per step (a byte per parameter) at wo
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from zeroshard.optim.state_io import elementwise_state
+from zeroshard.optim.state_io import Run, elementwise_state
+
+if TYPE_CHECKING:
+    from zeroshard.comm.process_group import Comm
+    from zeroshard.optim.flat_unit import FlatUnit
 
 
-def untouched_everywhere(opt: Any) -> set[tuple[int, int]]:
-    """(unit index, segment index) of parameters no rank saw a gradient for since zero_grad."""
-    flags = opt.reducer.touched
+def untouched_everywhere(flags: Sequence[Sequence[bool]], comm: Comm, replicas: Optional[Comm],
+                         units: Sequence[FlatUnit]) -> set[tuple[int, int]]:
+    """(unit index, segment index) of parameters no rank saw a gradient for since zero_grad:
+    ``flags`` are this rank's (the reducer's ``touched``), agreed over ``comm`` and ``replicas``
+    in a tensor where the ``units``' gradients are (where the collectives run)."""
     flat = [f for unit_flags in flags for f in unit_flags]
     if all(flat):
-        if opt.comm.world_size == 1:
+        if comm.world_size == 1:
             return set()
-    t = torch.tensor(flat, dtype=torch.uint8, device=opt.units[0].grad_store.device)
-    opt.comm.all_reduce(t, op=dist.ReduceOp.MAX, what="grad_flags")
-    if getattr(opt, "replicas", None) is not None:  # hybrid: another replica's gradient reached this one too
-        opt.replicas.all_reduce(t, op=dist.ReduceOp.MAX, what="grad_flags")
+    t = torch.tensor(flat, dtype=torch.uint8, device=units[0].grad_store.device)
+    comm.all_reduce(t, op=dist.ReduceOp.MAX, what="grad_flags")
+    if replicas is not None:  # hybrid: another replica's gradient reached this one too
+        replicas.all_reduce(t, op=dist.ReduceOp.MAX, what="grad_flags")
     seen = t.tolist()
     out, i = set(), 0
     for ui, unit_flags in enumerate(flags):
@@ -42,17 +48,19 @@ def untouched_everywhere(opt: Any) -> set[tuple[int, int]]:
     return out
 
 
-def _untouched_pieces(opt: Any, untouched: set[tuple[int, int]]) -> Iterator[tuple[Any, list, list]]:
+def _untouched_pieces(units: Sequence[FlatUnit], runs: Sequence[Run], untouched: set[tuple[int, int]]
+                      ) -> Iterator[tuple[Run, list, list]]:
     """Per run: its non-empty pieces, and those of them whose parameter is untouched."""
-    index = {id(u): ui for ui, u in enumerate(opt.units)}
-    for run in opt.runs:
+    index = {id(u): ui for ui, u in enumerate(units)}
+    for run in runs:
         ui = index[id(run.unit)]
         seg_index = {seg.offset: si for si, seg in enumerate(run.unit.layout.segments)}
         pieces = [p for p in run.unit.layout.pieces_in(run.a, run.b) if p.numel]
         yield run, pieces, [p for p in pieces if (ui, seg_index[p.segment.offset]) in untouched]
 
 
-def skip_whole_runs(opt: Any, untouched: set[tuple[int, int]]) -> Callable[[], None]:
+def skip_whole_runs(units: Sequence[FlatUnit], runs: Sequence[Run], untouched: set[tuple[int, int]]
+                    ) -> Callable[[], None]:
     """Runs all of whose parameters are untouched are left out of the step: their ``.grad`` is
     hidden, so the inner optimizer (and the NVMe step) skips them as torch.optim skips a
     parameter whose ``.grad`` is None, their step count included. (A run some of whose
@@ -61,7 +69,7 @@ def skip_whole_runs(opt: Any, untouched: set[tuple[int, int]]) -> Callable[[], N
     if not untouched:
         return lambda: None
     hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for run, pieces, quiet in _untouched_pieces(opt, untouched):
+    for run, pieces, quiet in _untouched_pieces(units, runs, untouched):
         if run.tensor.grad is not None and pieces and len(quiet) == len(pieces):
             hidden.append((run.tensor, run.tensor.grad))
             run.tensor.grad = None
@@ -72,16 +80,18 @@ def skip_whole_runs(opt: Any, untouched: set[tuple[int, int]]) -> Callable[[], N
     return give_back
 
 
-def freeze(opt: Any, untouched: set[tuple[int, int]]) -> Callable[[], None]:
+def freeze(units: Sequence[FlatUnit], runs: Sequence[Run], states: Mapping[torch.Tensor, dict],
+           untouched: set[tuple[int, int]]) -> Callable[[], None]:
     """Saves the untouched pieces of the runs the step updates (after ``skip_whole_runs``, those
-    with a gradient); the returned function restores them after the step."""
+    with a gradient) and their elementwise state (``states``: the inner optimizer's); the
+    returned function restores them after the step."""
     if not untouched:
         return lambda: None
     saved: list[tuple[Any, int, int, torch.Tensor, dict[str, torch.Tensor]]] = []
-    for run, _, quiet in _untouched_pieces(opt, untouched):
+    for run, _, quiet in _untouched_pieces(units, runs, untouched):
         if run.tensor.grad is None:  # (not stepped: nothing to put back)
             continue
-        state = opt.inner.state.get(run.tensor, {})
+        state = states.get(run.tensor, {})
         for piece in quiet:
             lo = piece.unit_offset - run.a
             hi = lo + piece.numel
@@ -92,7 +102,7 @@ def freeze(opt: Any, untouched: set[tuple[int, int]]) -> Callable[[], None]:
         units = {}
         for run, lo, hi, values, moments in saved:
             run.tensor[lo:hi].copy_(values)
-            state = opt.inner.state.get(run.tensor, {})
+            state = states.get(run.tensor, {})
             for k, v in moments.items():
                 if k in state:
                     state[k][lo:hi].copy_(v)

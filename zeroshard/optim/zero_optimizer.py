@@ -388,9 +388,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._clip_coef = 1.0
             return
         self._sync_hyperparameters()
-        quiet = untouched.untouched_everywhere(self)
-        give_back = untouched.skip_whole_runs(self, quiet)  # (runs no parameter of which got a gradient)
-        restore = (untouched.freeze(self, quiet) if self.swapper is None
+        quiet = untouched.untouched_everywhere(self.reducer.touched, self.comm, self.replicas, self.units)
+        give_back = untouched.skip_whole_runs(self.units, self.runs, quiet)  # (runs none of whose params got a grad)
+        restore = (untouched.freeze(self.units, self.runs, self.inner.state, quiet) if self.swapper is None
                    else lambda: None)  # (NVMe offload: the others of a stepped run step with a zero gradient)
         scale, self._clip_coef = self._clip_coef, 1.0
         updating = False
