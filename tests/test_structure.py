@@ -15,11 +15,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CEILINGS = {
     "facade_lines": 579,              # target: 250
     "facade_longest_function": 154,   # target: 60
-    "functions_taking_opt_any": 27,   # target: 0
+    "functions_taking_opt_any": 24,   # target: 0
     "private_reads_of_opt": 14,       # target: 0
     "import_cycles": 0,               # target: 0 (reached: names.py, inner.py)
     "offload_kind_compares": 15,      # target: 0
-    "any_annotations": 448,           # falling
+    "any_annotations": 446,           # falling
 }
 
 

@@ -42,15 +42,15 @@ class GroupedInner:
         return {"parts": [opt.state_dict() for opt, _ in self.parts]}
 
 
-def step_without_hooks(opt: Any, **kwargs: Any) -> Any:
+def step_without_hooks(inner: Any, **kwargs: Any) -> Any:
     """The inner optimizer's step without torch's step hooks: global hooks
     (``register_optimizer_step_pre_hook``) and profiling belong to the user's optimizer,
     the ZeroOptimizer, whose step already ran them; the inner one would run them again."""
-    if isinstance(opt, GroupedInner):
-        return opt.step(**kwargs)
-    fn = type(opt).step
+    if isinstance(inner, GroupedInner):
+        return inner.step(**kwargs)
+    fn = type(inner).step
     fn = getattr(fn, "__wrapped__", fn) if getattr(fn, "hooked", False) else fn
-    return fn(opt, **kwargs)
+    return fn(inner, **kwargs)
 
 
 def normalize_state(inner: Any) -> None:

@@ -2,13 +2,18 @@
 collective, and the NVMe staging slots its memory bound allows."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
 from zeroshard.memory import MemoryReport, tensor_bytes
 from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.optim.flat_unit import FlatUnit
+
+if TYPE_CHECKING:
+    from zeroshard.comm.process_group import Comm
+    from zeroshard.comm.tensor_parallel import TensorParallel
+    from zeroshard.optim.state_io import Run
 
 
 def memory_report(opt: Any) -> MemoryReport:
@@ -45,14 +50,15 @@ def memory_report(opt: Any) -> MemoryReport:
     )
 
 
-def comm_report(opt: Any, reset: bool = False) -> dict[str, dict]:
+def comm_report(shard_comm: Comm, replicas: Optional[Comm], tp: Optional[TensorParallel],
+                reset: bool = False) -> dict[str, dict]:
     """``memory_report``'s sibling: what this rank's collectives moved since construction
-    (or the last ``reset``), by kind: calls, bytes and the group dimension crossed."""
+    (or the last ``reset``), by kind: calls, bytes and the group dimension crossed; over the
+    shard group (and hpZ's levels of it), the replicas of a hybrid mesh and the tp group."""
     out = {}
     # (hpZ: the node and inter-node levels of the data-parallel group, Note [hpZ slice order])
-    tp = getattr(opt, "tp", None)
-    for comm, suffix in ((opt.comm, ""), (opt.replicas, "@replicate"), (tp.comm if tp else None, "@tp"),
-                         *getattr(opt.comm, "levels", ())):
+    for comm, suffix in ((shard_comm, ""), (replicas, "@replicate"), (tp.comm if tp else None, "@tp"),
+                         *getattr(shard_comm, "levels", ())):
         if comm is None:
             continue
         out.update({kind + suffix: {"calls": t.calls, "bytes": t.bytes, "dimension": t.dimension}
@@ -62,19 +68,19 @@ def comm_report(opt: Any, reset: bool = False) -> dict[str, dict]:
     return out
 
 
-def staging_slots(opt: Any) -> int:
+def staging_slots(offload_buffer_mb: Optional[float], runs: Sequence[Run], units: Sequence[FlatUnit]) -> int:
     """How many pipeline slots NVMe offload may use within ``offload_buffer_mb``: each holds
     the largest run's moments and the largest unit's swapped parts."""
-    if opt.config.offload_buffer_mb is None:
+    if offload_buffer_mb is None:
         return 3
-    moments = max((8 * r.tensor.numel() for r in opt.runs), default=0)
+    moments = max((8 * r.tensor.numel() for r in runs), default=0)
     parts = max((sum(NvmeUnitStore.tensor_of(u, p).numel() * NvmeUnitStore.tensor_of(u, p).element_size()
-                     for p in (u.swap.parts_of(u) if u.swap is not None else ())) for u in opt.units), default=0)
+                     for p in (u.swap.parts_of(u) if u.swap is not None else ())) for u in units), default=0)
     per_slot = moments + parts
-    slots = int(opt.config.offload_buffer_mb * 2**20 // max(1, per_slot))
+    slots = int(offload_buffer_mb * 2**20 // max(1, per_slot))
     if slots < 1:
         raise ValueError(
-            f"offload_buffer_mb={opt.config.offload_buffer_mb} is below one staging slot of "
+            f"offload_buffer_mb={offload_buffer_mb} is below one staging slot of "
             f"{per_slot / 2**20:.1f} MiB (the largest unit's moments, gradient and master); raise it, or make "
             "units smaller (bucket_size_mb, or stage3_unit_numel at stage 3)")
     return slots

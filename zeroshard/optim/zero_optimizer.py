@@ -177,7 +177,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.placement.streams_optimizer:
             if kernel_choice.fused_part(self.inner) is None:
                 raise nvme_kernel_refusal(optimizer_class, kwargs)
-            slots = reports.staging_slots(self)
+            slots = reports.staging_slots(self.config.offload_buffer_mb, self.runs, self.units)
             self.swapper = NvmeOptimizerState(self.runs, self.config.nvme_path, self.comm.rank, max_slots=slots,
                                               **self.placement.state_options(self.runs, slots))
             self.inner.state = self.swapper
@@ -563,7 +563,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def comm_report(self, reset: bool = False) -> dict[str, dict]:
         """``memory_report``'s sibling: what this rank's collectives moved since construction
         (or the last ``reset``), by kind: calls, bytes and the group dimension crossed."""
-        return reports.comm_report(self, reset)
+        return reports.comm_report(self.comm, self.replicas, self.tp, reset)
 
     def segment_index(self) -> dict[int, tuple[FlatUnit, Segment]]:
         """Where each managed parameter lives (frozen ones too): id(param) -> (unit, segment)."""
