@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import sys
+import weakref
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
@@ -163,11 +164,15 @@ def save_frozen_default(model: Optional[nn.Module], opt: Any) -> bool:
     return not is_peft_model(model if model is not None else getattr(opt, "module", None))
 
 
+_CACHED: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+"""Per optimizer: the digests the last save computed, which the next may reuse."""
+
+
 def forget(opt: Any) -> None:
     """Drops the digests a save would reuse (the frozen weights were written behind the
     version counters' back: ``load_safetensors``)."""
     if opt is not None:
-        opt._frozen_digests = None
+        _CACHED.pop(opt, None)
 
 
 def _probe(t: torch.Tensor) -> tuple[int, ...]:
@@ -185,7 +190,7 @@ def digests(model: Optional[nn.Module], opt: Any, fresh: bool = False) -> dict[s
     in checkpoints]): a frozen unit's digests until it is written, a big base's while its
     storage, version and probed blocks stay the same."""
     whole = whole_frozen(model, opt)
-    cached = getattr(opt, "_frozen_digests", None) if opt is not None and not fresh else None
+    cached = _CACHED.get(opt) if opt is not None and not fresh else None
     cached = cached or {"whole": {}, "units": None}
     out: dict[str, dict] = {}
     reuse = sum(t.numel() * t.element_size() for t in whole.values()) > _FRESH_BYTES
@@ -205,7 +210,7 @@ def digests(model: Optional[nn.Module], opt: Any, fresh: bool = False) -> dict[s
         units = units if units is not None else (units_key, _unit_digests(opt))
         out.update(units[1])
     if opt is not None:
-        opt._frozen_digests = {"whole": kept, "units": units}
+        _CACHED[opt] = {"whole": kept, "units": units}
     return {n: {"shape": e["shape"], "dtype": e["dtype"], "digest": f"{e['sum']:016x}"} for n, e in out.items()}
 
 
