@@ -302,12 +302,12 @@ def test_evaluation_on_rank_0_only_at_stage_3_is_a_clear_error_within_the_timeou
 
 
 # -- a backward abandoned early ------------------------------------------------------------------
-@pytest.mark.parametrize("where", ["pass start", "gradient hook"])
+@pytest.mark.parametrize("where", ["pass start", "gradient hook", "gradient hook, zeros"])
 @pytest.mark.parametrize("stage,overlap", [(3, False), (3, True), (2, False)])
 def test_a_backward_abandoned_by_ctrl_c_trains_on_as_torch(tmp_path, stage, overlap, where):
     """Ctrl-C right as a backward starts (its end-of-backward callbacks never run), or as a
     gradient hook starts (autograd accumulated a gradient the hook never took): after
-    zero_grad, training goes on to the uninterrupted run's bits. Before the fixes the root unit
+    zero_grad (set_to_none, or zeros as torch.optim's zero_grad(False)), training goes on to the uninterrupted run's bits. Before the fixes the root unit
     stayed gathered across the next step (Note [abandoned backward]): tok/pos/ln_f/head kept
     their old values in the next forward; and at stage 3 the gathered parameter kept the
     untaken gradient, which the next backward added to (weights and moments differed).
@@ -344,7 +344,7 @@ def test_a_backward_abandoned_by_ctrl_c_trains_on_as_torch(tmp_path, stage, over
                     del reducer._start_pass
                 else:
                     hook.remove()
-                opt.zero_grad()
+                opt.zero_grad(set_to_none=not where.endswith("zeros"))
             model(*synthetic_batch(step, 2, AUTO_CFG)).backward()
             opt.clip_grad_norm_(0.5)
             opt.step()

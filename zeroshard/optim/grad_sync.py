@@ -148,6 +148,16 @@ class GradientReducer:
         if len(self._seen[ui]) == len(self.units[ui].layout.segments):
             self._launch_ready()
 
+    def _take_untaken(self) -> None:
+        """Ctrl-C as a gradient hook starts leaves the gradient autograd accumulated on the
+        parameter, never taken into the bucket; taken now, it is a partial gradient like the
+        rest of the abandoned pass (kept until zero_grad, as torch keeps ``.grad``), instead of
+        being added to the next pass's gradient of that parameter."""
+        for ui in range(self._next, len(self.units)):  # (a launched unit had every gradient taken)
+            for si, (m, seg) in enumerate(zip(self.units[ui].members, self.units[ui].layout.segments)):
+                if m.param.grad is not None:
+                    self._on_grad(ui, si, seg, m.param)
+
     def _on_backward_end(self) -> None:
         # Like DDP, the pass ends with every reduction complete, so .grad is final when
         # backward returns (Note [visible gradients] in grad_links.py).
@@ -245,6 +255,8 @@ class GradientReducer:
 
     def finalize(self) -> None:
         """Complete all reductions: afterwards every unit's gradient store is final."""
+        if self._in_backward:  # (outside backward: the pass was abandoned, Note [abandoned backward])
+            self._take_untaken()
         if self._next > 0 or any(self._seen):
             self.flush()
         elif self._in_backward:

@@ -480,9 +480,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
-        for unit in units:  # a gradient its hook never took (Ctrl-C in backward): stale, not the next pass's
-            for m in unit.members:
-                m.param.grad = None
         self.reducer.clear_touched()
         if not set_to_none:  # as torch: gradients that existed are now zeros (and are stepped)
             for ui, unit in enumerate(self.units):

@@ -54,8 +54,9 @@ next backward would queue none either, so the root unit would stay gathered acro
 and the next forward would run on its old values. A forward (outside backward) that finds the
 flag set settles first: every unit released, to be gathered again from the current shards.
 Ctrl-C can also land as a gradient hook starts, leaving that gradient on the gathered
-parameter the hook never took; autograd would add the next backward's gradient to it, so
-``zero_grad`` clears the gathered parameters' ``.grad`` as well as the sharded ones'.
+parameter the hook never took; autograd would add the next backward's gradient to it. The
+reducer's ``finalize`` (run by ``zero_grad``, ``step`` and clipping) takes such gradients into
+the abandoned pass's buckets first (``GradientReducer._take_untaken``).
 
 Note [saving between steps]: a forward that raised, a ``loss = model(x)`` not yet followed by
 backward, or Ctrl-C anywhere in an iteration leaves units gathered (the root one always, while
