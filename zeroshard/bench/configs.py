@@ -27,7 +27,7 @@ class MemConfig:
     def optimizer_kwargs(self, nvme_path: str) -> dict:
         """``ZeroOptimizer`` arguments (stage and offloads), with ``nvme_path`` where needed."""
         kw = self.choice.zero_kwargs()
-        if "nvme" in kw.values():
+        if self.choice.placement.state_swapped or self.choice.placement.params_swapped:
             kw["nvme_path"] = nvme_path
         return kw
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
+import torch
+
+from zeroshard.config import Placement
 from zeroshard.memory import MemoryReport, zero_formula
 from zeroshard.planner.activations import activation_bytes
 from zeroshard.planner.model_shape import ModelShape
@@ -17,6 +20,21 @@ from zeroshard.planner.traffic import StepTraffic, Topology, step_traffic
 
 _PRECISIONS = (None, "bf16", "fp16")
 _OFFLOAD = (None, "cpu", "nvme")
+_AN_ACCELERATOR = torch.device("cuda")
+"""Any device but the host (nothing is allocated on it): where ``Placement`` puts state that it
+moves off such a device is host memory."""
+
+
+def _state_in_host_memory(placement: Placement) -> bool:
+    """Master, gradients and moments live in host memory (``offload_optimizer="cpu"``): moved
+    off the device, and not into a swap file."""
+    return placement.optimizer_device(_AN_ACCELERATOR).type == "cpu" and not placement.state_swapped
+
+
+def _params_in_host_memory(placement: Placement) -> bool:
+    """Stage-3 shards live in host memory between gathers (``offload_params="cpu"``): moved off
+    the device, and not into a swap file."""
+    return placement.param_device(_AN_ACCELERATOR).type == "cpu" and not placement.params_swapped
 
 
 @dataclass(frozen=True)
@@ -113,8 +131,13 @@ class Choice:
             raise ValueError("offload_optimizer needs stage >= 1 (each rank offloads the slice it owns)")
         if self.offload_params and self.stage != 3:
             raise ValueError(f"offload_params={self.offload_params!r} needs stage=3, got stage={self.stage}")
-        if self.offload_params == "nvme" and self.offload_optimizer != "nvme":
+        if self.placement.params_swapped and not self.placement.state_swapped:
             raise ValueError("offload_params='nvme' needs offload_optimizer='nvme' too (as ZeroConfig does)")
+
+    @property
+    def placement(self) -> Placement:
+        """Where this choice keeps every unit's state (as ``ZeroConfig.placement``)."""
+        return Placement(self.offload_optimizer, self.offload_params)
 
     def zero_kwargs(self) -> dict:
         """The ``ZeroOptimizer`` arguments of this choice (offloads only when set)."""
@@ -142,8 +165,9 @@ class Choice:
         traffic and a CPU optimizer step. Stages 0-2 tie: ``Plan.recommended`` then takes the
         one that leaves the most GPU memory free."""
         cost = 1.0 + (1 / 3 if self.activation_checkpointing else 0.0) + (0.15 if self.stage == 3 else 0.0)
-        cost += {None: 0.0, "cpu": 0.4, "nvme": 1.2}[self.offload_optimizer]
-        cost += {None: 0.0, "cpu": 0.6, "nvme": 1.8}[self.offload_params]
+        p = self.placement
+        cost += 1.2 if p.state_swapped else 0.4 if _state_in_host_memory(p) else 0.0
+        cost += 1.8 if p.params_swapped else 0.6 if _params_in_host_memory(p) else 0.0
         return cost
 
 
@@ -191,7 +215,7 @@ class Estimate:
 def _placement(choice: Choice, full: MemoryReport, shard_numel: int, run_numel: int, n_runs: int, w: Workload,
                accelerator: bool) -> tuple[MemoryReport, int, int]:
     """Splits the formula's per-rank bytes into (device, CPU, NVMe) as zeroshard places them
-    (``Placement`` in zeroshard/optim/flat_unit.py):
+    (``Placement`` in zeroshard/config.py):
 
     - optimizer offload "cpu": the fp32 gradient store, a separate fp32 master slice (4Ψ/N,
       even for fp32 models: the device keeps its own parameters) and the optimizer states
@@ -205,13 +229,14 @@ def _placement(choice: Choice, full: MemoryReport, shard_numel: int, run_numel: 
     """
     params, grads, master, optim = full.parameters, full.gradients, full.master_weights, full.optimizer_states
     cpu = nvme = 0
-    if choice.offload_optimizer == "nvme":
+    placement = choice.placement
+    if placement.state_swapped:
         # Moments, gradients, a separate fp32 master and (offload_params="nvme") the shards in
         # swap files (zeroshard/offload/nvme_state.py, unit_swap.py). The host keeps min(3,
         # runs) buffers of the largest run for the moments (optimizer state) and, transiently
         # (buffers), the two or three units of the step's read-update-write pipeline.
         separate = 4 * shard_numel if accelerator else master
-        shards = params if choice.offload_params == "nvme" else 0
+        shards = params if placement.params_swapped else 0
         nvme += optim + grads + separate + shards
         pool = min(3, n_runs) * run_numel * w.optim_bytes_per_param
         unit_bytes = 4 + (4 if separate else 0) + (w.param_bytes if shards else 0)
@@ -221,11 +246,11 @@ def _placement(choice: Choice, full: MemoryReport, shard_numel: int, run_numel: 
             cpu += pool + working
             return MemoryReport(params, 0, 0, 0), cpu, nvme
         return MemoryReport(params, 0, 0, pool, buffers=working), cpu, nvme
-    elif choice.offload_optimizer:
+    elif _state_in_host_memory(placement):
         if accelerator:
             cpu += grads + 4 * shard_numel + optim
             grads = master = optim = 0
-    if choice.offload_params == "cpu" and accelerator:
+    if _params_in_host_memory(placement) and accelerator:
         cpu += params
         params = 0
     return MemoryReport(params, grads, master, optim), cpu, nvme

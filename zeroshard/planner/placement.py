@@ -53,12 +53,30 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Mapping, Optional
 
 from zeroshard.planner.units import fmt_bytes, parse_bytes
 
 KINDS = ("shard", "master", "grad", "moments")
-TIERS = ("device", "host", "nvme")
+
+
+class Tier(str, Enum):
+    """Where one kind of a unit's state lives (Note [automatic placement]): the model's device,
+    host memory, or an NVMe swap file. A str equal to its name ("device", "host", "nvme"), so
+    reports, JSON and lookups by name see the plain string."""
+
+    DEVICE = "device"
+    HOST = "host"
+    NVME = "nvme"
+
+    __str__ = str.__str__
+    __repr__ = str.__repr__
+    __format__ = str.__format__
+
+
+TIERS = tuple(t.value for t in Tier)
+"""The tiers' names, as reports and ``Plan.bytes_by`` key them."""
 
 
 def _budget_bytes(name: str, value: Any) -> int:
@@ -167,7 +185,7 @@ class Fixed:
 @dataclass(frozen=True)
 class Plan:
     units: tuple[UnitSpec, ...]
-    tiers: tuple[tuple[str, ...], ...]
+    tiers: tuple[tuple[Tier, ...], ...]
     """Per unit, the tier of each kind (``KINDS`` order)."""
     cached: frozenset[int]
     """Units whose swapped shard stays in memory from forward to backward."""
@@ -178,23 +196,23 @@ class Plan:
     """"auto", or "explicit" for offload_optimizer / offload_params given by hand."""
     reasons: tuple[str, ...] = field(default=())
 
-    def tier(self, index: int, kind: str) -> str:
+    def tier(self, index: int, kind: str) -> Tier:
         return self.tiers[index][KINDS.index(kind)]
 
     def swapped(self, index: int) -> tuple[str, ...]:
         """What ``NvmeUnitStore`` keeps of the unit (moments live in ``NvmeOptimizerState``)."""
-        return tuple(k for k in ("shard", "master", "grad") if self.tier(index, k) == "nvme"
+        return tuple(k for k in ("shard", "master", "grad") if self.tier(index, k) == Tier.NVME
                      and self.units[index].size(k))
 
     @property
     def streams(self) -> bool:
-        return any(t == "nvme" for ts in self.tiers for t in ts)
+        return any(t == Tier.NVME for ts in self.tiers for t in ts)
 
     @property
     def offloads(self) -> bool:
         """State streams, or (with an accelerator) lives in host memory: the host-side step of
         ``NvmeOptimizerState`` then runs, as with ``offload_optimizer="nvme"``."""
-        return self.streams or (self.accelerator and any(t == "host" for ts in self.tiers for t in ts))
+        return self.streams or (self.accelerator and any(t == Tier.HOST for ts in self.tiers for t in ts))
 
     def bytes_by(self) -> dict[str, dict[str, int]]:
         out = {k: {t: 0 for t in TIERS} for k in KINDS}
@@ -209,7 +227,7 @@ class Plan:
         read = written = 0
         for u, ts in zip(self.units, self.tiers):
             for k, t in zip(KINDS, ts):
-                if t == "nvme" and u.size(k):
+                if t == Tier.NVME and u.size(k):
                     r, w = u.traffic(k, u.index in self.cached, micro_batches)
                     read, written = read + r, written + w
         return {"read": read, "written": written}
@@ -252,7 +270,7 @@ def plan_auto(units: list[UnitSpec], budget: MemoryBudget, fixed: Fixed, *, acce
         caps = {"device": budget.device - fixed.device, "host": budget.host - fixed.host}
     else:  # one memory: its budget is the sum, its fixed costs all of them
         caps = {"device": 0, "host": budget.device + budget.host - fixed.device - fixed.host}
-    resident = "device" if accelerator else "host"
+    resident = Tier.DEVICE if accelerator else Tier.HOST
     if 0 <= state <= caps[resident] and caps["host"] >= 0:
         return Plan(tuple(units), tuple(tuple(resident for _ in KINDS) for _ in units), frozenset(), budget,
                     fixed, accelerator, "auto",
@@ -276,16 +294,16 @@ def plan_auto(units: list[UnitSpec], budget: MemoryBudget, fixed: Fixed, *, acce
     spread = _spread(len(units))
     items = sorted(((u, k) for u in units for k in KINDS if u.size(k)),
                    key=lambda uk: (-_order(uk[1], uk[0], micro_batches), spread[uk[0].index], KINDS.index(uk[1])))
-    chosen: dict[tuple[int, str], str] = {}
+    chosen: dict[tuple[int, str], Tier] = {}
     for u, k in items:  # greedy by bytes moved per byte held, then whatever still fits
-        for t in (("device", "host") if k == "shard" and accelerator else ("host",)):
+        for t in ((Tier.DEVICE, Tier.HOST) if k == "shard" and accelerator else (Tier.HOST,)):
             if u.size(k) <= caps[t]:
                 caps[t] -= u.size(k)
                 chosen[(u.index, k)] = t
                 break
         else:
-            chosen[(u.index, k)] = "nvme"
-    streamed = sum(u.size(k) for u in units for k in KINDS if chosen.get((u.index, k)) == "nvme")
+            chosen[(u.index, k)] = Tier.NVME
+    streamed = sum(u.size(k) for u in units for k in KINDS if chosen.get((u.index, k)) == Tier.NVME)
     if streamed and not nvme:
         raise PlacementError(
             f"memory_budget ({budget}) cannot hold this rank's {fmt_bytes(state)} of training state, and "
@@ -295,7 +313,7 @@ def plan_auto(units: list[UnitSpec], budget: MemoryBudget, fixed: Fixed, *, acce
     cached: set[int] = set()
     room = caps["host"] + fixed.pool  # what is left, and the pool (idle from forward to backward)
     for u in sorted(units, key=lambda u: -u.index):  # last of forward first: backward wants them first
-        if not u.root and chosen.get((u.index, "shard")) == "nvme" and u.shard <= room:
+        if not u.root and chosen.get((u.index, "shard")) == Tier.NVME and u.shard <= room:
             room -= u.shard
             cached.add(u.index)
     reasons = [f"{fmt_bytes(state)} of state does not fit the budget ({budget}) beside "
@@ -351,8 +369,8 @@ def plan_explicit(units: list[UnitSpec], fixed: Fixed, *, accelerator: bool, opt
                   params: Optional[str]) -> Plan:
     """The placement ``offload_optimizer`` / ``offload_params`` give every unit, as a ``Plan``
     (for ``placement_report``)."""
-    def where(choice: Optional[str]) -> str:
-        return {None: "device" if accelerator else "host", "cpu": "host", "nvme": "nvme"}[choice]
+    def where(choice: Optional[str]) -> Tier:
+        return {None: Tier.DEVICE if accelerator else Tier.HOST, "cpu": Tier.HOST, "nvme": Tier.NVME}[choice]
     tiers = tuple((where(params), where(optimizer), where(optimizer), where(optimizer)) for _ in units)
     return Plan(tuple(units), tiers, frozenset(), None, fixed, accelerator, "explicit",
                 (f"explicit: offload_optimizer={optimizer!r}, offload_params={params!r} for every unit",))

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Sequence
 
+from zeroshard.config import Placement
+
 _SCHEDULES = ("constant", "linear", "cosine")
 _PRECISIONS = ("fp32", "bf16", "fp16")
 _OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
@@ -137,9 +139,10 @@ class FinetuneConfig:
             raise ValueError(f"--collective-timeout={self.collective_timeout} must be > 0 seconds (and at most a week)")
         if self.bucket_size_mb is not None and self.bucket_size_mb <= 0:
             raise ValueError(f"--bucket-size-mb={self.bucket_size_mb} must be > 0 (MiB)")
-        if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
+        swaps = self.placement.state_swapped or self.placement.params_swapped
+        if swaps and not self.nvme_path:
             raise ValueError("--offload-* nvme needs --nvme-path DIR for the swap files")
-        if self.nvme_path and "nvme" not in (self.offload_optimizer, self.offload_params) and not self.deepspeed:
+        if self.nvme_path and not swaps and not self.deepspeed:
             raise ValueError(f"--nvme-path {self.nvme_path} is only used by NVMe offload; add --offload-optimizer "
                              "nvme, or drop --nvme-path")
         if self.offload_params != "none" and self.stage != 3:
@@ -163,6 +166,11 @@ class FinetuneConfig:
             raise ValueError("--lora-alpha/--lora-targets need --lora-r R > 0")
         if self.peft_config is not None and not os.path.isfile(self.peft_config):
             raise ValueError(f"--peft-config {self.peft_config!r} is not a file")
+
+    @property
+    def placement(self) -> Placement:
+        """Where ``--offload-optimizer`` / ``--offload-params`` put the state ("none": on the device)."""
+        return Placement(*(None if kind == "none" else kind for kind in (self.offload_optimizer, self.offload_params)))
 
     @property
     def uses_lora(self) -> bool:

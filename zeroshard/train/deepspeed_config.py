@@ -28,7 +28,7 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from zeroshard.config import check_int, check_real
+from zeroshard.config import Placement, check_int, check_real
 from zeroshard.optim.hyperparams import check_hyperparameters
 from zeroshard.train.schedules import check_schedule_params
 
@@ -78,6 +78,8 @@ OVERRIDES = ("stage", "offload_optimizer", "offload_params", "nvme_path", "mixed
              "gradient_clipping", "gradient_accumulation_steps", "micro_batch_size", "train_batch_size",
              "total_num_steps", "warmup_num_steps", "warmup_min_lr", "scheduler")
 """Keyword overrides of ``zeroshard.initialize``: they win over the config and fill its "auto"s."""
+PLACEHOLDER = "auto"
+"""A config value the Hugging Face Trainer fills in (resolved by ``_Reader.get``); not an offload kind."""
 
 
 @dataclass(frozen=True)
@@ -207,7 +209,7 @@ class _Reader:
             self.used.update(_leaves(node, path + ".") if isinstance(node, dict) else [path])
         if override is not None and self.overrides.get(override) is not None:
             return self.overrides[override]
-        if node == "auto":
+        if node == PLACEHOLDER:
             if override is not None and self.auto.get(override) is not None:
                 return self.auto[override]
             if auto != "error":
@@ -259,7 +261,8 @@ def _zero(r: _Reader, precision: Optional[str]) -> dict:
         raise ValueError(f"offload_optimizer.nvme_path and offload_param.nvme_path differ ({sorted(paths)}); "
                          "zeroshard uses one swap directory: make them equal or pass nvme_path=...")
     out["nvme_path"] = r.overrides.get("nvme_path") or (paths.pop() if paths else None)
-    if "nvme" not in (out["offload_optimizer"], out["offload_params"]) and not r.overrides.get("nvme_path"):
+    placement = Placement(out["offload_optimizer"], out["offload_params"])
+    if not (placement.state_swapped or placement.params_swapped) and not r.overrides.get("nvme_path"):
         out["nvme_path"] = None  # (DeepSpeed ignores an nvme_path beside device "cpu" or "none" too)
     # DeepSpeed sizes buckets in elements; zeroshard in MiB of parameter data.
     elements = r.get("zero_optimization.reduce_bucket_size", None, auto=None)
