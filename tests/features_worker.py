@@ -164,7 +164,7 @@ def check_schedulers(rank: int, world: int) -> dict:
                 sched.step(1.0) if name == "ReduceLROnPlateau" else sched.step()
                 seen.append([g["lr"] for g in opt.param_groups])
                 if kind == "zero":  # the inner optimizer must use what the scheduler set
-                    opt._sync_hyperparameters()
+                    opt.engine.stepper.sync_hyperparameters(opt.param_groups)
                     seen[-1] += [g["lr"] for g in opt.inner.param_groups]
             lrs[kind] = seen
         out[name] = {"zero": lrs["zero"], "torch": lrs["torch"]}

@@ -261,7 +261,7 @@ def run_overlap(rank: int, world: int, out: str, directory: str) -> None:
                     losses.append(loss.item())
                 opt.clip_grad_norm_(0.5)
                 opt.step()
-                in_flight.append(opt._inflight.running)
+                in_flight.append(opt.engine.inflight.running)
                 sched.step()  # (changes lr while the step may still run: it took a copy)
                 opt.zero_grad(set_to_none=step != 2)
                 if step == 1:  # the state after step 2, saved as soon as step() returned

@@ -270,10 +270,10 @@ def _trained(stage: int = 2) -> tuple[nn.Module, zeroshard.ZeroOptimizer]:
                                          ((1.0, None), "norm_type=None"), ((1.0, math.nan), "norm_type=nan")])
 def test_clip_grad_norm_refuses_bad_arguments_by_name(args, named):
     model, opt = _trained()
-    grads = [g.clone() for g in opt._owned_grads()]
+    grads = [g.clone() for g in opt.engine.grads.owned_grads()]
     with pytest.raises((ValueError, TypeError), match=named.replace("(", r"\(").replace(".", r"\.")):
         opt.clip_grad_norm_(*args)
-    assert all(torch.equal(a, b) for a, b in zip(grads, opt._owned_grads()))  # nothing clipped
+    assert all(torch.equal(a, b) for a, b in zip(grads, opt.engine.grads.owned_grads()))  # nothing clipped
 
 
 def test_clip_grad_norm_takes_what_torch_takes():

@@ -60,7 +60,7 @@ def test_collecting_the_optimizer_mid_step_leaves_the_full_trained_parameters(tm
     want = zeroshard.full_state_dict(ref)
     model, opt = _overlapped(tmp_path, "swap")
     _steps(model, opt, 0, 2)
-    assert opt._inflight.running  # (the second step is joined by nobody yet)
+    assert opt.engine.inflight.running  # (the second step is joined by nobody yet)
     if when == "units_gathered":
         opt.finish_step()
         model(*synthetic_batch(5, 2, AUTO_CFG))  # the root unit stays gathered (no backward)
@@ -116,9 +116,9 @@ def _zero_fill_first_half(opt):
     """The runs stored in the file's first half read back zeros (overwritten from outside): the
     step updates the units it reaches first (stored last) and fails at the others."""
     import os
-    fd = os.open(opt._swapper.path, os.O_WRONLY)
+    fd = os.open(opt.engine.swapper.path, os.O_WRONLY)
     try:
-        os.pwrite(fd, bytes(opt._swapper.file_bytes // 2), 0)
+        os.pwrite(fd, bytes(opt.engine.swapper.file_bytes // 2), 0)
     finally:
         os.close(fd)
 
@@ -155,7 +155,7 @@ def _moved_away(opt):
     """The file is renamed away while the step runs and put back after (the engine refuses a
     path that no longer names its file: the read fails, the data on disk stays intact)."""
     import os
-    path = opt._swapper.path
+    path = opt.engine.swapper.path
     os.rename(path, path + ".away")
     return lambda: os.rename(path + ".away", path)
 

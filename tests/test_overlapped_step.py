@@ -31,13 +31,13 @@ def test_overlapped_step_is_bit_identical(results, mp):
 
 def _gated(opt) -> threading.Event:
     """Holds the background step back until the returned event is set."""
-    gate, run = threading.Event(), opt._swapper.run
+    gate, run = threading.Event(), opt.engine.swapper.run
 
     def held(*args, **kwargs):
         if not gate.wait(30):
             raise AssertionError("the test never opened the gate")
         return run(*args, **kwargs)
-    opt._swapper.run = held
+    opt.engine.swapper.run = held
     return gate
 
 
@@ -59,7 +59,7 @@ def test_step_returns_before_the_units_update_and_a_gather_waits(tmp_path):
     _one_step(ref, ref_opt, 1)
     t0 = time.perf_counter()
     _one_step(model, opt, 1)
-    assert time.perf_counter() - t0 < 20 and opt._inflight.running and not gate.is_set()
+    assert time.perf_counter() - t0 < 20 and opt.engine.inflight.running and not gate.is_set()
     opened = threading.Timer(0.3, gate.set)
     opened.start()
     t0 = time.perf_counter()
@@ -89,7 +89,7 @@ def test_checkpoint_and_state_dict_wait_for_the_step(tmp_path):
     (ref, ref_opt), (model, opt) = _second_step_held(make(str(tmp_path), cfg=AUTO_CFG, overlap_step=False),
                                                      make(str(tmp_path), cfg=AUTO_CFG, overlap_step=True))
     zeroshard.save_checkpoint(str(tmp_path / "ck"), 2, model=model, optimizer=opt)  # waits
-    assert not opt._inflight.running
+    assert not opt.engine.inflight.running
     want, got = ref_opt.consolidated_state_dict(to_rank=None), opt.consolidated_state_dict(to_rank=None)
     assert all(torch.equal(a, b) for sa, sb in zip(want["state"].values(), got["state"].values())
                for a, b in zip(sa.values(), sb.values()))
@@ -124,11 +124,11 @@ def test_an_error_of_the_background_step_is_raised_by_the_next_call(tmp_path):
     model(*synthetic_batch(1, 2, AUTO_CFG)).backward()
     gate = _gated(opt)
     opt.step()  # returns: the damage is met in the background
-    os.truncate(opt._swapper.path, 4096)
+    os.truncate(opt.engine.swapper.path, 4096)
     gate.set()
     with pytest.raises(TruncatedFileError, match="zeroshard-optim"):
         model(*synthetic_batch(2, 2, AUTO_CFG))
-    assert not opt._inflight.running  # (raised once, by the call that waited)
+    assert not opt.engine.inflight.running  # (raised once, by the call that waited)
 
 
 def test_auto_placement_overlaps_by_default_and_explicit_options_do_not(tmp_path):
@@ -137,11 +137,11 @@ def test_auto_placement_overlaps_by_default_and_explicit_options_do_not(tmp_path
         make_auto(str(tmp_path), 0)
     model, opt = make_auto(str(tmp_path), exc.value.minimum["host"])
     _one_step(model, opt)
-    assert opt._swapper is not None and opt._inflight.running
+    assert opt.engine.swapper is not None and opt.engine.inflight.running
     opt.close()
     model, opt = make(str(tmp_path), cfg=AUTO_CFG)
     _one_step(model, opt)
-    assert not opt._inflight.running
+    assert not opt.engine.inflight.running
     opt.close()
 
 

@@ -13,7 +13,7 @@ import gc
 import json
 import os
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,11 +22,14 @@ from zeroshard.bench.configs import MemConfig
 from zeroshard.bench.models import ModelSource
 from zeroshard.offload.process_rss import current_rss, peak_rss, reset_peak_rss
 
+if TYPE_CHECKING:
+    from zeroshard.optim.zero_optimizer import ZeroOptimizer
+
 
 class _PeakSampler:
     """Keeps the maximum of each ``memory_report()`` category over every sample."""
 
-    def __init__(self, opt: Any) -> None:
+    def __init__(self, opt: "ZeroOptimizer") -> None:
         self.opt = opt
         self.peak: dict[str, int] = {}
 

@@ -42,7 +42,7 @@ import sys
 import weakref
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -50,6 +50,9 @@ from torch import nn
 from zeroshard.checkpoint.errors import CheckpointMismatchError
 from zeroshard.checkpoint.pieces import PARAM, PieceRecord, _deferred
 from zeroshard.checkpoint.shard_file import CODES
+
+if TYPE_CHECKING:
+    from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
 _PRIME = (1 << 61) - 1
 _MASK = (1 << 64) - 1
@@ -68,11 +71,11 @@ class FrozenRun:
     unit: Any
 
 
-def _managed_frozen(opt: Any) -> list[Any]:
+def _managed_frozen(opt: Optional["ZeroOptimizer"]) -> list[Any]:
     return list(getattr(opt, "frozen_units", []) or []) if opt is not None else []
 
 
-def managed_ids(opt: Any) -> set[int]:
+def managed_ids(opt: Optional["ZeroOptimizer"]) -> set[int]:
     """ids of the tensors stage 3 shows for frozen parameters kept in frozen units."""
     out: set[int] = set()
     for u in _managed_frozen(opt):
@@ -100,7 +103,7 @@ def whole_frozen(model: Optional[nn.Module], opt: Any) -> dict[str, torch.Tensor
     return out
 
 
-def unit_segments(opt: Any) -> Iterator[tuple[Any, Any]]:
+def unit_segments(opt: Optional["ZeroOptimizer"]) -> Iterator[tuple[Any, Any]]:
     for u in _managed_frozen(opt):
         for seg in u.layout.segments:
             yield u, seg
@@ -168,7 +171,7 @@ _CACHED: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
 """Per optimizer: the digests the last save computed, which the next may reuse."""
 
 
-def forget(opt: Any) -> None:
+def forget(opt: Optional["ZeroOptimizer"]) -> None:
     """Drops the digests a save would reuse (the frozen weights were written behind the
     version counters' back: ``load_safetensors``)."""
     if opt is not None:
@@ -228,7 +231,7 @@ def streamed_digest(read: Callable[[int, int], torch.Tensor], numel: int, chunk:
     return f"{total % _PRIME:016x}"
 
 
-def _unit_digests(opt: Any) -> dict[str, dict]:
+def _unit_digests(opt: Optional["ZeroOptimizer"]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     segments = list(unit_segments(opt))
     if segments:
@@ -260,7 +263,7 @@ def base_record(model: Optional[nn.Module], opt: Any, saved: bool) -> dict:
     return {"saved": saved, "method": METHOD, "tensors": digests(model, opt)}
 
 
-def frozen_pieces(opt: Any) -> list[PieceRecord]:
+def frozen_pieces(opt: Optional["ZeroOptimizer"]) -> list[PieceRecord]:
     """This rank's pieces of the frozen units (``save_frozen=True`` at stage 3)."""
     records = []
     for u in _managed_frozen(opt):
@@ -274,7 +277,7 @@ def frozen_pieces(opt: Any) -> list[PieceRecord]:
     return records
 
 
-def frozen_needed(opt: Any, saved: set[str]) -> Iterator[tuple[str, int, int, FrozenRun, Any, None]]:
+def frozen_needed(opt: Optional["ZeroOptimizer"], saved: set[str]) -> Iterator[tuple[str, int, int, FrozenRun, Any, None]]:
     """(name, [a, b), where it goes, piece, no tensor-parallel split) of the frozen-unit pieces this rank loads from a
     checkpoint that holds them (saved with ``save_frozen=True``, or before frozen units)."""
     for u in _managed_frozen(opt):

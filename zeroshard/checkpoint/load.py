@@ -19,7 +19,7 @@ import bisect
 import os
 import struct
 import warnings
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
@@ -32,6 +32,9 @@ from zeroshard.checkpoint.shard_file import DTYPES, ShardReader, reap
 from zeroshard.offload.unit_swap import resident_runs
 from zeroshard.optim.state_io import fill_run, normalize_loaded
 from zeroshard.stages.stage3.secondary import params_written
+
+if TYPE_CHECKING:
+    from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
 
 class _Source:
@@ -186,13 +189,13 @@ def check_compatible(body: dict, model: Optional[nn.Module], opt: Any, where: st
                 "param groups (stage 3 takes the model: one group) to restore per-group hyperparameters")
 
 
-def _target(opt: Any, own: str) -> tp_layout.Target:
+def _target(opt: Optional["ZeroOptimizer"], own: str) -> tp_layout.Target:
     """Which part of parameter ``own`` this rank holds (None: all of it; Note [stored order])."""
     tp = getattr(opt, "tp", None)
     return None if tp is None else tp.split_of(own)
 
 
-def _needed(opt: Any, model: Optional[nn.Module], saved: set[str]):
+def _needed(opt: Optional["ZeroOptimizer"], model: Optional[nn.Module], saved: set[str]):
     """(name in checkpoint, [a, b), run or None, piece, target) this rank must load (frozen
     weights only where the checkpoint holds them: Note [frozen weights in checkpoints])."""
     if opt is not None:
@@ -450,7 +453,7 @@ _STREAM_BLOCKS = 4
 """Checksum blocks (32 MiB each) a streamed load keeps per data file while verifying."""
 
 
-def _streamed(opt: Any) -> bool:
+def _streamed(opt: object) -> bool:
     """The optimizer keeps its state in swap files: load without holding it all in memory."""
     return getattr(opt, "unit_store", None) is not None
 

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from zeroshard.checkpoint.shard_file import Deferred
 from zeroshard.optim.state_io import elementwise_state
+
+if TYPE_CHECKING:
+    from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
 PARAM, MASTER = "param", "master"
 
@@ -55,7 +58,7 @@ def name_map(model: Optional[nn.Module], opt: Any) -> dict[str, str]:
     return out
 
 
-def write_range(opt: Any, unit: Any) -> tuple[int, int]:
+def write_range(opt: Optional["ZeroOptimizer"], unit: Any) -> tuple[int, int]:
     """The unit range this rank writes: what it owns when state is sharded; at stage 0 every
     rank holds everything, so rank r writes slice r and the write load stays balanced."""
     if opt.policy.shard_optimizer:

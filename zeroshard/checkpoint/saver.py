@@ -20,7 +20,7 @@ import enum
 import json
 import os
 import threading
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ from zeroshard.checkpoint.pieces import PieceRecord, full_tensors, has_deferred,
 from zeroshard.checkpoint.shard_file import CODES, Deferred
 from zeroshard.comm import Comm
 from zeroshard.optim.registry import optimizer_for
+
+if TYPE_CHECKING:
+    from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
 
 class SaveState(enum.Enum):
@@ -75,7 +78,7 @@ class CheckpointSaver:
             self.state = SaveState.IDLE
             raise CheckpointError(f"the previous asynchronous checkpoint save failed: {err}") from err
 
-    def _comm(self, opt: Any) -> Comm:
+    def _comm(self, opt: Optional["ZeroOptimizer"]) -> Comm:
         base = opt.comm if opt is not None else Comm(None)
         tp = getattr(opt, "tp", None)  # tensor parallel: every rank of dp x tp writes its part
         if base.world_size == 1 and tp is None:
@@ -113,9 +116,9 @@ class CheckpointSaver:
             gatherer.settle()
         error: Optional[BaseException] = None
         try:
-            inflight = getattr(opt, "_inflight", None)
-            if inflight is not None:  # a step that failed part way left no state worth saving (Note [failed steps])
-                inflight.check(f"save_checkpoint of step {step}")
+            engine = getattr(opt, "engine", None)  # (a ZeroOptimizer's; any torch.optim optimizer saves)
+            if engine is not None:  # a step that failed part way left no state worth saving (Note [failed steps])
+                engine.inflight.check(f"save_checkpoint of step {step}")
             snap = _capture(step, model, opt, scheduler, dataloader, extra, comm.rank, comm.world_size, save_frozen)
             shapes = _shapes(model, opt, save_frozen)
         except (TypeError, ValueError, RuntimeError) as exc:  # (CheckpointError is one)
@@ -320,7 +323,7 @@ def _shapes(model: Optional[nn.Module], opt: Any, save_frozen: bool = False) -> 
 _SAVER = CheckpointSaver()
 
 
-def checkpoint_comm(opt: Any) -> Comm:
+def checkpoint_comm(opt: Optional["ZeroOptimizer"]) -> Comm:
     """The ranks that write (and load) ``opt``'s checkpoints, on the savers' side group."""
     return _SAVER._comm(opt)
 

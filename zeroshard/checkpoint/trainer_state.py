@@ -14,7 +14,7 @@ import os
 import random
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -24,6 +24,9 @@ from zeroshard.checkpoint.errors import CheckpointMismatchError
 from zeroshard.checkpoint.shard_file import read_json
 from zeroshard.checkpoint.validate import compatible
 from zeroshard.optim.state_io import apply_group_options, apply_loss_scaler
+
+if TYPE_CHECKING:
+    from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
 
 @dataclass
@@ -107,7 +110,7 @@ def apply(plan: TrainerPlan, opt: Any, scheduler: Any, dataloader: Any) -> tuple
     return None, undo
 
 
-def _snapshot(opt: Any, scheduler: Any, dataloader: Any) -> Callable[[], None]:
+def _snapshot(opt: Optional["ZeroOptimizer"], scheduler: Any, dataloader: Any) -> Callable[[], None]:
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] if opt is not None else None
     scaler = copy.deepcopy(opt.scaler.state_dict()) if opt is not None and opt.scaler is not None else None
     sched = copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None

@@ -23,15 +23,60 @@ would train its own copy and write the same checkpoint files, so it is refused.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
+from zeroshard.comm import tensor_parallel
 from zeroshard.comm.hierarchical import HierarchicalComm
 from zeroshard.comm.process_group import Comm
+from zeroshard.comm.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+    from zeroshard.config import ZeroConfig
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """Where one ZeroOptimizer's ranks sit, built once by the assembly (zeroshard/optim/assembly.py)
+    and handed to what shards, reduces, gathers and saves (FSDP2's ``FSDPMeshInfo`` plays this part).
+
+    ``comm`` is the group state is sharded over (a ``HierarchicalComm`` under hpZ);
+    ``replicas`` the replicate group of a hybrid mesh (Note [hybrid sharding]), whose rows
+    ``shard_group_ranks`` lists so every rank can make each shard group's side groups;
+    ``tp`` the tensor-parallel layout of DTensor parameters (Note [tensor-parallel parameters])."""
+    comm: Comm
+    replicas: Optional[Comm] = None
+    shard_group_ranks: Optional[tuple[tuple[int, ...], ...]] = None
+    tp: Optional[TensorParallel] = None
+    hpz: bool = False
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks whose gradients are averaged: the shard group times its replicas."""
+        return self.comm.world_size * (self.replicas.world_size if self.replicas is not None else 1)
+
+    @property
+    def hybrid(self) -> bool:
+        return self.replicas is not None
+
+    def local_shapes(self) -> dict[int, torch.Size]:
+        """This rank's shapes of the tensor-parallel parameters (none without TP)."""
+        return self.tp.local_shapes() if self.tp is not None else {}
+
+
+def mesh_info(process_group: Optional[dist.ProcessGroup], mesh: object, config: "ZeroConfig",
+              params: Sequence[torch.Tensor], names: dict[int, str]) -> MeshInfo:
+    """The MeshInfo of ``process_group=`` or ``mesh=`` over these parameters (their DTensors
+    decide tensor parallelism)."""
+    comm, replicas, rows = comms_from(process_group, mesh, config.hpz)
+    tp = tensor_parallel.detect(list(params), names, comm, config, replicas is not None,
+                                mesh)  # type: ignore[arg-type]  # (detect refuses what is not a DeviceMesh)
+    return MeshInfo(comm, replicas, tuple(tuple(r) for r in rows) if rows is not None else None, tp, config.hpz)
 
 
 REPLICATE_NAMES = ("dp_replicate", "replicate", "node")
@@ -83,7 +128,7 @@ def hybrid_dims(mesh: "DeviceMesh") -> tuple[int, int]:
     return replicate[0], shard[0]
 
 
-def groups_from(process_group: Optional[dist.ProcessGroup], mesh: Any) -> tuple[Optional[dist.ProcessGroup],
+def groups_from(process_group: Optional[dist.ProcessGroup], mesh: object) -> tuple[Optional[dist.ProcessGroup],
                                                                                  Optional[dist.ProcessGroup]]:
     """(shard group, replicate group or None) from ``process_group=`` or ``mesh=``."""
     if mesh is None:
@@ -102,7 +147,7 @@ def groups_from(process_group: Optional[dist.ProcessGroup], mesh: Any) -> tuple[
                      "or the data-parallel sub-mesh of a larger one")
 
 
-def comms_from(process_group: Optional[dist.ProcessGroup], mesh: Any,
+def comms_from(process_group: Optional[dist.ProcessGroup], mesh: object,
                hpz: bool) -> tuple[Comm, Optional[Comm], Optional[list[list[int]]]]:
     """(data-parallel comm, replicas' comm or None, every shard group's ranks or None) of a
     ZeroOptimizer: Note [hybrid sharding], or hpZ's hierarchical group."""
@@ -111,18 +156,18 @@ def comms_from(process_group: Optional[dist.ProcessGroup], mesh: Any,
     shard_group, replicate_group = groups_from(process_group, mesh)
     if replicate_group is None:
         return Comm(shard_group, dimension="dp"), None, None
-    dp = data_parallel_mesh(mesh)
+    dp = data_parallel_mesh(_checked(mesh))
     ranks = dp.mesh if hybrid_dims(dp)[1] == 1 else dp.mesh.transpose(0, 1)  # (one row per shard group)
     return (Comm(shard_group, dimension="shard"), Comm(replicate_group, dimension="replicate"),
             [row.tolist() for row in ranks])
 
 
-def _hpz_comm(process_group: Optional[dist.ProcessGroup], mesh: Any) -> HierarchicalComm:
+def _hpz_comm(process_group: Optional[dist.ProcessGroup], mesh: object) -> HierarchicalComm:
     if mesh is None or process_group is not None or getattr(mesh, "ndim", 0) != 2:
         raise ValueError("hpz=True needs mesh= a 2-D DeviceMesh of (nodes, ranks per node), e.g. "
                          "init_device_mesh('cuda', (nodes, gpus_per_node)), and no process_group=: the "
                          "secondary partition lives in dimension 1, inside each node")
-    _checked(mesh)
+    mesh = _checked(mesh)
     if "tp" in tuple(getattr(mesh, "mesh_dim_names", None) or ()):
         raise ValueError("hpz=True with tensor parallelism (a mesh with a 'tp' dimension) is not supported yet; "
                          "use hpZ on a (nodes, ranks per node) data-parallel mesh, or TP without hpz")

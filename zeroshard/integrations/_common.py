@@ -151,7 +151,7 @@ def check_no_autocast(mixed_precision: Any, where: str) -> None:
                          "and leave the library in fp32")
 
 
-def is_zero(optimizer: Any) -> bool:
+def is_zero(optimizer: object) -> bool:
     try:
         optimizer_of(None, optimizer)
         return True

@@ -55,7 +55,7 @@ class ZeroStrategy(DDPStrategy):
     @staticmethod
     def _zero(optimizer: Optimizer) -> Any:
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer  # (the optimizer it wraps)
         return optimizer_of(None, optimizer)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict:

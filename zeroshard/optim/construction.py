@@ -18,16 +18,19 @@ refuse any more (``cast_frozen``); until then the planner sees them as they will
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
 
 from zeroshard.comm.process_group import check_launched_with_group
 from zeroshard.comm.tensor_parallel import is_dtensor, local_of
-from zeroshard.optim import ddp_check, registry
+from zeroshard.optim import ddp_check
 from zeroshard.optim.hyperparams import check_nvme_kernel
 from zeroshard.optim.lifecycle import _OWNER
+
+if TYPE_CHECKING:
+    from zeroshard.optim.engine import Engine
 
 
 def _set_local(p: torch.Tensor, data: torch.Tensor) -> None:
@@ -116,10 +119,11 @@ def check_and_record(config: Any, model_or_params: Any, module: Optional[nn.Modu
     return ModelSnapshot(root, touched)
 
 
-def abandon(opt: Any, snapshot: ModelSnapshot, exc: BaseException) -> None:
-    """Undoes a construction that raised ``exc``: hooks, forward wrappers and the module guard
-    removed, swap files closed, the model's parameters put back. What fails on the way is
-    added to ``exc`` as a note (the caller re-raises ``exc``)."""
+def abandon(engine: "Engine", snapshot: ModelSnapshot, exc: BaseException) -> None:
+    """Undoes a construction that raised ``exc`` from what the assembly had built (``engine``):
+    hooks, forward wrappers and the module guard removed, swap files closed, the model's
+    parameters put back. What fails on the way is added to ``exc`` as a note (the caller
+    re-raises ``exc``)."""
     problems: list[str] = []
 
     def attempt(fn: Callable[[], Any]) -> None:
@@ -128,19 +132,13 @@ def abandon(opt: Any, snapshot: ModelSnapshot, exc: BaseException) -> None:
         except Exception as e:  # (the refusal is what the user needs to see: it is re-raised)
             problems.append(f"{type(e).__name__}: {e}")
 
-    d = opt.__dict__
-    opt.closed = True  # (the registry forgets a closed optimizer only)
-    if "_teardown" in d:
-        attempt(d["_teardown"])
+    engine.closed = True  # (the registry forgets a closed optimizer only)
+    if "teardown" in engine.__dict__:
+        attempt(engine.teardown)
     else:
-        for name, method in (("reducer", "remove_hooks"), ("gatherer", "remove"), ("module_guard", "remove"),
-                             ("_load_hook", "remove")):
-            if d.get(name) is not None:
-                attempt(getattr(d[name], method))
-        if d.get("module") is not None:
-            attempt(lambda: registry.unregister(d["module"]))
-    for closer in d.get("_files_closers", []):
-        attempt(closer)
+        for remove in engine.removers:
+            attempt(remove)
+    attempt(engine.close_files)
     attempt(snapshot.restore)
     for p in problems:
         exc.add_note(f"zeroshard: while putting the model back after this error: {p}")

@@ -58,6 +58,10 @@ class GradLinks:
         return ShardedTensor(store, a - unit.grad_base if a < b else 0, max(0, b - a), seg.shape, param.dtype,
                            param.device, max(0, a - seg.offset), comm, unit)
 
+    def published(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        """The view last published as ``p.grad`` (None when none is)."""
+        return self._published.get(id(p))
+
     def publish(self, only: Optional[set[int]] = None) -> None:
         """Every parameter of a unit holding a gradient gets its view as ``.grad``; others None.
         ``only``: publish just these parameters (by id), leave the rest None."""

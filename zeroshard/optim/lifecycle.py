@@ -15,11 +15,14 @@ import signal
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 from zeroshard.comm.tensor_parallel import is_dtensor
+
+if TYPE_CHECKING:
+    from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
 _OWNER = "_zeroshard_owner"  # attribute on each managed parameter: weakref to its optimizer
 
@@ -167,24 +170,29 @@ def interrupts_held() -> Iterator[None]:
             previous(signal.SIGINT, held[0])
 
 
-def state_restored(opt: Any, step: Optional[int] = None) -> None:
+def state_restored(opt: object, step: Optional[int] = None) -> None:
     """The optimizer's whole state was loaded (a checkpoint, a state dict): a failed step's
-    refusal ends (Note [failed steps]), and a checkpoint's step becomes ``steps_done``."""
-    inflight = getattr(opt, "_inflight", None)
-    if inflight is not None:
-        inflight.restored()
+    refusal ends (Note [failed steps]), and a checkpoint's step becomes ``steps_done``. (Any
+    torch.optim optimizer loads a checkpoint; only a ZeroOptimizer's engine counts steps.)"""
+    engine = getattr(opt, "engine", None)
+    if engine is not None:
+        engine.inflight.restored()
         if step is not None:
-            inflight.steps = int(step)
+            engine.inflight.steps = int(step)
 
 
-def rebuild_with_group(opt: Any, param_group: dict) -> None:
+def rebuild_with_group(opt: "ZeroOptimizer", param_group: dict) -> None:
     """``ZeroOptimizer.add_param_group`` after construction: consolidate the state on every rank,
     close, build again over the old groups plus ``param_group``, load the state back."""
     state = opt.consolidated_state_dict(to_rank=None)
-    shown = {id(opt._show(m.param)): (opt._show(m.param), m.param) for u in opt.all_units for m in u.members}
+    if state is None:  # (to_rank=None: every rank gets it)
+        raise RuntimeError("add_param_group: the consolidated state did not reach this rank")
+    engine = opt.engine
+    visible = engine.sharding.visible
+    shown = {id(visible(m.param)): (visible(m.param), m.param) for u in opt.all_units for m in u.members}
     own = {i: orig for i, (_, orig) in shown.items()}
-    for visible, orig in shown.values():  # (stage 3: a frozen weight unfrozen through either object torch
-        if visible is not orig and visible.requires_grad != orig.requires_grad:  # code may hold)
+    for seen, orig in shown.values():  # (stage 3: a frozen weight unfrozen through either object torch
+        if seen is not orig and seen.requires_grad != orig.requires_grad:  # code may hold)
             orig.requires_grad_(True)
     groups = [{**{k: v for k, v in g.items() if k != "adamw_mode"},  # (the kernel's key, derived again)
                "params": [own.get(id(p), p) for p in g["params"]]} for g in opt.param_groups]
@@ -197,12 +205,10 @@ def rebuild_with_group(opt: Any, param_group: dict) -> None:
         raise ValueError(f"some parameters appear in more than one parameter group (positions {twice[:5]} "
                          "of the new group are in an existing one)")
     hooks = {k: v for k, v in opt.__dict__.items() if k.startswith("_optimizer_") and k.endswith("_hooks")}
-    optimizer_class, args = opt._build_args
-    module = opt.module
+    optimizer_class, args = opt.build_args
+    module = engine.module
     opt.close()
-    for closer in opt._files_closers:  # swap files are made anew by the rebuild
-        closer()
-    opt._zero_initialized = False  # (torch's constructor calls add_param_group per group)
+    engine.close_files()  # swap files are made anew by the rebuild
     type(opt).__init__(opt, groups + [new], optimizer_class, module=module, **args)
     opt.__dict__.update(hooks)
     n = sum(len(g["params"]) for g in state["param_groups"])

@@ -10,22 +10,27 @@ would not reach the runs. To change state, ``load_state_dict``.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from zeroshard.optim.state_io import elementwise_state
 
+if TYPE_CHECKING:
+    from zeroshard.optim.engine import Engine
+
 
 class ParamStateView(Mapping):
-    def __init__(self, opt: Any) -> None:
-        self._opt = opt
+    def __init__(self, engine: Engine, param_groups: list[dict]) -> None:
+        self._engine = engine
+        self._groups = param_groups  # (the optimizer's own list: add_param_group appends to it)
 
     def _pieces(self, p: torch.Tensor) -> list:
+        self._engine.inflight.join()  # (never a step half done: Note [overlapped step])
         out = []
-        for run in self._opt.runs:
+        for run in self._engine.runs:
             for piece in run.unit.layout.pieces_in(run.a, run.b):
-                if piece.segment.name == self._opt.param_names.get(id(p)) and piece.numel:
+                if piece.segment.name == self._engine.param_names.get(id(p)) and piece.numel:
                     out.append((run, piece))
         return out
 
@@ -36,7 +41,7 @@ class ParamStateView(Mapping):
         if not pieces:
             return {}
         out: dict[str, Any] = {}
-        state = self._opt.inner.state
+        state = self._engine.inner.state
         for run, piece in sorted(pieces, key=lambda rp: rp[1].start):
             lo = piece.unit_offset - run.a
             for k, v in state.get(run.tensor, {}).items():
@@ -55,7 +60,7 @@ class ParamStateView(Mapping):
         return isinstance(p, torch.Tensor) and bool(self[p])
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        for g in self._opt.param_groups:
+        for g in self._groups:
             for p in g["params"]:
                 if p in self:
                     yield p

@@ -2,7 +2,7 @@
 collective, and the NVMe staging slots its memory bound allows."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
@@ -11,12 +11,13 @@ from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.optim.flat_unit import FlatUnit
 
 if TYPE_CHECKING:
+    from zeroshard.optim.zero_optimizer import ZeroOptimizer
     from zeroshard.comm.process_group import Comm
     from zeroshard.comm.tensor_parallel import TensorParallel
     from zeroshard.optim.state_io import Run
 
 
-def memory_report(opt: Any) -> MemoryReport:
+def memory_report(opt: "ZeroOptimizer") -> MemoryReport:
     """Bytes of model state this rank holds, by category. State kept in swap files counts
     as ``offloaded``; its parts read into memory for a moment (the swap pipeline's working
     set) count as ``buffers``, like the gather buffers of stage 3."""

@@ -107,13 +107,13 @@ def apply_group_options(opt: "ZeroOptimizer", groups: list[dict], replace: bool 
         for k, v in saved.items():
             if k != "params":
                 mine[k] = v
-    opt._sync_hyperparameters()
+    opt.engine.stepper.sync_hyperparameters(opt.param_groups)
 
 
 def apply_loss_scaler(opt: "ZeroOptimizer", state: dict) -> None:
     """The fp16 loss scaler's saved state takes effect, and with it the gradients' factor."""
     opt.scaler.load_state_dict(state)
-    opt._set_grad_factor()
+    opt.engine.grads.set_grad_factor()
 
 
 def load_sharded(opt: "ZeroOptimizer", sd: dict) -> None:

@@ -150,31 +150,6 @@ class StepInFlight:
         self.poisoned = None
 
 
-class JoinedAttribute:
-    """An attribute of the optimizer that waits for a step in flight before it is read, so
-    code that reaches the units, runs or optimizer state through the optimizer never sees a
-    step half done (Note [overlapped step]). Stored under ``_<name>``, which code that knows
-    it needs no wait (the step's own bookkeeping) reads directly."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name, self.key = name, "_" + name
-
-    def __get__(self, obj: Any, objtype: Optional[type] = None) -> Any:
-        if obj is None:
-            return self
-        d = obj.__dict__
-        inflight = d.get("_inflight")
-        if inflight is not None and inflight.running:
-            inflight.join()
-        try:
-            return d[self.key]
-        except KeyError:
-            raise AttributeError(f"{type(obj).__name__!r} object has no attribute {self.name!r}") from None
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        obj.__dict__[self.key] = value
-
-
 def overlaps(config: ZeroConfig, policy: StagePolicy, swapper: Optional[NvmeOptimizerState],
              gatherer: Optional[ParameterGatherer]) -> bool:
     """Whether ``step()`` overlaps its swapped step with the next forward: ``overlap_step``

@@ -8,6 +8,8 @@ the file's validated header, no memory map); stages 0-2 read whole tensors.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import json
 import os
 
@@ -20,6 +22,9 @@ from zeroshard.checkpoint.shard_file import DTYPES
 
 from zeroshard.optim.registry import optimizer_for
 from zeroshard.stages.stage3.secondary import params_written
+
+if TYPE_CHECKING:
+    from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
 
 def _weight_map(path: str) -> dict[str, str]:
@@ -154,7 +159,7 @@ def load_safetensors(model: nn.Module, path: str, strict: bool = True) -> list[s
             h.close()
 
 
-def _load(opt, model: nn.Module, path: str, files: dict, handle, strict: bool) -> list[str]:
+def _load(opt: "ZeroOptimizer", model: nn.Module, path: str, files: dict, handle, strict: bool) -> list[str]:
     missing, wrong = [], []
     where = opt.segment_index()
     for unit in opt.all_units:

@@ -1,0 +1,214 @@
+"""The one place a ZeroOptimizer's engine is put together (Note [assembly]).
+
+Note [assembly]: ``assemble`` builds each policy object once, from the validated config and
+what it needs only, and hands each later object the ones it uses: the mesh (MeshInfo:
+comm/mesh.py), then the sharding policy (stages/sharding.py) and the precision policy
+(precision/policy.py), which lay the units out; the state placement (offload/placement.py)
+decides where each unit's parts live before the units exist; then the units, the inner
+optimizer over their owned ranges (and the NVMe stream of its state), stage 3's gatherer,
+the gradient reducer and the ``.grad`` views, the step. Nothing reads a half-built
+optimizer: the facade (zero_optimizer.py) only receives the engine, and each object is
+recorded on the engine as soon as it exists, so a construction refused part way is undone
+from what was built (Note [refused construction] in construction.py). A new policy of an
+existing axis is one file that implements the axis' interface (tests/test_policy_example.py
+adds a placement this way); a new axis adds its object here.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeroshard.comm.mesh import MeshInfo, mesh_info
+from zeroshard.comm.tensor_parallel import local_of
+from zeroshard.io.host_pool import HOST_POOL
+from zeroshard.layout import NamedParam
+from zeroshard.offload import NvmeOptimizerState
+from zeroshard.offload.placement import StatePlacement
+from zeroshard.optim import construction, ddp_check, kernel_choice, lifecycle, registry, reports
+from zeroshard.optim.engine import Engine
+from zeroshard.optim.flat_unit import FlatUnit
+from zeroshard.optim.grad_links import GradLinks
+from zeroshard.optim.grad_sync import GradientReducer
+from zeroshard.optim.gradients import GradientFlow
+from zeroshard.optim.hyperparams import nvme_kernel_refusal, single_dtype, trainable_params
+from zeroshard.optim.module_guard import ModuleGuard
+from zeroshard.optim.params import ParamsLike, module_of_groups, normalize_params
+from zeroshard.optim.stepper import Stepper
+from zeroshard.precision.policy import Precision
+from zeroshard.stages import policy_for_stage
+from zeroshard.stages.sharding import Sharding, UnitPlan
+from zeroshard.stages.stage3.materialize import swap_meta_parameters
+
+# (the optimizer is built on the model's device; a meta-device model is materialised there)
+_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: ParamsLike, module: Optional[nn.Module],
+             process_group: Optional[dist.ProcessGroup], mesh: object, kwargs: dict,
+             snapshot: construction.ModelSnapshot) -> Callable[[], None]:
+    """Builds ``engine`` for ``owner`` (the facade: registered, never read); returns what ends
+    the construction once the facade's param groups exist (the model's record dropped, frozen
+    weights cast)."""
+    config = engine.config
+    device, meta_shapes = None, {}
+    if isinstance(model_or_params, nn.Module):
+        device = torch.device(_DEVICE)
+        meta_shapes = swap_meta_parameters(model_or_params, device, frozen_too=config.stage == 3)
+    given, groups, names = normalize_params(model_or_params)
+    module = given if module is None else module_of_groups(module, given, groups, names,
+                                                           allow_outside=config.stage < 3)
+    engine.module = module
+    params = [t for g in groups for t in g["params"]]
+    engine.mesh = mesh_info(process_group, mesh, config, params, names)  # Note [hybrid sharding], [hpZ slice order]
+    engine.sharding = sharding = Sharding(policy_for_stage(config.stage), engine.mesh, config)
+    frozen = sharding.frozen(module, meta_shapes)  # (Note [frozen units] in stages/stage3/frozen.py)
+    if engine.mesh.tp is not None and frozen:
+        raise ValueError(f"stage 3 with tensor parallelism partitions trainable parameters only; {len(frozen)} are "
+                         f"frozen (e.g. {frozen[0].name!r}): use stage 1-2, or train them")
+    _start_from_rank0(engine.mesh, params, frozen, module)
+    trainable = trainable_params(groups, names, {**meta_shapes, **engine.mesh.local_shapes()},
+                                 sharding.shard_parameters)
+    lifecycle.check_unclaimed([m.param for m in trainable], names)
+    engine.precision = precision = Precision(config, single_dtype(trainable) if not config.mixed_precision
+                                             else torch.float32)
+    param_dtype = precision.param_dtype
+    all_params = params + [m.param for m in frozen]
+    # frozen weights compute in the model dtype too: cast once nothing can refuse (the last step)
+    casts = construction.frozen_casts(all_params, param_dtype) if precision.mixed else {}
+    snapshot.keep_data_only_of(lambda p: sharding.shard_parameters or local_of(p).dtype != param_dtype)
+    plan = sharding.lay_out(module, trainable, frozen, precision.bucket_numel(config.bucket_size_mb),
+                            dtype_of=lambda m: casts.get(id(m.param), m.param.dtype))
+    engine.placement = StatePlacement(config, sharding.policy, engine.mesh.comm.rank, engine.optimizer_class,
+                                      plan.layouts, plan.modules, param_dtype, construction.as_planned(groups, casts),
+                                      device if meta_shapes else None)  # (Note [automatic placement])
+    _build_units(owner, engine, plan, casts, device if meta_shapes else None)
+    _build_optimizer_state(owner, engine, groups, kwargs)
+    sharding.start(engine.all_units, plan, module)  # (stage 3: torch code sees sharded parameters from here)
+    show = sharding.visible
+    engine.user_groups = [{**{k: v for k, v in ig.items() if k != "params"}, "params": [show(p) for p in g["params"]],
+                           **({"param_names": g["param_names"]} if "param_names" in g else {})}
+                          for g, ig in zip(groups, engine.inner.param_groups)]
+    engine.param_names = {**names, **{id(show(p)): names[id(p)] for p in params}}
+    _build_gradients(engine, params)
+    _attach(owner, engine)
+    engine.stepper = Stepper(config, sharding, engine.placement, engine.mesh, precision, engine.grads, engine.units,
+                             engine.frozen_units, engine.runs, engine.inner, engine.swapper, engine.inflight)
+
+    def finish() -> None:
+        snapshot.commit()
+        construction.cast_frozen(all_params, casts)
+    return finish
+
+
+def _start_from_rank0(mesh: MeshInfo, params: list[torch.Tensor], frozen: list[NamedParam],
+                      module: Optional[nn.Module]) -> None:
+    """Ranks start from one model, as with DDP and DeepSpeed: rank 0's values everywhere (across
+    replicas first, then within the shard group; TP shards are each dp group's own)."""
+    values = [local_of(t) for t in {**{id(t): t for t in params}, **{id(m.param): m.param for m in frozen}}.values()]
+    buffers = list(module.buffers()) if module is not None else []
+    values += buffers
+    if mesh.replicas is not None:
+        mesh.replicas.broadcast_tensors(values)
+    if mesh.tp is not None:
+        mesh.tp.comm.broadcast_tensors([t for t in params if id(t) not in mesh.tp.params] + buffers)
+    mesh.comm.broadcast_tensors(values)
+
+
+def _build_units(owner: torch.optim.Optimizer, engine: Engine, plan: UnitPlan, casts: dict[int, torch.dtype],
+                 device: Optional[torch.device]) -> None:
+    """The flat units, one at a time (a swapped unit leaves memory at once), each placed where
+    the placement decides; frozen units follow offload_params (offload="auto" places what trains)."""
+    config, placement, policy = engine.config, engine.placement, engine.sharding.policy
+    shard_rank = engine.mesh.comm.shard_rank
+    engine.unit_store = store = placement.store  # gradients, masters (and shards) on NVMe
+    if store is not None:
+        engine.files_closers.append(weakref.finalize(owner, store.close))
+    engine.units, engine.frozen_units = [], []
+    for layout, members in plan.layouts:
+        unit = FlatUnit(layout, members, policy, shard_rank, engine.precision.param_dtype, device,
+                        placement.of_unit(len(engine.units)))
+        placement.adopt(unit)
+        engine.units.append(unit)
+    for layout, members in plan.frozen_layouts:
+        unit = FlatUnit(layout, members, policy, shard_rank, casts.get(id(members[0].param), members[0].param.dtype),
+                        device, config.placement, frozen=True)
+        if store is not None and config.params_swapped:
+            store.adopt(unit)
+        engine.frozen_units.append(unit)
+    for unit in engine.units:  # (what reads a unit's parts waits for a step in flight)
+        unit.step_in_flight = engine.inflight
+
+
+def _build_optimizer_state(owner: torch.optim.Optimizer, engine: Engine, groups: list[dict], kwargs: dict) -> None:
+    """The inner optimizer over the owned ranges, and the NVMe stream of its state where the
+    placement puts moments on disk."""
+    config, cls = engine.config, engine.optimizer_class
+    engine.runs, engine.inner = kernel_choice.build_inner(cls, kwargs, groups, engine.units, config.fused_adam)
+    engine.swapper = None
+    if engine.placement.streams_optimizer:
+        if kernel_choice.fused_part(engine.inner) is None:
+            raise nvme_kernel_refusal(cls, kwargs)
+        slots = reports.staging_slots(config.offload_buffer_mb, engine.runs, engine.units)
+        engine.swapper = NvmeOptimizerState(engine.runs, config.nvme_path, engine.mesh.comm.rank, max_slots=slots,
+                                            **engine.placement.state_options(engine.runs, slots))
+        engine.inner.state = engine.swapper  # type: ignore[assignment]  # (a mapping of the same keys)
+        engine.files_closers.append(weakref.finalize(owner, engine.swapper.close))
+
+
+def _build_gradients(engine: Engine, params: list[torch.Tensor]) -> None:
+    """The reducer (gradients into the units as backward runs) and the ``.grad`` views torch code sees."""
+    config, mesh, units = engine.config, engine.mesh, engine.units
+    engine.reducer = reducer = GradientReducer(units, mesh.comm, engine.precision.reduce_dtype,
+                                               config.max_inflight_buckets)
+    reducer.replicas = mesh.replicas
+    engine.grad_links = GradLinks(units, mesh.comm, engine.sharding.visible)
+    engine.grads = GradientFlow(units, reducer, engine.grad_links, engine.sharding.visible, engine.precision,
+                                mesh.comm, mesh.data_parallel_size, engine.inflight)
+    reducer.on_pass_start.append(engine.grads.begin_pass)
+    if engine.module is None:  # (with a module, the module guard sees DDP's forward)
+        reducer.on_pass_start.append(ddp_check.at_first_backward(params))
+    reducer.on_pass_end.append(engine.grad_links.publish)
+    reducer.on_pass_end.append(HOST_POOL.trim)  # (Note [reused host buffers])
+    engine.placement.watch(reducer)
+    reducer.register_hooks()
+    engine.removers.append(reducer.remove_hooks)
+    gatherer = engine.sharding.gatherer
+    if gatherer is not None:
+        gatherer.register()
+        engine.removers.append(gatherer.remove)
+        reducer.on_launch.append(gatherer.on_unit_reduced)
+
+
+def _attach(owner: torch.optim.Optimizer, engine: Engine) -> None:
+    """Ties the engine to the model and to ``owner``: the model's registry entry, a load hook,
+    the module guard, the parameters' claim, and the teardown when ``owner`` is closed or
+    collected (which must not reference it: lifecycle.Teardown)."""
+    module, sharding, units = engine.module, engine.sharding, engine.units
+    engine.module_guard = None
+    if module is not None:
+        registry.register(module, owner)  # type: ignore[arg-type]  # (the ZeroOptimizer being built)
+        engine.removers.append(functools.partial(registry.unregister, module))
+        # (a function, not a bound method: torch marks public hooks with an attribute)
+        load_hook = module.register_load_state_dict_post_hook(lambda mod, incompatible: sharding.weights_changed(units))
+        engine.removers.append(load_hook.remove)
+        members = [m.param for u in engine.all_units for m in u.members]
+        engine.module_guard = ModuleGuard(module, members + [sharding.visible(p) for p in members], "ZeroOptimizer",
+                                          [u.flat for u in units] if sharding.gatherer is None else [])
+        engine.removers.append(engine.module_guard.remove)
+    managed = [m.param for u in engine.all_units for m in u.members]
+    lifecycle.claim(managed, owner)
+    # (collected mid-step or with units gathered: the step is joined and stage-3 parameters
+    # given back first, before the swap files close: their closers run the teardown first)
+    gatherer = sharding.gatherer
+    hand_back = (functools.partial(lifecycle.hand_back_collected, gatherer, engine.all_units,
+                                   engine.mesh.comm.world_size) if gatherer is not None else None)
+    engine.teardown = lifecycle.Teardown(engine.removers, managed, engine.inflight, hand_back)
+    weakref.finalize(owner, engine.teardown)
+    for files in (engine.unit_store, engine.swapper):
+        if files is not None:
+            files.before_close.append(engine.teardown)

@@ -1,0 +1,138 @@
+"""The update of one ZeroOptimizer step: which path runs it, for the placement and precision chosen.
+
+Lifecycle: built once by the assembly (zeroshard/optim/assembly.py). ``clip`` notes a
+clipping coefficient (applied inside the fused pass where one runs); ``step`` copies the
+user's hyperparameters in, finds what got no gradient anywhere, and runs the update on the
+path the state's placement calls for:
+
+- swapped state and stage 3 with overlap: in the background (Note [overlapped step]);
+- swapped state: ``NvmeOptimizerState`` streams moments through the fused kernel;
+- state on the host with the fused kernel: unit by unit, each unit's new weights going back to
+  the device while the next is updated;
+- otherwise the inner optimizer in one pass (the fused one writes the bf16/fp16 copy too).
+
+Then every rank's parameters are made current (``Sharding.gather_params``).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from zeroshard.comm.mesh import MeshInfo
+from zeroshard.config import ZeroConfig
+from zeroshard.io.host_pool import HOST_POOL
+from zeroshard.offload.nvme_state import NvmeOptimizerState
+from zeroshard.offload.placement import StatePlacement
+from zeroshard.ops import FusedAdam
+from zeroshard.optim import kernel_choice, step_in_flight, untouched
+from zeroshard.optim.flat_unit import FlatUnit
+from zeroshard.optim.gradients import GradientFlow
+from zeroshard.optim.state_io import Run
+from zeroshard.optim.step_in_flight import StepInFlight
+from zeroshard.precision.policy import Precision
+from zeroshard.stages.sharding import Sharding
+
+
+def copy_out_ok(unit: FlatUnit) -> bool:
+    """The fused pass can write the updated master straight into the low-precision shard (the
+    kernel's copy-out): both sit on the CPU. Elsewhere ``write_back`` copies."""
+    return (unit.separate_master and unit.dtype in (torch.bfloat16, torch.float16)
+            and unit.master.device.type == "cpu" and unit.shard.device.type == "cpu")
+
+
+class Stepper:
+    def __init__(self, config: ZeroConfig, sharding: Sharding, placement: StatePlacement, mesh: MeshInfo,
+                 precision: Precision, grads: GradientFlow, units: Sequence[FlatUnit], frozen_units: Sequence[FlatUnit],
+                 runs: Sequence[Run], inner: torch.optim.Optimizer, swapper: Optional[NvmeOptimizerState],
+                 inflight: StepInFlight) -> None:
+        self.config, self.sharding, self.placement, self.mesh = config, sharding, placement, mesh
+        self.precision, self.grads, self.inflight = precision, grads, inflight
+        self.units, self.all_units = list(units), list(units) + list(frozen_units)
+        self.runs, self.inner, self.swapper = list(runs), inner, swapper
+        self.fused = isinstance(inner, FusedAdam)
+        self.copy_out = {id(r.tensor): r.unit.shard[r.a - r.unit.owned[0]:r.b - r.unit.owned[0]]
+                         for r in runs if r.unit.swap is None and copy_out_ok(r.unit)} if self.fused else {}
+        self.clip_coef = 1.0
+        """A clipping coefficient still to apply (by the fused pass, which needs no extra sweep)."""
+
+    def clip(self, coef: Optional[torch.Tensor]) -> None:
+        """Applies ``clip_grad_norm_``'s coefficient (None: nothing to clip)."""
+        if coef is not None and self.fused:  # applied inside the fused Adam pass: no extra sweep
+            self.clip_coef = float(coef)
+        elif coef is not None:  # (swapped gradients imply the fused kernel: offload_optimizer="nvme")
+            for g in self.grads.owned_grads():
+                g.mul_(coef)
+
+    def sync_hyperparameters(self, user_groups: Sequence[dict]) -> None:
+        """The param groups torch code sees (LR schedulers write there) into the inner optimizer's."""
+        for user, inner in zip(user_groups, self.inner.param_groups):
+            for key, value in user.items():
+                if key != "params":
+                    inner[key] = value
+            if "adamw_mode" in inner:
+                kernel_choice.sync_fused_group(inner)
+                user["adamw_mode"] = inner["adamw_mode"]
+
+    def step(self, user_groups: Sequence[dict], kwargs: dict) -> None:
+        overflow = self.grads.finalize()
+        if self.precision.scaler is not None:
+            self.precision.update(overflow)
+            self.grads.set_grad_factor()
+        if overflow or not any(u.grad_valid for u in self.units):  # no gradient: torch.optim skips too
+            self.clip_coef = 1.0
+            return
+        self.sync_hyperparameters(user_groups)
+        reducer = self.grads.reducer
+        quiet = untouched.untouched_everywhere(reducer.touched, self.mesh.comm, self.mesh.replicas, self.units)
+        give_back = untouched.skip_whole_runs(self.units, self.runs, quiet)  # (runs none of whose params got a grad)
+        restore: Callable[[], None] = (untouched.freeze(self.units, self.runs, self.inner.state, quiet)
+                                       if self.swapper is None else lambda: None)  # (NVMe: stepped with a zero grad)
+        scale, self.clip_coef = self.clip_coef, 1.0
+        updating = False
+        try:
+            gatherer = self.sharding.gatherer
+            if (self.swapper is not None and gatherer is not None
+                    and step_in_flight.overlaps(self.config, self.sharding.policy, self.swapper, gatherer)):
+                step_in_flight.start_swapped_step(self.inflight, self.all_units, gatherer, self.swapper,
+                                                  self.inner.param_groups, self.placement, scale)  # returns at once
+                return
+            updating = True
+            self._update(scale, kwargs)
+        except BaseException as exc:
+            if updating:  # some units may be updated and others not (Note [failed steps])
+                self.inflight.poisoned = exc
+            raise
+        finally:
+            give_back()
+        restore()
+        self.sharding.gather_params(self.units)
+        HOST_POOL.trim()
+        self.placement.after_step()  # (offload="auto": the step's peak memory against the budget)
+
+    def _update(self, scale: float, kwargs: dict) -> None:
+        if self.swapper is not None:  # (writes swapped units back inside its pass)
+            self.swapper.step(self.inner.param_groups, grad_scale=scale)
+        elif self.fused and self.config.optimizer_on_host:
+            self._step_unit_by_unit(scale)
+        else:
+            if self.fused:  # the bf16/fp16 model copy is written in the same pass
+                kernel_choice.step_without_hooks(self.inner, grad_scale=scale, copy_out=self.copy_out, **kwargs)
+            else:
+                kernel_choice.step_without_hooks(self.inner, **kwargs)
+            for unit in self.units:
+                if not (self.fused and copy_out_ok(unit)):
+                    unit.write_back()
+
+    def _step_unit_by_unit(self, scale: float) -> None:
+        """offload_optimizer="cpu": the CPU kernel updates one unit at a time and that unit's new
+        weights start back to the device (non-blocking, from pinned memory) while the next unit
+        is updated, so transfers overlap the CPU work. Each unit's gradient already came to the
+        host as its reduction retired. On a CPU-only machine the copy is the kernel's copy-out."""
+        by_unit: dict[int, tuple[FlatUnit, set[int]]] = {}
+        for r in self.runs:
+            by_unit.setdefault(id(r.unit), (r.unit, set()))[1].add(id(r.tensor))
+        for unit, ids in by_unit.values():
+            kernel_choice.step_without_hooks(self.inner, grad_scale=scale, copy_out=self.copy_out, only=ids)
+            if not copy_out_ok(unit):
+                unit.write_back(non_blocking=True)
