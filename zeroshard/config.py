@@ -154,7 +154,15 @@ class ZeroConfig:
     raised by the next call that needs the state. None: on under offload="auto", off
     otherwise; ignored where nothing streams."""
 
+    placement_policy: Optional[type] = None
+    """A placement policy of your own: a subclass of ``zeroshard.offload.placement.StatePlacement``
+    (one file; Note [assembly] in zeroshard/optim/assembly.py), built in its place with the same
+    arguments. It decides each unit's ``Placement`` (``of_unit``) and may override what follows."""
+
     def __post_init__(self) -> None:
+        if self.placement_policy is not None and not isinstance(self.placement_policy, type):
+            raise TypeError(f"placement_policy={self.placement_policy!r} must be a class (a subclass of "
+                            "zeroshard.offload.placement.StatePlacement), not an instance")
         if isinstance(self.stage, bool) or self.stage not in _STAGES or not isinstance(self.stage, int):
             raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; use one of {_STAGES} (an int)")
         for name in ("offload_optimizer", "offload_params"):

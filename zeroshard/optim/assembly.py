@@ -10,7 +10,7 @@ the gradient reducer and the ``.grad`` views, the step. Nothing reads a half-bui
 optimizer: the facade (zero_optimizer.py) only receives the engine, and each object is
 recorded on the engine as soon as it exists, so a construction refused part way is undone
 from what was built (Note [refused construction] in construction.py). A new policy of an
-existing axis is one file that implements the axis' interface (tests/test_policy_example.py
+existing axis is one file that implements the axis' interface (tests/placement_example.py
 adds a placement this way); a new axis adds its object here.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ from torch import nn
 
 from zeroshard.comm.mesh import MeshInfo, mesh_info
 from zeroshard.comm.tensor_parallel import local_of
+from zeroshard.config import ZeroConfig
 from zeroshard.io.host_pool import HOST_POOL
 from zeroshard.layout import NamedParam
 from zeroshard.offload import NvmeOptimizerState
@@ -35,7 +36,9 @@ from zeroshard.optim.flat_unit import FlatUnit
 from zeroshard.optim.grad_links import GradLinks
 from zeroshard.optim.grad_sync import GradientReducer
 from zeroshard.optim.gradients import GradientFlow
-from zeroshard.optim.hyperparams import nvme_kernel_refusal, single_dtype, trainable_params
+from zeroshard.optim.elementwise import check_elementwise
+from zeroshard.optim.hyperparams import (check_inputs, check_optimizer_kwargs, nvme_kernel_refusal,
+                                         separate_optimizer_kwargs, single_dtype, trainable_params)
 from zeroshard.optim.module_guard import ModuleGuard
 from zeroshard.optim.params import ParamsLike, module_of_groups, normalize_params
 from zeroshard.optim.stepper import Stepper
@@ -48,6 +51,19 @@ from zeroshard.stages.stage3.materialize import swap_meta_parameters
 _DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def configure(optimizer_class: type, model_or_params: ParamsLike, module: Optional[nn.Module], kwargs: dict,
+              optimizer_kwargs: Optional[dict], **options: object) -> tuple[ZeroConfig, dict, ParamsLike]:
+    """The validated config (``options`` and the zeroshard settings among ``kwargs``), the inner
+    optimizer's arguments (the rest, or ``optimizer_kwargs``: a user's ``lr=`` never collides
+    with a zeroshard option) and the checked model or parameters; nothing is touched yet."""
+    config_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in ZeroConfig.field_names()}
+    inner_kwargs = separate_optimizer_kwargs(optimizer_class, config_kwargs, kwargs, optimizer_kwargs)
+    config = ZeroConfig(**options, **config_kwargs)  # type: ignore[arg-type]  # (each field checks its value)
+    check_elementwise(optimizer_class)
+    check_optimizer_kwargs(optimizer_class, inner_kwargs)
+    return config, inner_kwargs, check_inputs(model_or_params, config.stage, inner_kwargs, module)
+
+
 def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: ParamsLike, module: Optional[nn.Module],
              process_group: Optional[dist.ProcessGroup], mesh: object, kwargs: dict,
              snapshot: construction.ModelSnapshot) -> Callable[[], None]:
@@ -55,6 +71,7 @@ def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: Para
     the construction once the facade's param groups exist (the model's record dropped, frozen
     weights cast)."""
     config = engine.config
+    placement_class = _placement_class(config)
     device, meta_shapes = None, {}
     if isinstance(model_or_params, nn.Module):
         device = torch.device(_DEVICE)
@@ -83,7 +100,7 @@ def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: Para
     snapshot.keep_data_only_of(lambda p: sharding.shard_parameters or local_of(p).dtype != param_dtype)
     plan = sharding.lay_out(module, trainable, frozen, precision.bucket_numel(config.bucket_size_mb),
                             dtype_of=lambda m: casts.get(id(m.param), m.param.dtype))
-    engine.placement = StatePlacement(config, sharding.policy, engine.mesh.comm.rank, engine.optimizer_class,
+    engine.placement = placement_class(config, sharding.policy, engine.mesh.comm.rank, engine.optimizer_class,
                                       plan.layouts, plan.modules, param_dtype, construction.as_planned(groups, casts),
                                       device if meta_shapes else None)  # (Note [automatic placement])
     _build_units(owner, engine, plan, casts, device if meta_shapes else None)
@@ -103,6 +120,18 @@ def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: Para
         snapshot.commit()
         construction.cast_frozen(all_params, casts)
     return finish
+
+
+def _placement_class(config: ZeroConfig) -> type[StatePlacement]:
+    """The state placement policy: ``config.placement_policy`` (a class in one file, e.g.
+    tests/placement_example.py) or the built-in one (explicit options, or offload="auto")."""
+    cls = config.placement_policy
+    if cls is None:
+        return StatePlacement
+    if not issubclass(cls, StatePlacement):
+        raise TypeError(f"placement_policy={cls.__name__} must subclass zeroshard.offload.placement.StatePlacement "
+                        "(it is built with the same arguments and overrides what it decides, e.g. of_unit)")
+    return cls
 
 
 def _start_from_rank0(mesh: MeshInfo, params: list[torch.Tensor], frozen: list[NamedParam],

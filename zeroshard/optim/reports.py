@@ -11,10 +11,9 @@ from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.optim.flat_unit import FlatUnit
 
 if TYPE_CHECKING:
-    from zeroshard.optim.zero_optimizer import ZeroOptimizer
-    from zeroshard.comm.process_group import Comm
-    from zeroshard.comm.tensor_parallel import TensorParallel
+    from zeroshard.comm.mesh import MeshInfo
     from zeroshard.optim.state_io import Run
+    from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
 
 def memory_report(opt: "ZeroOptimizer") -> MemoryReport:
@@ -51,11 +50,11 @@ def memory_report(opt: "ZeroOptimizer") -> MemoryReport:
     )
 
 
-def comm_report(shard_comm: Comm, replicas: Optional[Comm], tp: Optional[TensorParallel],
-                reset: bool = False) -> dict[str, dict]:
+def comm_report(mesh: MeshInfo, reset: bool = False) -> dict[str, dict]:
     """``memory_report``'s sibling: what this rank's collectives moved since construction
     (or the last ``reset``), by kind: calls, bytes and the group dimension crossed; over the
     shard group (and hpZ's levels of it), the replicas of a hybrid mesh and the tp group."""
+    shard_comm, replicas, tp = mesh.comm, mesh.replicas, mesh.tp
     out = {}
     # (hpZ: the node and inter-node levels of the data-parallel group, Note [hpZ slice order])
     for comm, suffix in ((shard_comm, ""), (replicas, "@replicate"), (tp.comm if tp else None, "@tp"),

@@ -25,7 +25,7 @@ from zeroshard.io.host_pool import HOST_POOL
 from zeroshard.offload.nvme_state import NvmeOptimizerState
 from zeroshard.offload.placement import StatePlacement
 from zeroshard.ops import FusedAdam
-from zeroshard.optim import kernel_choice, step_in_flight, untouched
+from zeroshard.optim import clipping, grad_norm, kernel_choice, step_in_flight, untouched
 from zeroshard.optim.flat_unit import FlatUnit
 from zeroshard.optim.gradients import GradientFlow
 from zeroshard.optim.state_io import Run
@@ -56,13 +56,19 @@ class Stepper:
         self.clip_coef = 1.0
         """A clipping coefficient still to apply (by the fused pass, which needs no extra sweep)."""
 
-    def clip(self, coef: Optional[torch.Tensor]) -> None:
-        """Applies ``clip_grad_norm_``'s coefficient (None: nothing to clip)."""
+    def clip(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+        """``clip_grad_norm_``: the global norm of every rank's gradients (each element counted
+        once under tensor parallelism), and the gradients clipped by it (clipping.py)."""
+        max_norm, norm_type = clipping.check_clip_arguments(max_norm, norm_type)
+        overflow = self.grads.finalize()
+        total = grad_norm.global_norm(self.units, self.mesh.tp, self.sharding.policy, self.mesh.comm, norm_type)
+        coef = clipping.clip_coefficient(total, max_norm, norm_type, error_if_nonfinite and not overflow)
         if coef is not None and self.fused:  # applied inside the fused Adam pass: no extra sweep
             self.clip_coef = float(coef)
         elif coef is not None:  # (swapped gradients imply the fused kernel: offload_optimizer="nvme")
             for g in self.grads.owned_grads():
                 g.mul_(coef)
+        return total
 
     def sync_hyperparameters(self, user_groups: Sequence[dict]) -> None:
         """The param groups torch code sees (LR schedulers write there) into the inner optimizer's."""

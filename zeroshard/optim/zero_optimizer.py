@@ -1,18 +1,12 @@
 """ZeroOptimizer: a torch.optim.Optimizer that partitions training state across ranks.
 
-The facade over an engine (engine.py) that one place assembles (Note [assembly] in
-assembly.py) from a typed policy per axis: the mesh, the sharding (stages 0-3), the state
-placement (memory, host, NVMe, auto) and the precision. Lifecycle of one step:
-1. construction lays the trainable parameters out in flat units (``FlatUnit``), makes every
-   parameter a view into its unit, and builds the user's optimizer class over this rank's
-   owned ranges (one tensor per unit and param group);
-2. backward: hooks move gradients into buckets that are reduced while backward runs
-   (``GradientReducer``); each reduced gradient lands, averaged and unscaled, in the unit's
-   fp32 gradient store (``GradientFlow``: what torch code sees as ``.grad``);
-3. ``clip_grad_norm_`` (optional) sees the true global norm across shards;
-4. ``step`` (``Stepper``): hyperparameters are copied from the user-visible param groups (so LR
-   schedulers work), the inner optimizer updates the owned ranges on the path the placement
-   calls for, and units are gathered so every rank has the new weights.
+The facade over an engine (engine.py) assembled in one place (Note [assembly] in assembly.py)
+from a typed policy per axis: the mesh, the sharding (stages 0-3), the state placement
+(memory, host, NVMe, auto) and the precision. Per step: backward hooks reduce gradients into
+the units as backward runs (``GradientReducer``; ``GradientFlow`` is what torch code sees as
+``.grad``); ``clip_grad_norm_`` sees the global norm; ``step`` (``Stepper``) copies the user's
+hyperparameters in (LR schedulers work), updates this rank's owned ranges on the path the
+placement calls for, and makes every rank's parameters current.
 """
 from __future__ import annotations
 
@@ -22,14 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroshard.config import ZeroConfig
 from zeroshard.layout import Segment
 from zeroshard.memory import MemoryReport
-from zeroshard.optim import assembly, clipping, construction, grad_norm, lifecycle, reports, state_io
-from zeroshard.optim.elementwise import check_elementwise
+from zeroshard.optim import assembly, construction, lifecycle, reports, state_io
 from zeroshard.optim.engine import Engine
 from zeroshard.optim.flat_unit import FlatUnit
-from zeroshard.optim.hyperparams import check_inputs, check_optimizer_kwargs, separate_optimizer_kwargs
 from zeroshard.optim.param_state import ParamStateView
 from zeroshard.optim.params import ParamsLike
 
@@ -52,13 +43,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params, nvme_path=nvme_path,
             mixed_precision=mixed_precision, process_group=process_group, mesh=mesh,
             optimizer_kwargs=optimizer_kwargs, **kwargs))
-        config_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in ZeroConfig.field_names()}
-        inner_kwargs = separate_optimizer_kwargs(optimizer_class, config_kwargs, kwargs, optimizer_kwargs)
-        config = ZeroConfig(stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
-                            nvme_path=nvme_path, mixed_precision=mixed_precision, **config_kwargs)  # type: ignore[arg-type]
-        check_elementwise(optimizer_class)
-        check_optimizer_kwargs(optimizer_class, inner_kwargs)
-        model_or_params = check_inputs(model_or_params, config.stage, inner_kwargs, module)
+        config, inner_kwargs, model_or_params = assembly.configure(
+            optimizer_class, model_or_params, module, kwargs, optimizer_kwargs, stage=stage, nvme_path=nvme_path,
+            offload_optimizer=offload_optimizer, offload_params=offload_params, mixed_precision=mixed_precision)
         self.engine = engine = Engine(config, optimizer_class)
         # Everything checkable is checked before the model is touched; the rest is undone on an
         # error (Note [refused construction] in zeroshard/optim/construction.py).
@@ -131,14 +118,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
-        """Clips the gradients of all ranks by their global norm and returns that norm
-        (zeroshard/optim/clipping.py)."""
-        max_norm, norm_type = clipping.check_clip_arguments(max_norm, norm_type)
-        e = self.engine
-        overflow = e.grads.finalize()
-        total = grad_norm.global_norm(e.units, e.mesh.tp, e.sharding.policy, e.mesh.comm, norm_type)  # (TP: once each)
-        e.stepper.clip(clipping.clip_coefficient(total, max_norm, norm_type, error_if_nonfinite and not overflow))
-        return total
+        """Clips the gradients of all ranks by their global norm and returns that norm (Stepper.clip)."""
+        return self.engine.stepper.clip(max_norm, norm_type, error_if_nonfinite)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
@@ -201,14 +182,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __deepcopy__(self, memo: dict) -> "ZeroOptimizer":
         raise TypeError(
-            "a ZeroOptimizer cannot be deep-copied: it owns the model's parameter storage (every "
+            "a ZeroOptimizer cannot be deep-copied (nor copied): it owns the model's parameter storage (every "
             "parameter is a view of its flat buffers), hooks on those parameters and a process group, "
             "none of which a copy could share or duplicate. Save opt.state_dict() (or "
             "consolidated_state_dict()) and load it into a new ZeroOptimizer instead")
 
     def __copy__(self) -> "ZeroOptimizer":
-        raise TypeError("a ZeroOptimizer cannot be copied (see copy.deepcopy); build a new one and "
-                        "load_state_dict(opt.state_dict())")
+        return self.__deepcopy__({})
 
     # -- state (torch's state-dict hooks run as in torch.optim, around the sharded state) ---------
     def state_dict(self) -> dict:
@@ -249,10 +229,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self.engine.placement.report(self.runs, self.swapper, micro_batches)
 
     def comm_report(self, reset: bool = False) -> dict[str, dict]:
-        """``memory_report``'s sibling: what this rank's collectives moved since construction
-        (or the last ``reset``), by kind: calls, bytes and the group dimension crossed."""
-        m = self.engine.mesh
-        return reports.comm_report(m.comm, m.replicas, m.tp, reset)
+        """What this rank's collectives moved since construction (or the last ``reset``), by kind:
+        calls, bytes and the group dimension crossed."""
+        return reports.comm_report(self.engine.mesh, reset)
 
     def segment_index(self) -> dict[int, tuple[FlatUnit, Segment]]:
         """Where each managed parameter lives (frozen ones too): id(param) -> (unit, segment), also
@@ -261,8 +240,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return {id(p): (u, seg) for u in self.all_units for m, seg in zip(u.members, u.layout.segments)
                 for p in {id(m.param): m.param, id(visible(m.param)): visible(m.param)}.values()}
 
-    def __repr__(self) -> str:
-        e = self.engine
-        return (f"ZeroOptimizer(stage={self.stage}, world_size={e.mesh.comm.world_size}, "
-                f"units={len(e.__dict__.get('units', []))}, optimizer={e.optimizer_class.__name__}, "
-                f"runs_on={e.inner.__class__.__name__ if 'inner' in e.__dict__ else None})")
+    def __repr__(self) -> str:  # (also while being built: what exists)
+        built = self.engine.__dict__
+        return (f"ZeroOptimizer(stage={self.stage}, world_size={built['mesh'].comm.world_size if 'mesh' in built else '?'}, "
+                f"units={len(built.get('units', []))}, optimizer={self.engine.optimizer_class.__name__}, "
+                f"runs_on={type(built['inner']).__name__ if 'inner' in built else None})")
