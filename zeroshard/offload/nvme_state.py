@@ -64,6 +64,9 @@ class NvmeOptimizerState(MutableMapping):
         self.path: Optional[str] = None
         self.aio = None
         if streamed:
+            if nvme_path is None:
+                raise RuntimeError("NvmeOptimizerState: runs stream their moments to a swap file, but no nvme_path "
+                                   "was given (configuration requires nvme_path for offload to 'nvme')")
             self.file = SwapFile(nvme_path, "optim", rank)
             self.path = self.file.path
             self.file.reserve(0, offset, "offload_optimizer='nvme' needs {gib} GiB for this rank's optimizer state")
@@ -102,13 +105,18 @@ class NvmeOptimizerState(MutableMapping):
     def _region(self, t: torch.Tensor) -> tuple[int, int]:
         return self._offset[id(t)], aligned(t.numel() * 4) * len(KEYS)
 
+    def _swap_file(self) -> SwapFile:
+        if self.file is None:  # only streamed runs have a region, and they create the file
+            raise RuntimeError("NvmeOptimizerState: a streamed run's moments are accessed, but there is no swap file")
+        return self.file
+
     def _read(self, t: torch.Tensor, buf: torch.Tensor):
         off, nbytes = self._region(t)
-        return self.file.pread(buf[:nbytes // 4], off)
+        return self._swap_file().pread(buf[:nbytes // 4], off)
 
     def _write(self, t: torch.Tensor, buf: torch.Tensor):
         off, nbytes = self._region(t)
-        return self.file.pwrite(buf[:nbytes // 4], off)
+        return self._swap_file().pwrite(buf[:nbytes // 4], off)
 
     def in_memory(self, t: torch.Tensor) -> bool:
         """The run's moments stay in memory (automatic placement) rather than stream."""
@@ -128,7 +136,7 @@ class NvmeOptimizerState(MutableMapping):
         out = torch.empty(hi - lo, dtype=torch.float32)
         if hi > lo:
             base = self._offset[id(t)] + KEYS.index(key) * aligned(t.numel() * 4)
-            self.file.pread(out, base + lo * 4).wait()
+            self._swap_file().pread(out, base + lo * 4).wait()
         return out
 
     # -- the mapping the inner optimizer and the checkpoint code see ---------------------------
@@ -148,13 +156,11 @@ class NvmeOptimizerState(MutableMapping):
         missing = [k for k in ("step", *KEYS) if k not in state]
         if missing:
             raise ValueError(f"Adam state for an offloaded run lacks {missing}")
-        buf = self._resident.get(id(t))
-        kept = buf is not None
-        if not kept:
-            buf = aligned_empty(self._region(t)[1] // 4, torch.float32)
+        kept = self._resident.get(id(t))
+        buf = kept if kept is not None else aligned_empty(self._region(t)[1] // 4, torch.float32)
         for view, k in zip(self._views(buf, t.numel()), KEYS):
             view.copy_(state[k].reshape(-1))
-        if not kept:
+        if kept is None:
             self._write(t, buf).wait()
         step = state["step"]
         self._steps[id(t)] = (step if isinstance(step, torch.Tensor) else torch.tensor(float(step))).detach().clone()

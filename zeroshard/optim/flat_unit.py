@@ -18,7 +18,7 @@ the methods below read or write the file where needed.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
@@ -29,6 +29,9 @@ from zeroshard.layout import NamedParam, UnitLayout
 from zeroshard.config import Placement
 from zeroshard.ops.sqnorm import squared_norm_f64
 from zeroshard.stages import StagePolicy
+
+if TYPE_CHECKING:
+    from zeroshard.offload.unit_swap import NvmeUnitStore
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -70,7 +73,7 @@ class FlatUnit:
         """Frozen parameters only (stage 3, Note [frozen units] in zeroshard/stages/stage3/frozen.py):
         a shard and the gathered buffer in the model dtype, no master, gradient or optimizer state."""
         self.members = list(members)
-        self.swap: Optional[Any] = None
+        self.swap: Optional[NvmeUnitStore] = None
         """The swap file that holds some of this unit's parts between uses (NVMe offload)."""
         self.step_in_flight: Optional[Any] = None
         """The optimizer's ``StepInFlight``: what reads this unit's parts outside the optimizer
@@ -144,7 +147,11 @@ class FlatUnit:
 
     def swapped(self, part: str) -> bool:
         """``part`` ("shard", "master" or "grad") lives in the swap file between uses."""
-        return self.swap is not None and self.swap.swaps(self, part)
+        return self.swap_holding(part) is not None
+
+    def swap_holding(self, part: str) -> Optional[NvmeUnitStore]:
+        """The swap file ``part`` lives in between uses; None when it stays in memory."""
+        return self.swap if self.swap is not None and self.swap.swaps(self, part) else None
 
     def load_segment(self, offset: int, values: torch.Tensor) -> None:
         """Sets the unit range starting at ``offset`` from full-precision ``values``: the
@@ -156,12 +163,13 @@ class FlatUnit:
         lo, hi = self.owned
         a, b = max(lo, offset), min(hi, end)
         if a < b:  # swapped parts go straight to the file: nothing becomes resident
-            if self.swapped("shard"):
-                self.swap.write_range(self, "shard", a, values[a - offset:b - offset])
+            shard_swap, master_swap = self.swap_holding("shard"), self.swap_holding("master")
+            if shard_swap is not None:
+                shard_swap.write_range(self, "shard", a, values[a - offset:b - offset])
             elif self.policy.shard_parameters:  # otherwise shard is a view of flat: done
                 self.shard[a - lo:b - lo].copy_(values[a - offset:b - offset])
-            if self.swapped("master"):
-                self.swap.write_range(self, "master", a, values[a - offset:b - offset])
+            if master_swap is not None:
+                master_swap.write_range(self, "master", a, values[a - offset:b - offset])
             elif self.separate_master:  # the master keeps the full-precision values
                 self.master[a - lo:b - lo].copy_(values[a - offset:b - offset])
 

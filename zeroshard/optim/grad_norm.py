@@ -31,12 +31,13 @@ def map_owned_grads(units: Sequence[FlatUnit], fn: Callable[[torch.Tensor], Any]
     for u in units:
         if not u.grad_valid:
             continue
-        if not u.swapped("grad"):
+        swap = u.swap_holding("grad")
+        if swap is None:
             out.append(fn(u.owned_grad()))
         elif cached is not None and u.grad_stats is not None:
             out.append(cached(u.grad_stats))
         else:
-            with u.swap.resident(u, ("grad",)):
+            with swap.resident(u, ("grad",)):
                 out.append(fn(u.owned_grad()))
     return out
 
