@@ -41,7 +41,7 @@ def _timeout(group: Any) -> datetime.timedelta:
 
 class ForwardAgreement:
     def __init__(self, comm: Any) -> None:
-        self.store: Optional[Any] = None
+        self.store: Optional[dist.Store] = None
         instance = next(_INSTANCES)
         group = getattr(comm, "group", None)  # (hpZ's two-level comm: not checked)
         if comm.world_size <= 1 or group is None or not dist.is_initialized():
@@ -63,16 +63,17 @@ class ForwardAgreement:
     def check(self, model: torch.nn.Module) -> None:
         """Returns once every rank of the group has started its ``count``-th evaluation forward;
         raises naming the ranks that did not within the collective timeout."""
-        if self.store is None:
+        store = self.store
+        if store is None:
             return
         self.count += 1
         k = self.count
-        self.store.set(self._key(k, self.rank), "1")
+        store.set(self._key(k, self.rank), "1")
         peers = [self._key(k, r) for r in self.ranks if r != self.rank]
         try:
-            self.store.wait(peers, self.timeout)
+            store.wait(peers, self.timeout)
         except RuntimeError:  # (torch's DistStoreError on timeout)
-            missing = [r for r in self.ranks if r != self.rank and not self._has(self._key(k, r))]
+            missing = [r for r in self.ranks if r != self.rank and not _has(store, self._key(k, r))]
             raise RuntimeError(
                 f"every rank must run the forward at stage 3; evaluate on all ranks: rank {self.rank} started a "
                 f"forward of {type(model).__name__} with gradients off or in eval mode (evaluation number {k}) "
@@ -81,12 +82,13 @@ class ForwardAgreement:
                 "estimate_loss) on every rank, and print or log its result on rank 0 only") from None
         if k > 2:  # every peer has passed evaluation k - 2 (it started k - 1): nobody reads that key
             try:
-                self.store.delete_key(self._key(k - 2, self.rank))
+                store.delete_key(self._key(k - 2, self.rank))
             except (RuntimeError, NotImplementedError):
                 pass
 
-    def _has(self, key: str) -> bool:
-        try:
-            return bool(self.store.check([key]))
-        except RuntimeError:
-            return False
+
+def _has(store: dist.Store, key: str) -> bool:
+    try:
+        return bool(store.check([key]))
+    except RuntimeError:
+        return False

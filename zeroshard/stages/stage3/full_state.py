@@ -22,13 +22,13 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True,
     if not frozen:
         live = {k: v for k, v in live.items() if not (isinstance(v, nn.Parameter) and not v.requires_grad)}
     if opt is None or opt.gatherer is None:  # stages 0-2: every rank holds full parameters
-        live = {k: v.detach().full_tensor() if is_dtensor(v) else v for k, v in live.items()}  # (TP: global)
+        live = {k: v.full_tensor().detach() if is_dtensor(v) else v for k, v in live.items()}  # (TP: global)
         out = {k: (v.detach().cpu() if cpu else v.detach()).clone() for k, v in live.items()}
         return None if rank0_only and (opt is not None and opt.comm.rank != 0) else out
     keep = not rank0_only or opt.comm.rank == 0
     where = opt.segment_index()
     by_unit: dict[int, list[str]] = {}
-    out: dict[str, torch.Tensor] = {}
+    out = {}  # (dict[str, torch.Tensor], as above)
     for key, t in live.items():
         if id(t) in where:
             by_unit.setdefault(where[id(t)][0].layout.index, []).append(key)

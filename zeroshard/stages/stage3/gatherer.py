@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -82,6 +82,9 @@ from zeroshard.optim.flat_unit import FlatUnit, alloc_storage, free_storage, is_
 from zeroshard.comm.tensor_parallel import as_sharded_parameter, local_of
 from zeroshard.optim.sharded_tensor import ShardedTensor
 from zeroshard.stages.stage3.forward_check import ForwardAgreement
+
+if TYPE_CHECKING:
+    from zeroshard.stages.stage3.secondary import SecondaryPartition
 
 
 class Stage3UsageError(RuntimeError):
@@ -132,12 +135,12 @@ class ParameterGatherer:
         self._bw_ptr = -1
         self._bw_callback = False
         self._handles: list[Any] = []
-        self._orig_forward = None
+        self._orig_forward: Optional[Callable[..., object]] = None
         self._forwarding = False
         self.sharded: dict[int, nn.Parameter] = {}
         """id(unsharded parameter) -> the sharded Parameter shown outside use (Note [sharded parameters])."""
         self._regs: list[list[tuple[nn.Module, str, nn.Parameter]]] = [[] for _ in self.units]
-        self.secondary: Optional[Any] = None
+        self.secondary: Optional[SecondaryPartition] = None
         """hpZ's SecondaryPartition (zeroshard/stages/stage3/secondary.py), which gathers units then."""
         self.forward_check = ForwardAgreement(comm)
         """An evaluation's first forward agrees with the other ranks first (Note [forward on every rank])."""
@@ -158,7 +161,11 @@ class ParameterGatherer:
                 t = ShardedTensor(unit.shard, a - lo if a < b else 0, max(0, b - a), seg.shape, unit.dtype,
                                   m.param.device, max(0, a - seg.offset), comm, unit, part="shard")
                 sp = as_sharded_parameter(m.param, t)  # (a DTensor's: Note [tensor-parallel parameters])
-                local_of(sp).on_use = functools.partial(self._check_use, seg.name)
+                shown = local_of(sp)  # (a Parameter over a ShardedTensor is one, made by its detach)
+                if not isinstance(shown, ShardedTensor):
+                    raise RuntimeError(f"the sharded parameter of {seg.name} is a {type(shown).__name__}, "
+                                       "not a ShardedTensor")
+                shown.on_use = functools.partial(self._check_use, seg.name)
                 self.sharded[id(m.param)] = sp
                 where[id(m.param)] = ui
         for module in self.model.modules():
@@ -245,26 +252,30 @@ class ParameterGatherer:
         unit.await_step(whole=self._waits_whole_step(unit))  # (Note [overlapped step])
         alloc_storage(unit.flat)
         self.state[ui] = UnitState.GATHERING
-        if unit.swapped("shard"):  # the shard streams in from the swap file first; the
-            lo, hi = unit.owned      # collective starts once it is here (_launch)
+        swap = unit.swap_holding("shard")
+        if swap is not None:  # the shard streams in from the swap file first; the
+            lo, hi = unit.owned  # collective starts once it is here (_launch)
             if self.secondary is None:
-                unit.swap.fetch_for_gather(unit, unit.flat[lo:hi], backward=_in_backward())
+                swap.fetch_for_gather(unit, unit.flat[lo:hi], backward=_in_backward())
             else:
-                unit.swap.fetch(unit, ("shard",))
+                swap.fetch(unit, ("shard",))
             return
         self._launch(ui)
 
-    def _launch(self, ui: int) -> None:
+    def _launch(self, ui: int) -> Work:
+        """Starts unit ``ui``'s collective (``_work[ui]``), and returns it."""
         if self.secondary is not None:  # hpZ: inside the node (Note [hpZ secondary partition])
-            self._work[ui] = self.secondary.gather(ui)
-            return
+            work = self._work[ui] = self.secondary.gather(ui)
+            return work
         unit = self.units[ui]
         lo, hi = unit.owned
-        if unit.swapped("shard"):  # (the shard is dropped unless the parameter cache keeps it)
-            unit.swap.finish_gather(unit, unit.flat[lo:hi], backward=_in_backward())
+        swap = unit.swap_holding("shard")
+        if swap is not None:  # (the shard is dropped unless the parameter cache keeps it)
+            swap.finish_gather(unit, unit.flat[lo:hi], backward=_in_backward())
         else:
             unit.flat[lo:hi].copy_(unit.shard)
-        self._work[ui] = self.comm.gather_shards(unit.flat)
+        work = self._work[ui] = self.comm.gather_shards(unit.flat)
+        return work
 
     def _waits_whole_step(self, unit: FlatUnit) -> bool:
         """A unit the parameter cache keeps waits for the whole step in flight: the cache and
@@ -304,9 +315,10 @@ class ParameterGatherer:
         if self.state[ui] is UnitState.RELEASED:
             self._start(ui)
         if self.state[ui] is UnitState.GATHERING:
-            if self._work[ui] is None:
-                self._launch(ui)
-            self._work[ui].wait()
+            work = self._work[ui]
+            if work is None:
+                work = self._launch(ui)
+            work.wait()
             self._work[ui] = None
             self.state[ui] = UnitState.GATHERED
             self.show(ui, sharded=False)
@@ -316,10 +328,11 @@ class ParameterGatherer:
             return
         unit = self.units[ui]
         if self.state[ui] is UnitState.GATHERING:  # the collective must complete on every rank
-            if self._work[ui] is not None:
-                self._work[ui].wait()
-            elif unit.swapped("shard"):  # never launched (the same on every rank): drop the read
-                unit.swap.evict(unit, ("shard",))
+            work, swap = self._work[ui], unit.swap_holding("shard")
+            if work is not None:
+                work.wait()
+            elif swap is not None:  # never launched (the same on every rank): drop the read
+                swap.evict(unit, ("shard",))
             self._work[ui] = None
         free_storage(unit.flat)
         self.state[ui] = UnitState.RELEASED

@@ -135,16 +135,20 @@ def _initializer(model: nn.Module, module: nn.Module, lora: dict[int, tuple[nn.M
     Face model, the model's ``_init_weights(module)`` (GPT-2's Conv1D has no reset)."""
     if id(module) in lora:
         layer, adapter = lora[id(module)]
-        how = model.peft_config[adapter].init_lora_weights if hasattr(model, "peft_config") else True
+        how: object = True
+        if hasattr(model, "peft_config"):  # (PEFT's attributes: the module types do not declare them)
+            how = getattr(model, "peft_config")[adapter].init_lora_weights
         if how not in (True, False, "gaussian"):
             raise ValueError(f"init_lora_weights={how!r} initialises adapters from the base weights, which a "
                              "meta-device start does not hold whole; use init_lora_weights=True or 'gaussian' "
                              "(or initialise the adapters and load them with zeroshard.load_safetensors)")
-        return ("lora", id(layer), adapter), lambda: layer.reset_lora_parameters(adapter, how)
+        reset_lora = getattr(layer, "reset_lora_parameters")  # (callable: _lora_layers checked)
+        return ("lora", id(layer), adapter), lambda: reset_lora(adapter, how)
     if hasattr(module, "reset_parameters"):
         return ("module", id(module)), module.reset_parameters
-    if callable(getattr(model, "_init_weights", None)):
-        return ("module", id(module)), lambda: model._init_weights(module)
+    init_weights = getattr(model, "_init_weights", None)  # (a Hugging Face model's)
+    if callable(init_weights):
+        return ("module", id(module)), lambda: init_weights(module)
     raise ValueError(
         f"{type(module).__name__} has no reset_parameters() (and the model no _init_weights), so its "
         "meta parameters cannot be initialised here; load them with zeroshard.load_safetensors(model, path)")

@@ -34,7 +34,8 @@ def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
 
 def _by_class(model: nn.Module, class_names: Sequence[str]) -> list[nn.Module]:
     wanted = set(class_names)
-    found, taken = [], set()
+    found: list[nn.Module] = []
+    taken: set[int] = set()
     for module in model.modules():
         if module is not model and type(module).__name__ in wanted and id(module) not in taken:
             found.append(module)
