@@ -25,6 +25,7 @@ from functools import partial
 from typing import Optional, Sequence
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from zeroshard.comm import Comm, Work
 from zeroshard.comm.tensor_parallel import local_grad
@@ -50,7 +51,7 @@ class GradientReducer:
         """Hybrid sharding: the group of this rank's replicas (same shard, other shard groups)."""
         self.reduce_dtype = reduce_dtype
         self.max_inflight = max_inflight
-        self._handles = []
+        self._handles: list[RemovableHandle] = []
         self._inflight: deque[_Pending] = deque()
         self._reset_pass()
         self.touched: list[list[bool]] = [[False] * len(u.layout.segments) for u in self.units]

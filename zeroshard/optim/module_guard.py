@@ -70,7 +70,8 @@ class ModuleGuard:
             skip.update(id(p.grad) for p in self.managed.values() if p.grad is not None)
             return original(lambda t: t if id(t) in skip else fn(t), *args, **kwargs)
 
-        module._apply = guarded_apply
+        # per-instance wrap of torch's Module._apply; remove() pops it from the instance dict
+        module._apply = guarded_apply  # type: ignore[method-assign]
         self._modules.append(module)
 
     def check(self, module: nn.Module, fn: Callable) -> None:

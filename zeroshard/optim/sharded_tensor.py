@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Optional
+from typing import Any, Optional, SupportsIndex
 
 import torch
 import torch.distributed as dist
@@ -79,7 +79,7 @@ class ShardedTensor(torch.Tensor):
         uses (dispatch reads it in first), so a view made earlier could not exist."""
         return self.store[self.lo:self.lo + self.n]
 
-    def __reduce_ex__(self, protocol: int) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         """Note [saving pieces]: a whole tensor pickles as a plain one, so ``torch.save`` of a
         one-rank stage-3 ``model.state_dict()`` loads in a process that never imports zeroshard
         (nanoGPT's ``sample.py``). A piece of a tensor sharded over ranks is refused: a file
@@ -109,7 +109,8 @@ class ShardedTensor(torch.Tensor):
         """Whether other ranks hold other pieces (False: ``local`` is the whole tensor)."""
         return not self.whole
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # never a collective
+    # (mypy reads torch's Tensor.__repr__ with its keyword's name lost, ``*, Any = ...``: no override matches)
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # never a collective
         where = (f"elements [{self.start}, {self.start + self.n}) of {math.prod(self.shape)} on this rank"
                  if self.sharded else "whole")
         kind = "Parameter" if isinstance(self, torch.nn.Parameter) else "ShardedTensor"
@@ -130,10 +131,12 @@ class ShardedTensor(torch.Tensor):
         self.comm.all_reduce(buf, what="sharded_gather")  # other ranks add exact zeros: a copy, bit for bit
         return buf.view(self.shape)
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # torch's tensor-subclass protocol: classmethods, where torch's stubs declare plain functions
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    @classmethod  # (the protocol's signature, not the stub's)
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),  # type: ignore[override]
+                           kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         grads = [a for a in _flat(args, kwargs) if isinstance(a, ShardedTensor)]
         for g in grads:
@@ -178,7 +181,7 @@ def _write_params(func: Any, args: tuple, kwargs: dict, grads: list[ShardedTenso
                                   None, whole=g.whole, part="tmp") for i, g in targets.items()}
     swap = lambda x: temps.get(id(x), x)  # noqa: E731
     new_args, new_kwargs = tree_map(swap, args), tree_map(swap, kwargs)
-    _dispatch(func, new_args, new_kwargs, [swap(g) for g in grads])
+    _dispatch(func, new_args, new_kwargs, [temps.get(id(g), g) for g in grads])
     with torch.no_grad():
         for i, g in targets.items():
             if g.n:
