@@ -164,7 +164,8 @@ def as_planned(groups: list[dict], casts: dict[int, torch.dtype]) -> list[dict]:
         storage = local_of(p).untyped_storage()
         if p.is_meta or storage.nbytes() < need:  # (an upcast: counted at its new size, no storage)
             return torch.empty(p.shape, dtype=dtype, device="meta")
-        return torch.empty(0, dtype=dtype, device=p.device).set_(storage, 0, p.shape)
+        contiguous = torch.empty(p.shape, device="meta").stride()  # (what set_ gives when not told)
+        return torch.empty(0, dtype=dtype, device=p.device).set_(storage, 0, p.shape, contiguous)
     return [{**g, "params": [shown(p) for p in g["params"]]} for g in groups]
 
 

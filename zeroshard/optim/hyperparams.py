@@ -99,7 +99,7 @@ def check_inputs(model_or_params: Any, stage: int, kwargs: Mapping[str, Any],
     if isinstance(model_or_params, (set, frozenset)):
         raise TypeError(_SET_REFUSAL)
     items = list(model_or_params)
-    meta: list[str] = []
+    meta = []  # (list[str], as above)
     real = 0  # parameters with values (a mix with meta ones is refused later as "different devices")
     for gi, item in enumerate(items):
         if not isinstance(item, Mapping):
@@ -130,8 +130,8 @@ def check_inputs(model_or_params: Any, stage: int, kwargs: Mapping[str, Any],
     return items
 
 
-def separate_optimizer_kwargs(optimizer_class: type, config_kwargs: dict, kwargs: dict,
-                              optimizer_kwargs: Optional[dict]) -> dict:
+def separate_optimizer_kwargs(optimizer_class: type[torch.optim.Optimizer], config_kwargs: dict,
+                              kwargs: dict, optimizer_kwargs: Optional[dict]) -> dict:
     """The inner optimizer's arguments: ``kwargs`` left after zeroshard's own options were taken
     out, plus ``optimizer_kwargs``, which go to the inner optimizer only. A name that is both a
     zeroshard option and an argument of ``optimizer_class`` is refused in ``**kwargs`` unless
@@ -159,7 +159,7 @@ def separate_optimizer_kwargs(optimizer_class: type, config_kwargs: dict, kwargs
     return {**kwargs, **optimizer_kwargs}
 
 
-def check_optimizer_kwargs(optimizer_class: type, kwargs: dict) -> None:
+def check_optimizer_kwargs(optimizer_class: type[torch.optim.Optimizer], kwargs: dict) -> None:
     try:
         sig = inspect.signature(optimizer_class.__init__)
     except (TypeError, ValueError):

@@ -44,7 +44,7 @@ def choose_kernels(optimizer_class: type, kwargs: dict, groups: list[dict], enab
     return [_fusable({**kwargs, **{k: v for k, v in g.items() if k != "params"}}) for g in groups]
 
 
-def _fused_options(optimizer_class: type, options: dict) -> dict:
+def _fused_options(optimizer_class: type[torch.optim.Optimizer], options: dict) -> dict:
     """torch.optim.Adam/AdamW options as FusedAdam's (``adamw_mode`` from decoupling)."""
     defaults = inspect.signature(optimizer_class.__init__).parameters
     decoupled = options.get("decoupled_weight_decay", optimizer_class is torch.optim.AdamW)

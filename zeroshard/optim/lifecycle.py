@@ -15,7 +15,7 @@ import signal
 import threading
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, cast
 
 import torch
 
@@ -209,7 +209,8 @@ def rebuild_with_group(opt: "ZeroOptimizer", param_group: dict) -> None:
     module = engine.module
     opt.close()
     engine.close_files()  # swap files are made anew by the rebuild
-    type(opt).__init__(opt, groups + [new], optimizer_class, module=module, **args)
+    # (the keywords __init__ was given, so each has the type it declares; build_args keeps them as objects)
+    type(opt).__init__(opt, groups + [new], optimizer_class, module=module, **cast("dict[str, Any]", args))
     opt.__dict__.update(hooks)
     n = sum(len(g["params"]) for g in state["param_groups"])
     added = {k: v for k, v in opt.param_groups[-1].items() if k != "params"}
