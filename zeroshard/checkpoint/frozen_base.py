@@ -78,6 +78,8 @@ def _managed_frozen(opt: Optional["ZeroOptimizer"]) -> list[Any]:
 def managed_ids(opt: Optional["ZeroOptimizer"]) -> set[int]:
     """ids of the tensors stage 3 shows for frozen parameters kept in frozen units."""
     out: set[int] = set()
+    if opt is None:  # (no optimizer: no frozen units)
+        return out
     for u in _managed_frozen(opt):
         for m in u.members:
             out.add(id(m.param))
@@ -234,7 +236,7 @@ def streamed_digest(read: Callable[[int, int], torch.Tensor], numel: int, chunk:
 def _unit_digests(opt: Optional["ZeroOptimizer"]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     segments = list(unit_segments(opt))
-    if segments:
+    if segments and opt is not None:  # (segments come from opt's frozen units: none without opt)
         partial: dict[str, int] = {}
         pieces: dict[str, list] = {}
         for u in _managed_frozen(opt):

@@ -236,6 +236,8 @@ def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
 
     def put_param(name: str, a: int, b: int, run: Any, piece: Any, target: tp_layout.Target) -> None:
         values = src.fetch(name, a, b, PARAM, target)
+        if values is None:  # (read_phase planned and verified every block of this rank's pieces)
+            raise RuntimeError(f"{name}: elements [{a}, {b}) of the parameter were not read from the checkpoint")
         if run is None:  # whole tensors; a sharded stage-3 parameter takes its piece (and its master)
             t = state_dict[name]
             t.copy_(values.view(t.shape))
@@ -400,6 +402,8 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
             error = ("corrupt", f"{step_dir}: malformed checkpoint ({type(exc).__name__}: {exc})")
         errors = [e for e in comm.all_gather_object(error) if e]
         if not errors:  # every rank read everything: apply the small state, agreed, with a way back
+            if src is None or plan is None:  # (without an error, this rank read it all)
+                raise RuntimeError(f"{step_dir}: no rank reported an error, but this rank's read is incomplete")
             failed, undo = trainer_state.apply(plan, optimizer, scheduler, dataloader)
             refused = [e for e in comm.all_gather_object(failed) if e]
             if refused:

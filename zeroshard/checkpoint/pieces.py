@@ -47,7 +47,7 @@ def model_names(model: Optional[nn.Module]) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()} if model is not None else {}
 
 
-def name_map(model: Optional[nn.Module], opt: Any) -> dict[str, str]:
+def name_map(model: Optional[nn.Module], opt: "ZeroOptimizer") -> dict[str, str]:
     """Optimizer parameter name -> checkpoint name."""
     by_id = model_names(model)
     out = {}
@@ -58,7 +58,7 @@ def name_map(model: Optional[nn.Module], opt: Any) -> dict[str, str]:
     return out
 
 
-def write_range(opt: Optional["ZeroOptimizer"], unit: Any) -> tuple[int, int]:
+def write_range(opt: "ZeroOptimizer", unit: Any) -> tuple[int, int]:
     """The unit range this rank writes: what it owns when state is sharded; at stage 0 every
     rank holds everything, so rank r writes slice r and the write load stays balanced."""
     if opt.policy.shard_optimizer:
@@ -66,7 +66,7 @@ def write_range(opt: Optional["ZeroOptimizer"], unit: Any) -> tuple[int, int]:
     return unit.layout.slice_of(opt.comm.rank)
 
 
-def owned_pieces(model: Optional[nn.Module], opt: Any) -> list[PieceRecord]:
+def owned_pieces(model: Optional[nn.Module], opt: "ZeroOptimizer") -> list[PieceRecord]:
     """This rank's pieces, as views of the live tensors (callers copy before training goes on)."""
     names = name_map(model, opt)
     records = []
@@ -88,11 +88,13 @@ def owned_pieces(model: Optional[nn.Module], opt: Any) -> list[PieceRecord]:
                 off = tp.stored_offset(piece.segment.name)
             rec = PieceRecord(names[piece.segment.name], off + piece.start, off + piece.stop, run=ri)
             # Swapped parts are read from the swap file when the writer gets to them.
+            # (swapped() is True only with a swap file: store is not None there)
             rec.tensors[PARAM] = (_deferred(run.unit.dtype, store.read_range, run.unit, "shard", ua, ub)
-                                  if run.unit.swapped("shard") else run.unit.param_range(ua, ub))
+                                  if store is not None and run.unit.swapped("shard") else run.unit.param_range(ua, ub))
             if run.unit.separate_master:
                 rec.tensors[MASTER] = (_deferred(torch.float32, store.read_range, run.unit, "master", ua, ub)
-                                       if run.unit.swapped("master") else run.unit.master_range(ua, ub))
+                                       if store is not None and run.unit.swapped("master")
+                                       else run.unit.master_range(ua, ub))
             for k, v in state.items():
                 if elementwise_state(v, run.tensor):
                     rec.tensors[f"state.{k}"] = v[ua - run.a:ub - run.a]

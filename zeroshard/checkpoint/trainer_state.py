@@ -118,9 +118,9 @@ def _snapshot(opt: Optional["ZeroOptimizer"], scheduler: Any, dataloader: Any) -
     gens = (random.getstate(), np.random.get_state(), torch.get_rng_state())
 
     def undo() -> None:
-        if groups is not None:
+        if groups is not None and opt is not None:  # (groups and scaler were taken from opt)
             apply_group_options(opt, groups, replace=True)
-        if scaler is not None:
+        if scaler is not None and opt is not None:
             apply_loss_scaler(opt, scaler)
         if sched is not None:
             scheduler.load_state_dict(sched)
