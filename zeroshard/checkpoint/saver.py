@@ -53,6 +53,9 @@ class PendingSave:
     def wait(self) -> str:
         self._saver.wait()
         commit.wait_discarded()
+        if self.path is None:  # (an asynchronous save sets it once committed; a failure raised earlier)
+            raise CheckpointError("this asynchronous checkpoint save was not committed: it failed, and an "
+                                  "earlier wait raised its error")
         return self.path
 
 
@@ -165,6 +168,8 @@ class CheckpointSaver:
                 raise
         if replicas.any_true(failed):
             raise CheckpointError(f"checkpoint of step {step}: the first replica failed to save it")
+        if handle.path is None:  # the other replicas: the step directory the first one committed
+            handle.path = os.path.join(root, manifest.step_dir_name(step))
         return handle
 
     def _before_step(self, *_: Any) -> None:
