@@ -24,7 +24,7 @@ state dicts do); ``zeroshard.save_checkpoint`` writes each rank's shard without 
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, SupportsIndex
 
 from torch import nn
 
@@ -40,7 +40,7 @@ class _RefusedSave:
     def __init__(self, message: str) -> None:
         self.message = message
 
-    def __reduce_ex__(self, protocol: int) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         raise RuntimeError(self.message)
 
     def __deepcopy__(self, memo: dict) -> "_RefusedSave":
@@ -140,7 +140,7 @@ def keep_out_of_ddp(model: nn.Module) -> None:
     stage-3 sharded parameters. Accelerate skips models it has prepared already, which is what a
     ZeroOptimizer-managed model is: placed, and synchronised by its optimizer. There is no public
     switch for this in Accelerate 1.x; this marker is the one it checks (``prepare_model``)."""
-    model._is_accelerate_prepared = True
+    setattr(model, "_is_accelerate_prepared", True)  # (Accelerate's marker: not an attribute nn.Module types)
 
 
 def check_no_autocast(mixed_precision: Any, where: str) -> None:

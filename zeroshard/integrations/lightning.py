@@ -27,6 +27,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.optim import Optimizer
 
 from zeroshard.integrations._common import SaveGuard, check_no_autocast, optimizer_of
+from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
 FIX = ("Train with the zeroshard strategy, whose checkpoints hold every rank's state: "
        "lightning.Trainer(strategy=zeroshard.integrations.lightning.ZeroStrategy())")
@@ -53,7 +54,7 @@ class ZeroStrategy(DDPStrategy):
             SaveGuard.install(zopt, FIX)
 
     @staticmethod
-    def _zero(optimizer: Optimizer) -> Any:
+    def _zero(optimizer: Optimizer) -> ZeroOptimizer:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer  # (the optimizer it wraps)
         return optimizer_of(None, optimizer)
@@ -67,6 +68,8 @@ class ZeroStrategy(DDPStrategy):
         """Full weights on rank 0 at stage 3 (a collective; {} elsewhere); the module's own
         state dict otherwise."""
         module = self.lightning_module
+        if module is None:  # (Lightning attaches the module before it saves a checkpoint)
+            raise RuntimeError("ZeroStrategy.lightning_module_state_dict: no LightningModule is attached")
         sharded = [o for o in map(self._zero, self.optimizers) if o.gatherer is not None]
         if not sharded:
             return module.state_dict()
