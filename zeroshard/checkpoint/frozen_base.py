@@ -52,6 +52,8 @@ from zeroshard.checkpoint.pieces import PARAM, PieceRecord, _deferred
 from zeroshard.checkpoint.shard_file import CODES
 
 if TYPE_CHECKING:
+    from zeroshard.layout import Segment
+    from zeroshard.optim.flat_unit import FlatUnit
     from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
 _PRIME = (1 << 61) - 1
@@ -68,10 +70,10 @@ _PROBES = 8
 class FrozenRun:
     """A frozen unit where the loader expects a run of the optimizer (only ``unit`` is read)."""
 
-    unit: Any
+    unit: FlatUnit
 
 
-def _managed_frozen(opt: Optional["ZeroOptimizer"]) -> list[Any]:
+def _managed_frozen(opt: Optional["ZeroOptimizer"]) -> list[FlatUnit]:
     return list(getattr(opt, "frozen_units", []) or []) if opt is not None else []
 
 
@@ -105,7 +107,7 @@ def whole_frozen(model: Optional[nn.Module], opt: Any) -> dict[str, torch.Tensor
     return out
 
 
-def unit_segments(opt: Optional["ZeroOptimizer"]) -> Iterator[tuple[Any, Any]]:
+def unit_segments(opt: Optional["ZeroOptimizer"]) -> Iterator[tuple[FlatUnit, Segment]]:
     for u in _managed_frozen(opt):
         for seg in u.layout.segments:
             yield u, seg
@@ -241,7 +243,8 @@ def _unit_digests(opt: Optional["ZeroOptimizer"]) -> dict[str, dict]:
         pieces: dict[str, list] = {}
         for u in _managed_frozen(opt):
             lo, hi = u.owned
-            with (u.swap.resident(u, ("shard",)) if u.swapped("shard") else contextlib.nullcontext()):
+            swap = u.swap_holding("shard")
+            with (swap.resident(u, ("shard",)) if swap is not None else contextlib.nullcontext()):
                 for seg in u.layout.segments:
                     a, b = max(lo, seg.offset), min(hi, seg.end)
                     if a < b:
@@ -270,11 +273,12 @@ def frozen_pieces(opt: Optional["ZeroOptimizer"]) -> list[PieceRecord]:
     records = []
     for u in _managed_frozen(opt):
         lo, hi = u.owned
+        swap = u.swap_holding("shard")
         for piece in u.layout.pieces_in(lo, hi):
             ua, ub = piece.unit_offset, piece.unit_offset + piece.numel
             rec = PieceRecord(piece.segment.name, piece.start, piece.stop)
-            rec.tensors[PARAM] = (_deferred(u.dtype, u.swap.read_range, u, "shard", ua, ub)
-                                  if u.swapped("shard") else u.param_range(ua, ub))
+            rec.tensors[PARAM] = (_deferred(u.dtype, swap.read_range, u, "shard", ua, ub)
+                                  if swap is not None else u.param_range(ua, ub))
             records.append(rec)
     return records
 

@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional, Sequence
 
 import torch
 
 from zeroshard.io import ALIGN
 from zeroshard.offload.swap_file import SwapFile, aligned
-from zeroshard.optim.flat_unit import alloc_storage, free_storage, is_allocated
+from zeroshard.optim.flat_unit import FlatUnit, alloc_storage, free_storage, is_allocated
 
 
 class NvmeUnitStore:
@@ -60,27 +60,27 @@ class NvmeUnitStore:
         self._lock = threading.RLock()
         self.cache: Optional[Any] = None
         """The parameter cache (``param_cache.ParamCache``) of automatic placement, if any."""
-        self.before_close: list[Any] = []
+        self.before_close: list[Callable[[], None]] = []
         """Run once by ``close`` before the file goes: the optimizer's teardown, which may still
         read the shards (lifecycle.Teardown)."""
 
     # -- layout ------------------------------------------------------------------------------
     @staticmethod
-    def tensor_of(unit: Any, part: str) -> torch.Tensor:
+    def tensor_of(unit: FlatUnit, part: str) -> torch.Tensor:
         return {"shard": unit.shard, "master": unit.master, "grad": unit.grad_store}[part]
 
-    def parts_of(self, unit: Any) -> tuple[str, ...]:
+    def parts_of(self, unit: FlatUnit) -> tuple[str, ...]:
         return self._parts[id(unit)]
 
-    def swaps(self, unit: Any, part: str) -> bool:
+    def swaps(self, unit: FlatUnit, part: str) -> bool:
         return part in self._parts.get(id(unit), ())
 
-    def state_parts(self, unit: Any) -> tuple[str, ...]:
+    def state_parts(self, unit: FlatUnit) -> tuple[str, ...]:
         """What loading optimizer state into a unit touches: a separate master, and a swapped
         low-precision shard rewritten from it (an fp32 master *is* the shard, written directly)."""
         return tuple(p for p in ("shard", "master") if unit.separate_master and self.swaps(unit, p))
 
-    def adopt(self, unit: Any, parts: Optional[Sequence[str]] = None) -> None:
+    def adopt(self, unit: FlatUnit, parts: Optional[Sequence[str]] = None) -> None:
         """Takes a freshly built unit: reserves its region, writes its shard (and master) to
         the file, releases every swapped part, and from now on serves them. ``parts`` (the
         automatic placement's choice for this unit) defaults to what the options give every
@@ -108,7 +108,7 @@ class NvmeUnitStore:
         for part in parts:
             free_storage(self.tensor_of(unit, part))
 
-    def _offset(self, unit: Any, part: str, a: Optional[int] = None) -> int:
+    def _offset(self, unit: FlatUnit, part: str, a: Optional[int] = None) -> int:
         """Byte offset of ``part`` in the file, or of its element at unit offset ``a``."""
         base = self._regions[(id(unit), part)]
         if a is None:
@@ -117,7 +117,7 @@ class NvmeUnitStore:
         return base + (a - first) * self.tensor_of(unit, part).element_size()
 
     # -- residency -----------------------------------------------------------------------------
-    def settle(self, unit: Optional[Any] = None) -> None:
+    def settle(self, unit: Optional[FlatUnit] = None) -> None:
         """Completes background writes (of ``unit``, or all) and releases what they wrote."""
         with self._lock:  # an asynchronous checkpoint save reads from another thread
             keep = []
@@ -130,7 +130,7 @@ class NvmeUnitStore:
                     keep.append((h, u, parts))
             self._writes = keep
 
-    def fetch(self, unit: Any, parts: Iterable[str], skip_read: Iterable[str] = (), urgent: bool = False) -> None:
+    def fetch(self, unit: FlatUnit, parts: Iterable[str], skip_read: Iterable[str] = (), urgent: bool = False) -> None:
         """Starts reading ``parts`` of ``unit`` back into memory (``wait_fetch`` completes it).
         Parts in ``skip_read`` (about to be overwritten whole), and a gradient with no valid
         value (first micro-batch), are allocated, not read. ``urgent``: a gather's read, past
@@ -145,18 +145,18 @@ class NvmeUnitStore:
                 continue
             self._reads[(id(unit), part)] = self.file.pread(t, self._offset(unit, part), urgent=urgent)
 
-    def wait_fetch(self, unit: Any, parts: Iterable[str]) -> None:
+    def wait_fetch(self, unit: FlatUnit, parts: Iterable[str]) -> None:
         for part in parts:
             h = self._reads.pop((id(unit), part), None)
             if h is not None:
                 h.wait()
 
-    def load(self, unit: Any, parts: Iterable[str]) -> None:
+    def load(self, unit: FlatUnit, parts: Iterable[str]) -> None:
         parts = tuple(parts)
         self.fetch(unit, parts)
         self.wait_fetch(unit, parts)
 
-    def flush(self, unit: Any, parts: Iterable[str], release: bool = True) -> None:
+    def flush(self, unit: FlatUnit, parts: Iterable[str], release: bool = True) -> None:
         """Writes ``parts`` back in the background; with ``release`` their memory is freed once
         written (``settle``)."""
         parts = tuple(p for p in parts if self.swaps(unit, p) and is_allocated(self.tensor_of(unit, p)))
@@ -169,7 +169,7 @@ class NvmeUnitStore:
             while len(self._writes) > self.max_in_flight:
                 self.settle(self._writes[0][1])
 
-    def evict(self, unit: Any, parts: Iterable[str]) -> None:
+    def evict(self, unit: FlatUnit, parts: Iterable[str]) -> None:
         """Releases ``parts`` without writing (their file copy is current); a gather's read of
         the shard into the gathered buffer completes first (that memory is about to go)."""
         if "shard" in parts:
@@ -181,14 +181,14 @@ class NvmeUnitStore:
                 self.wait_fetch(unit, (part,))
                 free_storage(self.tensor_of(unit, part))
 
-    def gathered(self, unit: Any, backward: bool) -> None:
+    def gathered(self, unit: FlatUnit, backward: bool) -> None:
         """The gatherer copied the shard into the gathered buffer: drop it, unless the parameter
         cache keeps it for the backward gather (``param_cache.py``)."""
         if self.cache is None or not self.cache.keep(unit, backward):
             self.evict(unit, ("shard",))
 
     # -- a gather's shard ---------------------------------------------------------------------------
-    def fetch_for_gather(self, unit: Any, dest: torch.Tensor, backward: bool) -> None:
+    def fetch_for_gather(self, unit: FlatUnit, dest: torch.Tensor, backward: bool) -> None:
         """Starts reading the shard for a gather into ``dest`` (the owned range of the gathered
         buffer) when it is not in memory, the cache will not keep it and ``dest`` is aligned for
         O_DIRECT: no shard allocation and no copy. Otherwise it is read into the shard as by
@@ -200,7 +200,7 @@ class NvmeUnitStore:
             return
         self._reads[(id(unit), "gather")] = self.file.pread(dest, self._offset(unit, "shard"), urgent=True)
 
-    def finish_gather(self, unit: Any, dest: torch.Tensor, backward: bool) -> None:
+    def finish_gather(self, unit: FlatUnit, dest: torch.Tensor, backward: bool) -> None:
         """``dest`` holds the shard once this returns (see ``fetch_for_gather``)."""
         h = self._reads.pop((id(unit), "gather"), None)
         if h is None:
@@ -214,7 +214,7 @@ class NvmeUnitStore:
             unit.shard.copy_(dest)
 
     @contextlib.contextmanager
-    def resident(self, unit: Any, parts: Sequence[str], write: bool = False) -> Iterator[None]:
+    def resident(self, unit: FlatUnit, parts: Sequence[str], write: bool = False) -> Iterator[None]:
         """``parts`` of ``unit`` in memory inside the block; written back after it with ``write``."""
         parts = tuple(parts)
         with self._lock:  # resident before, and staying so (not just waiting on a write)
@@ -231,7 +231,7 @@ class NvmeUnitStore:
             self.evict(unit, [p for p in parts if p not in was])
 
     @contextlib.contextmanager
-    def sized(self, unit: Any) -> Iterator[None]:
+    def sized(self, unit: FlatUnit) -> Iterator[None]:
         """Gives swapped-out parts their size (no data, no resident pages) so views of them
         can be made; views outlive the block and see the data whenever it is fetched."""
         empty = [p for p in self.parts_of(unit) if not is_allocated(self.tensor_of(unit, p))]
@@ -244,7 +244,7 @@ class NvmeUnitStore:
                 free_storage(self.tensor_of(unit, p))
 
     # -- ranges without residency ------------------------------------------------------------------
-    def read_range(self, unit: Any, part: str, a: int, b: int) -> torch.Tensor:
+    def read_range(self, unit: FlatUnit, part: str, a: int, b: int) -> torch.Tensor:
         """A fresh tensor with unit range ``[a, b)`` of ``part`` (within the owned range)."""
         self.settle(unit)
         t = self.tensor_of(unit, part)
@@ -253,7 +253,7 @@ class NvmeUnitStore:
             self.file.pread(out, self._offset(unit, part, a)).wait()
         return out
 
-    def write_range(self, unit: Any, part: str, a: int, values: torch.Tensor) -> None:
+    def write_range(self, unit: FlatUnit, part: str, a: int, values: torch.Tensor) -> None:
         self.settle(unit)
         t = self.tensor_of(unit, part)
         if is_allocated(t):  # a resident copy must agree with the file

@@ -34,14 +34,18 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Optional, SupportsIndex
+from typing import TYPE_CHECKING, Any, Callable, Optional, SupportsIndex
 
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
+from zeroshard.comm import Comm
 from zeroshard.ops.sqnorm import squared_norm_f64
 from zeroshard.stages.stage3.secondary import params_written
+
+if TYPE_CHECKING:
+    from zeroshard.optim.flat_unit import FlatUnit
 
 aten = torch.ops.aten
 
@@ -55,14 +59,14 @@ class ShardedTensor(torch.Tensor):
     n: int
     start: int
     whole: bool
-    comm: Any
-    unit: Any
+    comm: Optional[Comm]
+    unit: Optional[FlatUnit]
     part: str
-    on_use: Any
+    on_use: Optional[Callable[[object], None]]
 
     @staticmethod
     def __new__(cls, store: torch.Tensor, lo: int, n: int, shape: torch.Size, dtype: torch.dtype,
-                device: torch.device, start: int, comm: Any = None, unit: Any = None, *,
+                device: torch.device, start: int, comm: Optional[Comm] = None, unit: Optional[FlatUnit] = None, *,
                 whole: Optional[bool] = None, part: str = "grad", requires_grad: bool = False) -> "ShardedTensor":
         r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=requires_grad)
         r.store, r.lo, r.n, r.start, r.comm, r.unit, r.part = store, lo, n, start, comm, unit, part
@@ -125,10 +129,10 @@ class ShardedTensor(torch.Tensor):
         """The whole tensor as an ordinary one (a collective when sharded)."""
         if not self.sharded:
             return self.local.view(self.shape)
-        _need_comm(self)
+        comm = _need_comm(self)
         buf = torch.zeros(math.prod(self.shape), dtype=self.local.dtype, device=self.local.device)
         buf[self.start:self.start + self.n] = self.local
-        self.comm.all_reduce(buf, what="sharded_gather")  # other ranks add exact zeros: a copy, bit for bit
+        comm.all_reduce(buf, what="sharded_gather")  # other ranks add exact zeros: a copy, bit for bit
         return buf.view(self.shape)
 
     # torch's tensor-subclass protocol: classmethods, where torch's stubs declare plain functions
@@ -164,12 +168,14 @@ def _rebuild_piece(local: torch.Tensor, shape: tuple, dtype: torch.dtype, start:
 torch.serialization.add_safe_globals([_rebuild_piece])  # torch.load(weights_only=True) may build pieces
 
 
-def _need_comm(t: ShardedTensor) -> None:
+def _need_comm(t: ShardedTensor) -> Comm:
+    """``t``'s communicator; a piece saved by one rank has none, and is refused."""
     if t.comm is None:
         raise RuntimeError(
             f"{t!r} is a piece saved by one rank (torch.save of a stage-3 model.state_dict()); its other "
             "pieces are not here. Load it with model.load_state_dict() on the same rank and world size, "
             "or save whole tensors with zeroshard.full_state_dict(model) or zeroshard.save_checkpoint")
+    return t.comm
 
 
 def _write_params(func: Any, args: tuple, kwargs: dict, grads: list[ShardedTensor]) -> Any:
@@ -326,9 +332,9 @@ def _is_full_reduction(func: Any, args: tuple, kwargs: dict) -> bool:
 
 def _agree(g: ShardedTensor, value: torch.Tensor, op: Any) -> torch.Tensor:
     """``value`` reduced with ``op`` over the ranks that hold pieces of ``g``."""
-    _need_comm(g)
+    comm = _need_comm(g)
     t = value.detach().clone().reshape(1)
-    g.comm.all_reduce(t, op=op, what="sharded_reduction")
+    comm.all_reduce(t, op=op, what="sharded_reduction")
     return t.reshape(())
 
 
