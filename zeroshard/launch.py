@@ -21,11 +21,14 @@ import socket
 import time
 import traceback
 from multiprocessing.process import BaseProcess
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+if TYPE_CHECKING:
+    from multiprocessing.context import ForkServerContext, SpawnContext
 
 
 def free_port() -> int:
@@ -43,19 +46,24 @@ def _exec_time_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(_EXEC_TIME)}
 
 
-def _start_method() -> str:
+def _start_method() -> Literal["spawn", "forkserver"]:
     """"spawn", or "forkserver" when asked for and the process-start environment is the server's."""
     global _server_env
     method = os.environ.get("ZEROSHARD_START_METHOD", "spawn")
     if method not in ("spawn", "forkserver"):
         raise ValueError(f"ZEROSHARD_START_METHOD={method!r}: use 'spawn' (the default) or 'forkserver'")
-    if method == "forkserver":
-        if _server_env is None:  # (the server starts with the first rank, in this environment)
-            mp.set_forkserver_preload(["torch", "torch.distributed", "zeroshard"])
-            _server_env = _exec_time_env()
-        elif _exec_time_env() != _server_env:
-            return "spawn"
-    return method
+    if method == "spawn":
+        return "spawn"
+    if _server_env is None:  # (the server starts with the first rank, in this environment)
+        mp.set_forkserver_preload(["torch", "torch.distributed", "zeroshard"])
+        _server_env = _exec_time_env()
+    elif _exec_time_env() != _server_env:
+        return "spawn"
+    return "forkserver"
+
+
+def _context(method: Literal["spawn", "forkserver"]) -> SpawnContext | ForkServerContext:
+    return mp.get_context("spawn") if method == "spawn" else mp.get_context("forkserver")
 
 
 def _adopt(env: dict[str, str] | None) -> None:
@@ -97,7 +105,7 @@ def start_process(fn: Callable, *args: object, threads: int = 1) -> BaseProcess:
     ranks (Note [start method]); returns the started ``multiprocessing`` process. For a child
     that is meant to die (a crash test kills it mid-save) without paying for a fresh import."""
     method = _start_method()
-    proc = mp.get_context(method).Process(
+    proc = _context(method).Process(
         target=_run_alone, args=(fn, args, dict(os.environ) if method == "forkserver" else None, threads))
     proc.start()
     return proc
@@ -109,7 +117,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, threads: int | None = None)
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
     method = _start_method()
-    ctx = mp.get_context(method)
+    ctx = _context(method)
     errors = ctx.SimpleQueue()
     port = free_port()
     env = dict(os.environ) if method == "forkserver" else None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
@@ -103,6 +103,13 @@ class Comm:
             raise ValueError(f"ZEROSHARD_COLLECTIVES={forced!r}; use 'native' or 'emulated'")
         self.emulate_collectives = forced == "emulated" or (forced == "" and self.backend == "gloo")
 
+    def _global_rank(self, group_rank: int) -> int:
+        """The global rank of ``group_rank`` (collectives between ranks: a group exists)."""
+        if self.group is None:
+            raise RuntimeError(f"rank {group_rank} of a world of one process: there is no process group to "
+                               "translate it in (a collective ran with world_size == 1)")
+        return dist.get_global_rank(self.group, group_rank)
+
     def _count(self, kind: str, nbytes: int) -> None:
         t = self.traffic.get(kind)
         if t is None:
@@ -117,7 +124,7 @@ class Comm:
         return self.rank
 
     # -- plain collectives ---------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+    def all_reduce(self, tensor: torch.Tensor, op: Union[dist.ReduceOp, dist.ReduceOp.RedOpType] = dist.ReduceOp.SUM,
                    async_op: bool = False, what: str = "all_reduce") -> Work:
         """``what`` names the traffic in ``traffic`` (small control reductions — norms, flags —
         are counted apart from the gradients')."""
@@ -138,7 +145,7 @@ class Comm:
             return obj
         self._count("broadcast_object", 0)
         box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src), group=self.group)
+        dist.broadcast_object_list(box, src=self._global_rank(src), group=self.group)
         return box[0]
 
     def all_gather_object(self, obj: object) -> list:
@@ -156,19 +163,23 @@ class Comm:
         if self.world_size == 1:
             return
         seen: set[int] = set()
-        live = [t for t in tensors if not t.is_meta and t.numel() and not (id(t) in seen or seen.add(id(t)))]
+        live: list[torch.Tensor] = []
+        for t in tensors:
+            if not t.is_meta and t.numel() and id(t) not in seen:
+                seen.add(id(t))
+                live.append(t)
         by_kind: dict[tuple, list[torch.Tensor]] = {}
         for t in live:
             by_kind.setdefault((t.dtype, t.device), []).append(t)
-        root = dist.get_global_rank(self.group, src)
+        root = self._global_rank(src)
         for group in by_kind.values():
             bucket: list[torch.Tensor] = []
             size = 0
-            for t in group + [None]:
-                if t is not None:
-                    bucket.append(t)
-                    size += t.numel() * t.element_size()
-                if bucket and (t is None or size >= bucket_bytes):
+            for item in [*group, None]:
+                if item is not None:
+                    bucket.append(item)
+                    size += item.numel() * item.element_size()
+                if bucket and (item is None or size >= bucket_bytes):
                     flat = torch.cat([b.detach().reshape(-1) for b in bucket])
                     self._count("broadcast", _nbytes(flat))
                     dist.broadcast(flat, src=root, group=self.group)
@@ -210,7 +221,7 @@ class Comm:
         n = full.numel() // self.world_size
         lo, hi = self.rank * n, (self.rank + 1) * n
         if self.emulate_collectives:
-            return _AllOf([dist.broadcast(full[i * n:(i + 1) * n], src=dist.get_global_rank(self.group, i),
+            return _AllOf([dist.broadcast(full[i * n:(i + 1) * n], src=self._global_rank(i),
                                           group=self.group, async_op=True) for i in range(self.world_size)])
         return dist.all_gather_into_tensor(full, full[lo:hi], group=self.group, async_op=True)
 

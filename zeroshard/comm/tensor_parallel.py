@@ -34,7 +34,7 @@ cannot stand behind it), no NVMe offload, no hybrid (3-D) mesh, DTensors on a 1-
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -43,9 +43,10 @@ from zeroshard.comm.process_group import Comm
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
 
 
-def is_dtensor(t: Any) -> bool:
+def is_dtensor(t: object) -> TypeGuard[DTensor]:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # (torch without DTensor)
@@ -219,6 +220,7 @@ def detect(params: list[torch.Tensor], names: dict[int, str], dp: Comm, config: 
     if hybrid:
         raise ValueError("a hybrid (replicate, shard) mesh together with tensor parallelism is not supported; "
                          "pass the ('dp', 'tp') mesh")
+    from torch.distributed.tensor import Shard
     mesh = dts[0].device_mesh
     out: dict[int, TpParam] = {}
     for p in dts:
@@ -227,10 +229,10 @@ def detect(params: list[torch.Tensor], names: dict[int, str], dp: Comm, config: 
             raise ValueError(f"DTensor parameter {n!r} lives on {p.device_mesh}; ZeroOptimizer takes DTensors on "
                              f"one 1-D tensor-parallel mesh (e.g. mesh['tp']), like {first!r} on {mesh}")
         place = p.placements[0]
-        if not (place.is_shard() or place.is_replicate()):
+        if not (isinstance(place, Shard) or place.is_replicate()):  # (isinstance: what is_shard() tests)
             raise ValueError(f"DTensor parameter {n!r} has placement {place}; only Shard and Replicate are supported")
         out[id(p)] = TpParam(tuple(p.shape), tuple(p.stride()), tuple(p.placements),
-                             None if place.is_replicate() else Split(place.dim, ()), mesh.get_local_rank(0),
+                             Split(place.dim, ()) if isinstance(place, Shard) else None, mesh.get_local_rank(0),
                              p._local_tensor.shape)
     tp_group = mesh.get_group(0)
     if dp.group is not None:
@@ -243,7 +245,7 @@ def detect(params: list[torch.Tensor], names: dict[int, str], dp: Comm, config: 
     # Chunk sizes along the split dimension, from every tp rank (exact for uneven splits).
     # (ordered by mesh coordinate: chunk k is coordinate k's)
     gathered = Comm(tp_group).all_gather_object((mesh.get_local_rank(0), [
-        p._local_tensor.shape[out[id(p)].split.dim] if out[id(p)].split else 0 for p in dts]))
+        p._local_tensor.shape[split.dim] if (split := out[id(p)].split) is not None else 0 for p in dts]))
     sizes = [s for _, s in sorted(gathered)]
     for i, p in enumerate(dts):
         info = out[id(p)]
