@@ -6,7 +6,7 @@ import json
 import os
 import sys
 import time
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from zeroshard.checkpoint import locate, manifest
 from zeroshard.checkpoint.errors import CheckpointError
@@ -14,6 +14,9 @@ from zeroshard.checkpoint.export import export_hf
 from zeroshard.checkpoint.safe_fs import is_real_dir
 from zeroshard.checkpoint.shard_file import DTYPES
 from zeroshard.cli import Command
+
+if TYPE_CHECKING:
+    from tqdm import tqdm as Tqdm
 
 
 def _human(n: float) -> str:
@@ -56,7 +59,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if not steps:
         print(f"no checkpoint steps under {args.ckpt}", file=sys.stderr)
         return 1
-    report = []
+    report: list[dict] = []  # (per step: _summary's, or the path and why it is invalid)
     for d in steps:
         reason = locate.quick_check(d)
         report.append(_summary(d) if reason is None else {"path": d, "invalid": reason})
@@ -147,7 +150,8 @@ class _Bar:
     """A dependency-free progress bar on stderr (tqdm when it is installed)."""
 
     def __init__(self, enabled: bool) -> None:
-        self.enabled, self.tqdm, self.last = enabled, None, 0.0
+        self.enabled, self.last = enabled, 0.0
+        self.tqdm: Optional[Tqdm] = None
         self.t0 = time.perf_counter()
 
     def __call__(self, done: int, total: int) -> None:

@@ -36,7 +36,7 @@ from zeroshard.checkpoint.locate import quick_check
 from zeroshard.checkpoint.names import committed_steps
 from zeroshard.checkpoint.pieces import PieceRecord
 from zeroshard.checkpoint.safe_fs import is_real_dir
-from zeroshard.checkpoint.shard_file import CODES, WrittenFile, write_json, write_shard
+from zeroshard.checkpoint.shard_file import CODES, Deferred, WrittenFile, write_json, write_shard
 
 FaultHook = Optional[Callable[[str], None]]
 fault_hook: FaultHook = None
@@ -70,7 +70,7 @@ def _fsync_dir(path: str) -> None:
 
 
 def _write_rank_files(snap: Snapshot, tmp: str, rank: int) -> tuple[list[WrittenFile], list[dict]]:
-    tensors: list[tuple[str, torch.Tensor]] = []
+    tensors: list[tuple[str, torch.Tensor | Deferred]] = []
     entries: list[dict] = []
     fname = manifest.data_file(rank)
     for rec in snap.records:
@@ -89,11 +89,11 @@ def _write_rank_files(snap: Snapshot, tmp: str, rank: int) -> tuple[list[Written
     return [data, rng], entries
 
 
-def _run_major(records: list[PieceRecord]) -> list[tuple[str, "torch.Tensor"]]:
+def _run_major(records: list[PieceRecord]) -> list[tuple[str, torch.Tensor | Deferred]]:
     """The records' tensors in file order: the pieces of one optimizer run kind by kind (all
     its parameters, then all of each state), so that a run's state is one range of the file
     and a load can adopt it without a copy (Note [adopting verified state] in load.py)."""
-    out: list[tuple[str, torch.Tensor]] = []
+    out: list[tuple[str, torch.Tensor | Deferred]] = []
     i = 0
     while i < len(records):
         j = i + 1
@@ -110,18 +110,18 @@ def commit(snap: Snapshot, root: str, comm: Any, shapes: dict[str, dict], keep_l
     """Runs the protocol on every rank of ``comm``; returns the committed step directory."""
     rank = comm.rank
     final = os.path.join(root, manifest.step_dir_name(snap.step))
-    tmp = None
+    made: Optional[str] = None  # rank 0: the step directory it made, or "!" and why it could not
     if rank == 0:
         _point("begin")
         wait_discarded()  # the previous save's deletions: the space they free is this save's
         try:
             os.makedirs(root, exist_ok=True)
             _remove_stale(root)
-            tmp = f"{final}.tmp-{uuid.uuid4().hex[:12]}"
-            os.mkdir(tmp)
+            made = f"{final}.tmp-{uuid.uuid4().hex[:12]}"
+            os.mkdir(made)
         except OSError as exc:
-            tmp = exc
-    tmp = comm.broadcast_object(tmp if not isinstance(tmp, OSError) else f"!{tmp}")
+            made = f"!{exc}"
+    tmp: str = comm.broadcast_object(made)
     if tmp.startswith("!"):
         raise CheckpointError(f"cannot create a step directory under {root!r}: {tmp[1:]}")
     try:

@@ -69,7 +69,7 @@ class DirectWriter:
             buf, n = item
             try:
                 if self._error is None:
-                    mv = memoryview(buf.numpy())[:n]
+                    mv = buf.numpy().data[:n]
                     while len(mv):
                         mv = mv[os.write(self.fd, mv):]
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
@@ -85,7 +85,7 @@ class DirectWriter:
         data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         while len(data):
             take = min(len(data), _BUF - self._fill)
-            memoryview(self._cur.numpy())[self._fill:self._fill + take] = data[:take]
+            self._cur.numpy().data[self._fill:self._fill + take] = data[:take]
             self._fill += take
             self.size += take
             data = data[take:]
@@ -97,7 +97,7 @@ class DirectWriter:
         try:
             if self._fill and not abort:
                 n = self._fill + (-self._fill % ALIGN if self.direct else 0)
-                memoryview(self._cur.numpy())[self._fill:n] = b"\0" * (n - self._fill)
+                self._cur.numpy().data[self._fill:n] = b"\0" * (n - self._fill)
                 self._full.put((self._cur, n))
             self._full.put(None)
             self._thread.join()
@@ -116,7 +116,7 @@ def read_into(path: str, offset: int, out: torch.Tensor) -> int:
     # Checkpoint files are input: regular files only, never through a link (safe_fs).
     fd, direct = open_regular(path, direct=offset % ALIGN == 0 and out.data_ptr() % ALIGN == 0)
     try:
-        mv = memoryview(out.numpy())
+        mv = out.numpy().data
         got = 0
         while got < n:
             want = min(_READ, n - got)
@@ -125,9 +125,9 @@ def read_into(path: str, offset: int, out: torch.Tensor) -> int:
                 view = mv[got:got + want] if got + want <= len(mv) else None
                 if view is None:  # the aligned tail overruns ``out``: read it via a bounce buffer
                     bounce = aligned_empty(want)
-                    k = os.preadv(fd, [memoryview(bounce.numpy())], offset + got)
+                    k = os.preadv(fd, [bounce.numpy().data], offset + got)
                     k = min(k, n - got)
-                    mv[got:got + k] = memoryview(bounce.numpy())[:k]
+                    mv[got:got + k] = bounce.numpy().data[:k]
                 else:
                     k = min(os.preadv(fd, [view], offset + got), n - got)
             else:

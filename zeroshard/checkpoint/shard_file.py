@@ -56,7 +56,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
     # numpy has no bfloat16: view the storage as bytes instead.
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # 1-D, so len() counts bytes
+    return t.reshape(-1).view(torch.uint8).numpy().data  # 1-D, so len() counts bytes
 
 
 class _Checksummer:
@@ -271,12 +271,12 @@ class ShardReader:
         return entries
 
     def _entry(self, key: str, e: object, data_start: int) -> "Entry":
-        ok = isinstance(e, dict) and isinstance(e.get("dtype"), str) and e["dtype"] in DTYPES and \
-            isinstance(e.get("shape"), list) and len(e["shape"]) <= 16 and \
-            all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= self.size for d in e["shape"]) and \
-            isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2 and \
-            all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= self.size for x in e["data_offsets"])
-        if not ok:
+        if not isinstance(e, dict) or not (
+                isinstance(e.get("dtype"), str) and e["dtype"] in DTYPES and
+                isinstance(e.get("shape"), list) and len(e["shape"]) <= 16 and
+                all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= self.size for d in e["shape"]) and
+                isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2 and
+                all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= self.size for x in e["data_offsets"])):
             raise CheckpointCorruptError(f"{self.path}: malformed header entry {key!r}: {str(e)[:200]}")
         a, b = (x + data_start for x in e["data_offsets"])
         entry = Entry(DTYPES[e["dtype"]], tuple(e["shape"]), a, b)
@@ -343,7 +343,7 @@ class ShardReader:
                 return None
             if read_into(self.path, start + lo, buf[lo:hi]) != hi - lo:
                 return f"{self.path}: file shrank while reading at byte {start + lo}"
-            if zlib.crc32(memoryview(buf[lo:hi].numpy())) != self.crcs[i]:
+            if zlib.crc32(buf[lo:hi].numpy().data) != self.crcs[i]:
                 return (f"{self.path}: checksum mismatch in bytes [{start + lo}, {start + hi}): "
                         "the file is damaged; restore it or load an earlier step")
             return None
@@ -398,15 +398,16 @@ class ShardReader:
         if self.max_blocks is not None or b <= a or any(x[1] != y[0] for x, y in zip(ranges, ranges[1:])):
             return None
         held = [self._buffers.get(i) for i in range(a // self.block, (b - 1) // self.block + 1)]
-        if any(h is None or h[0] is not held[0][0] for h in held):
+        first = held[0]
+        if first is None or any(h is None or h[0] is not first[0] for h in held):
             return None
-        buf, base = held[0]
+        buf, base = first
         if (a - base) % dtype.itemsize or (b - a) % dtype.itemsize:
             return None
         self._adopted.setdefault(id(buf), (buf, []))[1].append((a - base, b - base))
         # A tensor of its own storage over those bytes (keeping the buffer alive), not a view
         # of the buffer's: storage sizes are what memory reports count.
-        return torch.frombuffer(memoryview(buf[a - base:b - base].numpy()), dtype=dtype)
+        return torch.frombuffer(buf[a - base:b - base].numpy().data, dtype=dtype)
 
     def release(self, defer: bool = False) -> None:
         """Drops the read buffers; ``defer``: on the reaper thread, since unmapping gigabytes
@@ -491,7 +492,7 @@ def verify_file(path: str, expect: dict) -> None:
             view = buf[:min(len(buf), stop - pos)]
             if read_into(path, pos, view) != len(view):
                 raise CheckpointCorruptError(f"{path}: file shrank while reading at byte {pos}")
-            crc = zlib.crc32(memoryview(view.numpy()), crc)
+            crc = zlib.crc32(view.numpy().data, crc)
             pos += len(view)
         if crc != want:
             raise CheckpointCorruptError(f"{path}: checksum mismatch in bytes [{start}, {stop}): the file "
