@@ -122,7 +122,7 @@ def storage_bytes(t: torch.Tensor) -> int:
     memory back."""
     if _PADDED.get(id(t)) is t:
         return padded_bytes(t.numel() * t.element_size())
-    return (t.storage_offset() + t.numel()) * t.element_size()
+    return (int(t.storage_offset()) + t.numel()) * t.element_size()
 
 
 def held_bytes(t: torch.Tensor) -> int:

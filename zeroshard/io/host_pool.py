@@ -62,7 +62,7 @@ class HostBufferPool:
             s.resize_(0)
             return
         holder = torch.UntypedStorage(0)
-        holder._swap_data_ptr_(s)
+        holder._swap_data_ptr_(s)  # type: ignore[attr-defined]  # (private torch API; hasattr checked in __init__)
         with self._lock:
             self._entries.append((n, holder))
             del self._entries[:max(0, len(self._entries) - self.max_buffers)]  # (oldest first, freed with their holders)
@@ -83,7 +83,7 @@ class HostBufferPool:
                         self.reused += nbytes
                         break
         if holder is not None:
-            s._swap_data_ptr_(holder)
+            s._swap_data_ptr_(holder)  # type: ignore[attr-defined]  # (private torch API; hasattr checked in __init__)
             return
         s.resize_(nbytes)
         advise_huge_pages(t)
@@ -94,7 +94,7 @@ class HostBufferPool:
         raw = torch.empty(0, dtype=torch.uint8)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         self.acquire(raw, padded_bytes(nbytes))
-        raw = raw.set_(raw.untyped_storage(), 0, (raw.untyped_storage().nbytes(),))
+        raw = raw.set_(raw.untyped_storage(), 0, (raw.untyped_storage().nbytes(),), (1,))
         skip = (-raw.data_ptr()) % ALIGN
         return raw[skip:skip + nbytes].view(dtype)
 

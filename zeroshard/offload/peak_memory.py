@@ -35,12 +35,13 @@ import warnings
 from typing import Any, Callable, Optional
 
 from zeroshard.offload.process_rss import current_rss as resident_bytes, peak_rss as peak_bytes, reset_peak_rss as reset_peak  # noqa: F401 (re-exported: placement.py, tests)
+from zeroshard.planner.placement import Plan
 from zeroshard.planner.units import fmt_bytes
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
-def _glibc() -> Optional[Any]:
+def _glibc() -> Optional[ctypes.CDLL]:
     try:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # (only glibc has both the symbol and these parameters)
@@ -84,7 +85,7 @@ class StepPeaks:
         """The resident peak of the last step (its first backward to the end of the step)."""
         self.peak: Optional[int] = None
         """The largest step peak measured, over every step so far."""
-        self.cache = None
+        self.cache: Optional[int] = None
         """Bytes of parameter cache the calibration allowed (None: not calibrated)."""
         self._armed = False
         self.works = reset_peak()
@@ -127,7 +128,7 @@ class StepPeaks:
                 "peak": self.peak, "cache_allowed": self.cache}
 
 
-def cache_within(plan: Any, candidates: frozenset, room: int, note: Optional[str] = None) -> Any:
+def cache_within(plan: Plan, candidates: frozenset[int], room: int, note: Optional[str] = None) -> Plan:
     """``plan`` whose parameter cache is the ``candidates`` (latest units first: backward
     frees them first) that fit in ``room`` bytes; ``note`` replaces the reason it adds."""
     keep, used = set(), 0

@@ -191,7 +191,7 @@ class SwapFile:
         except OSError as exc:
             self.close()
             cls = DiskFullError if exc.errno in (errno.ENOSPC, errno.EDQUOT) else AIOError
-            raise cls(exc.errno, f"{what.format(gib=f'{(offset + nbytes) / 2**30:.3f}')} in "
+            raise cls(exc.errno or errno.EIO, f"{what.format(gib=f'{(offset + nbytes) / 2**30:.3f}')} in "
                       f"{os.path.dirname(self.path)!r}, and the file system refused it ({exc.strerror}); free "
                       "space or use another nvme_path", self.path, offset, nbytes) from exc
         self.size = max(self.size, offset + nbytes)
@@ -236,7 +236,8 @@ class SwapFile:
         if self.engine_path == self.path or not isinstance(exc, AIOError):
             return exc
         msg = str(exc).replace(repr(self.engine_path), repr(self.path)).replace(self.engine_path, self.path)
-        return type(exc)(exc.errno, msg, self.path, exc.offset, exc.nbytes)
+        err = exc.errno if exc.errno is not None else errno.EIO  # (an AIOError always has one)
+        return type(exc)(err, msg, self.path, exc.offset, exc.nbytes)
 
     # -- requests -----------------------------------------------------------------------------
     def pread(self, tensor: torch.Tensor, offset: int, urgent: bool = False) -> _Checked:
@@ -282,8 +283,9 @@ class SwapFile:
         try:
             if hasattr(self, "aio"):
                 self.aio.close()
-            if getattr(self, "_urgent", None) is not None:
-                self._urgent.close()
+            urgent = getattr(self, "_urgent", None)  # (a half-built file may lack it)
+            if urgent is not None:
+                urgent.close()
         except OSError:  # a failed request of a file being discarded loses nothing
             pass
         finally:
