@@ -57,7 +57,10 @@ def _build(stage: int):
 
 
 def _weights(model) -> dict:
-    return {k: v.contiguous() for k, v in zeroshard.full_state_dict(model, rank0_only=False).items()}
+    state = zeroshard.full_state_dict(model, rank0_only=False)
+    if state is None:  # (rank0_only=False: every rank gets the weights)
+        raise RuntimeError("full_state_dict(rank0_only=False) gave this rank no weights")
+    return {k: v.contiguous() for k, v in state.items()}
 
 
 def _stages(rank: int, world: int, steps: int, global_batch: int) -> None:

@@ -170,7 +170,8 @@ class FinetuneConfig:
     @property
     def placement(self) -> Placement:
         """Where ``--offload-optimizer`` / ``--offload-params`` put the state ("none": on the device)."""
-        return Placement(*(None if kind == "none" else kind for kind in (self.offload_optimizer, self.offload_params)))
+        return Placement(None if self.offload_optimizer == "none" else self.offload_optimizer,
+                         None if self.offload_params == "none" else self.offload_params)
 
     @property
     def uses_lora(self) -> bool:
@@ -188,8 +189,9 @@ class FinetuneConfig:
             return peft_file_config(self.peft_config)
         targets = ([t.strip() for t in self.lora_targets.split(",") if t.strip()] if self.lora_targets
                    else "all-linear")
-        return LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha or 2 * self.lora_r, target_modules=targets,
-                          lora_dropout=self.lora_dropout)
+        # (peft annotates lora_alpha as an int, but only divides by it: a float alpha is honoured as given)
+        return LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha or 2 * self.lora_r,  # type: ignore[arg-type]
+                          target_modules=targets, lora_dropout=self.lora_dropout)
 
     # -- DeepSpeed form ----------------------------------------------------------------------
     def as_deepspeed(self) -> dict[str, Any]:

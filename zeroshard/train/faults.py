@@ -12,7 +12,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 _KINDS = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1, "hang": None}
 
@@ -27,16 +27,17 @@ class Fault:
         """Fires when this rank reaches the fault's step (1-based: the step being computed)."""
         if rank != self.rank or step != self.step:
             return
-        if self.kind == "hang":
+        sig = _KINDS[self.kind]
+        if sig is None:  # "hang"
             while True:
                 time.sleep(3600)
-        os.kill(os.getpid(), _KINDS[self.kind])
+        os.kill(os.getpid(), sig)
 
 
-def from_env(env: Optional[dict] = None) -> Optional[Fault]:
-    env = os.environ if env is None else env
-    spec = env.get("ZEROSHARD_FAULT", "").strip()
-    if not spec or env.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
+def from_env(env: Optional[Mapping[str, str]] = None) -> Optional[Fault]:
+    source: Mapping[str, str] = os.environ if env is None else env
+    spec = source.get("ZEROSHARD_FAULT", "").strip()
+    if not spec or source.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
         return None
     try:
         kind, where = spec.split("@")

@@ -139,7 +139,10 @@ def train(cfg: FinetuneConfig) -> int:
                 zeroshard.save_adapter(model, os.path.join(out, "adapter"))
                 zeroshard.export_merged(model, out)
             elif rank == 0:
-                zeroshard.export_hf(zeroshard.latest_checkpoint(root), out)
+                latest = zeroshard.latest_checkpoint(root)
+                if latest is None:  # (a completed run saved its last step)
+                    raise RuntimeError(f"the run completed but {root!r} holds no valid checkpoint to export")
+                zeroshard.export_hf(latest, out)
             if rank == 0:
                 save_model_files(model, tokenizer, out)
                 progress.summary.exported_to = out

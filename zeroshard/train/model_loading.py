@@ -131,7 +131,9 @@ def finish_weights(model: nn.Module, source: ModelSource, seed: int = 0) -> None
 def save_model_files(model: nn.Module, tokenizer: Any, out_dir: str) -> None:
     """config.json (+ generation config, tokenizer) next to exported weights, so that
     ``AutoModelForCausalLM.from_pretrained(out_dir)`` works."""
-    config = model.config
+    config = getattr(model, "config", None)
+    if config is None:
+        raise TypeError(f"{type(model).__name__} has no Hugging Face config (model.config) to save beside the weights")
     config.use_cache = True
     config.save_pretrained(out_dir)
     config.use_cache = False

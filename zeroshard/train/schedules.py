@@ -23,7 +23,7 @@ one-element list).
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
@@ -41,6 +41,8 @@ def _per_group(optimizer: torch.optim.Optimizer, value: Union[Number, Sequence[N
             raise ValueError(f"{name}={list(value)} has {len(value)} values but the optimizer has {n} param "
                              "groups; give one value or one per group")
         return [float(v) for v in value]
+    if isinstance(value, Sequence):  # (a str, a range: neither a number nor a list of them)
+        raise TypeError(f"{name}={value!r} must be a number, or a list or tuple of one number per param group")
     return [float(value)] * n
 
 
@@ -56,6 +58,10 @@ class _PositionState:
 
     last_epoch: int
     optimizer: torch.optim.Optimizer
+    if TYPE_CHECKING:  # (LRScheduler's, beside which the mixin is used)
+        _step_count: int
+
+        def get_lr(self) -> list[float | torch.Tensor]: ...
 
     def state_dict(self) -> dict:
         return {"last_epoch": self.last_epoch, "_step_count": self._step_count}
@@ -98,7 +104,7 @@ class WarmupLR(_PositionState, LRScheduler):
             return _warmup_fraction(iteration, self.warmup_num_steps, self.warmup_type)
         return 1.0
 
-    def get_lr(self) -> list[float]:
+    def get_lr(self) -> list[float | torch.Tensor]:
         iteration = self.last_epoch - 1  # Note [DeepSpeed step offset]
         if iteration < 0:
             return list(self.min_lrs)
@@ -159,7 +165,7 @@ class WarmupCosineLR(_PositionState, LRScheduler):
         cosine = (1 + math.cos(math.pi * done / span)) / 2
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
 
-    def get_lr(self) -> list[float]:
+    def get_lr(self) -> list[float | torch.Tensor]:
         r = self.ratio(self.last_epoch - 1)  # Note [DeepSpeed step offset]
         return [base * r for base in self.base_lrs]
 

@@ -42,7 +42,9 @@ class ByteTokenizer:
 
 
 def has_tokenizer(model_dir: Optional[str]) -> bool:
-    return bool(model_dir) and any(os.path.isfile(os.path.join(model_dir, f)) for f in TOKENIZER_FILES)
+    if not model_dir:
+        return False
+    return any(os.path.isfile(os.path.join(model_dir, f)) for f in TOKENIZER_FILES)
 
 
 def load_tokenizer(model_dir: Optional[str], vocab_size: int, eos_token_id: Optional[int]) -> Any:
