@@ -25,6 +25,7 @@ What ``attach`` does, through Accelerate's public hooks:
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -35,6 +36,9 @@ from zeroshard.integrations._common import SaveGuard, _unwrap, check_no_autocast
 FIX = ("Attach the zeroshard hooks before prepare, which make save_state write every rank's state: "
        "zeroshard.integrations.accelerate.attach(accelerator, optimizer); or save with "
        "zeroshard.save_checkpoint(dir, step, model=model, optimizer=opt) on every rank")
+
+_ATTACHED: "weakref.WeakKeyDictionary[SaveGuard, object]" = weakref.WeakKeyDictionary()
+"""The accelerator each optimizer's save guard was attached to (``attach`` twice adds nothing)."""
 
 
 def attach(accelerator: Any, optimizer: Any) -> SaveGuard:
@@ -47,9 +51,9 @@ def attach(accelerator: Any, optimizer: Any) -> SaveGuard:
     check_no_autocast(accelerator.mixed_precision, "Accelerator(mixed_precision=...):")
     keep_out_of_ddp(opt.module)
     guard = SaveGuard.install(opt, FIX)
-    if getattr(guard, "_accelerate_attached", None) is accelerator:
+    if _ATTACHED.get(guard) is accelerator:
         return guard
-    guard._accelerate_attached = accelerator
+    _ATTACHED[guard] = accelerator
     opt.register_step_pre_hook(lambda *_: guard.disarm())
     module = opt.module
 

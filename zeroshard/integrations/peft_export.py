@@ -30,7 +30,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Protocol, TypeGuard, Union
 
 import torch
 from torch import nn
@@ -40,11 +40,43 @@ from zeroshard.optim.registry import optimizer_for
 from zeroshard.stages.stage3.full_state import full_state_dict
 
 
-def _peft_parts(model: nn.Module) -> tuple[Any, list[str]]:
-    config = getattr(model, "peft_config", None)
-    if not isinstance(config, dict) or not callable(getattr(model, "get_base_model", None)):
+class _PeftModel(Protocol):
+    """What the exports use of a ``peft.PeftModel`` (``_is_peft_model`` checks for it)."""
+
+    peft_config: dict
+
+    def get_base_model(self) -> nn.Module: ...
+
+    def save_pretrained(self, save_directory: str, *, state_dict: dict[str, torch.Tensor]) -> None: ...
+
+
+class _TunerLayer(Protocol):
+    """What the merge uses of a PEFT tuner layer, e.g. a LoRA Linear (``_is_tuner_layer``)."""
+
+    merged_adapters: list[str]
+
+    def merge(self) -> None: ...
+
+    def get_base_layer(self) -> nn.Module: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+
+def _is_peft_model(model: nn.Module) -> TypeGuard[_PeftModel]:
+    return isinstance(getattr(model, "peft_config", None), dict) and callable(getattr(model, "get_base_model", None)) \
+        and callable(getattr(model, "save_pretrained", None))
+
+
+def _is_tuner_layer(module: nn.Module) -> TypeGuard[_TunerLayer]:
+    return (callable(getattr(module, "merge", None)) and callable(getattr(module, "get_base_layer", None))
+            and hasattr(module, "merged_adapters") and isinstance(getattr(module, "base_layer", None), nn.Module))
+
+
+def _peft_model(model: nn.Module) -> _PeftModel:
+    """``model`` as the PEFT model the exports need; TypeError naming its type otherwise."""
+    if not _is_peft_model(model):
         raise TypeError(f"{type(model).__name__} is not a PEFT model (peft.get_peft_model(...) makes one)")
-    return config, list(config)
+    return model
 
 
 def _comm(model: nn.Module) -> Any:
@@ -145,13 +177,15 @@ def save_adapter(model: nn.Module, out_dir: str) -> Optional[str]:
     ``adapter_model.safetensors``), loadable by ``PeftModel.from_pretrained(base, out_dir)``.
     Returns ``out_dir`` on rank 0, None elsewhere; a failure on any rank raises on every rank
     and leaves nothing behind (Note [all or nothing on disk])."""
-    _peft_parts(model)
+    peft = _peft_model(model)
     comm, staging = _staged(model, out_dir, "save_adapter")
     state = full_state_dict(model, rank0_only=True, frozen=False)
     error: Optional[BaseException] = None
     if staging is not None:
         try:
-            model.save_pretrained(staging.path, state_dict={k: v.contiguous() for k, v in state.items()})
+            if state is None:  # (staging is rank 0's, and rank 0 gets the state)
+                raise RuntimeError("full_state_dict gave rank 0 no state (a zeroshard bug)")
+            peft.save_pretrained(staging.path, state_dict={k: v.contiguous() for k, v in state.items()})
         except Exception as exc:  # noqa: BLE001 - (safetensors reports a full disk as its own SafetensorError)
             error = exc
     _finish(comm, staging, error, f"save_adapter into {out_dir!r}")
@@ -166,14 +200,13 @@ def _base_name(name: str) -> str:
     return name
 
 
-def _merge_targets(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+def _merge_targets(model: nn.Module) -> dict[str, tuple[_TunerLayer, str]]:
     """State-dict key of a base tensor -> (the LoRA layer over it, the tensor's attribute name),
     for layers with active adapters (Note [merging as PEFT does])."""
     names = {id(m): n for n, m in model.named_modules()}
-    out: dict[str, tuple[nn.Module, str]] = {}
+    out: dict[str, tuple[_TunerLayer, str]] = {}
     for module in model.modules():
-        if not (callable(getattr(module, "merge", None)) and callable(getattr(module, "get_base_layer", None))
-                and hasattr(module, "merged_adapters") and isinstance(getattr(module, "base_layer", None), nn.Module)):
+        if not _is_tuner_layer(module):
             continue
         if module.merged_adapters:
             raise ValueError("the model has merged adapters already (merge_adapter()); unmerge them first")
@@ -209,7 +242,7 @@ def _renamed(model: nn.Module) -> Callable[[str], Optional[str]]:
 
 
 @torch.no_grad()
-def _merged(layer: nn.Module) -> dict[str, torch.Tensor]:
+def _merged(layer: _TunerLayer) -> dict[str, torch.Tensor]:
     """The layer's base tensors with its active adapters merged by PEFT's own ``merge``, the
     layer left as it was (Note [merging as PEFT does])."""
     params = dict(layer.get_base_layer().named_parameters(recurse=False))
@@ -225,9 +258,10 @@ def _merged(layer: nn.Module) -> dict[str, torch.Tensor]:
         for n, p in params.items():
             p.data = originals[n]
         layer.merged_adapters[:] = merged_before
-        if hasattr(layer, "_caches"):
-            layer._caches.clear()
-            layer._caches.update(caches)
+        after = getattr(layer, "_caches", None)  # (the layer's cache of merge results, where PEFT keeps one)
+        if after is not None:
+            after.clear()
+            after.update(caches)
 
 
 class _Groups:
@@ -259,12 +293,18 @@ class _Gathered:
         self.gis = [g for g in gis if g >= 0] if groups.gatherer is not None else []
 
     def __enter__(self) -> None:
+        gatherer = self.g.gatherer
+        if gatherer is None:  # (gis is empty then)
+            return
         for gi in self.gis:
-            self.g.gatherer.ensure_group(gi)
+            gatherer.ensure_group(gi)
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
+        gatherer = self.g.gatherer
+        if gatherer is None:
+            return
         for gi in reversed(self.gis):
-            self.g.gatherer.release_group(gi)
+            gatherer.release_group(gi)
 
 
 def _plan(model: nn.Module, groups: _Groups, rename: Callable[[str], Optional[str]]) -> list[tuple[int, list[str]]]:
@@ -287,7 +327,7 @@ def export_merged(model: nn.Module, out_dir: str, max_shard_size: Union[int, str
     ``AutoModelForCausalLM.from_pretrained(out_dir)``. Streamed one gather group at a time; a
     collective. Returns ``out_dir`` on rank 0; a failure on any rank raises on every rank and
     leaves nothing behind (Note [all or nothing on disk])."""
-    _peft_parts(model)
+    peft = _peft_model(model)
     from safetensors.torch import save_file
     limit = parse_size(max_shard_size)
     rename = _renamed(model)
@@ -324,10 +364,11 @@ def export_merged(model: nn.Module, out_dir: str, max_shard_size: Union[int, str
                 writer.add(out_name[k], t.to(shapes[k][1]))
     error = writer.close()
     if staging is not None and error is None:
-        base = model.get_base_model()
+        base = peft.get_base_model()
         try:
-            if getattr(base, "config", None) is not None:
-                base.config.save_pretrained(staging.path)
+            config = getattr(base, "config", None)
+            if config is not None:
+                config.save_pretrained(staging.path)
         except OSError as exc:
             error = exc
     _finish(comm, staging, error, f"export_merged into {out_dir!r}", last=_INDEX)
