@@ -66,19 +66,19 @@ def _run(a: argparse.Namespace) -> int:
             from zeroshard.bench import memory
             from zeroshard.bench.configs import DEFAULT_CONFIGS, MemConfig
 
-            bench = memory.MemoryBench(source, tuple(MemConfig.parse(c) for c in (a.configs or DEFAULT_CONFIGS).split(",")),
-                                       tuple(int(w) for w in a.world_sizes.split(",")), a.steps, a.global_batch,
-                                       a.mixed_precision)
+            configs = tuple(MemConfig.parse(c) for c in (a.configs or DEFAULT_CONFIGS).split(","))
+            memory_bench = memory.MemoryBench(source, configs, tuple(int(w) for w in a.world_sizes.split(",")),
+                                              a.steps, a.global_batch, a.mixed_precision)
         else:
             from zeroshard.bench import step
 
-            bench = step.StepBench(source, tuple(a.configs.split(",")) if a.configs else step.DEFAULT_KINDS,
-                                   a.world_size, a.rounds, a.steps, a.global_batch)
+            step_bench = step.StepBench(source, tuple(a.configs.split(",")) if a.configs else step.DEFAULT_KINDS,
+                                        a.world_size, a.rounds, a.steps, a.global_batch)
     except ValueError as exc:
         print(f"zeroshard bench {a.bench_action}: {exc}", file=sys.stderr)
         return 2
     if a.bench_action == "memory":
-        result = memory.run(bench, log)
+        result = memory.run(memory_bench, log)
         text = memory.report_markdown(result)
         _write(a.out, "memory", text, result)
         if not a.no_chart:
@@ -88,7 +88,7 @@ def _run(a: argparse.Namespace) -> int:
                                 f"{result['model']}: model states per rank ({result['mixed_precision']})")
             text += f"\n\nchart: {path}"
     else:
-        result = step.run(bench, log)
+        result = step.run(step_bench, log)
         text = step.report_markdown(result)
         _write(a.out, "step", text, result)
     print(text)

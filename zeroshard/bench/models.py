@@ -48,21 +48,28 @@ class ModelSource:
                          "Hugging Face config.json")
 
     @property
-    def name(self) -> str:
-        if self.gpt is not None:
-            return f"TinyGPT d={self.gpt.d_model} L={self.gpt.n_layers}"
+    def _hf_path(self) -> str:
+        """The Hugging Face config of a source without ``gpt`` (``__post_init__``: one is set)."""
+        if self.hf_config is None:
+            raise RuntimeError(f"{self!r} has neither gpt= nor hf_config=")
         return self.hf_config
 
     @property
+    def name(self) -> str:
+        if self.gpt is not None:
+            return f"TinyGPT d={self.gpt.d_model} L={self.gpt.n_layers}"
+        return self._hf_path
+
+    @property
     def vocab(self) -> int:
-        return self.gpt.vocab if self.gpt is not None else int(load_hf_config(self.hf_config).vocab_size)
+        return self.gpt.vocab if self.gpt is not None else int(load_hf_config(self._hf_path).vocab_size)
 
     def build(self) -> nn.Module:
         if self.gpt is not None:
             return TinyGPT(self.gpt)
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_config(load_hf_config(self.hf_config))
+        model = AutoModelForCausalLM.from_config(load_hf_config(self._hf_path))
         model.config.use_cache = False  # training: no KV cache in memory
         return model
 
@@ -70,7 +77,7 @@ class ModelSource:
         if self.gpt is not None:
             n = sum(p.numel() for p in TinyGPT(self.gpt).parameters())
             return ModelShape.from_gpt(self.gpt, n, self.name)
-        return ModelShape.from_hf_config(self.hf_config)
+        return ModelShape.from_hf_config(self._hf_path)
 
     def batch(self, step: int, global_batch: int, rank: int, world: int,
               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -100,7 +100,8 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     if not lists:
         raise ValueError(f"{type(model).__name__} has no nn.ModuleList of blocks to shard with fully_shard")
-    return list(max(lists, key=len))
+    longest = max(lists, key=len)
+    return list(longest)
 
 
 def _deepspeed(model: nn.Module, loss: Callable, local_batch: int, stage: int) -> Trainer:

@@ -75,7 +75,7 @@ def run(bench: StepBench, log: Callable[[str], None] = print) -> dict:
                 times[kind] += r["times"]
                 memory[kind], rss[kind] = r["memory"], r["peak_rss"]
                 log(f"round {rnd} {kind}: median {statistics.median(r['times']):.3f}s")
-    rows = []
+    rows: list[dict[str, object]] = []  # (a failed peer's row: its config and the error)
     medians = {k: statistics.median(v) for k, v in times.items() if v}
     for kind in bench.kinds:
         if kind in failures:

@@ -30,11 +30,10 @@ def worker(rank: int, world: int, source: ModelSource, kind: str, steps: int, gl
             dist.barrier()
         times.append(time.perf_counter() - t0)
     result = {"times": times[1:], "memory": mem, "peak_rss": peak_rss()}
-    gathered = [None] * world
+    gathered: list[dict] = [result]
     if world > 1:
+        gathered = [{} for _ in range(world)]  # (places all_gather_object fills, one per rank)
         dist.all_gather_object(gathered, result)
-    else:
-        gathered = [result]
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"times": result["times"], "memory": max(g["memory"] for g in gathered),

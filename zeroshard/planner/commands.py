@@ -65,8 +65,9 @@ def _run(a: argparse.Namespace) -> int:
                  "activations": e.activations, "gpu_total": e.gpu_total,
                  "cpu_total": e.cpu_total, "nvme_total": e.nvme_total,
                  "checkpoint_async_cpu": e.checkpoint_async_cpu, "fits": e.fits, "why_not": e.why_not,
-                 "gpu_secondary": e.gpu_states.secondary, "intra_node_bytes_per_step": e.traffic.intra_node,
-                 "inter_node_bytes_per_step": e.traffic.inter_node}
+                 "gpu_secondary": e.gpu_states.secondary,
+                 "intra_node_bytes_per_step": e.traffic.intra_node if e.traffic is not None else None,
+                 "inter_node_bytes_per_step": e.traffic.inter_node if e.traffic is not None else None}
                 for e in result.estimates]
         print(json.dumps({"params": shape.n_params, "trainable_fraction": w.trainable_fraction, "rows": rows,
                           "nodes": a.nodes, "gpus_per_node": a.gpus, "tp": a.tp, "scope": a.scope,

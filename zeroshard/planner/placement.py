@@ -70,9 +70,14 @@ class Tier(str, Enum):
     HOST = "host"
     NVME = "nvme"
 
-    __str__ = str.__str__
-    __repr__ = str.__repr__
-    __format__ = str.__format__
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 TIERS = tuple(t.value for t in Tier)
@@ -96,7 +101,7 @@ def _budget_bytes(name: str, value: Any) -> int:
     else:
         if not math.isfinite(value):
             raise ValueError(f"{name}={value!r} must be a finite number of bytes >= 0, e.g. 20 * 2**30 or '20GiB'")
-        size = int(value)
+        size = int(value) if isinstance(value, numbers.Integral) else int(float(value))  # (finite: checked above)
     if size < 0:
         raise ValueError(f"{name}={value!r} must be >= 0 bytes, e.g. '20GiB'")
     return size

@@ -25,11 +25,13 @@ def plan_markdown(p: Plan) -> str:
     best = p.recommended
     for e in p.estimates:
         mark = "**yes** (recommended)" if e is best else ("yes" if e.fits else f"no: {e.why_not}")
+        t = e.traffic
+        intra, inter = (fmt_bytes(t.intra_node), fmt_bytes(t.inter_node)) if t is not None else ("?", "?")
         lines.append(
             f"| {e.choice.label} | {fmt_bytes(e.gpu_states.model_states)} | {fmt_bytes(e.gpu_states.buffers)} "
             f"| {fmt_bytes(e.activations)} | {fmt_bytes(e.gpu_total)} | {fmt_bytes(e.cpu_total)} "
-            f"| {fmt_bytes(e.nvme_total)} | {fmt_bytes(e.checkpoint_async_cpu)} | {fmt_bytes(e.traffic.intra_node)} "
-            f"| {fmt_bytes(e.traffic.inter_node)} | {mark} |")
+            f"| {fmt_bytes(e.nvme_total)} | {fmt_bytes(e.checkpoint_async_cpu)} | {intra} "
+            f"| {inter} | {mark} |")
     lines.append("")
     if best is None:
         lines.append("nothing fits: add GPUs, use a smaller micro-batch, or offload to NVMe with more space.")
