@@ -29,8 +29,9 @@ NOT_APPLICABLE = {
         "complex parameters are refused (flat real buffers)",
     "torch: test_rosenbrock_sparse / SparseAdam / sparse gradients":
         "sparse gradients are refused with a clear error (flat dense buffers)",
-    "torch: LBFGS / Adafactor / Muon configurations":
-        "not elementwise: refused by design (zeroshard/optim/elementwise.py)",
+    "torch: LBFGS configurations":
+        "couples every parameter through its closure: refused by design (zeroshard/optim/elementwise.py); "
+        "Adafactor and Muon take the whole-tensor path instead (tests/test_whole_tensor.py)",
     "torch: test_differentiable_* / test_step_is_differentiable":
         "differentiable optimizers need autograd through the step; ZeRO's step is a no_grad collective",
     "torch: test_deepcopy_copies_all_public_attrs (attribute equality)":

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from zeroshard.checkpoint.shard_file import Deferred
-from zeroshard.optim.state_io import elementwise_state
+from zeroshard.optim.state_io import elementwise_state, flat
 
 if TYPE_CHECKING:
     from zeroshard.optim.zero_optimizer import ZeroOptimizer
@@ -97,7 +97,7 @@ def owned_pieces(model: Optional[nn.Module], opt: "ZeroOptimizer") -> list[Piece
                                        else run.unit.master_range(ua, ub))
             for k, v in state.items():
                 if elementwise_state(v, run.tensor):
-                    rec.tensors[f"state.{k}"] = v[ua - run.a:ub - run.a]
+                    rec.tensors[f"state.{k}"] = flat(v)[ua - run.a:ub - run.a]
                 else:
                     rec.scalars[k] = v
             if swapper is not None and state:  # the moments stream from the swap file too

@@ -261,7 +261,8 @@ def _capture(step: int, model: Optional[nn.Module], opt: Any, scheduler: Any, da
     snap = commit.Snapshot(step, records, full, rng.capture(), _encode_state(dataloader, "dataloader"))
     # Every rank builds and checks the header (cheap, and all refuse alike); rank 0 writes it.
     names = name_map(model, opt) if opt is not None else {}
-    groups = [{**{k: v for k, v in g.items() if k != "params"},  # (frozen parameters train in no group)
+    groups = [{**{k: v for k, v in g.items() if k not in ("params", "optimizer_class")},  # (a class: the loader's own;
+               # frozen parameters train in no group)
                "params": [names[opt.param_names[id(p)]] for p in g["params"] if p.requires_grad]}
               for g in opt.param_groups] if opt is not None else []
     snap.header = {

@@ -1,8 +1,22 @@
-"""Grouping parameters into flat units (stages 0-2: buckets by size)."""
+"""Grouping parameters into flat units (stages 0-2: buckets by size; whole-tensor units).
+
+Note [whole-tensor units]: an optimizer whose update of a parameter reads the whole tensor
+(Muon's orthogonalisation, Adafactor's factored moments, a user's class) cannot run on the
+flat slices ZeRO gives each rank. Its parameters go into *owner layouts* instead: each rank's
+slice of such a unit (slot r = ``slice_of(r)``) holds whole parameters only, every
+parameter in one slot, slots padded to equal size. The reduce-scatter of the unit's
+gradient then delivers each parameter's full averaged gradient to its owner alone (a reduce
+to the owner, one collective for the whole unit), the owner runs the optimizer's own update
+on the whole tensor with its whole state, and the all-gather after the step (or stage 3's
+gathers) brings the new values to every rank: one exchange in, one out, each matrix updated
+once. Owners are chosen by cost, longest first to the least-loaded rank (``update_cost``:
+Newton-Schulz is about m·n·min(m, n) flops), and the ranks' lists are zipped into units so
+a unit's slots hold parameters of similar size (little padding).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -16,7 +30,7 @@ ALIGN_ELEMENTS = 16
 @dataclass(frozen=True)
 class NamedParam:
     name: str
-    param: torch.nn.Parameter
+    param: torch.Tensor  # (an nn.Parameter, or a leaf tensor given as a parameter)
     group: int
     shape: Optional[torch.Size] = None
     """The parameter's true shape when its data is not materialised (meta-device models)."""
@@ -65,3 +79,76 @@ def layouts_for(units: Sequence[Sequence[NamedParam]], world_size: int, first_in
     # Group-major order inside a unit keeps each param group contiguous (stable sort).
     ordered = [sorted(u, key=lambda m: m.group) for u in units]
     return [(_layout(first_index + i, members, world_size), members) for i, members in enumerate(ordered)]
+
+
+def update_cost(shape: torch.Size) -> int:
+    """The relative cost of one whole-tensor update of a parameter of ``shape``: m·n·min(m, n)
+    for a matrix (Newton-Schulz's products; higher dimensions flattened after the first), its
+    element count otherwise."""
+    if len(shape) < 2:
+        return max(1, shape.numel())
+    m = shape[0]
+    n = shape.numel() // max(1, m)
+    return max(1, m * n * min(m, n))
+
+
+def assign_owners(params: Sequence[NamedParam], world_size: int,
+                  cost: Callable[[torch.Size], int] = update_cost,
+                  loads: Optional[list[int]] = None) -> list[list[NamedParam]]:
+    """Each rank's whole parameters: longest processing time first (the costliest parameter
+    to the least-loaded rank; ties to the lower rank). ``loads``: each rank's cost so far,
+    updated (to balance several calls, e.g. stage 3's units one by one)."""
+    loads = loads if loads is not None else [0] * world_size
+    owned: list[list[NamedParam]] = [[] for _ in range(world_size)]
+    for m in sorted(params, key=lambda m: -cost(m.true_shape)):
+        r = min(range(world_size), key=lambda i: (loads[i], i))
+        owned[r].append(m)
+        loads[r] += cost(m.true_shape)
+    return owned
+
+
+def owner_layout(index: int, slots: Sequence[Sequence[NamedParam]], world_size: int) -> tuple[UnitLayout,
+                                                                                            list[NamedParam]]:
+    """One unit whose slot r holds ``slots[r]`` whole (Note [whole-tensor units])."""
+    width = max([sum(m.true_shape.numel() for m in slot) for slot in slots] + [1])
+    width = -(-width // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+    segments, members = [], []
+    for r, slot in enumerate(slots):
+        offset = r * width
+        for m in sorted(slot, key=lambda m: m.group):
+            n = m.true_shape.numel()
+            segments.append(Segment(m.name, m.true_shape, offset, n, m.group))
+            members.append(m)
+            offset += n
+    return UnitLayout(index, tuple(segments), width * world_size, world_size), members
+
+
+def owner_layouts(params: Sequence[NamedParam], world_size: int, bucket_numel: int, first_index: int = 0
+                  ) -> list[tuple[UnitLayout, list[NamedParam]]]:
+    """Units of whole parameters, each in one rank's slot (Note [whole-tensor units]): owners
+    balanced by cost, each rank's list by size, zipped into units of about ``bucket_numel``."""
+    queues = [sorted(p, key=lambda m: -m.true_shape.numel()) for p in assign_owners(params, world_size)]
+    out: list[tuple[UnitLayout, list[NamedParam]]] = []
+    while any(queues):
+        slots: list[list[NamedParam]] = [[] for _ in range(world_size)]
+        for r, q in enumerate(queues):  # (each slot up to the bucket's share, at least one parameter)
+            while q and (not slots[r] or sum(m.true_shape.numel() for m in slots[r]) + q[0].true_shape.numel()
+                         <= max(1, bucket_numel // world_size)):
+                slots[r].append(q.pop(0))
+        out.append(owner_layout(first_index + len(out), slots, world_size))
+    return out
+
+
+def layouts_with_owners(units: Sequence[Sequence[NamedParam]], world_size: int, whole_groups: frozenset[int],
+                        first_index: int = 0) -> list[tuple[UnitLayout, list[NamedParam]]]:
+    """``layouts_for`` where a unit that holds a parameter of a whole-tensor group gets an owner
+    layout of all its parameters (stage 3's units follow modules: Note [whole-tensor units]);
+    owners balanced over all such units together."""
+    loads = [0] * world_size
+    out = []
+    for i, members in enumerate(units):
+        if any(m.group in whole_groups for m in members):
+            out.append(owner_layout(first_index + i, assign_owners(members, world_size, loads=loads), world_size))
+        else:
+            out.extend(layouts_for([members], world_size, first_index + i))
+    return out

@@ -67,6 +67,17 @@ class UnitLayout:
     def shard_numel(self) -> int:
         return self.padded_numel // self.world_size
 
+    def padding(self) -> Iterator[tuple[int, int]]:
+        """The unit ranges no segment covers (the tail, and between segments in an owner
+        layout: Note [whole-tensor units] in bucketing.py)."""
+        at = 0
+        for seg in sorted(self.segments, key=lambda s: s.offset):
+            if seg.offset > at:
+                yield at, seg.offset
+            at = max(at, seg.end)
+        if at < self.padded_numel:
+            yield at, self.padded_numel
+
     def slice_of(self, rank: int) -> tuple[int, int]:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is outside world_size={self.world_size}")

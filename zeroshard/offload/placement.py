@@ -138,6 +138,8 @@ class StatePlacement:
         if self._explicit_nvme or (self.auto and any(self.plan.swapped(i) for i in range(len(specs)))):
             swap_shards = (config.offload_params == "nvme" if not self.auto else
                            any("shard" in self.plan.swapped(i) for i in range(len(specs))))
+            if config.nvme_path is None:  # (ZeroConfig requires it for "nvme"; the planner swaps only with it)
+                raise RuntimeError("state placed on NVMe without nvme_path: pass nvme_path= a directory")
             self.store = NvmeUnitStore(config.nvme_path, rank, swap_shards=swap_shards)  # (its owner closes it)
             if self.plan.cached:
                 self.store.cache = _PendingCache(self.plan.cached)

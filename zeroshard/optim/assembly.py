@@ -36,7 +36,7 @@ from zeroshard.optim.flat_unit import FlatUnit
 from zeroshard.optim.grad_links import GradLinks
 from zeroshard.optim.grad_sync import GradientReducer
 from zeroshard.optim.gradients import GradientFlow
-from zeroshard.optim.elementwise import check_elementwise
+from zeroshard.optim.elementwise import update_kind
 from zeroshard.optim.hyperparams import (check_inputs, check_optimizer_kwargs, nvme_kernel_refusal,
                                          separate_optimizer_kwargs, single_dtype, trainable_params)
 from zeroshard.optim.module_guard import ModuleGuard
@@ -59,9 +59,17 @@ def configure(optimizer_class: type, model_or_params: ParamsLike, module: Option
     config_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in ZeroConfig.field_names()}
     inner_kwargs = separate_optimizer_kwargs(optimizer_class, config_kwargs, kwargs, optimizer_kwargs)
     config = ZeroConfig(**options, **config_kwargs)  # type: ignore[arg-type]  # (each field checks its value)
-    check_elementwise(optimizer_class)
+    update_kind(optimizer_class)
     check_optimizer_kwargs(optimizer_class, inner_kwargs)
-    return config, inner_kwargs, check_inputs(model_or_params, config.stage, inner_kwargs, module)
+    checked = check_inputs(model_or_params, config.stage, inner_kwargs, module)
+    if not isinstance(checked, nn.Module):  # (a param group may name its own class: Note [whole-tensor units])
+        for i, group in enumerate(g for g in checked if isinstance(g, dict)):
+            if "optimizer_class" in group:
+                try:
+                    update_kind(group["optimizer_class"])
+                except (TypeError, ValueError) as exc:
+                    raise type(exc)(f"param group {i}: 'optimizer_class': {exc}") from None
+    return config, inner_kwargs, checked
 
 
 def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: ParamsLike, module: Optional[nn.Module],
@@ -98,8 +106,14 @@ def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: Para
     # frozen weights compute in the model dtype too: cast once nothing can refuse (the last step)
     casts = construction.frozen_casts(all_params, param_dtype) if precision.mixed else {}
     snapshot.keep_data_only_of(lambda p: sharding.shard_parameters or local_of(p).dtype != param_dtype)
+    whole = frozenset(i for i, g in enumerate(groups)
+                      if update_kind(g.get("optimizer_class", engine.optimizer_class)) == "whole")
+    if whole and engine.mesh.tp is not None:
+        raise ValueError("an optimizer that reads whole tensors (here in param group(s) "
+                         f"{sorted(whole)}) cannot run on tensor-parallel shards: its update of a DTensor's local "
+                         "shard is not its update of the matrix. Use an elementwise optimizer (AdamW, SGD) with TP")
     plan = sharding.lay_out(module, trainable, frozen, precision.bucket_numel(config.bucket_size_mb),
-                            dtype_of=lambda m: casts.get(id(m.param), m.param.dtype))
+                            dtype_of=lambda m: casts.get(id(m.param), m.param.dtype), whole_groups=whole)
     engine.placement = placement_class(config, sharding.policy, engine.mesh.comm.rank, engine.optimizer_class,
                                       plan.layouts, plan.modules, param_dtype, construction.as_planned(groups, casts),
                                       device if meta_shapes else None)  # (Note [automatic placement])

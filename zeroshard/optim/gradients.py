@@ -76,8 +76,12 @@ class GradientFlow:
         self.reducer.finalize()  # every rank must finish the collectives it started
         had = {id(p) for group in param_groups for p in group["params"] if p.grad is not None}
         units = self.units
+
+        def clear_all() -> None:
+            for u in units:
+                u.clear_grads(True)
         # (a step in flight still reads the stores: they are marked empty once it is joined)
-        if not (set_to_none and self.inflight.defer(lambda: [u.clear_grads(True) for u in units])):
+        if not (set_to_none and self.inflight.defer(clear_all)):
             self.inflight.join()
             for unit in units:
                 unit.clear_grads(set_to_none)

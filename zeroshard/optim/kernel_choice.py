@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from zeroshard.optim import state_io
+from zeroshard.optim.elementwise import update_kind
 from zeroshard.optim.flat_unit import FlatUnit
 from zeroshard.optim.inner import GroupedInner, normalize_state, step_without_hooks  # noqa: F401
 
@@ -37,11 +38,21 @@ def _fusable(options: dict) -> bool:
     return betas is None or len(betas) == 2
 
 
+def group_class(group: dict, default: type) -> type:
+    """The optimizer class of a param group: its ``"optimizer_class"`` key, else the constructor's."""
+    return group.get("optimizer_class", default)
+
+
 def choose_kernels(optimizer_class: type, kwargs: dict, groups: list[dict], enabled: bool) -> list[bool]:
-    """Per param group: True when it runs on FusedAdam."""
-    if not enabled or optimizer_class not in (torch.optim.Adam, torch.optim.AdamW):
-        return [False] * len(groups)
-    return [_fusable({**kwargs, **{k: v for k, v in g.items() if k != "params"}}) for g in groups]
+    """Per param group: True when it runs on FusedAdam (its class Adam/AdamW with options the
+    kernel reproduces; the constructor's keywords belong to the constructor's class)."""
+    out = []
+    for g in groups:
+        cls = group_class(g, optimizer_class)
+        base = kwargs if cls is optimizer_class else {}
+        out.append(enabled and cls in (torch.optim.Adam, torch.optim.AdamW)
+                   and _fusable({**base, **{k: v for k, v in g.items() if k not in ("params", "optimizer_class")}}))
+    return out
 
 
 def _fused_options(optimizer_class: type[torch.optim.Optimizer], options: dict) -> dict:
@@ -60,45 +71,64 @@ def sync_fused_group(group: dict) -> None:
         group["adamw_mode"] = bool(group["decoupled_weight_decay"])
 
 
-def build_inner(optimizer_class: type, kwargs: dict, groups: list[dict], units: list[FlatUnit],
-                enabled: bool) -> tuple[list[state_io.Run], Any]:
-    """The inner optimizer(s) over this rank's owned ranges: one tensor per unit and group."""
-    runs: list[list[torch.Tensor]] = [[] for _ in groups]
-    all_runs = []
+def _runs(units: list[FlatUnit], whole: list[bool]) -> list[state_io.Run]:
+    """This rank's runs: per unit, one per param group over the owned range, or one per
+    parameter, shaped as it, for a group whose optimizer reads whole tensors (Note
+    [whole-tensor units] in layout/bucketing.py: the owned range holds such parameters whole)."""
+    out = []
     for unit in units:
         with unit.swap.sized(unit) if unit.swap is not None else contextlib.nullcontext():
             for g, a, b in unit.layout.group_runs(*unit.owned):
-                t = unit.master_range(a, b)
-                t.grad = unit.grad_range(a, b)
-                runs[g].append(t)
-                all_runs.append(state_io.Run(unit, g, a, b, t))
-    device = units[0].master.device
+                spans = [(a, b, None)] if not whole[g] else [
+                    (p.unit_offset, p.unit_offset + p.numel, p) for p in unit.layout.pieces_in(a, b)]
+                for lo, hi, piece in spans:
+                    t, grad = unit.master_range(lo, hi), unit.grad_range(lo, hi)
+                    if piece is not None:
+                        if piece.numel != piece.segment.numel:
+                            raise RuntimeError(f"{piece.segment.name!r} is split over ranks, but its group's optimizer "
+                                               "reads whole tensors (an owner layout keeps it whole)")
+                        t, grad = t.view(piece.segment.shape), grad.view(piece.segment.shape)
+                    t.grad = grad
+                    out.append(state_io.Run(unit, g, lo, hi, t))
+    return out
+
+
+def build_inner(optimizer_class: type, kwargs: dict, groups: list[dict], units: list[FlatUnit],
+                enabled: bool) -> tuple[list[state_io.Run], Any]:
+    """The inner optimizer(s) over this rank's runs: one instance per optimizer class and kernel
+    (a ``GroupedInner`` when there are several), each group on its own class."""
+    classes = [group_class(g, optimizer_class) for g in groups]
+    whole = [update_kind(c) == "whole" for c in classes]
+    all_runs = _runs(units, whole)
+    device, dtype = units[0].master.device, units[0].master.dtype
     # The kernel updates fp32 masters; float64 state stays on torch's own implementation.
-    fused = choose_kernels(optimizer_class, kwargs, groups, enabled and units[0].master.dtype == torch.float32)
+    fused = choose_kernels(optimizer_class, kwargs, groups, enabled and dtype == torch.float32)
     from zeroshard.ops import FusedAdam
     parts: list[tuple[torch.optim.Optimizer, list[int]]] = []
-    for want_fused in (True, False):
-        indices = [i for i, f in enumerate(fused) if f == want_fused]
-        if not indices:
-            continue
+    for key in dict.fromkeys(zip(classes, fused)):  # (in group order)
+        cls, want_fused = key
+        indices = [i for i, k in enumerate(zip(classes, fused)) if k == key]
+        base = kwargs if cls is optimizer_class else {}  # (the constructor's keywords are its class's)
         inner_groups = []
         for i in indices:
             # A rank may own nothing of a group; an empty tensor keeps the group (and its
             # hyperparameters) aligned with the user's, and is skipped since it has no grad.
-            params = runs[i] or [torch.empty(0, device=device, dtype=units[0].master.dtype)]
-            hp = {k: v for k, v in groups[i].items() if k not in ("params", "param_names")}
+            params = [r.tensor for r in all_runs if r.group == i] or [
+                torch.empty((0, 0) if whole[i] else (0,), device=device, dtype=dtype)]
+            hp = {k: v for k, v in groups[i].items() if k not in ("params", "param_names", "optimizer_class")}
             if want_fused:  # the group's own decoupling, which FusedAdam's defaults would override
-                hp = _fused_options(optimizer_class, {**kwargs, **hp})
+                hp = _fused_options(cls, {**base, **hp})
                 hp["decoupled_weight_decay"] = hp["adamw_mode"]
             inner_groups.append({**hp, "params": params})
-        cls, kw = (FusedAdam, _fused_options(optimizer_class, kwargs)) if want_fused else (optimizer_class, kwargs)
+        run_cls, kw = (FusedAdam, _fused_options(cls, base)) if want_fused else (cls, base)
         try:
-            parts.append((cls(inner_groups, **kw), indices))
-        except TypeError as exc:
-            raise TypeError(f"{cls.__name__}(**{kw}) failed: {exc}") from exc
+            parts.append((run_cls(inner_groups, **kw), indices))
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{run_cls.__name__}(**{kw}) over param group(s) {indices} failed: {exc}") from exc
     if len(parts) == 1:
         return all_runs, parts[0][0]
-    user_part = next(opt for opt, _ in parts if not isinstance(opt, FusedAdam))
+    user_part = next((opt for opt, _ in parts if type(opt) is optimizer_class),
+                     next((opt for opt, _ in parts if not isinstance(opt, FusedAdam)), parts[0][0]))
     return all_runs, GroupedInner(parts, len(groups), dict(user_part.defaults))
 
 

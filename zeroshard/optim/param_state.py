@@ -14,23 +14,24 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zeroshard.optim.state_io import elementwise_state
+from zeroshard.optim.state_io import elementwise_state, flat
 
 if TYPE_CHECKING:
-    from zeroshard.optim.engine import Engine
+    from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
 
 class ParamStateView(Mapping):
-    def __init__(self, engine: Engine, param_groups: list[dict]) -> None:
-        self._engine = engine
-        self._groups = param_groups  # (the optimizer's own list: add_param_group appends to it)
+    def __init__(self, opt: ZeroOptimizer) -> None:
+        # (it holds the optimizer, as torch's state dict is held by it: the optimizer lives until
+        # collected, not until its last name goes, as code that builds one and drops it expects)
+        self._opt = opt
 
     def _pieces(self, p: torch.Tensor) -> list:
-        self._engine.inflight.join()  # (never a step half done: Note [overlapped step])
+        self._opt.engine.inflight.join()  # (never a step half done: Note [overlapped step])
         out = []
-        for run in self._engine.runs:
+        for run in self._opt.engine.runs:
             for piece in run.unit.layout.pieces_in(run.a, run.b):
-                if piece.segment.name == self._engine.param_names.get(id(p)) and piece.numel:
+                if piece.segment.name == self._opt.engine.param_names.get(id(p)) and piece.numel:
                     out.append((run, piece))
         return out
 
@@ -41,12 +42,12 @@ class ParamStateView(Mapping):
         if not pieces:
             return {}
         out: dict[str, Any] = {}
-        state = self._engine.inner.state
+        state = self._opt.engine.inner.state
         for run, piece in sorted(pieces, key=lambda rp: rp[1].start):
             lo = piece.unit_offset - run.a
             for k, v in state.get(run.tensor, {}).items():
                 if elementwise_state(v, run.tensor):
-                    out.setdefault(k, []).append(v[lo:lo + piece.numel])
+                    out.setdefault(k, []).append(flat(v)[lo:lo + piece.numel])
                 else:
                     out.setdefault(k, v)
         owned = sum(piece.numel for _, piece in pieces)
@@ -60,7 +61,7 @@ class ParamStateView(Mapping):
         return isinstance(p, torch.Tensor) and bool(self[p])
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        for g in self._groups:
+        for g in self._opt.param_groups:
             for p in g["params"]:
                 if p in self:
                     yield p

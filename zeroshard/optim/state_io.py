@@ -40,7 +40,9 @@ def is_sharded(state_dict: dict) -> bool:
 
 
 def _hparams(group: dict) -> dict:
-    return {k: v for k, v in group.items() if k != "params"}
+    """A group's options as a state dict keeps them: not its parameters, nor the class object
+    a group may name (the optimizer that loads decides its own classes)."""
+    return {k: v for k, v in group.items() if k not in ("params", "optimizer_class")}
 
 
 def elementwise_state(value: Any, run_tensor: torch.Tensor) -> bool:
@@ -48,6 +50,12 @@ def elementwise_state(value: Any, run_tensor: torch.Tensor) -> bool:
     moments). Anything else (``step``, or a custom optimizer's per-tensor state of shape
     (1,)) is one value per run and is saved and loaded whole, as a scalar."""
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == run_tensor.shape
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """A run's tensor, or its elementwise state, as the flat unit range it covers (a
+    whole-tensor run holds its parameter's shape: Note [whole-tensor units])."""
+    return t.reshape(-1)
 
 
 def _run_pieces(run: Run):
@@ -64,11 +72,11 @@ def sharded_state_dict(opt: "ZeroOptimizer") -> dict:
             entry: dict[str, Any] = {
                 "start": piece.start, "stop": piece.stop, "numel": piece.segment.numel,
                 "shape": list(piece.segment.shape),
-                "state": {k: v[lo:hi].clone() if elementwise_state(v, run.tensor) else
+                "state": {k: flat(v)[lo:hi].clone() if elementwise_state(v, run.tensor) else
                           (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()},
             }
             if run.unit.separate_master:
-                entry["master"] = run.tensor[lo:hi].clone()
+                entry["master"] = flat(run.tensor)[lo:hi].clone()
             pieces[piece.segment.name] = entry
     return {
         "zeroshard": {"format": FORMAT, "stage": opt.stage, "world_size": opt.comm.world_size,
@@ -102,7 +110,7 @@ def apply_group_options(opt: "ZeroOptimizer", groups: list[dict], replace: bool 
     inner optimizer; ``replace``: options the saved groups lack are removed too (an undo)."""
     for saved, mine in zip(groups, opt.param_groups):
         if replace:
-            for k in [k for k in mine if k != "params" and k not in saved]:
+            for k in [k for k in mine if k not in ("params", "optimizer_class") and k not in saved]:
                 del mine[k]
         for k, v in saved.items():
             if k != "params":
@@ -189,7 +197,7 @@ def consolidated_state_dict(opt: "ZeroOptimizer", to_rank: Optional[int]) -> Opt
             full = torch.zeros(unit.layout.padded_numel, dtype=unit.master.dtype, device=unit.device)
             for run in opt.runs:
                 if run.unit is unit and key in opt.inner.state.get(run.tensor, {}):
-                    full[run.a:run.b].copy_(opt.inner.state[run.tensor][key])
+                    full[run.a:run.b].copy_(flat(opt.inner.state[run.tensor][key]))
             if opt.policy.shard_optimizer:
                 opt.comm.gather_shards(full).wait()
             fulls[key] = full
@@ -233,7 +241,7 @@ def _full_masters(opt: "ZeroOptimizer") -> dict[int, torch.Tensor]:
         return out
     for run in resident_runs(opt.runs):
         if id(run.unit) in out:
-            out[id(run.unit)][run.a:run.b].copy_(run.tensor)
+            out[id(run.unit)][run.a:run.b].copy_(flat(run.tensor))
     if opt.policy.shard_optimizer:
         for unit in opt.units:
             if id(unit) in out:
@@ -312,14 +320,14 @@ def fill_run(opt: "ZeroOptimizer", run: Run, keys: list[str], fetch, adopt=None)
             continue
         whole = adopt(key) if adopt is not None else None
         if whole is not None:
-            state[key] = whole
+            state[key] = whole.view(run.tensor.shape)
             continue
         buf = current.get(key)
-        if not (isinstance(buf, torch.Tensor) and buf.shape == (run.b - run.a,)):
-            buf = torch.empty(run.b - run.a, dtype=run.tensor.dtype, device=run.tensor.device)
+        if not (isinstance(buf, torch.Tensor) and buf.shape == run.tensor.shape):
+            buf = torch.empty(run.tensor.shape, dtype=run.tensor.dtype, device=run.tensor.device)
         for piece in pieces:
             o = piece.unit_offset - run.a
-            buf[o:o + piece.numel].copy_(fetch(piece.segment.name, piece.start, piece.stop, key).reshape(-1))
+            flat(buf)[o:o + piece.numel].copy_(fetch(piece.segment.name, piece.start, piece.stop, key).reshape(-1))
         state[key] = buf
     if state:
         opt.inner.state[run.tensor] = state
@@ -330,5 +338,5 @@ def fill_run(opt: "ZeroOptimizer", run: Run, keys: list[str], fetch, adopt=None)
             master = fetch(piece.segment.name, piece.start, piece.stop, "__master__")
             if master is not None:
                 o = piece.unit_offset - run.a
-                run.tensor[o:o + piece.numel].copy_(master)
+                flat(run.tensor)[o:o + piece.numel].copy_(master)
         run.unit.write_back()

@@ -74,7 +74,7 @@ class Stepper:
         """The param groups torch code sees (LR schedulers write there) into the inner optimizer's."""
         for user, inner in zip(user_groups, self.inner.param_groups):
             for key, value in user.items():
-                if key != "params":
+                if key not in ("params", "optimizer_class"):
                     inner[key] = value
             if "adamw_mode" in inner:
                 kernel_choice.sync_fused_group(inner)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Se
 import torch
 import torch.distributed as dist
 
-from zeroshard.optim.state_io import Run, elementwise_state
+from zeroshard.optim.state_io import Run, elementwise_state, flat
 
 if TYPE_CHECKING:
     from zeroshard.comm.process_group import Comm
@@ -95,17 +95,17 @@ def freeze(units: Sequence[FlatUnit], runs: Sequence[Run], states: Mapping[torch
         for piece in quiet:
             lo = piece.unit_offset - run.a
             hi = lo + piece.numel
-            moments = {k: v[lo:hi].clone() for k, v in state.items() if elementwise_state(v, run.tensor)}
-            saved.append((run, lo, hi, run.tensor[lo:hi].clone(), moments))
+            moments = {k: flat(v)[lo:hi].clone() for k, v in state.items() if elementwise_state(v, run.tensor)}
+            saved.append((run, lo, hi, flat(run.tensor)[lo:hi].clone(), moments))
 
     def restore() -> None:
         units = {}
         for run, lo, hi, values, moments in saved:
-            run.tensor[lo:hi].copy_(values)
+            flat(run.tensor)[lo:hi].copy_(values)
             state = states.get(run.tensor, {})
             for k, v in moments.items():
                 if k in state:
-                    state[k][lo:hi].copy_(v)
+                    flat(state[k])[lo:hi].copy_(v)
             units[id(run.unit)] = run.unit
         for unit in units.values():  # the model-dtype copy was written from the master already
             unit.write_back()

@@ -54,7 +54,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             finish = assembly.assemble(self, engine, model_or_params, module, process_group, mesh, inner_kwargs,
                                        snapshot)
             super().__init__(engine.user_groups, dict(engine.inner.defaults))
-            self.state = ParamStateView(engine, self.param_groups)  # type: ignore[assignment]  # (read-only)
+            self.state = ParamStateView(self)  # type: ignore[assignment]  # (read-only)
             finish()
         except BaseException as exc:
             construction.abandon(engine, snapshot, exc)

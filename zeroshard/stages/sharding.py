@@ -20,6 +20,7 @@ from torch import nn
 from zeroshard.comm.hierarchical import HierarchicalComm
 from zeroshard.comm.mesh import MeshInfo
 from zeroshard.layout import NamedParam, UnitLayout, build_layouts, layouts_for
+from zeroshard.layout.bucketing import layouts_with_owners, owner_layouts
 from zeroshard.stages.policy import StagePolicy
 from zeroshard.stages.stage3.frozen import frozen_params, split_frozen
 from zeroshard.stages.stage3.gatherer import ParameterGatherer
@@ -63,16 +64,21 @@ class Sharding:
         return frozen_params(module, meta_shapes)
 
     def lay_out(self, module: Optional[nn.Module], trainable: list[NamedParam], frozen: list[NamedParam],
-                bucket_numel: int, dtype_of: Callable[[NamedParam], torch.dtype]) -> UnitPlan:
+                bucket_numel: int, dtype_of: Callable[[NamedParam], torch.dtype],
+                whole_groups: frozenset[int] = frozenset()) -> UnitPlan:
         """Units over ``trainable`` (and ``frozen``): at stage 3 one per module of the unit plan
-        (``dtype_of``: a frozen weight's dtype once cast), at stages 0-2 buckets of ``bucket_numel``."""
+        (``dtype_of``: a frozen weight's dtype once cast), at stages 0-2 buckets of ``bucket_numel``.
+        Parameters of ``whole_groups`` (an optimizer that reads whole tensors) are kept whole,
+        each in one owner rank's slice (Note [whole-tensor units] in layout/bucketing.py)."""
         world = self.mesh.comm.world_size
         if not self.policy.shard_parameters or module is None:
-            return UnitPlan(build_layouts(trainable, bucket_numel, world), [], [], [])
+            flat = build_layouts([m for m in trainable if m.group not in whole_groups], bucket_numel, world)
+            whole = owner_layouts([m for m in trainable if m.group in whole_groups], world, bucket_numel, len(flat))
+            return UnitPlan(flat + whole, [], [], [])
         groupings, modules, frozen_groupings, frozen_modules = split_frozen(
             *plan_units(module, trainable + frozen, self.config.stage3_unit_classes, self.config.stage3_unit_numel),
             dtype_of=dtype_of)
-        layouts = layouts_for(groupings, world)
+        layouts = layouts_with_owners(groupings, world, whole_groups)
         return UnitPlan(layouts, modules, layouts_for(frozen_groupings, world, len(layouts)) if frozen else [],
                         frozen_modules if frozen else [])
 
