@@ -18,11 +18,11 @@ It reports parameters, peak RSS, seconds per step, and the step time as a multip
 time the disk needs to read and write the 16 B/parameter state once at the raw speed.
 
 ``--auto`` compares placements instead (Note [automatic placement] in
-zeroshard/planner/placement.py), each in a fresh process in the cgroup, same model:
+zeroshard/planner/auto_placement.py), each in a fresh process in the cgroup, same model:
 - "all NVMe": ``offload_optimizer="nvme", offload_params="nvme"`` under ``--limit-gib``;
 - "auto at the limit": ``offload="auto"`` with ``memory_budget`` = the limit less
   ``--headroom-gib`` (page cache: the budget covers the process's resident memory, Note [what
-  the budget covers] in zeroshard/planner/placement.py, but the cgroup counts the page cache too);
+  the budget covers] in zeroshard/planner/auto_placement.py, but the cgroup counts the page cache too);
   its step time is compared with the floor of the bytes it still streams (measured by the swap
   files per step, at the raw disk speed both ways);
 - "auto, half the state": a budget holding the planner's minimum plus half of the state, in a
@@ -145,7 +145,7 @@ def child_placed(args: argparse.Namespace) -> None:
     bytes per step; with ``--budget -1`` only the planner's minimum and the state's size."""
     import torch
     import zeroshard
-    from zeroshard.planner.placement import PlacementError
+    from zeroshard.planner.auto_placement import PlacementError
     from zeroshard.toy import TinyGPT
     swap = os.path.join(args.dir, "swap")
     os.makedirs(swap, exist_ok=True)

@@ -173,7 +173,7 @@ def read_speed(directory: str, size_gib: float) -> tuple[str, float]:
 
     from zeroshard.io.bench import measure
     from zeroshard.io.buffers import aligned_empty
-    from zeroshard.io.engine import AsyncIO
+    from zeroshard.io.aio_engine import AsyncIO
     buffer = aligned_empty(256 << 20, torch.uint8, pin=False)
     buffer.random_(0, 256)
     with AsyncIO(block_size=8 << 20, queue_depth=16) as io:

@@ -1,5 +1,5 @@
 """Per-rank memory by category for stages 0-3 (and offload) at world sizes 1, 2, 4, next to
-the ZeRO formulas and the planner's estimate. Implementation: ``zeroshard.bench.memory``.
+the ZeRO formulas and the planner's estimate. Implementation: ``zeroshard.bench.memory_bench``.
 
     python benchmarks/bench_memory.py [--model medium --world-sizes 1,2,4 --out bench-results]
     # same as: python -m zeroshard.bench memory ...   (zeroshard bench memory ...)

@@ -29,7 +29,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
     import zeroshard
     from zeroshard.bench.phases import timed_step
-    from zeroshard.planner.placement import PlacementError
+    from zeroshard.planner.auto_placement import PlacementError
     from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
     cfg = GPTConfig(vocab=4096, d_model=args.d_model, n_layers=args.layers, n_heads=12, seq_len=64)
     swap = os.path.join(args.dir, "swap")

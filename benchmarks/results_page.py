@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import sys
 
-from zeroshard.bench import memory, step, tables
+from zeroshard.bench import memory_bench as memory, step, tables
 
 _COMPACT_KEYS = ("world_size", "config", "model_states", "theory_model_states", "fraction_of_stage0",
                  "theory_fraction_of_stage0", "estimate_over_measured", "rss_growth", "estimate_peak")

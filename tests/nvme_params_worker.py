@@ -129,7 +129,7 @@ def make_auto(nvme: str, budget, mixed_precision: str | None = None, stage: int 
 
 def auto_budgets(nvme: str, mixed_precision: str | None, stage: int) -> dict[str, int]:
     """Budgets where everything fits, about half the state fits, and only the minimum does."""
-    from zeroshard.planner.placement import PlacementError
+    from zeroshard.planner.auto_placement import PlacementError
     try:
         make_auto(nvme, 0, mixed_precision, stage)
     except PlacementError as exc:
@@ -201,7 +201,7 @@ def budget_covers_process(rank: int, world: int, out: str, directory: str, share
     import threading
     import time
     from zeroshard.offload.peak_memory import resident_bytes
-    from zeroshard.planner.placement import PlacementError
+    from zeroshard.planner.auto_placement import PlacementError
     cfg = GPTConfig(vocab=1024, d_model=512, n_layers=6, n_heads=8, seq_len=32)
     peak, sampling, done = [0], [False], [False]
 

@@ -10,7 +10,7 @@ import pytest
 
 from zeroshard.bench.commands import BENCH_COMMANDS
 from zeroshard.bench.configs import MemConfig
-from zeroshard.bench.memory import MemoryBench
+from zeroshard.bench.memory_bench import MemoryBench
 from zeroshard.bench.models import ModelSource
 
 

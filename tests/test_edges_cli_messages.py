@@ -13,7 +13,7 @@ pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
 from zeroshard.cli import main as cli  # noqa: E402
-from zeroshard.train.config import FinetuneConfig  # noqa: E402
+from zeroshard.train.finetune_config import FinetuneConfig  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_peft_config_unreadable_json_names_the_file(text, tmp_path):
 
 def test_lora_rank_cap_is_the_same_for_the_flag_the_file_and_the_planner(tmp_path):
     from zeroshard.planner.peft_shape import lora_counts
-    from zeroshard.train.config import LORA_R_MAX
+    from zeroshard.train.finetune_config import LORA_R_MAX
     assert LORA_R_MAX == 65536
     with pytest.raises(ValueError, match=r"\[1, 65536\]"):
         FinetuneConfig(data="d.txt", output_dir="o", model_config="c.json", lora_r=LORA_R_MAX + 1)

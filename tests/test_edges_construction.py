@@ -15,7 +15,7 @@ from torch import nn
 import zeroshard
 from zeroshard.launch import spawn
 from zeroshard.optim import registry
-from zeroshard.planner.placement import MemoryBudget
+from zeroshard.planner.auto_placement import MemoryBudget
 
 from tests.test_io_helpers import small_filesystem
 

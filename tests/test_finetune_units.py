@@ -14,7 +14,7 @@ import torch
 
 from zeroshard.checkpoint import jsontree
 from zeroshard.train import faults
-from zeroshard.train.config import FinetuneConfig, parse
+from zeroshard.train.finetune_config import FinetuneConfig, parse
 from zeroshard.train.deepspeed_config import translate
 from zeroshard.train.preemption import PreemptionHandler
 from zeroshard.train.schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_schedule

@@ -147,7 +147,7 @@ def test_engine_status_names_backend_and_reason():
 
 
 def test_native_requested_but_disabled_is_explained(monkeypatch):
-    from zeroshard.io import _native, engine
+    from zeroshard.io import _native, aio_engine as engine
 
     monkeypatch.setattr(_native, "native", lambda: _native.NativeState(None, "none", "disabled for this test"))
     monkeypatch.setattr(engine, "native", _native.native)

@@ -177,7 +177,7 @@ def test_finetune_cli_lora_stage3_exports_resumes_bitwise_and_saves_only_adapter
 def test_peft_config_file_is_read_as_peft_writes_it(tmp_path):
     from peft import LoraConfig
 
-    from zeroshard.train.config import FinetuneConfig
+    from zeroshard.train.finetune_config import FinetuneConfig
     LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], lora_dropout=0.1).save_pretrained(str(tmp_path))
     cfg = FinetuneConfig(data="d.txt", output_dir=str(tmp_path / "o"), model_config="c.json",
                          peft_config=str(tmp_path / "adapter_config.json"))

@@ -9,7 +9,7 @@ import torch
 import zeroshard
 from tests.dist_results import run_ranks
 from tests.nvme_params_worker import AUTO_CFG, CFG, auto_budgets, make, make_auto, run_auto_matrix, small_units
-from zeroshard.planner.placement import PlacementError
+from zeroshard.planner.auto_placement import PlacementError
 from zeroshard.toy import TinyGPT, synthetic_batch
 
 # Budgets here are for the state alone (reserve 0), so the process is over them: that warning
@@ -144,7 +144,7 @@ def test_planner_fits_the_budget_and_moves_less_with_more_memory():
     """The pure planner on a 38-block model: every plan's predicted peak stays within its budget,
     traffic never grows with the budget, shards are kept before the rest, resident units are
     spread out, and the minimum is where everything streams."""
-    from zeroshard.planner.placement import Fixed, MemoryBudget, UnitSpec, plan_auto
+    from zeroshard.planner.auto_placement import Fixed, MemoryBudget, UnitSpec, plan_auto
     n = 28 << 20
     units = [UnitSpec(i, shard=4 * n, master=0, grad=4 * n, moments=8 * n, master_in_shard=True) for i in range(38)]
     fixed = Fixed(device=3 * 4 * n, staging=3 * 8 * n, pool=3 * 8 * n)
@@ -186,7 +186,7 @@ def test_step_one_sizes_the_cache_and_a_step_over_budget_warns():
     the cache the rest of the budget (less the margin); a budget below the peak gives it
     nothing and is a warning with the figures."""
     from zeroshard.offload.peak_memory import StepPeaks, cache_within, resident_bytes
-    from zeroshard.planner.placement import Fixed, MemoryBudget, UnitSpec, plan_auto
+    from zeroshard.planner.auto_placement import Fixed, MemoryBudget, UnitSpec, plan_auto
     rooms = []
     for budget in (resident_bytes() + (1 << 30), 1 << 20):
         peaks = StepPeaks(budget, calibrate=True, fit_cache=lambda room: rooms.append(room) or 0, margin=1 << 20)
@@ -212,7 +212,7 @@ def test_step_one_sizes_the_cache_and_a_step_over_budget_warns():
 
 
 def test_a_given_reserve_is_part_of_the_minimum(tmp_path):
-    from zeroshard.planner.placement import PlacementError
+    from zeroshard.planner.auto_placement import PlacementError
     mins = {}
     for reserve in (0, 1 << 30):
         with pytest.raises(PlacementError) as exc:

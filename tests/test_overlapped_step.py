@@ -132,7 +132,7 @@ def test_an_error_of_the_background_step_is_raised_by_the_next_call(tmp_path):
 
 
 def test_auto_placement_overlaps_by_default_and_explicit_options_do_not(tmp_path):
-    from zeroshard.planner.placement import PlacementError
+    from zeroshard.planner.auto_placement import PlacementError
     with pytest.raises(PlacementError) as exc:
         make_auto(str(tmp_path), 0)
     model, opt = make_auto(str(tmp_path), exc.value.minimum["host"])

@@ -101,12 +101,12 @@ class ZeroConfig:
     offload: Optional[str] = None
     """"auto": the planner places each unit's shard, master, gradient and moments in memory or
     on NVMe to fit ``memory_budget`` with the least traffic per step (Note [automatic placement]
-    in zeroshard/planner/placement.py), instead of offload_optimizer / offload_params."""
+    in zeroshard/planner/auto_placement.py), instead of offload_optimizer / offload_params."""
     memory_budget: Any = None
     """offload="auto": memory this rank may use, e.g. {"device": "20GiB", "host": "48GiB"} (on a
     CPU-only machine the two are one memory: their sum). The host budget is the process's
     resident memory: what it holds outside the training state is measured as the optimizer is
-    built, or given as "reserve" (Note [what the budget covers] in zeroshard/planner/placement.py)."""
+    built, or given as "reserve" (Note [what the budget covers] in zeroshard/planner/auto_placement.py)."""
     mixed_precision: Optional[str] = None
     """None (fp32 everywhere), "bf16" or "fp16": the model's parameter dtype; the master
     pieces stay fp32. fp16 adds dynamic loss scaling."""
@@ -237,7 +237,7 @@ class ZeroConfig:
         if self.memory_budget is None:
             raise ValueError("offload='auto' needs memory_budget, e.g. memory_budget={'device': '20GiB', "
                              "'host': '48GiB'} (per rank)")
-        from zeroshard.planner.placement import MemoryBudget
+        from zeroshard.planner.auto_placement import MemoryBudget
         MemoryBudget.parse(self.memory_budget)
 
     @property

@@ -63,7 +63,7 @@ def _run(a: argparse.Namespace) -> int:
     try:
         source = ModelSource.parse(a.model, d_model=a.d_model, n_layers=a.layers, seq_len=a.seq_len)
         if a.bench_action == "memory":
-            from zeroshard.bench import memory
+            from zeroshard.bench import memory_bench as memory
             from zeroshard.bench.configs import DEFAULT_CONFIGS, MemConfig
 
             configs = tuple(MemConfig.parse(c) for c in (a.configs or DEFAULT_CONFIGS).split(","))

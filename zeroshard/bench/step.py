@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from zeroshard.bench import tables
-from zeroshard.bench.memory import machine
+from zeroshard.bench.memory_bench import machine
 from zeroshard.bench.models import ModelSource
 from zeroshard.bench.peers import PEERS
 from zeroshard.bench.step_worker import worker

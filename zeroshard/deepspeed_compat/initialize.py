@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 from zeroshard.deepspeed_compat.engine import DeepSpeedEngine
 from zeroshard.optim.zero_optimizer import ZeroOptimizer
 from zeroshard.train.deepspeed_config import load_config, translate
-from zeroshard.train.initialize import initialize as zeroshard_initialize
+from zeroshard.train.initialize_from_config import initialize as zeroshard_initialize
 from zeroshard.train.schedules import build_schedule
 
 ConfigLike = Union[None, str, os.PathLike, Mapping]

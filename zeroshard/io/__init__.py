@@ -14,8 +14,8 @@ Public surface:
 from __future__ import annotations
 
 from .buffers import aligned_empty, checksum
-from .config import ALIGN, AIOConfig
-from .engine import AsyncIO
+from .aio_config import ALIGN, AIOConfig
+from .aio_engine import AsyncIO
 from .errors import AIOError, DiskFullError, TruncatedFileError
 from .handle import Handle
 from .status import engine_status

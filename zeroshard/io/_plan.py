@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from . import errors
-from .config import ALIGN
+from .aio_config import ALIGN
 
 Task = tuple[int, int, int, int, int]
 """(fd, fallback_fd, buffer address, length, file offset)."""

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .buffers import aligned_empty
-from .engine import AsyncIO
+from .aio_engine import AsyncIO
 
 MiB = 1 << 20
 

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from .config import ALIGN
+from .aio_config import ALIGN
 
 
 def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8, pin: Optional[bool] = None) -> torch.Tensor:

@@ -15,7 +15,7 @@ import shutil
 import sys
 
 from zeroshard.cli import Command, add_debug_flag, one_line_usage
-from zeroshard.io.config import ALIGN
+from zeroshard.io.aio_config import ALIGN
 
 BENCH_MODULES: list[str] = [
     "zeroshard.io.commands",  # aio

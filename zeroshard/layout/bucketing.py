@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from zeroshard.layout.flat_unit import Segment, UnitLayout
+from zeroshard.layout.unit_layout import Segment, UnitLayout
 
 # Slices are padded to a multiple of this many elements: 64 bytes of fp32, enough for
 # aligned vector loads in the kernels and cheap (< world_size * 16 elements per unit).

@@ -12,7 +12,7 @@ step reads unit ``i+1``'s master and gradient while unit ``i`` is updated and wr
 1-2 they stay in memory, being the model.)
 
 Under ``offload="auto"`` some runs keep their moments in memory instead (``resident``, chosen
-by the planner: Note [automatic placement] in zeroshard/planner/placement.py), in buffers laid
+by the planner: Note [automatic placement] in zeroshard/planner/auto_placement.py), in buffers laid
 out like a pool slot and updated by the same kernel in the same pass; only the others have a
 region in the file (and without any, there is no file).
 

@@ -2,7 +2,7 @@
 from their unit's forward gather to its backward gather.
 
 Without it a swapped shard is read twice per step, once per gather. The planner
-(Note [automatic placement] in zeroshard/planner/placement.py) picks the units whose shards
+(Note [automatic placement] in zeroshard/planner/auto_placement.py) picks the units whose shards
 fit the memory left after placing the state, the last units of forward first (backward
 gathers them first, so the memory comes back soonest). Their shards are kept only across a
 forward with gradients enabled: an evaluation forward, and every backward gather, drop the

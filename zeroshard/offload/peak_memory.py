@@ -1,5 +1,5 @@
 """The process's peak resident memory per training step, and what automatic placement does
-when it exceeds the budget (Note [what the budget covers] in zeroshard/planner/placement.py).
+when it exceeds the budget (Note [what the budget covers] in zeroshard/planner/auto_placement.py).
 
 Lifecycle: ``StepPeaks(...)`` as the plan is made; ``on_backward`` / ``on_backward_end`` from
 the gradient reducer's pass hooks, ``after_step()`` at the end of every optimizer step. The
@@ -35,8 +35,8 @@ import warnings
 from typing import Any, Callable, Optional
 
 from zeroshard.offload.process_rss import current_rss as resident_bytes, peak_rss as peak_bytes, reset_peak_rss as reset_peak  # noqa: F401 (re-exported: placement.py, tests)
-from zeroshard.planner.placement import Plan
-from zeroshard.planner.units import fmt_bytes
+from zeroshard.planner.auto_placement import Plan
+from zeroshard.planner.sizes import fmt_bytes
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 

@@ -1,6 +1,6 @@
 """Where each unit's state lives, for one ZeroOptimizer: the explicit options' single choice, or
 the per-unit plan of ``offload="auto"`` (Note [automatic placement] in
-zeroshard/planner/placement.py), and what it took to apply it.
+zeroshard/planner/auto_placement.py), and what it took to apply it.
 
 Lifecycle: built from the layouts before any unit exists (``StatePlacement(config, policy, ...)``);
 while the units are built it gives each its ``Placement`` (``of_unit``) and hands it to the
@@ -21,7 +21,7 @@ from zeroshard.offload.peak_memory import (StepPeaks, cache_within, resident_byt
 from zeroshard.offload.swap_file import aligned
 from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.config import Placement, ZeroConfig
-from zeroshard.planner.placement import (KINDS, Fixed, MemoryBudget, Plan, UnitSpec, plan_auto, plan_explicit,
+from zeroshard.planner.auto_placement import (KINDS, Fixed, MemoryBudget, Plan, UnitSpec, plan_auto, plan_explicit,
                                          report_text)
 
 if TYPE_CHECKING:  # (types only: the optimizer state and runs are built after the placement)

@@ -3,7 +3,7 @@
 Note [assembly]: ``assemble`` builds each policy object once, from the validated config and
 what it needs only, and hands each later object the ones it uses: the mesh (MeshInfo:
 comm/mesh.py), then the sharding policy (stages/sharding.py) and the precision policy
-(precision/policy.py), which lay the units out; the state placement (offload/placement.py)
+(precision/precision_policy.py), which lay the units out; the state placement (offload/placement.py)
 decides where each unit's parts live before the units exist; then the units, the inner
 optimizer over their owned ranges (and the NVMe stream of its state), stage 3's gatherer,
 the gradient reducer and the ``.grad`` views, the step. Nothing reads a half-built
@@ -31,7 +31,7 @@ from zeroshard.layout import NamedParam
 from zeroshard.offload import NvmeOptimizerState
 from zeroshard.offload.placement import StatePlacement
 from zeroshard.optim import construction, ddp_check, kernel_choice, lifecycle, registry, reports
-from zeroshard.optim.engine import Engine
+from zeroshard.optim.zero_engine import Engine
 from zeroshard.optim.flat_unit import FlatUnit
 from zeroshard.optim.grad_links import GradLinks
 from zeroshard.optim.grad_sync import GradientReducer
@@ -42,7 +42,7 @@ from zeroshard.optim.hyperparams import (check_inputs, check_optimizer_kwargs, n
 from zeroshard.optim.module_guard import ModuleGuard
 from zeroshard.optim.params import ParamsLike, module_of_groups, normalize_params
 from zeroshard.optim.stepper import Stepper
-from zeroshard.precision.policy import Precision
+from zeroshard.precision.precision_policy import Precision
 from zeroshard.stages import policy_for_stage
 from zeroshard.stages.sharding import Sharding, UnitPlan
 from zeroshard.stages.stage3.materialize import swap_meta_parameters

@@ -30,7 +30,7 @@ from zeroshard.optim.hyperparams import check_nvme_kernel
 from zeroshard.optim.lifecycle import _OWNER
 
 if TYPE_CHECKING:
-    from zeroshard.optim.engine import Engine
+    from zeroshard.optim.zero_engine import Engine
 
 
 def _set_local(p: torch.Tensor, data: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ from zeroshard.optim.flat_unit import FlatUnit
 from zeroshard.optim.grad_links import GradLinks
 from zeroshard.optim.grad_sync import GradientReducer
 from zeroshard.optim.step_in_flight import StepInFlight
-from zeroshard.precision.policy import Precision
+from zeroshard.precision.precision_policy import Precision
 
 
 class GradientFlow:

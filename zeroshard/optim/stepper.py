@@ -30,7 +30,7 @@ from zeroshard.optim.flat_unit import FlatUnit
 from zeroshard.optim.gradients import GradientFlow
 from zeroshard.optim.state_io import Run
 from zeroshard.optim.step_in_flight import StepInFlight
-from zeroshard.precision.policy import Precision
+from zeroshard.precision.precision_policy import Precision
 from zeroshard.stages.sharding import Sharding
 
 

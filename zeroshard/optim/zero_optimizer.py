@@ -19,7 +19,7 @@ from torch import nn
 from zeroshard.layout import Segment
 from zeroshard.memory import MemoryReport
 from zeroshard.optim import assembly, construction, lifecycle, reports, state_io
-from zeroshard.optim.engine import Engine
+from zeroshard.optim.zero_engine import Engine
 from zeroshard.optim.flat_unit import FlatUnit
 from zeroshard.optim.param_state import ParamStateView
 from zeroshard.optim.params import ParamsLike

@@ -10,7 +10,7 @@ from zeroshard.planner.estimate import Hardware, Workload, plan
 from zeroshard.planner.model_shape import ModelShape
 from zeroshard.planner.traffic import Topology
 from zeroshard.planner.report import plan_markdown
-from zeroshard.planner.units import parse_bytes, parse_count
+from zeroshard.planner.sizes import parse_bytes, parse_count
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -95,7 +95,7 @@ def _trainable(a: argparse.Namespace, shape: ModelShape) -> tuple[ModelShape, fl
     from zeroshard.planner.peft_shape import lora_counts
     config = None
     if a.peft_config is not None:
-        from zeroshard.train.config import FinetuneConfig
+        from zeroshard.train.finetune_config import FinetuneConfig
         config = FinetuneConfig(data="-", output_dir="-", model_config="-", peft_config=a.peft_config).lora_config()
     targets = [t.strip() for t in a.lora_targets.split(",") if t.strip()] if a.lora_targets else None
     total, trainable = lora_counts(a.hf_config, a.lora_r, targets, config)

@@ -19,7 +19,7 @@ def lora_counts(hf_config: str, r: Optional[int] = None, targets: Optional[Seque
     except ImportError as exc:
         raise RuntimeError(f"counting LoRA parameters needs peft and transformers: {exc}") from exc
     if peft_config is None:
-        from zeroshard.train.config import LORA_R_MAX
+        from zeroshard.train.finetune_config import LORA_R_MAX
         if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= LORA_R_MAX:
             raise ValueError(f"--lora-r={r!r} must be an int in [1, {LORA_R_MAX}]")
         peft_config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets) if targets else "all-linear")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from zeroshard.planner.estimate import Plan
-from zeroshard.planner.units import fmt_bytes
+from zeroshard.planner.sizes import fmt_bytes
 
 
 def plan_markdown(p: Plan) -> str:

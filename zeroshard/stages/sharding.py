@@ -21,7 +21,7 @@ from zeroshard.comm.hierarchical import HierarchicalComm
 from zeroshard.comm.mesh import MeshInfo
 from zeroshard.layout import NamedParam, UnitLayout, build_layouts, layouts_for
 from zeroshard.layout.bucketing import layouts_with_owners, owner_layouts
-from zeroshard.stages.policy import StagePolicy
+from zeroshard.stages.stage_policy import StagePolicy
 from zeroshard.stages.stage3.frozen import frozen_params, split_frozen
 from zeroshard.stages.stage3.gatherer import ParameterGatherer
 from zeroshard.stages.stage3.secondary import SecondaryPartition

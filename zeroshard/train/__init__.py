@@ -12,7 +12,7 @@
 """
 from zeroshard.train.deepspeed_config import DeepSpeedPlan, translate
 from zeroshard.train.failures import EXIT_PEER_FAILURE, StepWatchdog
-from zeroshard.train.initialize import Initialized, initialize
+from zeroshard.train.initialize_from_config import Initialized, initialize
 from zeroshard.train.preemption import PreemptionHandler
 from zeroshard.train.schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_schedule
 

@@ -25,10 +25,10 @@ import zeroshard
 from zeroshard.cli import Command, add_debug_flag, one_line_usage, report_error
 from zeroshard.data import ResumableSampler
 from zeroshard.train import faults
-from zeroshard.train.config import FinetuneConfig, add_arguments
+from zeroshard.train.finetune_config import FinetuneConfig, add_arguments
 from zeroshard.train.failures import (EXIT_PEER_FAILURE, StepWatchdog, end_process, exit_now, is_peer_failure,
                                       peer_failure_message)
-from zeroshard.train.initialize import initialize
+from zeroshard.train.initialize_from_config import initialize
 from zeroshard.train.loop import LoopSettings, TrainLoop
 from zeroshard.train.model_loading import build_model, finish_weights, max_positions, save_model_files
 from zeroshard.train.preemption import PreemptionHandler

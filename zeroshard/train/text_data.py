@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from zeroshard.train.config import JSON_SUFFIXES
+from zeroshard.train.finetune_config import JSON_SUFFIXES
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 

@@ -22,7 +22,7 @@ import torch
 from . import _plan
 from ._native import native
 from ._pool import PyEngine
-from .config import AIOConfig
+from .aio_config import AIOConfig
 from .handle import Handle
 
 PathLike = Union[str, "os.PathLike[str]"]

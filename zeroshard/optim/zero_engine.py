@@ -30,8 +30,8 @@ from zeroshard.optim.state_io import Run
 from zeroshard.optim.step_in_flight import StepInFlight
 from zeroshard.optim.stepper import Stepper
 from zeroshard.precision.loss_scaler import DynamicLossScaler
-from zeroshard.precision.policy import Precision
-from zeroshard.stages.policy import StagePolicy
+from zeroshard.precision.precision_policy import Precision
+from zeroshard.stages.stage_policy import StagePolicy
 from zeroshard.stages.sharding import Sharding
 from zeroshard.stages.stage3.gatherer import ParameterGatherer
 

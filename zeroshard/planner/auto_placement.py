@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Mapping, Optional
 
-from zeroshard.planner.units import fmt_bytes, parse_bytes
+from zeroshard.planner.sizes import fmt_bytes, parse_bytes
 
 KINDS = ("shard", "master", "grad", "moments")
 
