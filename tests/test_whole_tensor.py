@@ -83,3 +83,18 @@ def test_what_cannot_be_sharded_is_still_refused():
                                 torch.optim.AdamW)
     with pytest.raises(TypeError, match="param group 0.*class"):
         zeroshard.ZeroOptimizer([{"params": list(model.parameters()), "optimizer_class": "Muon"}], torch.optim.AdamW)
+
+
+@pytest.mark.parametrize("recipe,stage", [("muon", 2), ("muon", 3), ("adafactor", 2)])
+def test_resumes_bit_for_bit_and_reshards_2_to_1(tmp_path, recipe, stage):
+    root = str(tmp_path / "ckpt")
+    out = str(tmp_path / "res")
+    from zeroshard.launch import spawn
+    spawn(w.resume_worker, 2, out, root, recipe, stage)
+    import json
+    for r in range(2):
+        got = json.load(open(f"{out}.rank{r}"))
+        assert got["load_equal"] and got["resume_equal"], got
+    assert "momentum_buffer" in got["keys"] if recipe == "muon" else "row_var" in got["keys"]
+    w.reshard_worker(0, 1, out + "1", root, recipe, stage, f"{out}.saved_state.pt")
+    assert json.load(open(f"{out}1.rank0"))["equal"]

@@ -120,3 +120,67 @@ def run_one_process() -> dict:
 
 if __name__ == "__main__":  # (debugging: python -m tests.whole_tensor_worker)
     print(json.dumps({k: {"rel": v["rel"]} for k, v in run_one_process().items()}, indent=1))
+
+
+def _train(model: torch.nn.Module, opt: zeroshard.ZeroOptimizer, steps: range, rank: int, world: int) -> None:
+    for step in steps:
+        ids = batch(step, LOCAL_BATCH * world)[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.clip_grad_norm_(MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+
+
+def _built(recipe: str, stage: int) -> tuple[torch.nn.Module, zeroshard.ZeroOptimizer]:
+    model = llama()
+    cls = torch.optim.Adafactor if recipe == "adafactor" else torch.optim.AdamW
+    kw = {"lr": 1e-2} if recipe == "adafactor" else {"fused_adam": False}
+    return model, zeroshard.ZeroOptimizer(groups(model, recipe, zero=True), cls, stage=stage, module=model, **kw)
+
+
+def _state(model: torch.nn.Module, opt: zeroshard.ZeroOptimizer) -> dict:
+    """Weights, and the whole optimizer state by parameter name (consolidated: a collective)."""
+    cons = opt.consolidated_state_dict(to_rank=None)
+    names = [opt.param_names[id(p)] for g in opt.param_groups for p in g["params"]]  # (the state's index order)
+    return {"weights": zeroshard.full_state_dict(model, rank0_only=False),
+            "state": {names[i]: s for i, s in cons["state"].items()}}
+
+
+def resume_worker(rank: int, world: int, out: str, root: str, recipe: str, stage: int) -> None:
+    """Trains 3 steps, saves, trains 3 more (the reference); a fresh model and optimizer load
+    the checkpoint and train the same 3 steps: equal bit for bit. Writes the loaded state for a
+    reshard check at another world size."""
+    model, opt = _built(recipe, stage)
+    _train(model, opt, range(3), rank, world)
+    zeroshard.save_checkpoint(root, 3, model=model, optimizer=opt).wait()
+    loaded_state = _state(model, opt)
+    _train(model, opt, range(3, 6), rank, world)
+    ref = _state(model, opt)
+    opt.close()
+    model, opt = _built(recipe, stage)
+    zeroshard.load_checkpoint(root, model=model, optimizer=opt)
+    at_load = _state(model, opt)
+    _train(model, opt, range(3, 6), rank, world)
+    got = _state(model, opt)
+    out_d = {"resume_equal": _equal(ref, got), "load_equal": _equal(loaded_state, at_load),
+             "keys": sorted({k for s in got["state"].values() for k in s})}
+    if rank == 0:
+        torch.save(loaded_state, f"{out}.saved_state.pt")
+    with open(f"{out}.rank{rank}", "w") as f:
+        json.dump(out_d, f)
+
+
+def reshard_worker(rank: int, world: int, out: str, root: str, recipe: str, stage: int, saved: str) -> None:
+    """Loads a checkpoint written at another world size: weights and optimizer state equal."""
+    model, opt = _built(recipe, stage)
+    zeroshard.load_checkpoint(root, model=model, optimizer=opt)
+    with open(f"{out}.rank{rank}", "w") as f:
+        json.dump({"equal": _equal(torch.load(saved, weights_only=True), _state(model, opt))}, f)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    return a == b

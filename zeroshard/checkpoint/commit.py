@@ -37,6 +37,7 @@ from zeroshard.checkpoint.names import committed_steps
 from zeroshard.checkpoint.pieces import PieceRecord
 from zeroshard.checkpoint.safe_fs import is_real_dir
 from zeroshard.checkpoint.shard_file import CODES, Deferred, WrittenFile, write_json, write_shard
+from zeroshard.checkpoint.pieces import gather_table
 
 FaultHook = Optional[Callable[[str], None]]
 fault_hook: FaultHook = None
@@ -153,7 +154,6 @@ def commit(snap: Snapshot, root: str, comm: Any, shapes: dict[str, dict], keep_l
 def _finish(snap: Snapshot, root: str, tmp: str, final: str, results: list, shapes: dict,
             keep_last: Optional[int]) -> Optional[str]:
     """Rank 0's part after every rank wrote its files; returns an error message or None."""
-    from zeroshard.checkpoint.pieces import gather_table
     body = dict(snap.header)
     body["files"] = {f["name"]: WrittenFile(**f).to_json() for files, _, _ in results for f in files}
     body["tensors"] = gather_table([entries for _, entries, _ in results], shapes)

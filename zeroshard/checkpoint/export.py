@@ -19,6 +19,8 @@ import torch
 from zeroshard.checkpoint import tp_layout
 from zeroshard.checkpoint.pieces import PARAM
 from zeroshard.checkpoint.shard_file import DTYPES, ShardReader, header_bytes, tensor_bytes, write_stream
+from zeroshard.checkpoint.errors import CheckpointCorruptError
+from zeroshard.checkpoint.locate import candidates, check_structure, is_step_dir
 
 if TYPE_CHECKING:
     from zeroshard.checkpoint.export_base import BaseSource
@@ -105,7 +107,6 @@ def export_hf(step_dir: str, out_dir: str, max_shard_size: Union[int, str] = "2G
         raise FileExistsError(f"output {out_dir!r} exists and is not a directory")
     source = None
     if missing and base is not None:
-        from zeroshard.checkpoint.export_base import BaseSource  # (it reads safetensors as the stage-3 loader)
         source = BaseSource(os.fspath(base), missing, frozen, step_dir)
     extra = {n: {"shape": frozen["tensors"][n]["shape"], "dtype": frozen["tensors"][n]["dtype"]} for n in missing}
     readers: dict[str, ShardReader] = {}
@@ -123,8 +124,6 @@ def _choose(path: str) -> tuple[str, dict]:
     """The step to export and its manifest: the given step, or the newest under a root
     passing every check short of reading the data (``locate.check_structure``: the step a
     load would take). Data checksums are verified as the data is read."""
-    from zeroshard.checkpoint.errors import CheckpointCorruptError
-    from zeroshard.checkpoint.locate import candidates, check_structure, is_step_dir
     if is_step_dir(path):
         return path, check_structure(path)
     reasons = []

@@ -32,6 +32,9 @@ from zeroshard.checkpoint.shard_file import DTYPES, ShardReader, reap
 from zeroshard.offload.unit_swap import resident_runs
 from zeroshard.optim.state_io import fill_run, normalize_loaded
 from zeroshard.stages.stage3.secondary import params_written
+from zeroshard.checkpoint.saver import checkpoint_comm, wait_checkpoint
+from zeroshard.optim.lifecycle import state_restored
+from zeroshard.comm import Comm
 
 if TYPE_CHECKING:
     from zeroshard.optim.zero_optimizer import ZeroOptimizer
@@ -365,7 +368,6 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
     Everything is read, decoded and checked on every rank before anything is applied; a
     step that fails (damaged, malformed) is skipped for the next newest, and nothing of it
     reaches the model, the optimizer or any other object passed in."""
-    from zeroshard.checkpoint.saver import wait_checkpoint
     wait_checkpoint()  # (and the deletion of rotated-out steps: it would compete for the disk)
     if model is None and optimizer is None:
         raise ValueError("load_checkpoint needs model=... and/or optimizer=...")
@@ -376,7 +378,6 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
     path = os.fspath(path)
     comm = optimizer.comm if optimizer is not None else _world_comm()
     if getattr(optimizer, "tp", None) is not None:  # every rank of dp x tp takes part, as in the save
-        from zeroshard.checkpoint.saver import checkpoint_comm
         comm = checkpoint_comm(optimizer)
     exact = locate.is_step_dir(path)
     todo = [path] if exact else locate.candidates(path)
@@ -433,7 +434,6 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
     finally:
         src.release(defer=True)  # the gigabytes are unmapped on another thread
     if optimizer is not None:  # a failed step no longer matters; steps_done is the loaded step
-        from zeroshard.optim.lifecycle import state_restored
         state_restored(optimizer, body["step"])
     return {"step": body["step"], "path": step_dir, "extra": plan.extra,
             "skipped": skipped, "world_size": body["world_size"], "stage": body["stage"],
@@ -463,7 +463,6 @@ def _streamed(opt: object) -> bool:
 
 
 def _world_comm() -> Any:
-    from zeroshard.comm import Comm
     return Comm(None)
 
 

@@ -119,12 +119,21 @@ def check_param_groups(groups: Any, path: str) -> None:
                 not all(isinstance(n, str) for n in g["params"]):
             raise fail(path, f"{where} is not an object with a 'params' list of names")
         for k, v in g.items():
-            if k in _NUMBER_KEYS and not (is_number(v) or _scalar_tensor(v)):
+            if k in _NUMBER_KEYS and not (is_number(v) or _scalar_tensor(v) or k == "eps" and _eps_pair(v)):
                 raise fail(path, f"{where}[{k!r}]={v!r} is not a number")
             if k in _PAIR_KEYS and not (isinstance(v, (list, tuple)) and len(v) == 2 and all(map(is_number, v))):
                 raise fail(path, f"{where}[{k!r}]={v!r} is not a pair of numbers")
             if k in _FLAG_KEYS and not isinstance(v, (bool, type(None))):
                 raise fail(path, f"{where}[{k!r}]={v!r} is not true/false/null")
+
+
+def _eps_pair(v: object) -> bool:
+    """Adafactor's ``eps``: a pair of numbers, the first of which may be None (torch's default)."""
+    return isinstance(v, (list, tuple)) and len(v) == 2 and all(x is None or is_number(x) for x in v)
+
+
+def _real_tensor(v: object) -> bool:
+    return isinstance(v, torch.Tensor) and not v.dtype.is_complex
 
 
 def _scalar_tensor(v: Any) -> bool:
@@ -206,18 +215,21 @@ def check_tensors(body: dict, path: str) -> None:
         raise fail(path, "'tensors' is not an object")
     groups = jsontree.decode(body.get("param_groups", []), f"{path}: param_groups")
     members = {n: i for i, g in enumerate(groups) for n in g["params"]}
-    kinds_of: dict[int, tuple] = {}
+    kinds_of: dict[tuple[int, int], tuple] = {}
     for name, meta in tensors.items():
         sharded = _check_tensor(name, meta, body["files"], len(groups), path)
         if sharded and members.get(name) != meta["group"]:
             raise fail(path, f"tensor {name!r} is in group {meta['group']} but param_groups list it in "
                              f"{members.get(name)}")
+        # (per dimensionality: an optimizer that reads whole tensors keeps other state for a
+        # matrix than for a vector, e.g. Adafactor's factored moments)
+        kind_key = (meta["group"], len(meta["shape"]))
         for p in meta["pieces"]:
             kinds = (frozenset(p["keys"]), frozenset(p["scalars"]))
-            if sharded and kinds_of.setdefault(meta["group"], kinds) != kinds:
+            if sharded and kinds_of.setdefault(kind_key, kinds) != kinds:
                 raise fail(path, f"tensor {name!r}[{p['start']}:{p['stop']}] stores {sorted(kinds[0])} and "
-                                 f"scalars {sorted(kinds[1])}, other pieces of its group store "
-                                 f"{sorted(kinds_of[meta['group']][0])}")
+                                 f"scalars {sorted(kinds[1])}, other pieces of its group and dimensionality store "
+                                 f"{sorted(kinds_of[kind_key][0])}")
     for name in set(members) - set(tensors):
         raise fail(path, f"param_groups list {name!r}, which has no tensor entry")
     for alias, target in body.get("aliases", {}).items():
@@ -295,8 +307,11 @@ def _check_keys(name: str, p: dict, sharded: bool, path: str) -> None:
         raise fail(path, f"{where}: no parameter values stored")
     for k, v in p["scalars"].items():
         value = jsontree.decode(v, f"{path}: {where} scalar {k!r}")
-        if f"state.{k}" in keys or not (isinstance(value, bool) or is_number(value) or _scalar_tensor(value)):
-            raise fail(path, f"{where}: optimizer scalar {k!r}={v!r} is not a number (or is also a tensor)")
+        # (a tensor of another shape than its parameter: per-tensor state of an optimizer that reads
+        # whole tensors, e.g. Adafactor's factored moments, kept whole with its whole parameter)
+        if f"state.{k}" in keys or not (isinstance(value, bool) or is_number(value) or _real_tensor(value)):
+            raise fail(path, f"{where}: optimizer scalar {k!r}={v!r} is not a number or tensor (or is also a "
+                             "sliced tensor)")
 
 
 def compatible(live: Any, saved: Any, path: str, depth: int = 0) -> None:

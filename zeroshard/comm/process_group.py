@@ -19,6 +19,8 @@ from typing import Optional, Protocol, Union
 import torch
 import torch.distributed as dist
 
+from zeroshard.comm.clean_exit import watch  # (Note [clean exit]: groups destroyed at exit)
+
 
 class Work(Protocol):
     def wait(self) -> bool: ...
@@ -96,7 +98,6 @@ class Comm:
             self.rank = dist.get_rank(self.group)
             self.world_size = dist.get_world_size(self.group)
             self.backend = str(dist.get_backend(self.group))
-            from zeroshard.comm.clean_exit import watch  # (Note [clean exit]: groups destroyed at exit)
             watch(self)
         forced = os.environ.get("ZEROSHARD_COLLECTIVES", "")
         if forced not in ("", "native", "emulated"):

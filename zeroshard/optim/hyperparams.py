@@ -19,6 +19,7 @@ import inspect
 
 from zeroshard.config import ZeroConfig, check_bool, check_real
 from zeroshard.layout import NamedParam
+from zeroshard.optim.kernel_choice import choose_kernels
 
 # Non-negative real hyperparameters of torch.optim's elementwise optimizers.
 _NON_NEGATIVE = ("lr", "eps", "weight_decay", "momentum", "dampening", "alpha", "lr_decay",
@@ -231,7 +232,6 @@ def check_nvme_kernel(config: ZeroConfig, optimizer_class: type, kwargs: dict, g
     in zeroshard/optim/construction.py). ``group_options``: each group's options, no params."""
     if not config.optimizer_swapped:
         return
-    from zeroshard.optim.kernel_choice import choose_kernels
     float64 = config.mixed_precision is None and any(p.requires_grad and p.dtype == torch.float64 for p in params)
     if not all(choose_kernels(optimizer_class, kwargs, group_options or [{}], config.fused_adam and not float64)):
         raise nvme_kernel_refusal(optimizer_class, kwargs)

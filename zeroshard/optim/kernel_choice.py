@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 
+from zeroshard.ops import FusedAdam
 from zeroshard.optim import state_io
 from zeroshard.optim.elementwise import update_kind
 from zeroshard.optim.flat_unit import FlatUnit
@@ -103,7 +104,6 @@ def build_inner(optimizer_class: type, kwargs: dict, groups: list[dict], units: 
     device, dtype = units[0].master.device, units[0].master.dtype
     # The kernel updates fp32 masters; float64 state stays on torch's own implementation.
     fused = choose_kernels(optimizer_class, kwargs, groups, enabled and dtype == torch.float32)
-    from zeroshard.ops import FusedAdam
     parts: list[tuple[torch.optim.Optimizer, list[int]]] = []
     for key in dict.fromkeys(zip(classes, fused)):  # (in group order)
         cls, want_fused = key
@@ -134,5 +134,4 @@ def build_inner(optimizer_class: type, kwargs: dict, groups: list[dict], units: 
 
 def fused_part(inner: Any) -> Optional[torch.optim.Optimizer]:
     """The FusedAdam running every group, or None (no group, or only some groups, fused)."""
-    from zeroshard.ops import FusedAdam
     return inner if isinstance(inner, FusedAdam) else None

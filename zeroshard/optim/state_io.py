@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from zeroshard.optim.elementwise import update_kind
+
 from zeroshard.offload.unit_swap import resident_runs
 from zeroshard.optim.inner import normalize_state
 
@@ -176,8 +178,22 @@ def _param_index(opt: "ZeroOptimizer") -> dict[str, int]:
 def consolidated_state_dict(opt: "ZeroOptimizer", to_rank: Optional[int]) -> Optional[dict]:
     # Which state keys exist (tensor-valued or scalar) and the scalars' values, per group;
     # a rank that owns nothing of a group learns them from the others.
+    whole = {i for i, g in enumerate(opt.param_groups)
+             if update_kind(g.get("optimizer_class", opt.optimizer_class)) == "whole"}
+    # Whole-tensor groups (Note [whole-tensor units]): a parameter's state is its owner's run's,
+    # whatever its keys and shapes (Adafactor's differ between matrices and vectors).
+    owned: dict[str, dict[str, object]] = {}
+    for run in opt.runs:
+        if run.group in whole:
+            seg = next(run.unit.layout.pieces_in(run.a, run.b)).segment
+            owned[seg.name] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                               for k, v in opt.inner.state.get(run.tensor, {}).items()}
+    for other in opt.comm.all_gather_object(owned) if whole else ():
+        owned.update(other)
     local: dict[int, dict[str, Any]] = {}
     for run in opt.runs:
+        if run.group in whole:
+            continue
         for k, v in opt.inner.state.get(run.tensor, {}).items():
             is_scalar = not elementwise_state(v, run.tensor)
             local.setdefault(run.group, {})[k] = (v.clone() if isinstance(v, torch.Tensor) else v) if is_scalar else None
@@ -202,7 +218,7 @@ def consolidated_state_dict(opt: "ZeroOptimizer", to_rank: Optional[int]) -> Opt
                 opt.comm.gather_shards(full).wait()
             fulls[key] = full
         for seg in unit.layout.segments:
-            entry = {}
+            entry = dict(owned.get(seg.name, {})) if seg.group in whole else {}
             for k, v in merged.get(seg.group, {}).items():
                 entry[k] = (v.clone() if isinstance(v, torch.Tensor) else v) if v is not None else \
                     _global(opt, seg.name, fulls[k][seg.offset:seg.end].view(seg.shape).clone())
