@@ -107,6 +107,9 @@ def export_hf(step_dir: str, out_dir: str, max_shard_size: Union[int, str] = "2G
         raise FileExistsError(f"output {out_dir!r} exists and is not a directory")
     source = None
     if missing and base is not None:
+        # (imported here: export_base reads safetensors as the stage-3 loader, which imports this
+        # package while zeroshard is being initialised)
+        from zeroshard.checkpoint.export_base import BaseSource
         source = BaseSource(os.fspath(base), missing, frozen, step_dir)
     extra = {n: {"shape": frozen["tensors"][n]["shape"], "dtype": frozen["tensors"][n]["dtype"]} for n in missing}
     readers: dict[str, ShardReader] = {}
