@@ -13,6 +13,7 @@ that is the key a checkpoint stores, independent of rank and world size.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -67,16 +68,19 @@ class UnitLayout:
     def shard_numel(self) -> int:
         return self.padded_numel // self.world_size
 
-    def padding(self) -> Iterator[tuple[int, int]]:
+    @functools.cached_property
+    def padding(self) -> tuple[tuple[int, int], ...]:
         """The unit ranges no segment covers (the tail, and between segments in an owner
-        layout: Note [whole-tensor units] in bucketing.py)."""
-        at = 0
+        layout: Note [whole-tensor units] in bucketing.py); computed once (the reducer reads
+        it at every launch)."""
+        out, at = [], 0
         for seg in sorted(self.segments, key=lambda s: s.offset):
             if seg.offset > at:
-                yield at, seg.offset
+                out.append((at, seg.offset))
             at = max(at, seg.end)
         if at < self.padded_numel:
-            yield at, self.padded_numel
+            out.append((at, self.padded_numel))
+        return tuple(out)
 
     def slice_of(self, rank: int) -> tuple[int, int]:
         if not 0 <= rank < self.world_size:

@@ -204,7 +204,7 @@ class GradientReducer:
         for seg in unit.layout.segments:
             if seg.offset not in seen:
                 bucket[seg.offset:seg.end].zero_()
-        for lo, hi in unit.layout.padding():  # (an owner layout pads between slots too)
+        for lo, hi in unit.layout.padding:  # (an owner layout pads between slots too)
             bucket[lo:hi].zero_()
         while len(self._inflight) >= self.max_inflight:
             self._retire(self._inflight.popleft())
