@@ -14,7 +14,22 @@ from zeroshard.layout.bucketing import NamedParam, assign_owners, owner_layouts,
 
 pytest.importorskip("transformers")
 
-MUON_CLIPPED = 5e-2  # measured 3.45e-2 at world 2
+# Note [whole-tensor parity]: where ZeroOptimizer does the same arithmetic as one process,
+# the weights are equal bit for bit (bound 1e-5, issue 25's). Two things are not the same
+# arithmetic, and torch.optim.Muon's Newton-Schulz, which runs in bf16, turns a last-bit
+# difference of its input into flipped bf16 roundings that the next steps carry on:
+# - torch's clip_grad_norm_ sums per-tensor float32 norms, which no sharded sum reproduces
+#   (ZeroOptimizer sums squares in float64): the reference clips by the float64 norm
+#   (exact_clip), and the "torchclip" cases measure torch's own;
+# - gloo sums 4 ranks' fp32 gradients in ring order, chunk by chunk, not in one process's
+#   order (2 ranks add in either order alike; bf16 gradients sum exactly in fp32): the
+#   "exactsum" cases give ranks 2-3 zero-weight losses so that any order sums exactly, and
+#   plain fp32 Muon at world 4 is measured.
+# Adafactor in fp32 carries such differences as they are (< 1e-6).
+MEASURED = {  # (bound, as measured): the effects above, 8 steps
+    (2, "muon-2-torchclip"): 5e-2,  # 3.45e-2
+    (4, "muon-2"): 1e-1,  # 6.55e-2
+}
 
 
 @pytest.fixture(scope="module")
@@ -29,33 +44,30 @@ def results(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("world", (1, 2))
-@pytest.mark.parametrize("case", w.CASES, ids=lambda c: w.key(*c))
+@pytest.mark.parametrize("world,case", [(world, c) for world, cs in w.ALL_CASES.items() for c in cs],
+                         ids=lambda x: x.key if isinstance(x, w.Case) else f"world{x}")
 def test_matches_torch(results, world, case):
-    recipe, stage, max_norm = case
     for r in results(world):
-        got = r[w.key(*case)]
-        if max_norm == w.MAX_NORM:
-            assert all(n > max_norm for n in got["ref_norms"])  # (clipping bites every step)
+        got = r[case.key]
+        if case.max_norm == w.MAX_NORM:
+            assert all(n > case.max_norm for n in got["ref_norms"])  # (clipping bites every step)
         assert got["moved"] > 1e-3
-        # Without clipping both match torch's bits at world 1 and 2 (the reference sums the ranks'
-        # gradients then averages, as data parallelism does). Clipping's global norm is summed in
-        # float64 over shards, torch's in float32: the coefficient differs in its last bit, which
-        # Adafactor carries as such (< 1e-5) and Muon's bf16 Newton-Schulz turns into flipped
-        # roundings that later steps carry on: bound as measured, 8 steps (issue 25's note)
-        bound = 0.0 if max_norm == w.NO_CLIP else 1e-5 if recipe == "adafactor" or world == 1 else MUON_CLIPPED
-        assert got["rel"] <= bound, (recipe, stage, got["rel"])
-        assert got["norms"] == pytest.approx(got["ref_norms"], rel=1e-5 if bound <= 1e-5 else 1e-3)
+        if case.precision == "bf16":  # (tests/test_parity.py's bound: one bf16 ulp of the reference)
+            assert got["ulp_ratio"] <= 1.0, (case.key, got["ulp_ratio"])
+        assert got["rel"] <= MEASURED.get((world, case.key), 1e-5), (case.key, got["rel"])
+        assert got["norms"] == pytest.approx(got["ref_norms"], rel=1e-5 if (world, case.key) not in MEASURED else 1e-3)
 
 
 def test_each_whole_tensor_parameter_has_one_owner_and_owners_share_the_work(results):
-    r = results(2)[0]["muon-2"]
-    owners = {n: o for n, o in r["owners"].items() if ".layers." in n and "norm" not in n}
-    assert set(owners.values()) == {0, 1}
     model = w.llama()
     shapes = dict((n, p.shape) for n, p in model.named_parameters())
-    loads = [sum(update_cost(shapes[n]) for n, o in owners.items() if o == rank) for rank in (0, 1)]
-    assert max(loads) / min(loads) <= 1.25, loads
+    for world, key in ((2, "muon-2"), (4, "muon-2-exactsum"), (4, "muon-3-exactsum"), (4, "muon-3-hybrid-exactsum")):
+        r = results(world)[0][key]
+        owners = {n: o for n, o in r["owners"].items() if w.is_matrix(n, model.get_parameter(n))}
+        size = 2 if "hybrid" in key else world  # (hybrid: owners inside the shard group)
+        assert set(owners.values()) == set(range(size)), (key, owners)
+        loads = [sum(update_cost(shapes[n]) for n, o in owners.items() if o == rank) for rank in range(size)]
+        assert max(loads) / min(loads) <= 1.25, (key, loads)
 
 
 def test_owner_layouts_keep_parameters_whole_and_balance_cost():
@@ -98,3 +110,24 @@ def test_resumes_bit_for_bit_and_reshards_2_to_1(tmp_path, recipe, stage):
     assert "momentum_buffer" in got["keys"] if recipe == "muon" else "row_var" in got["keys"]
     w.reshard_worker(0, 1, out + "1", root, recipe, stage, f"{out}.saved_state.pt")
     assert json.load(open(f"{out}1.rank0"))["equal"]
+
+
+def test_newton_schulz_runs_once_on_every_muon_matrix_and_nothing_falls_back(tmp_path):
+    """At stages 1-3 and from a meta-device model: each step, the ranks together orthogonalise
+    every Muon matrix exactly once, with its true shape (at stage 0, DDP, each rank all of them); every matrix has Muon's state and no
+    Adam moments, and every other parameter AdamW's."""
+    ranks = run_ranks(w.count_worker, 2, tmp_path)
+    model = w.llama()
+    matrices = sorted(list(p.shape) for n, p in model.named_parameters() if w.is_matrix(n, p))
+    for config in ranks[0]:
+        for step in range(2):
+            if config == "0":  # (stage 0 is DDP: every rank keeps and updates all of the state)
+                assert all(sorted(r[config]["calls"][step]) == matrices for r in ranks), (config, step)
+                continue
+            calls = sorted(shape for r in ranks for shape in r[config]["calls"][step])
+            assert calls == matrices, (config, step, calls)
+            assert all(r[config]["calls"][step] for r in ranks), config  # (both ranks own matrices)
+        for name, keys in ranks[0][config]["keys"].items():
+            want = ["momentum_buffer"] if w.is_matrix(name, model.get_parameter(name)) else ["exp_avg", "exp_avg_sq",
+                                                                                               "step"]
+            assert keys == want, (config, name, keys)

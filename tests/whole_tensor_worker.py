@@ -3,7 +3,7 @@ the same torch classes in one process on the same global batch (tests/test_whole
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,13 +43,43 @@ def groups(model: torch.nn.Module, recipe: str, zero: bool) -> Any:
     return [{**muon, "optimizer_class": torch.optim.Muon} if zero else muon, {"params": rest, "lr": 3e-3}]
 
 
-def reference(recipe: str, world: int, max_norm: float) -> tuple[dict[str, torch.Tensor], list[float]]:
+def exact_clip(params: list[torch.Tensor], max_norm: float) -> float:
+    """Clipping by the norm summed in float64, as ZeroOptimizer sums its shards' (grad_norm.py),
+    then a float32 as torch's: the coefficient is the same float32 whatever the order of the sum. torch's
+    ``clip_grad_norm_`` sums per-tensor float32 norms, whose last bit no sharded sum reproduces,
+    and Muon's bf16 Newton-Schulz turns a last-bit difference into flipped roundings (the
+    ``torch`` clip cases measure that)."""
+    total = torch.stack([(p.grad.double() ** 2).sum() for p in params]).sum().sqrt().float()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(coef)
+    return float(total)
+
+
+def weight(rank: int, world: int, exact_sum: bool) -> float:
+    """A rank's loss weight: 0 for ranks 2-3 of 4 under ``exact_sum``, whose gradients are then
+    zeros, so the sum of the 4 ranks' gradients is exact in any order (gloo's ring sums each
+    chunk in its own order, and Muon's bf16 Newton-Schulz turns a last-bit difference into
+    flipped roundings: Note [whole-tensor parity] in tests/test_whole_tensor.py)."""
+    return 0.0 if exact_sum and rank >= 2 else 1.0
+
+
+def reference(recipe: str, world: int, max_norm: float, clip: str = "exact", precision: Optional[str] = None,
+              exact_sum: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process, torch's own classes, the global batch. Under bf16 the same recipe as
+    ZeroOptimizer's: a bf16 model, fp32 master copies that torch's classes update."""
     model = llama()
+    named = dict(model.named_parameters())
+    masters = {n: p.detach().clone().requires_grad_() for n, p in named.items()}
+    if precision == "bf16":  # (parameters only, as ZeroOptimizer casts them: buffers such as RoPE's stay fp32)
+        for p in named.values():
+            p.data = p.data.to(torch.bfloat16)
+    stepped = masters if precision == "bf16" else named
     if recipe == "adafactor":
-        opts = [torch.optim.Adafactor(model.parameters(), lr=1e-2)]
+        opts = [torch.optim.Adafactor(list(stepped.values()), lr=1e-2)]
     else:
-        mats, rest = groups(model, recipe, zero=False)
-        opts = [torch.optim.Muon([mats]), torch.optim.AdamW([rest])]
+        opts = [torch.optim.Muon([p for n, p in stepped.items() if is_matrix(n, p)], lr=0.02),
+                torch.optim.AdamW([p for n, p in stepped.items() if not is_matrix(n, p)], lr=3e-3)]
     norms = []
     for step in range(STEPS):
         ids = batch(step, LOCAL_BATCH * world)
@@ -57,57 +87,103 @@ def reference(recipe: str, world: int, max_norm: float) -> tuple[dict[str, torch
         # gradient summed, then averaged (the same arithmetic, so the same bits)
         for r in range(world):
             part = ids[r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH]
-            model(input_ids=part, labels=part).loss.backward()
-        for p in model.parameters():
+            (model(input_ids=part, labels=part).loss * weight(r, world, exact_sum)).backward()
+            if precision == "bf16":  # (each rank's bf16 gradient is summed in fp32, as ZeroOptimizer reduces)
+                for n, p in named.items():
+                    m = stepped[n]
+                    m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
+                model.zero_grad()
+        for p in stepped.values():
             p.grad.mul_(1.0 / world)
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        params = list(stepped.values())
+        norms.append(exact_clip(params, max_norm) if clip == "exact" else
+                     float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
         for o in opts:
             o.step()
             o.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+        model.zero_grad()
+        if precision == "bf16":
+            with torch.no_grad():
+                for n, p in named.items():
+                    p.copy_(masters[n])
+    return {n: p.detach().float().clone() for n, p in named.items()}, norms
 
 
-def zero_run(recipe: str, stage: int, rank: int, world: int,
-             max_norm: float) -> tuple[dict[str, torch.Tensor], list[float], dict]:
+class Case(NamedTuple):
+    recipe: str  # "muon" (Muon on the hidden matrices + AdamW) or "adafactor"
+    stage: int
+    max_norm: float = MAX_NORM
+    clip: str = "exact"  # the reference's clipping: "exact" (exact_clip) or "torch" (clip_grad_norm_)
+    precision: Optional[str] = None
+    mesh: Optional[str] = None  # "hybrid": a (replicate 2, shard 2) mesh at world 4
+    exact_sum: bool = False  # (world 4: ranks 2-3 weigh their loss 0, see ``weight``)
+
+    @property
+    def key(self) -> str:
+        return "-".join([self.recipe, str(self.stage)] + (["noclip"] if self.max_norm == NO_CLIP else []) +
+                        ([self.clip + "clip"] if self.clip != "exact" else []) + [x for x in (self.precision, self.mesh) if x] +
+                        (["exactsum"] if self.exact_sum else []))
+
+
+def zero_run(case: Case, rank: int, world: int) -> tuple[dict[str, torch.Tensor], list[float], dict]:
     model = llama()
-    cls = torch.optim.Adafactor if recipe == "adafactor" else torch.optim.AdamW
+    cls = torch.optim.Adafactor if case.recipe == "adafactor" else torch.optim.AdamW
     # (Muon orthogonalises in bf16, so an AdamW half that differs from torch's in the last bit -
     # the fused kernel's - moves the next gradients enough to flip bf16 roundings: torch's own
     # AdamW on the flat slices keeps the comparison exact)
-    kw = {"lr": 1e-2} if recipe == "adafactor" else {"fused_adam": False}
-    opt = zeroshard.ZeroOptimizer(groups(model, recipe, zero=True), cls, stage=stage, module=model, **kw)
+    kw: dict[str, Any] = {"lr": 1e-2} if case.recipe == "adafactor" else {"fused_adam": False}
+    if case.mesh == "hybrid":
+        from torch.distributed.device_mesh import init_device_mesh
+        kw["mesh"] = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    opt = zeroshard.ZeroOptimizer(groups(model, case.recipe, zero=True), cls, stage=case.stage, module=model,
+                                  mixed_precision=case.precision, **kw)
     norms = []
     for step in range(STEPS):
         ids = batch(step, LOCAL_BATCH * world)[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
-        model(input_ids=ids, labels=ids).loss.backward()
-        norms.append(float(opt.clip_grad_norm_(max_norm)))
+        (model(input_ids=ids, labels=ids).loss * weight(rank, world, case.exact_sum)).backward()
+        norms.append(float(opt.clip_grad_norm_(case.max_norm)))
         opt.step()
         opt.zero_grad()
     owners = {}
-    for u in opt.units:  # which rank updates each whole-tensor parameter
+    for u in opt.units:  # which rank (of the shard group) updates each whole-tensor parameter
         for seg in u.layout.segments:
             owners[seg.name] = seg.offset // u.layout.shard_numel
-    return zeroshard.full_state_dict(model, rank0_only=False), norms, owners
+    weights = {n: t.float() for n, t in zeroshard.full_state_dict(model, rank0_only=False).items()}
+    opt.close()
+    return weights, norms, owners
 
 
-def compare(recipe: str, stage: int, rank: int, world: int, max_norm: float) -> dict:
-    ref, ref_norms = reference(recipe, world, max_norm)
-    got, norms, owners = zero_run(recipe, stage, rank, world, max_norm)
+def compare(case: Case, rank: int, world: int) -> dict:
+    ref, ref_norms = reference(case.recipe, world, case.max_norm, case.clip, case.precision, case.exact_sum)
+    got, norms, owners = zero_run(case, rank, world)
     rel = max(float((got[n] - t).abs().max() / t.abs().max().clamp_min(1e-12)) for n, t in ref.items())
+    # (bf16: relative to one bf16 ulp of the reference value, as tests/test_parity.py bounds it)
+    ulps = max(float(((got[n] - t).abs() / (t.abs() * 2.0**-7 + 1e-3)).max()) for n, t in ref.items())
     moved = max(float((t - llama().state_dict()[n]).abs().max()) for n, t in ref.items())
-    return {"rel": rel, "moved": moved, "norms": norms, "ref_norms": ref_norms, "owners": owners}
+    return {"rel": rel, "ulp_ratio": ulps, "moved": moved, "norms": norms, "ref_norms": ref_norms, "owners": owners}
 
 
-CASES = [(recipe, stage, MAX_NORM) for recipe in ("muon", "adafactor") for stage in (0, 1, 2, 3)] + [
-    ("muon", stage, NO_CLIP) for stage in (2, 3)]
+def cases(world: int) -> list[Case]:
+    """The parity matrix at ``world`` ranks (every stage at world 2; the others sample it)."""
+    if world == 1:
+        return [Case("muon", 1), Case("muon", 3), Case("adafactor", 2), Case("muon", 3, precision="bf16")]
+    if world == 4:
+        return ([Case("muon", stage, exact_sum=True) for stage in (1, 2, 3)] + [Case("muon", 2)] +
+                [Case("adafactor", stage) for stage in (1, 2, 3)] +
+                [Case("muon", 2, precision="bf16"), Case("adafactor", 3, precision="bf16")] +
+                [Case("muon", stage, mesh="hybrid", exact_sum=True) for stage in (2, 3)] +
+                [Case("adafactor", 3, mesh="hybrid"), Case("muon", 3, precision="bf16", mesh="hybrid")])
+    out = [Case(recipe, stage) for recipe in ("muon", "adafactor") for stage in (0, 1, 2, 3)]
+    out += [Case("muon", 3, NO_CLIP), Case("muon", 2, clip="torch"), Case("adafactor", 2, clip="torch")]
+    out += [Case("muon", 2, precision="bf16"), Case("muon", 3, precision="bf16"), Case("adafactor", 3, precision="bf16")]
+    return out
 
 
-def key(recipe: str, stage: int, max_norm: float) -> str:
-    return f"{recipe}-{stage}" + ("" if max_norm == MAX_NORM else "-noclip")
+ALL_CASES = {world: cases(world) for world in (1, 2, 4)}
 
 
 def worker(rank: int, world: int, out: str) -> None:
-    results = {key(*case): compare(*case[:2], rank, world, case[2]) for case in CASES}
+    results = {case.key: compare(case, rank, world) for case in cases(world)}
     with open(f"{out}.rank{rank}", "w") as f:
         json.dump(results, f)
     if dist.is_initialized():
@@ -115,7 +191,7 @@ def worker(rank: int, world: int, out: str) -> None:
 
 
 def run_one_process() -> dict:
-    return {key(*case): compare(*case[:2], 0, 1, case[2]) for case in CASES}
+    return {case.key: compare(case, 0, 1) for case in cases(1)}
 
 
 if __name__ == "__main__":  # (debugging: python -m tests.whole_tensor_worker)
@@ -184,3 +260,45 @@ def _equal(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
     return a == b
+
+
+def count_worker(rank: int, world: int, out: str) -> None:
+    """Counts torch.optim.Muon's Newton-Schulz calls on this rank, per step, at stages 0-3 and at
+    stage 3 from a meta-device model (the shapes it sees), and which state each parameter got
+    (DeepSpeed's users found matrices silently on SGD at stage 0, or on AdamW under zero.Init)."""
+    import torch.optim._muon as muon_impl
+    real = muon_impl._zeropower_via_newtonschulz
+    seen: list[list[int]] = []
+
+    def counting(grad: torch.Tensor, *args: Any) -> torch.Tensor:
+        seen.append(list(grad.shape))
+        return real(grad, *args)
+    muon_impl._zeropower_via_newtonschulz = counting
+    results = {}
+    try:
+        for stage, meta in ((0, False), (1, False), (2, False), (3, False), (3, True)):
+            if meta:
+                with torch.device("meta"):
+                    model = llama()
+            else:
+                model = llama()
+            opt = zeroshard.ZeroOptimizer(groups(model, "muon", zero=True), torch.optim.AdamW, stage=stage,
+                                          module=model, fused_adam=False)
+            if meta:
+                zeroshard.init_meta_weights(model)
+            calls = []
+            for step in range(2):
+                del seen[:]
+                ids = batch(step, LOCAL_BATCH * world)[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad()
+                calls.append(sorted(seen))
+            state = _state(model, opt)["state"]
+            results[f"{stage}{'-meta' if meta else ''}"] = {
+                "calls": calls, "keys": {n: sorted(s) for n, s in state.items()}}
+            opt.close()
+    finally:
+        muon_impl._zeropower_via_newtonschulz = real
+    with open(f"{out}.rank{rank}", "w") as f:
+        json.dump(results, f)

@@ -45,7 +45,7 @@ from zeroshard.optim.stepper import Stepper
 from zeroshard.precision.precision_policy import Precision
 from zeroshard.stages import policy_for_stage
 from zeroshard.stages.sharding import Sharding, UnitPlan
-from zeroshard.stages.stage3.materialize import swap_meta_parameters
+from zeroshard.stages.stage3.materialize import follow_replacements, swap_meta_parameters
 
 # (the optimizer is built on the model's device; a meta-device model is materialised there)
 _DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -84,6 +84,13 @@ def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: Para
     if isinstance(model_or_params, nn.Module):
         device = torch.device(_DEVICE)
         meta_shapes = swap_meta_parameters(model_or_params, device, frozen_too=config.stage == 3)
+    elif module is not None and config.stage == 3 and any(p.is_meta for p in module.parameters()):
+        # (groups on a meta model, e.g. Muon's matrices apart: they follow the replacements, so
+        # no parameter silently changes optimizer, as DeepSpeed's under zero.Init did)
+        device = torch.device(_DEVICE)
+        replaced: dict[int, nn.Parameter] = {}
+        meta_shapes = swap_meta_parameters(module, device, frozen_too=True, replaced=replaced)
+        model_or_params = follow_replacements(list(model_or_params), replaced)  # type: ignore[arg-type]
     given, groups, names = normalize_params(model_or_params)
     module = given if module is None else module_of_groups(module, given, groups, names,
                                                            allow_outside=config.stage < 3)

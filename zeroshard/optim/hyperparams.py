@@ -126,7 +126,7 @@ def check_inputs(model_or_params: Any, stage: int, kwargs: Mapping[str, Any],
             if isinstance(p, torch.Tensor) and p.is_meta:
                 meta.append(str(entry[0]) if p is not entry else f"param group {gi} [{k}]")
             real += isinstance(p, torch.Tensor) and not p.is_meta
-    if meta and not real:
+    if meta and not real and not (stage == 3 and module is not None):  # (stage 3 builds a meta module's groups too)
         raise _meta_refusal(meta, stage)
     return items
 

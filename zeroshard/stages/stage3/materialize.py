@@ -9,7 +9,7 @@ ever holds more than one unit of full parameters.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -19,10 +19,13 @@ from zeroshard.optim.registry import optimizer_for
 from zeroshard.stages.stage3.secondary import params_written
 
 
-def swap_meta_parameters(model: nn.Module, device: torch.device, frozen_too: bool = False) -> dict[int, torch.Size]:
+def swap_meta_parameters(model: nn.Module, device: torch.device, frozen_too: bool = False,
+                         replaced: Optional[dict[int, nn.Parameter]] = None) -> dict[int, torch.Size]:
     """Replaces meta parameters by empty ones on ``device``; returns true shapes by id.
-    ``frozen_too``: stage 3, where frozen parameters are partitioned as well (Note [frozen units])."""
-    replaced: dict[int, nn.Parameter] = {}
+    ``frozen_too``: stage 3, where frozen parameters are partitioned as well (Note [frozen units]).
+    ``replaced`` receives each replacement by ``id`` of the meta parameter (param groups built
+    on the meta model follow them: ``follow_replacements``)."""
+    replaced = {} if replaced is None else replaced
     shapes: dict[int, torch.Size] = {}
     for mod_name, module in model.named_modules():
         for name, p in list(module._parameters.items()):
@@ -41,6 +44,18 @@ def swap_meta_parameters(model: nn.Module, device: torch.device, frozen_too: boo
             module._parameters[name] = new
     _materialize_meta_buffers(model, device)
     return shapes
+
+
+def follow_replacements(items: list, replaced: dict[int, nn.Parameter]) -> list:
+    """Param groups (or a parameter list, or (name, parameter) pairs) built on a meta model,
+    with each meta parameter replaced as ``swap_meta_parameters`` replaced it in the model: a
+    group's choice of optimizer class (Muon for the matrices) follows the parameter."""
+    def follow(entry: object) -> object:
+        if isinstance(entry, tuple) and len(entry) == 2:
+            return entry[0], replaced.get(id(entry[1]), entry[1])
+        return replaced.get(id(entry), entry)
+    return [{**item, "params": [follow(e) for e in item["params"]]} if isinstance(item, dict) else follow(item)
+            for item in items]
 
 
 @torch.no_grad()
