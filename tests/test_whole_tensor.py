@@ -131,3 +131,39 @@ def test_newton_schulz_runs_once_on_every_muon_matrix_and_nothing_falls_back(tmp
             want = ["momentum_buffer"] if w.is_matrix(name, model.get_parameter(name)) else ["exp_avg", "exp_avg_sq",
                                                                                                "step"]
             assert keys == want, (config, name, keys)
+
+
+def test_deepspeed_config_muon_is_the_recipe_and_trains_as_torch():
+    """``{"type": "Muon"}`` (and the fine-tune CLI's ``--optimizer muon``): the hidden matrices on
+    torch.optim.Muon, the embeddings, head and norms on AdamW (Note [Muon from a config])."""
+    from zeroshard.train.finetune_config import parse
+    model = w.llama()
+    config = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "Muon", "params": {
+        "lr": 0.02, "adam_lr": 3e-3, "adam_weight_decay": 0.01, "adam_betas": [0.9, 0.999]}}}
+    engine = zeroshard.initialize(model, config)
+    opt = engine.optimizer
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_class = {g.get("optimizer_class", torch.optim.AdamW): sorted(names[id(p)] for p in g["params"])
+                for g in opt.param_groups}
+    assert by_class[torch.optim.Muon] == sorted(n for n, p in model.named_parameters() if w.is_matrix(n, p))
+    assert "lm_head.weight" in by_class[torch.optim.AdamW] and "model.embed_tokens.weight" in by_class[torch.optim.AdamW]
+    # The same training as the API's recipe (test_matches_torch: equal to torch's classes; here
+    # AdamW runs on the fused kernel, whose last bits differ from torch's, as DeepSpeed's would)
+    direct = w.llama()
+    direct_opt = zeroshard.ZeroOptimizer(w.groups(direct, "muon", zero=True), torch.optim.AdamW, stage=2,
+                                         module=direct, lr=3e-3, weight_decay=0.01)
+    for m, o in ((model, opt), (direct, direct_opt)):
+        for step in range(w.STEPS):
+            ids = w.batch(step, w.LOCAL_BATCH)
+            m(input_ids=ids, labels=ids).loss.backward()
+            o.step()
+            o.zero_grad()
+        o.close()
+    got, want = (zeroshard.full_state_dict(m, rank0_only=False) for m in (model, direct))
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    assert any(not torch.equal(want[n], t) for n, t in w.llama().state_dict().items())
+    plan = zeroshard.train.deepspeed_config.translate(parse(["--model", "m", "--data", "d", "--optimizer", "muon",
+                                                             "--output", "o"]).as_deepspeed())
+    assert plan.optimizer_class is torch.optim.Muon
+    with pytest.raises(ValueError, match="no hidden 2-D matrix"):
+        zeroshard.initialize(torch.nn.Sequential(torch.nn.Embedding(8, 4)), {"optimizer": {"type": "Muon"}})

@@ -129,7 +129,7 @@ def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: Para
     sharding.start(engine.all_units, plan, module)  # (stage 3: torch code sees sharded parameters from here)
     show = sharding.visible
     engine.user_groups = [{**{k: v for k, v in ig.items() if k != "params"}, "params": [show(p) for p in g["params"]],
-                           **({"param_names": g["param_names"]} if "param_names" in g else {})}
+                           **{k: g[k] for k in ("param_names", "optimizer_class") if k in g}}
                           for g, ig in zip(groups, engine.inner.param_groups)]
     engine.param_names = {**names, **{id(show(p)): names[id(p)] for p in params}}
     _build_gradients(engine, params)

@@ -127,9 +127,12 @@ def build_inner(optimizer_class: type, kwargs: dict, groups: list[dict], units: 
             raise type(exc)(f"{run_cls.__name__}(**{kw}) over param group(s) {indices} failed: {exc}") from exc
     if len(parts) == 1:
         return all_runs, parts[0][0]
-    user_part = next((opt for opt, _ in parts if type(opt) is optimizer_class),
-                     next((opt for opt, _ in parts if not isinstance(opt, FusedAdam)), parts[0][0]))
-    return all_runs, GroupedInner(parts, len(groups), dict(user_part.defaults))
+    # The facade's defaults fill missing keys of every user group (torch.optim's add_param_group):
+    # only the keys all classes share, so no group shows another class's options (Muon's
+    # ns_steps on an AdamW group); each group already holds its own class's.
+    shared = set.intersection(*(set(opt.defaults) for opt, _ in parts))
+    user_part = next((opt for opt, idx in parts if classes[idx[0]] is optimizer_class), parts[0][0])
+    return all_runs, GroupedInner(parts, len(groups), {k: v for k, v in user_part.defaults.items() if k in shared})
 
 
 def fused_part(inner: Any) -> Optional[torch.optim.Optimizer]:

@@ -30,6 +30,7 @@ import torch
 
 from zeroshard.config import Placement, check_int, check_real
 from zeroshard.optim.hyperparams import check_hyperparameters
+from zeroshard.optim.muon_recipe import ADAM_KEYS
 from zeroshard.train.schedules import check_schedule_params
 
 # Keys accepted without effect, and why (what zeroshard does instead).
@@ -320,8 +321,8 @@ def _precision(r: _Reader) -> tuple[Optional[str], dict]:
     return precision, scaler if precision == "fp16" else {}
 
 
-_SUPPORTED_TYPES = (f"{sorted(_OPTIMIZERS.values())} (DeepSpeed's names, any case) or another elementwise "
-                    "torch.optim optimizer class by name, e.g. \"RMSprop\"")
+_SUPPORTED_TYPES = (f"{sorted(_OPTIMIZERS.values())} (DeepSpeed's names, any case), \"Muon\" (Muon's recipe) or "
+                    "another torch.optim optimizer class by name, e.g. \"RMSprop\", \"Adafactor\"")
 
 
 def _is_torch_optimizer(name: str) -> bool:
@@ -354,6 +355,8 @@ def _optimizer(r: _Reader, unsupported: list[str]) -> tuple[Optional[type], dict
             if not isinstance(mode, bool):
                 raise ValueError(f"optimizer.params.adam_w_mode={mode!r} must be true or false")
             cls = torch.optim.AdamW if mode else torch.optim.Adam
+        elif key == "muon":  # (the recipe: Note [Muon from a config] in zeroshard/optim/muon_recipe.py)
+            cls = torch.optim.Muon
         else:
             cls = getattr(torch.optim, _OPTIMIZERS.get(key, str(name)))
         if key in ("adam", "adamw") and params.get("torch_adam") is not True:
@@ -363,6 +366,8 @@ def _optimizer(r: _Reader, unsupported: list[str]) -> tuple[Optional[type], dict
     if str(name).lower() in ("adam", "adamw"):
         r.get("optimizer.params.adam_w_mode")
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+    if cls is torch.optim.Muon:
+        accepted |= set(ADAM_KEYS)
     for key in params:
         path = f"optimizer.params.{key}"
         if path in NOTED or (key == "adam_w_mode" and path in r.used):
@@ -374,7 +379,7 @@ def _optimizer(r: _Reader, unsupported: list[str]) -> tuple[Optional[type], dict
             unsupported.append(path)
             continue
         value = r.get(path, override=key if key in OVERRIDES else None)
-        kwargs[key] = tuple(value) if key == "betas" and isinstance(value, list) else value
+        kwargs[key] = tuple(value) if key in ("betas", "adam_betas") and isinstance(value, list) else value
     for key in ("lr", "weight_decay", "betas", "eps", "momentum"):
         if r.overrides.get(key) is not None:
             kwargs[key] = r.overrides[key]

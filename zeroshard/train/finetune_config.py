@@ -18,7 +18,7 @@ from zeroshard.config import Placement
 
 _SCHEDULES = ("constant", "linear", "cosine")
 _PRECISIONS = ("fp32", "bf16", "fp16")
-_OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
+_OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "muon": "Muon", "adafactor": "Adafactor"}
 _OFFLOAD = ("none", "cpu", "nvme")
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 """Data files read as JSON documents (``--text-field`` names their text); others are plain text."""
@@ -278,7 +278,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--grad-accum", "--gradient-accumulation-steps", dest="grad_accum", type=int,
       help="micro-batches per optimizer step (default 1)")
     a("--max-steps", type=int, help=f"optimizer steps of the whole run (default {d['max_steps'].default})")
-    a("--optimizer", choices=sorted(_OPTIMIZERS), help="default adamw")
+    a("--optimizer", choices=sorted(_OPTIMIZERS), help="default adamw; muon: Muon on the hidden matrices, AdamW on the rest")
     a("--lr", "--learning-rate", dest="lr", type=float, help=f"peak learning rate (default {d['lr'].default})")
     a("--weight-decay", type=float, help="default 0")
     a("--lr-schedule", choices=_SCHEDULES, help="after linear warmup (default cosine)")

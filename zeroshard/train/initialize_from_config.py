@@ -12,9 +12,12 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Optional, Union
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeroshard.optim.muon_recipe import recipe_groups
+from zeroshard.optim.params import ParamsLike
 from zeroshard.optim.zero_optimizer import ZeroOptimizer
 from zeroshard.train.deepspeed_config import DeepSpeedPlan, translate
 from zeroshard.train.schedules import build_schedule
@@ -71,10 +74,12 @@ def initialize(model: nn.Module, config: Union[None, str, os.PathLike, Mapping] 
     if plan.optimizer_class is None:
         raise ValueError("the config has no 'optimizer' section; add one (e.g. {\"type\": \"AdamW\", \"params\": "
                          "{\"lr\": 1e-4}}) or pass optimizer=torch.optim.AdamW, lr=... to initialize")
-    params = model if model_parameters is None else model_parameters
+    params: ParamsLike = model if model_parameters is None else model_parameters
+    cls, kwargs = plan.optimizer_class, plan.optimizer_kwargs
+    if cls is torch.optim.Muon:  # Muon's recipe (Note [Muon from a config] in zeroshard/optim/muon_recipe.py)
+        params, cls, kwargs = recipe_groups(model, model_parameters, kwargs)
     # module=: stage 3 plans its units by module, also when param groups are given.
-    optimizer = ZeroOptimizer(params, plan.optimizer_class, process_group=process_group,
-                              module=model if model_parameters is not None else None,
-                              **plan.zero, **plan.optimizer_kwargs)
+    optimizer = ZeroOptimizer(params, cls, process_group=process_group,
+                              module=model if params is not model else None, **plan.zero, **kwargs)
     scheduler = build_schedule(plan.scheduler, optimizer, plan.scheduler_params) if plan.scheduler else None
     return Initialized(model, optimizer, scheduler, plan)
