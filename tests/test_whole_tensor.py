@@ -167,3 +167,19 @@ def test_deepspeed_config_muon_is_the_recipe_and_trains_as_torch():
     assert plan.optimizer_class is torch.optim.Muon
     with pytest.raises(ValueError, match="no hidden 2-D matrix"):
         zeroshard.initialize(torch.nn.Sequential(torch.nn.Embedding(8, 4)), {"optimizer": {"type": "Muon"}})
+
+
+def test_reshards_4_to_2_to_1_and_loads_into_torch_muon(tmp_path):
+    """Muon + AdamW at stage 2 on 4 ranks: bit-for-bit resume, then the checkpoint loads at 2
+    ranks and at 1 with equal weights and state, and its consolidated state dict loads into
+    torch.optim.Muon + AdamW, whose next step equals zeroshard's."""
+    import json
+    from zeroshard.launch import spawn
+    root, out = str(tmp_path / "ckpt"), str(tmp_path / "res")
+    spawn(w.resume_worker, 4, out, root, "muon", 2)
+    assert all(json.load(open(f"{out}.rank{r}"))["resume_equal"] for r in range(4))
+    spawn(w.reshard_worker, 2, out + "2", root, "muon", 2, f"{out}.saved_state.pt")
+    assert all(json.load(open(f"{out}2.rank{r}"))["equal"] for r in range(2))
+    w.reshard_worker(0, 1, out + "1", root, "muon", 2, f"{out}.saved_state.pt")
+    assert json.load(open(f"{out}1.rank0"))["equal"]
+    assert w.torch_next_step(root, "muon", 2) == {"equal": True, "moved": True}

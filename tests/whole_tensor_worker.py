@@ -302,3 +302,35 @@ def count_worker(rank: int, world: int, out: str) -> None:
         muon_impl._zeropower_via_newtonschulz = real
     with open(f"{out}.rank{rank}", "w") as f:
         json.dump(results, f)
+
+
+def torch_next_step(root: str, recipe: str, stage: int) -> dict:
+    """One process: a ZeroOptimizer loads the checkpoint and takes a step; torch.optim.Muon and
+    AdamW given the same weights and ``consolidated_state_dict()`` take the same step."""
+    model, opt = _built(recipe, stage)
+    zeroshard.load_checkpoint(root, model=model, optimizer=opt)
+    cons = opt.consolidated_state_dict()
+    ref = llama()
+    before = zeroshard.full_state_dict(model, rank0_only=False)
+    ref.load_state_dict(before)
+    rparams = dict(ref.named_parameters())
+    groups = [[rparams[opt.param_names[id(p)]] for p in g["params"]] for g in opt.param_groups]
+    classes = [torch.optim.Muon, torch.optim.AdamW]
+    opts, first = [], 0
+    for cls, params, saved in zip(classes, groups, cons["param_groups"]):
+        o = cls(params)
+        ids = list(range(first, first + len(params)))
+        first += len(params)
+        o.load_state_dict({"state": {k - ids[0]: cons["state"][k] for k in ids if k in cons["state"]},
+                           "param_groups": [{**{k: v for k, v in saved.items() if k in o.param_groups[0]},
+                                             "params": [i - ids[0] for i in ids]}]})
+        opts.append(o)
+    ids = batch(9, LOCAL_BATCH)
+    for m in (model, ref):
+        m(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    for o in opts:
+        o.step()
+    got = zeroshard.full_state_dict(model, rank0_only=False)
+    return {"equal": all(torch.equal(got[n], p.detach()) for n, p in ref.named_parameters()),
+            "moved": all(not torch.equal(got[n], before[n]) for n in got)}
