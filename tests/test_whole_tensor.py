@@ -183,3 +183,30 @@ def test_reshards_4_to_2_to_1_and_loads_into_torch_muon(tmp_path):
     w.reshard_worker(0, 1, out + "1", root, "muon", 2, f"{out}.saved_state.pt")
     assert json.load(open(f"{out}1.rank0"))["equal"]
     assert w.torch_next_step(root, "muon", 2) == {"equal": True, "moved": True}
+
+
+def test_planner_counts_muon_momentum_and_adafactor_factors(tmp_path, capsys):
+    """``zeroshard estimate --optimizer muon|adafactor`` counts one momentum on the hidden
+    matrices (AdamW's two moments on the rest) and Adafactor's factored moments: against what a
+    ZeroOptimizer holds for the same Llama (memory_report)."""
+    from zeroshard.planner.commands import _run, _add_arguments
+    from zeroshard.planner.model_shape import ModelShape
+    from zeroshard.planner.optimizer_state import optimizer_bytes_per_param
+    import argparse
+    w.llama().config.save_pretrained(tmp_path)
+    shape = ModelShape.from_hf_config(str(tmp_path))
+    for recipe, within in (("muon", 1e-3), ("adafactor", 0.15)):
+        model = w.llama()
+        cls = torch.optim.Adafactor if recipe == "adafactor" else torch.optim.AdamW
+        opt = zeroshard.ZeroOptimizer(w.groups(model, recipe, zero=True), cls, stage=2, module=model)
+        ids = w.batch(0, w.LOCAL_BATCH)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        measured = opt.memory_report().optimizer_states
+        assert optimizer_bytes_per_param(shape, recipe) * shape.n_params == pytest.approx(measured, rel=within)
+        opt.close()
+    assert optimizer_bytes_per_param(shape, "muon") < 8 * 0.7 and optimizer_bytes_per_param(shape, "adafactor") < 1
+    p = argparse.ArgumentParser()
+    _add_arguments(p)
+    assert _run(p.parse_args(["--hf-config", str(tmp_path), "--gpu-memory", "1GB", "--optimizer", "muon"])) == 0
+    assert "4.75 optimizer bytes/param" in capsys.readouterr().out

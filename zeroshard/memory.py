@@ -82,7 +82,7 @@ class MemoryReport:
 
 
 def zero_formula(stage: int, numel: int, world_size: int, *, param_bytes: int = 4,
-                 mixed_precision: bool = False, optim_bytes_per_param: int = 8) -> MemoryReport:
+                 mixed_precision: bool = False, optim_bytes_per_param: float = 8) -> MemoryReport:
     """Expected model-state bytes per rank by the ZeRO paper's formulas (module docstring)."""
     n = world_size
     shard = (lambda x: x / n) if stage >= 1 else (lambda x: x)

@@ -8,6 +8,7 @@ import sys
 from zeroshard.cli import Command
 from zeroshard.planner.estimate import Hardware, Workload, plan
 from zeroshard.planner.model_shape import ModelShape
+from zeroshard.planner.optimizer_state import OPTIMIZERS, optimizer_bytes_per_param
 from zeroshard.planner.traffic import Topology
 from zeroshard.planner.report import plan_markdown
 from zeroshard.planner.sizes import parse_bytes, parse_count
@@ -32,7 +33,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=1, help="micro-batch per GPU (sequences)")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
-    p.add_argument("--optim-bytes", type=int, default=8, help="optimizer bytes per parameter (Adam: 8)")
+    p.add_argument("--optim-bytes", type=float, default=None, help="optimizer bytes per parameter (Adam: 8)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="counts its state: adamw/adam 8 bytes/param, sgd 4, muon (Muon's recipe) and adafactor by "
+                        "the model's matrices (default adamw; --optim-bytes overrides)")
     p.add_argument("--usable", type=float, default=0.9, help="usable share of GPU/CPU memory")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--trainable-fraction", type=float, default=None,
@@ -51,7 +55,8 @@ def _run(a: argparse.Namespace) -> int:
         hw = Hardware(parse_bytes(a.gpu_memory), a.gpus, parse_bytes(a.cpu_memory), parse_bytes(a.nvme), a.usable,
                       nodes=a.nodes)
         shape, fraction = _trainable(a, shape)
-        w = Workload(a.batch, a.seq_len, None if a.precision == "fp32" else a.precision, a.optim_bytes,
+        optim_bytes = a.optim_bytes if a.optim_bytes is not None else optimizer_bytes_per_param(shape, a.optimizer)
+        w = Workload(a.batch, a.seq_len, None if a.precision == "fp32" else a.precision, optim_bytes,
                      tp=a.tp, scope=a.scope, trainable_fraction=fraction)
         Topology(hw.nodes, hw.n_gpus, w.tp, w.scope)  # (tp must divide the GPUs of a node)
     except (ValueError, TypeError) as exc:

@@ -80,8 +80,9 @@ class Workload:
     seq_len: int = 1024
     mixed_precision: Optional[str] = "bf16"
     """None (fp32), "bf16" or "fp16", as ``ZeroOptimizer(mixed_precision=...)``."""
-    optim_bytes_per_param: int = 8
-    """Optimizer state per parameter: 8 for Adam/AdamW (two fp32 moments), 4 SGD momentum."""
+    optim_bytes_per_param: float = 8
+    """Optimizer state per parameter: 8 for Adam/AdamW (two fp32 moments), 4 SGD momentum,
+    Muon's recipe and Adafactor by the model (``optimizer_state.optimizer_bytes_per_param``)."""
     bucket_size_mb: float = 25.0
     max_inflight_buckets: int = 2
     max_live_units: int = 2
@@ -238,7 +239,7 @@ def _placement(choice: Choice, full: MemoryReport, shard_numel: int, run_numel: 
         separate = 4 * shard_numel if accelerator else master
         shards = params if placement.params_swapped else 0
         nvme += optim + grads + separate + shards
-        pool = min(3, n_runs) * run_numel * w.optim_bytes_per_param
+        pool = int(min(3, n_runs) * run_numel * w.optim_bytes_per_param)
         unit_bytes = 4 + (4 if separate else 0) + (w.param_bytes if shards else 0)
         working = min(3, n_runs) * run_numel * unit_bytes
         params, grads, master = params - shards, 0, 0

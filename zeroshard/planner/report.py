@@ -16,7 +16,7 @@ def plan_markdown(p: Plan) -> str:
         f"{w.scope} sharding, CPU {fmt_bytes(hw.cpu_memory)} per node, "
         f"NVMe {fmt_bytes(hw.nvme)} ({hw.usable_fraction:.0%} of GPU/CPU memory usable)",
         f"workload: micro-batch {w.micro_batch} × {w.seq_len} tokens per GPU, "
-        f"{w.mixed_precision or 'fp32'}, {w.optim_bytes_per_param} optimizer bytes/param",
+        f"{w.mixed_precision or 'fp32'}, {w.optim_bytes_per_param:.3g} optimizer bytes/param",
         "",
         "| configuration | GPU model states | GPU buffers | activations | GPU total | CPU (node) "
         "| NVMe | + async ckpt CPU | bytes/step intra-node | inter-node | fits |",
