@@ -93,6 +93,10 @@ def test_what_cannot_be_sharded_is_still_refused():
     with pytest.raises(ValueError, match="param group 0.*SparseAdam"):
         zeroshard.ZeroOptimizer([{"params": list(model.parameters()), "optimizer_class": torch.optim.SparseAdam}],
                                 torch.optim.AdamW)
+    muon = w.groups(model, "muon", zero=True)
+    with pytest.raises(ValueError, match=r"param group\(s\) 0 \(Muon\) keep whole-tensor state.*offload_optimizer='cpu'"):
+        zeroshard.ZeroOptimizer(muon, torch.optim.AdamW, stage=2, module=model, offload_optimizer="nvme",
+                                nvme_path="/tmp")
     with pytest.raises(TypeError, match="param group 0.*class"):
         zeroshard.ZeroOptimizer([{"params": list(model.parameters()), "optimizer_class": "Muon"}], torch.optim.AdamW)
 

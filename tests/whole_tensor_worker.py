@@ -117,11 +117,12 @@ class Case(NamedTuple):
     precision: Optional[str] = None
     mesh: Optional[str] = None  # "hybrid": a (replicate 2, shard 2) mesh at world 4
     exact_sum: bool = False  # (world 4: ranks 2-3 weigh their loss 0, see ``weight``)
+    offload: Optional[str] = None  # offload_optimizer
 
     @property
     def key(self) -> str:
         return "-".join([self.recipe, str(self.stage)] + (["noclip"] if self.max_norm == NO_CLIP else []) +
-                        ([self.clip + "clip"] if self.clip != "exact" else []) + [x for x in (self.precision, self.mesh) if x] +
+                        ([self.clip + "clip"] if self.clip != "exact" else []) + [x for x in (self.precision, self.mesh, self.offload) if x] +
                         (["exactsum"] if self.exact_sum else []))
 
 
@@ -136,7 +137,7 @@ def zero_run(case: Case, rank: int, world: int) -> tuple[dict[str, torch.Tensor]
         from torch.distributed.device_mesh import init_device_mesh
         kw["mesh"] = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     opt = zeroshard.ZeroOptimizer(groups(model, case.recipe, zero=True), cls, stage=case.stage, module=model,
-                                  mixed_precision=case.precision, **kw)
+                                  mixed_precision=case.precision, offload_optimizer=case.offload, **kw)
     norms = []
     for step in range(STEPS):
         ids = batch(step, LOCAL_BATCH * world)[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
@@ -176,6 +177,7 @@ def cases(world: int) -> list[Case]:
     out = [Case(recipe, stage) for recipe in ("muon", "adafactor") for stage in (0, 1, 2, 3)]
     out += [Case("muon", 3, NO_CLIP), Case("muon", 2, clip="torch"), Case("adafactor", 2, clip="torch")]
     out += [Case("muon", 2, precision="bf16"), Case("muon", 3, precision="bf16"), Case("adafactor", 3, precision="bf16")]
+    out += [Case("muon", 3, offload="cpu"), Case("adafactor", 2, precision="bf16", offload="cpu")]
     return out
 
 

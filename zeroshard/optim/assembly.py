@@ -202,7 +202,7 @@ def _build_optimizer_state(owner: torch.optim.Optimizer, engine: Engine, groups:
     engine.swapper = None
     if engine.placement.streams_optimizer:
         if kernel_choice.fused_part(engine.inner) is None:
-            raise nvme_kernel_refusal(cls, kwargs)
+            raise nvme_kernel_refusal(cls, kwargs, groups, kernel_choice.choose_kernels(cls, kwargs, groups, True))
         slots = reports.staging_slots(config.offload_buffer_mb, engine.runs, engine.units)
         engine.swapper = NvmeOptimizerState(engine.runs, config.nvme_path, engine.mesh.comm.rank, max_slots=slots,
                                             **engine.placement.state_options(engine.runs, slots))

@@ -9,7 +9,7 @@ is one line that names the argument (or group and key) and what to pass instead.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -19,6 +19,7 @@ import inspect
 
 from zeroshard.config import ZeroConfig, check_bool, check_real
 from zeroshard.layout import NamedParam
+from zeroshard.optim.elementwise import update_kind
 from zeroshard.optim.kernel_choice import choose_kernels
 
 # Non-negative real hyperparameters of torch.optim's elementwise optimizers.
@@ -218,10 +219,21 @@ def single_dtype(trainable: list[NamedParam]) -> torch.dtype:
     return dtypes.pop()
 
 
-def nvme_kernel_refusal(optimizer_class: type, kwargs: dict) -> ValueError:
+def nvme_kernel_refusal(optimizer_class: type, kwargs: dict, groups: Sequence[dict] = (),
+                        fused: Sequence[bool] = ()) -> ValueError:
+    """Names the param groups (their class) that the NVMe stream cannot carry."""
+    off = [(i, g.get("optimizer_class", optimizer_class)) for i, (g, ok) in enumerate(zip(groups, fused)) if not ok]
+    whole = [(i, c) for i, c in off if update_kind(c) == "whole"]
+    if whole:
+        names = ", ".join(f"{i} ({getattr(c, '__name__', c)})" for i, c in whole)
+        return ValueError(
+            f"optimizer state on NVMe (offload_optimizer='nvme', or offload='auto' placing it there) streams "
+            f"Adam/AdamW moments through the fused kernel; param group(s) {names} keep whole-tensor state it does "
+            "not carry yet: use offload_optimizer='cpu' (state in host memory; Muon's is half of Adam's)")
+    what = getattr(off[0][1] if off else optimizer_class, "__name__", optimizer_class)
     return ValueError(
         f"offload_optimizer='nvme' streams Adam/AdamW moments through the fused kernel; "
-        f"{getattr(optimizer_class, '__name__', optimizer_class)}(**{kwargs}) does not run on it (use "
+        f"{what}(**{kwargs}) does not run on it (use "
         "torch.optim.Adam or AdamW without amsgrad/foreach/fused/capturable, or offload_optimizer='cpu')")
 
 
@@ -233,5 +245,6 @@ def check_nvme_kernel(config: ZeroConfig, optimizer_class: type, kwargs: dict, g
     if not config.optimizer_swapped:
         return
     float64 = config.mixed_precision is None and any(p.requires_grad and p.dtype == torch.float64 for p in params)
-    if not all(choose_kernels(optimizer_class, kwargs, group_options or [{}], config.fused_adam and not float64)):
-        raise nvme_kernel_refusal(optimizer_class, kwargs)
+    fused = choose_kernels(optimizer_class, kwargs, group_options or [{}], config.fused_adam and not float64)
+    if not all(fused):
+        raise nvme_kernel_refusal(optimizer_class, kwargs, group_options or [{}], fused)
