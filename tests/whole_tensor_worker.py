@@ -136,6 +136,9 @@ def zero_run(case: Case, rank: int, world: int) -> tuple[dict[str, torch.Tensor]
     if case.mesh == "hybrid":
         from torch.distributed.device_mesh import init_device_mesh
         kw["mesh"] = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    if case.offload == "nvme":
+        import tempfile
+        kw["nvme_path"] = tempfile.mkdtemp(prefix="zs-whole-swap")
     opt = zeroshard.ZeroOptimizer(groups(model, case.recipe, zero=True), cls, stage=case.stage, module=model,
                                   mixed_precision=case.precision, offload_optimizer=case.offload, **kw)
     norms = []
@@ -178,6 +181,7 @@ def cases(world: int) -> list[Case]:
     out += [Case("muon", 3, NO_CLIP), Case("muon", 2, clip="torch"), Case("adafactor", 2, clip="torch")]
     out += [Case("muon", 2, precision="bf16"), Case("muon", 3, precision="bf16"), Case("adafactor", 3, precision="bf16")]
     out += [Case("muon", 3, offload="cpu"), Case("adafactor", 2, precision="bf16", offload="cpu")]
+    out += [Case("adafactor", 2, offload="nvme"), Case("adafactor", 3, precision="bf16", offload="nvme")]
     return out
 
 
@@ -209,10 +213,14 @@ def _train(model: torch.nn.Module, opt: zeroshard.ZeroOptimizer, steps: range, r
         opt.zero_grad()
 
 
-def _built(recipe: str, stage: int) -> tuple[torch.nn.Module, zeroshard.ZeroOptimizer]:
+def _built(recipe: str, stage: int, offload: Optional[str] = None) -> tuple[torch.nn.Module, zeroshard.ZeroOptimizer]:
+    """(with NVMe, Muon's AdamW half runs on the fused kernel, which streams its moments)"""
     model = llama()
     cls = torch.optim.Adafactor if recipe == "adafactor" else torch.optim.AdamW
-    kw = {"lr": 1e-2} if recipe == "adafactor" else {"fused_adam": False}
+    kw: dict[str, Any] = {"lr": 1e-2} if recipe == "adafactor" else {"fused_adam": offload == "nvme"}
+    if offload == "nvme":
+        import tempfile
+        kw.update(offload_optimizer="nvme", nvme_path=tempfile.mkdtemp(prefix="zs-whole-swap"))
     return model, zeroshard.ZeroOptimizer(groups(model, recipe, zero=True), cls, stage=stage, module=model, **kw)
 
 
@@ -224,18 +232,19 @@ def _state(model: torch.nn.Module, opt: zeroshard.ZeroOptimizer) -> dict:
             "state": {names[i]: s for i, s in cons["state"].items()}}
 
 
-def resume_worker(rank: int, world: int, out: str, root: str, recipe: str, stage: int) -> None:
+def resume_worker(rank: int, world: int, out: str, root: str, recipe: str, stage: int,
+                  offload: Optional[str] = None) -> None:
     """Trains 3 steps, saves, trains 3 more (the reference); a fresh model and optimizer load
     the checkpoint and train the same 3 steps: equal bit for bit. Writes the loaded state for a
     reshard check at another world size."""
-    model, opt = _built(recipe, stage)
+    model, opt = _built(recipe, stage, offload)
     _train(model, opt, range(3), rank, world)
     zeroshard.save_checkpoint(root, 3, model=model, optimizer=opt).wait()
     loaded_state = _state(model, opt)
     _train(model, opt, range(3, 6), rank, world)
     ref = _state(model, opt)
     opt.close()
-    model, opt = _built(recipe, stage)
+    model, opt = _built(recipe, stage, offload)
     zeroshard.load_checkpoint(root, model=model, optimizer=opt)
     at_load = _state(model, opt)
     _train(model, opt, range(3, 6), rank, world)
@@ -336,3 +345,25 @@ def torch_next_step(root: str, recipe: str, stage: int) -> dict:
     got = zeroshard.full_state_dict(model, rank0_only=False)
     return {"equal": all(torch.equal(got[n], p.detach()) for n, p in ref.named_parameters()),
             "moved": all(not torch.equal(got[n], before[n]) for n in got)}
+
+
+def nvme_worker(rank: int, world: int, out: str) -> None:
+    """Muon + AdamW (on the fused kernel, which NVMe streams) with the whole optimizer state on
+    NVMe against the same in memory: weights and consolidated state equal after 8 steps."""
+    results = {}
+    for stage in (2, 3):
+        runs = []
+        for offload in (None, "nvme"):
+            model, opt = _built("muon", stage, offload)
+            if offload is None:  # (the same fused AdamW as under NVMe)
+                opt.close()
+                model = llama()
+                opt = zeroshard.ZeroOptimizer(groups(model, "muon", zero=True), torch.optim.AdamW, stage=stage,
+                                              module=model)
+            _train(model, opt, range(STEPS), rank, world)
+            runs.append((_state(model, opt), opt.memory_report()))
+            opt.close()
+        (mem, _), (nvme, report) = runs
+        results[str(stage)] = {"equal": _equal(mem, nvme), "offloaded": report.offloaded}
+    with open(f"{out}.rank{rank}", "w") as f:
+        json.dump(results, f)

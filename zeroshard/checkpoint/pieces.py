@@ -100,10 +100,10 @@ def owned_pieces(model: Optional[nn.Module], opt: "ZeroOptimizer") -> list[Piece
                     rec.tensors[f"state.{k}"] = flat(v)[ua - run.a:ub - run.a]
                 else:
                     rec.scalars[k] = v
-            if swapper is not None and state:  # the moments stream from the swap file too
-                for k in swapper.tensor_keys:
-                    rec.tensors[f"state.{k}"] = _deferred(torch.float32, swapper.read_range, run.tensor, k,
-                                                          ua - run.a, ub - run.a)
+            if swapper is not None:  # the moments stream from the swap file too
+                for k in swapper.tensor_keys_of(run.tensor):
+                    rec.tensors[f"state.{k}"] = _deferred(swapper.key_dtype(run.tensor, k), swapper.read_range,
+                                                          run.tensor, k, ua - run.a, ub - run.a)
             records.append(rec)
     return records
 

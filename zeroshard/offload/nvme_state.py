@@ -30,40 +30,55 @@ read; one deleted, truncated or zero-filled during a run fails the next read, na
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, MutableMapping
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
 from zeroshard.io import ALIGN, aligned_empty
+from zeroshard.offload.nvme_generic_state import GenericRecords, GenericRun, Pending
 from zeroshard.offload.swap_file import SwapFile, aligned
 from zeroshard.ops import adam_step_
+
+if TYPE_CHECKING:
+    from zeroshard.optim.flat_unit import FlatUnit
 
 KEYS = ("exp_avg", "exp_avg_sq")
 
 
 class NvmeOptimizerState(MutableMapping):
     def __init__(self, runs: Sequence[Any], nvme_path: Optional[str], rank: int, max_slots: int = 3,
-                 resident: Collection[int] = (), release_pool: bool = False) -> None:
+                 resident: Collection[int] = (), release_pool: bool = False,
+                 generic: Optional[dict[int, GenericRun]] = None,
+                 step_fn: Optional[Callable[[torch.optim.Optimizer], object]] = None) -> None:
         """``resident``: ``id(run.tensor)`` of the runs whose moments automatic placement keeps
         in memory (same layout as a pool slot, updated by the same kernel); the others stream.
         ``release_pool``: the pool exists only during ``step`` (its memory serves the parameter
-        cache during forward and backward: zeroshard/offload/param_cache.py)."""
+        cache during forward and backward: zeroshard/offload/param_cache.py). ``generic``: the
+        runs a class of their own steps (``step_fn(part)``), with state of any shape (Note
+        [generic state on NVMe] in nvme_generic_state.py)."""
+        generic = generic or {}
         self.runs = list(runs)
         self._offset: dict[int, int] = {}
         self._resident: dict[int, torch.Tensor] = {
             id(r.tensor): aligned_empty(aligned(r.tensor.numel() * 4) * len(KEYS) // 4, torch.float32)
-            for r in self.runs if id(r.tensor) in resident}
+            for r in self.runs if id(r.tensor) in resident and id(r.tensor) not in generic}
         self.resident_bytes = sum(b.numel() * 4 for b in self._resident.values())
-        streamed = [r for r in self.runs if id(r.tensor) not in self._resident]
+        streamed = [r for r in self.runs if id(r.tensor) not in self._resident and id(r.tensor) not in generic]
         offset = 0
         for run in streamed:
             self._offset[id(run.tensor)] = offset
             offset += aligned(run.tensor.numel() * 4) * len(KEYS)
+        generic_offset = {}
+        for run in self.runs:
+            if id(run.tensor) in generic and id(run.tensor) not in resident:
+                generic_offset[id(run.tensor)] = offset
+                offset += generic[id(run.tensor)].region_bytes
+        self.resident_bytes += sum(generic[i].region_bytes for i in generic if i not in generic_offset)
         self.file_bytes = offset
         self.file: Optional[SwapFile] = None
         self.path: Optional[str] = None
         self.aio = None
-        if streamed:
+        if offset:
             if nvme_path is None:
                 raise RuntimeError("NvmeOptimizerState: runs stream their moments to a swap file, but no nvme_path "
                                    "was given (configuration requires nvme_path for offload to 'nvme')")
@@ -84,7 +99,9 @@ class NvmeOptimizerState(MutableMapping):
             self._allocate_pool()
         self._steps: dict[int, torch.Tensor] = {}
         self._keys = {id(r.tensor): r.tensor for r in self.runs}
-        self.tensor_keys = KEYS
+        self.generic = GenericRecords(generic, generic_offset, lambda buf, off: self._swap_file().pread(buf, off),
+                                      lambda buf, off: self._swap_file().pwrite(buf, off),
+                                      step_fn or (lambda part: part.step()))
         self.before_close: list[Callable[[], None]] = []
         """Run once by ``close`` before the file goes (the optimizer's teardown joins a step in flight)."""
 
@@ -120,15 +137,35 @@ class NvmeOptimizerState(MutableMapping):
 
     def in_memory(self, t: torch.Tensor) -> bool:
         """The run's moments stay in memory (automatic placement) rather than stream."""
-        return id(t) in self._resident
+        return id(t) in self._resident or (t in self.generic and id(t) not in self.generic.file_offset)
+
+    def state_bytes(self, t: torch.Tensor) -> int:
+        """Bytes of the run's tensor state (in memory or in the file)."""
+        return self.generic.runs[id(t)].region_bytes if t in self.generic else aligned(t.numel() * 4) * len(KEYS)
 
     # -- piecewise access (checkpoints stream through these) ------------------------------------
     def scalars(self, t: torch.Tensor) -> dict:
-        """The run's non-tensor state (its step), without reading the file; {} before a step."""
+        """The run's state that is not one value per element (Adam's step; a generic run's
+        scalars and per-tensor state such as Adafactor's factors, read from the file); {}
+        before a step."""
+        if t in self.generic:
+            elementwise = self.generic.elementwise_keys(t)
+            return {k: v for k, v in self.generic.read(t).items() if k not in elementwise}
         return {"step": self._steps[id(t)].clone()} if id(t) in self._steps else {}
+
+    def tensor_keys_of(self, t: torch.Tensor) -> tuple[str, ...]:
+        """The run's state keys with one value per element (read piecewise by ``read_range``)."""
+        if t in self.generic:
+            return self.generic.elementwise_keys(t) if self.generic.has_state(t) else ()
+        return KEYS if id(t) in self._steps else ()
+
+    def key_dtype(self, t: torch.Tensor, key: str) -> torch.dtype:
+        return self.generic.dtype(t, key) if t in self.generic else torch.float32
 
     def read_range(self, t: torch.Tensor, key: str, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the run's ``key`` moment, read from the file."""
+        if t in self.generic:
+            return self.generic.read(t, tensors_only=True)[key].reshape(-1)[lo:hi].clone()
         if key not in KEYS:
             raise KeyError(key)
         if id(t) in self._resident:
@@ -141,6 +178,8 @@ class NvmeOptimizerState(MutableMapping):
 
     # -- the mapping the inner optimizer and the checkpoint code see ---------------------------
     def __getitem__(self, t: torch.Tensor) -> dict:
+        if t in self.generic and self.generic.has_state(t):
+            return self.generic.read(t)
         if id(t) not in self._steps:
             raise KeyError(t)
         buf = self._resident.get(id(t))
@@ -151,6 +190,9 @@ class NvmeOptimizerState(MutableMapping):
                 **{k: v.clone() for k, v in zip(KEYS, self._views(buf, t.numel()))}}
 
     def __setitem__(self, t: torch.Tensor, state: dict) -> None:
+        if t in self.generic:
+            self.generic.write(t, state)
+            return
         if id(t) not in self._offset and id(t) not in self._resident:
             raise KeyError(f"tensor of shape {tuple(t.shape)} is not a run of this optimizer")
         missing = [k for k in ("step", *KEYS) if k not in state]
@@ -166,13 +208,16 @@ class NvmeOptimizerState(MutableMapping):
         self._steps[id(t)] = (step if isinstance(step, torch.Tensor) else torch.tensor(float(step))).detach().clone()
 
     def __delitem__(self, t: torch.Tensor) -> None:
+        if t in self.generic:
+            self.generic.forget(t)
+            return
         del self._steps[id(t)]
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        return iter(self._keys[i] for i in self._steps)
+        return iter([self._keys[i] for i in self._steps] + [self._keys[i] for i in self.generic.scalars])
 
     def __len__(self) -> int:
-        return len(self._steps)
+        return len(self._steps) + len(self.generic.scalars)
 
     # -- the step ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -191,7 +236,8 @@ class NvmeOptimizerState(MutableMapping):
             todo.sort(key=lambda r: pos.get(id(r.unit), len(pos)))  # (stable: runs keep their order)
         hyper = [{"lr": float(g["lr"]), "betas": tuple(float(b) for b in g["betas"]), "eps": float(g["eps"]),
                   "weight_decay": float(g["weight_decay"]), "adamw_mode": bool(g["adamw_mode"]),
-                  "maximize": bool(g.get("maximize", False))} for g in param_groups]
+                  "maximize": bool(g.get("maximize", False))} if "adamw_mode" in g else {}  # (generic: its class's)
+                 for g in param_groups]
         return [(r, r.tensor.grad, hyper[r.group]) for r in todo]
 
     @torch.no_grad()
@@ -222,7 +268,8 @@ class NvmeOptimizerState(MutableMapping):
         started: set[int] = set()
         slots = len(self._pool)
         writes: list[Any] = [None] * slots
-        stream = [i for i, (r, _, _) in enumerate(todo) if id(r.tensor) not in self._resident]
+        stream = [i for i, (r, _, _) in enumerate(todo) if id(r.tensor) not in self._resident and r.tensor not in self.generic]
+        generic_writes: list[Optional[Pending]] = []
         slot_of = {i: k % max(1, slots) for k, i in enumerate(stream)}
         after = dict(zip(stream, stream[1:]))  # the next streamed run
 
@@ -242,7 +289,9 @@ class NvmeOptimizerState(MutableMapping):
         for i, (run, grad, group) in enumerate(todo):
             t = run.tensor
             kept = self._resident.get(id(t))
-            if kept is None:
+            if t in self.generic:
+                pass  # (stepped below, once its unit is in memory)
+            elif kept is None:
                 if i not in started:
                     start_read(i)
                 if slots > 1 and i in after and after[i] not in started:  # read ahead into the next slot
@@ -259,6 +308,14 @@ class NvmeOptimizerState(MutableMapping):
                 store.wait_fetch(unit, store.parts_of(unit))
                 if store.max_in_flight > 1:
                     fetch_next()  # the next unit streams in while this one is updated
+            if t in self.generic:
+                generic_writes.append(self.generic.step(t, grad_scale))
+                if len(generic_writes) > 2:  # (two runs' state in flight at most)
+                    done = generic_writes.pop(0)
+                    if done is not None:
+                        done.wait()
+                self._unit_stepped(run.unit, last_run[id(run.unit)] == i, unit_done)
+                continue
             step = self._steps.setdefault(id(t), torch.tensor(0.0))
             step += 1
             beta1, beta2 = group["betas"]
@@ -269,13 +326,10 @@ class NvmeOptimizerState(MutableMapping):
                        adamw_mode=group["adamw_mode"], grad_scale=-grad_scale if group["maximize"] else grad_scale)
             if kept is None:
                 writes[slot_of[i]] = self._write(t, buf)
-            if last_run[id(unit)] == i:
-                unit.write_back()  # the low-precision shard from the new master
-                if store is not None:
-                    store.evict(unit, ("grad",))  # its file copy is current
-                    store.flush(unit, [p for p in store.parts_of(unit) if p != "grad"])
-                if unit_done is not None:
-                    unit_done(unit)
+            self._unit_stepped(run.unit, last_run[id(run.unit)] == i, unit_done)
+        for w in generic_writes:
+            if w is not None:
+                w.wait()
         for u in order:
             u.swap.settle(u)
         for w in writes:
@@ -283,6 +337,19 @@ class NvmeOptimizerState(MutableMapping):
                 w.wait()
         if self.release_pool:
             self._pool, self.pool_bytes = [], 0
+
+    @staticmethod
+    def _unit_stepped(unit: FlatUnit, last: bool, unit_done: Optional[Callable[[FlatUnit], None]]) -> None:
+        """After a run: once its unit's ``last`` run is updated, the unit's new weights go back."""
+        if not last:
+            return
+        unit.write_back()  # the low-precision shard from the new master
+        store = unit.swap
+        if store is not None:
+            store.evict(unit, ("grad",))  # its file copy is current
+            store.flush(unit, [p for p in store.parts_of(unit) if p != "grad"])
+        if unit_done is not None:
+            unit_done(unit)
 
     def close(self) -> None:
         run, self.before_close = self.before_close, []

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
+from zeroshard.optim.elementwise import update_kind
+
 from zeroshard.offload.param_cache import ParamCache
 from zeroshard.offload.peak_memory import (StepPeaks, cache_within, resident_bytes, return_freed_memory,
                                            trim_freed_memory)
@@ -112,9 +114,12 @@ class StatePlacement:
             fixed = dataclasses.replace(fixed, host=fixed.host + process, process=process)
             self.plan: Plan = plan_auto(specs, budget, fixed, accelerator=self.accelerator,
                                         nvme=config.nvme_path is not None)
-            cls = optimizer_class
-            adam = isinstance(cls, type) and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW))
-            if self.plan.offloads and not adam:
+            # (whole-tensor classes stream state of their own: Note [generic state on NVMe])
+            streamable = [c for c in {g.get("optimizer_class", optimizer_class) for g in groups}
+                          if not (isinstance(c, type) and issubclass(c, (torch.optim.Adam, torch.optim.AdamW)))
+                          and update_kind(c) != "whole"]
+            cls = streamable[0] if streamable else optimizer_class
+            if self.plan.offloads and streamable:
                 raise ValueError(
                     f"offload='auto' must offload part of the state to fit memory_budget ({budget}), and offloaded "
                     f"state is stepped by the fused Adam/AdamW kernel, which {getattr(cls, '__name__', cls)} does not "
@@ -223,6 +228,7 @@ class StatePlacement:
         for r in runs:
             nbytes = 2 * aligned(4 * r.tensor.numel())
             kept = swapper is None or swapper.in_memory(r.tensor)
+            nbytes = swapper.state_bytes(r.tensor) if swapper is not None else nbytes
             out["moments"]["memory" if kept else "nvme"] += nbytes
         return out
 

@@ -29,7 +29,9 @@ from zeroshard.config import ZeroConfig
 from zeroshard.io.host_pool import HOST_POOL
 from zeroshard.layout import NamedParam
 from zeroshard.offload import NvmeOptimizerState
+from zeroshard.offload.nvme_generic_state import probe_layouts
 from zeroshard.offload.placement import StatePlacement
+from zeroshard.ops import FusedAdam
 from zeroshard.optim import construction, ddp_check, kernel_choice, lifecycle, registry, reports
 from zeroshard.optim.zero_engine import Engine
 from zeroshard.optim.flat_unit import FlatUnit
@@ -37,6 +39,7 @@ from zeroshard.optim.grad_links import GradLinks
 from zeroshard.optim.grad_sync import GradientReducer
 from zeroshard.optim.gradients import GradientFlow
 from zeroshard.optim.elementwise import update_kind
+from zeroshard.optim.inner import GroupedInner, step_without_hooks
 from zeroshard.optim.hyperparams import (check_inputs, check_optimizer_kwargs, nvme_kernel_refusal,
                                          separate_optimizer_kwargs, single_dtype, trainable_params)
 from zeroshard.optim.module_guard import ModuleGuard
@@ -201,10 +204,14 @@ def _build_optimizer_state(owner: torch.optim.Optimizer, engine: Engine, groups:
     engine.runs, engine.inner = kernel_choice.build_inner(cls, kwargs, groups, engine.units, config.fused_adam)
     engine.swapper = None
     if engine.placement.streams_optimizer:
-        if kernel_choice.fused_part(engine.inner) is None:
-            raise nvme_kernel_refusal(cls, kwargs, groups, kernel_choice.choose_kernels(cls, kwargs, groups, True))
+        fused = kernel_choice.choose_kernels(cls, kwargs, groups, config.fused_adam)
+        if not all(f or update_kind(kernel_choice.group_class(g, cls)) == "whole" for g, f in zip(groups, fused)):
+            raise nvme_kernel_refusal(cls, kwargs, groups, fused)
+        parts = engine.inner.parts if isinstance(engine.inner, GroupedInner) else [(engine.inner, list(range(len(groups))))]
+        generic = probe_layouts(parts, engine.runs, lambda part: not isinstance(part, FusedAdam))
         slots = reports.staging_slots(config.offload_buffer_mb, engine.runs, engine.units)
         engine.swapper = NvmeOptimizerState(engine.runs, config.nvme_path, engine.mesh.comm.rank, max_slots=slots,
+                                            generic=generic, step_fn=step_without_hooks,
                                             **engine.placement.state_options(engine.runs, slots))
         engine.inner.state = engine.swapper  # type: ignore[assignment]  # (a mapping of the same keys)
         engine.files_closers.append(weakref.finalize(owner, engine.swapper.close))

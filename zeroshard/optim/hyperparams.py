@@ -221,20 +221,17 @@ def single_dtype(trainable: list[NamedParam]) -> torch.dtype:
 
 def nvme_kernel_refusal(optimizer_class: type, kwargs: dict, groups: Sequence[dict] = (),
                         fused: Sequence[bool] = ()) -> ValueError:
-    """Names the param groups (their class) that the NVMe stream cannot carry."""
-    off = [(i, g.get("optimizer_class", optimizer_class)) for i, (g, ok) in enumerate(zip(groups, fused)) if not ok]
-    whole = [(i, c) for i, c in off if update_kind(c) == "whole"]
-    if whole:
-        names = ", ".join(f"{i} ({getattr(c, '__name__', c)})" for i, c in whole)
-        return ValueError(
-            f"optimizer state on NVMe (offload_optimizer='nvme', or offload='auto' placing it there) streams "
-            f"Adam/AdamW moments through the fused kernel; param group(s) {names} keep whole-tensor state it does "
-            "not carry yet: use offload_optimizer='cpu' (state in host memory; Muon's is half of Adam's)")
-    what = getattr(off[0][1] if off else optimizer_class, "__name__", optimizer_class)
+    """Names the first elementwise param group the NVMe stream cannot carry (whole-tensor
+    classes stream their own state: Note [generic state on NVMe])."""
+    off = [(i, g.get("optimizer_class", optimizer_class)) for i, (g, ok) in enumerate(zip(groups, fused))
+           if not ok and update_kind(g.get("optimizer_class", optimizer_class)) == "elementwise"]
+    cls = off[0][1] if off else optimizer_class
+    where = f"param group {off[0][0]}: " if len(groups) > 1 and off else ""
+    options = kwargs if cls is optimizer_class else {}
     return ValueError(
-        f"offload_optimizer='nvme' streams Adam/AdamW moments through the fused kernel; "
-        f"{what}(**{kwargs}) does not run on it (use "
-        "torch.optim.Adam or AdamW without amsgrad/foreach/fused/capturable, or offload_optimizer='cpu')")
+        f"{where}offload_optimizer='nvme' streams elementwise state as Adam/AdamW moments through the fused kernel; "
+        f"{getattr(cls, '__name__', cls)}(**{options}) does not run on it (use torch.optim.Adam or AdamW without "
+        "amsgrad/foreach/fused/capturable, a whole-tensor class such as Muon or Adafactor, or offload_optimizer='cpu')")
 
 
 def check_nvme_kernel(config: ZeroConfig, optimizer_class: type, kwargs: dict, group_options: list[dict],
@@ -245,6 +242,12 @@ def check_nvme_kernel(config: ZeroConfig, optimizer_class: type, kwargs: dict, g
     if not config.optimizer_swapped:
         return
     float64 = config.mixed_precision is None and any(p.requires_grad and p.dtype == torch.float64 for p in params)
-    fused = choose_kernels(optimizer_class, kwargs, group_options or [{}], config.fused_adam and not float64)
-    if not all(fused):
-        raise nvme_kernel_refusal(optimizer_class, kwargs, group_options or [{}], fused)
+    options = group_options or [{}]
+    fused = choose_kernels(optimizer_class, kwargs, options, config.fused_adam and not float64)
+    # (whole-tensor classes stream their own state: Note [generic state on NVMe])
+    if not all(f or update_kind(g.get("optimizer_class", optimizer_class)) == "whole" for g, f in zip(options, fused)):
+        refusal = nvme_kernel_refusal(optimizer_class, kwargs, options, fused)
+        if not config.fused_adam or float64:
+            why = "fused_adam=False" if not config.fused_adam else "float64 parameters"
+            raise ValueError(f"{refusal} ({why}: the kernel is off)")
+        raise refusal

@@ -63,9 +63,9 @@ class Stepper:
         overflow = self.grads.finalize()
         total = grad_norm.global_norm(self.units, self.mesh.tp, self.sharding.policy, self.mesh.comm, norm_type)
         coef = clipping.clip_coefficient(total, max_norm, norm_type, error_if_nonfinite and not overflow)
-        if coef is not None and self.fused:  # applied inside the fused Adam pass: no extra sweep
-            self.clip_coef = float(coef)
-        elif coef is not None:  # (swapped gradients imply the fused kernel: offload_optimizer="nvme")
+        if coef is not None and (self.fused or self.swapper is not None):  # applied in the update's own pass
+            self.clip_coef = float(coef)  # (NVMe: gradients may be in the swap file until their unit's turn)
+        elif coef is not None:
             for g in self.grads.owned_grads():
                 g.mul_(coef)
         return total
