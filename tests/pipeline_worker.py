@@ -1,0 +1,252 @@
+"""Runs inside each rank: a Hugging Face Llama split into 2 pipeline stages driven by torch's
+``torch.distributed.pipelining`` schedules on a ("pp", "dp") mesh, each stage trained by a
+ZeroOptimizer sharding over "dp" (Note [pipeline parallelism]); against single-process
+torch.optim.AdamW on the same global batch. One spawn runs every case (parity per stage and
+schedule, reduction bytes, memory, a SIGTERM-agreed save and bitwise resume, a reshard to
+pp 1 x dp 4) and writes per-rank results as JSON for test_pipeline.py."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zeroshard
+
+STEPS = 8
+GLOBAL_BATCH = 8
+SEQ = 8
+VOCAB = 64
+LAYERS = 4
+MICRO = 4
+MAX_NORM = 0.05
+LR, WD = 1e-3, 0.1
+
+
+def llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+class StageModule(nn.Module):
+    """Layers ``lo:hi`` of a Llama (with the embedding on the first stage, the norm and head on
+    the last), under the full model's parameter names: checkpoints key pieces by them."""
+
+    def __init__(self, full: nn.Module, lo: int, hi: int) -> None:
+        super().__init__()
+        self.config = full.config  # (checkpoints record it: export_hf writes config.json)
+        self.model = nn.Module()
+        self.first, self.last = lo == 0, hi == LAYERS
+        if self.first:
+            self.model.embed_tokens = full.model.embed_tokens
+        self.model.layers = nn.ModuleDict({str(i): full.model.layers[i] for i in range(lo, hi)})
+        self.model.rotary_emb = full.model.rotary_emb
+        if self.last:
+            self.model.norm = full.model.norm
+            self.lm_head = full.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(x) if self.first else x
+        pos = torch.arange(h.shape[1]).unsqueeze(0).expand(h.shape[0], -1)
+        pe = self.model.rotary_emb(h, pos)
+        for layer in self.model.layers.values():
+            out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe)
+            h = out[0] if isinstance(out, tuple) else out
+        return self.lm_head(self.model.norm(h)) if self.last else h
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ),
+                                                                                       generator=g)
+
+
+def reference(steps: int = STEPS) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process, the whole model, torch.optim.AdamW on the global batch; weights and norms."""
+    model = StageModule(llama(), 0, LAYERS)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    norms = []
+    for step in range(steps):
+        x, y = batch(step)
+        loss_fn(model(x), y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+class Trainer:
+    """One rank's stage of a pp x dp run: the stage module, its ZeroOptimizer and a schedule."""
+
+    def __init__(self, mesh: Any, stage: int, schedule: str, zero_stage_class: bool = True) -> None:
+        from torch.distributed.pipelining import PipelineStage as TorchStage, Schedule1F1B, ScheduleGPipe
+
+        from zeroshard.comm.pipeline import PipelineStage
+        self.mesh = mesh
+        pp, self.pp_rank = mesh["pp"].size(), mesh.get_local_rank("pp")
+        self.dp, self.dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")
+        per = LAYERS // pp
+        self.module = StageModule(llama(), self.pp_rank * per, (self.pp_rank + 1) * per)
+        self.opt = zeroshard.ZeroOptimizer(self.module, torch.optim.AdamW, lr=LR, weight_decay=WD, stage=stage,
+                                           mesh=mesh)
+        cls = PipelineStage if zero_stage_class else TorchStage
+        pstage = cls(self.module, self.pp_rank, pp, torch.device("cpu"), group=mesh["pp"].get_group())
+        self.schedule = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(pstage, n_microbatches=MICRO,
+                                                                                 loss_fn=loss_fn)
+        self.norms: list[float] = []
+
+    def step(self, step: int) -> None:
+        x, y = batch(step)
+        per = GLOBAL_BATCH // self.dp
+        x, y = x[self.dp_rank * per:(self.dp_rank + 1) * per], y[self.dp_rank * per:(self.dp_rank + 1) * per]
+        if self.module.first:
+            self.schedule.step(x)
+        elif self.module.last:
+            self.schedule.step(target=y)
+        else:
+            self.schedule.step()
+        self.norms.append(float(self.opt.clip_grad_norm_(MAX_NORM)))
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.module.named_parameters()}
+
+    def close(self) -> None:
+        self.opt.close()
+
+
+def max_rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """Largest |got - want| relative to the largest |want| of each tensor, over ``got``'s names."""
+    return max(float((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-12)) for n in got)
+
+
+def full_state(t: Trainer) -> dict[str, torch.Tensor]:
+    """This stage's weights and Adam moments, whole, by the full model's names (a collective over dp)."""
+    out = {f"w:{n}": w for n, w in t.weights().items()}
+    sd = t.opt.consolidated_state_dict(to_rank=None)
+    names = [t.opt.param_names[id(p)] for g in t.opt.param_groups for p in g["params"]]
+    for i, n in enumerate(names):
+        for k in ("exp_avg", "exp_avg_sq"):
+            if k in sd["state"].get(i, {}):
+                out[f"{k}:{n}"] = sd["state"][i][k].clone()
+    return out
+
+
+def dp_bytes(report: dict[str, dict]) -> tuple[int, int]:
+    """(calls, bytes) of the gradient reductions over dp in a comm_report."""
+    grads = {k: v for k, v in report.items() if k in ("reduce_scatter", "all_reduce")}
+    return sum(v["calls"] for v in grads.values()), sum(v["bytes"] for v in grads.values())
+
+
+def parity_cases(mesh: Any, ref: dict[str, torch.Tensor], ref_norms: list[float]) -> dict[str, dict]:
+    out = {}
+    for stage in (1, 2):
+        for schedule in ("gpipe", "1f1b"):
+            t = Trainer(mesh, stage, schedule)
+            t.opt.comm_report(reset=True)
+            for step in range(STEPS):
+                t.step(step)
+            report = t.opt.comm_report()
+            calls, nbytes = dp_bytes(report)
+            unit_bytes = sum(u.layout.padded_numel * u.flat.element_size() for u in t.opt.units)
+            mem = t.opt.memory_report()
+            numel = sum(p.numel() for p in t.module.parameters())
+            formula = zeroshard.zero_formula(stage, numel, t.dp)
+            out[f"stage{stage}-{schedule}"] = {
+                "rel": max_rel(t.weights(), ref), "norms": t.norms, "ref_norms": ref_norms,
+                "calls": calls, "bytes": nbytes, "units": len(t.opt.units), "unit_bytes": unit_bytes,
+                "pp_report": {k: v for k, v in report.items() if k.endswith("@pp")},
+                "model_states": mem.model_states, "formula": formula.model_states}
+            if stage == 2 and schedule == "1f1b":
+                torch.save(full_state(t), f"{OUT}.uninterrupted.rank{dist.get_rank()}.pt")
+            t.close()
+    return out
+
+
+def per_micro_batch_case(mesh: Any) -> dict:
+    """torch's own PipelineStage: still correct, but one reduction per micro-batch."""
+    t = Trainer(mesh, 2, "1f1b", zero_stage_class=False)
+    t.opt.comm_report(reset=True)
+    t.step(0)
+    calls, nbytes = dp_bytes(t.opt.comm_report())
+    t.close()
+    return {"calls": calls, "bytes": nbytes}
+
+
+def preempt_case(mesh: Any, ckpt: str) -> dict:
+    """Stage 2, 1F1B: SIGTERM reaches rank 3 alone during step 3; at the step boundary every rank
+    agrees to save, then a fresh run loads at pp 2 x dp 2 and finishes the 8 steps."""
+    from zeroshard.train import PreemptionHandler
+    t = Trainer(mesh, 2, "1f1b")
+    saved_at: Optional[int] = None
+    with PreemptionHandler() as handler:
+        for step in range(STEPS):
+            if step == 3 and dist.get_rank() == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+            t.step(step)
+            stop, _ = handler.agree(None)
+            if stop:
+                zeroshard.save_checkpoint(ckpt, step + 1, model=t.module, optimizer=t.opt)
+                saved_at = step + 1
+                break
+    saved = full_state(t)
+    t.close()
+    t = Trainer(mesh, 2, "1f1b")
+    info = zeroshard.load_checkpoint(ckpt, model=t.module, optimizer=t.opt)
+    same = full_state(t)
+    loaded_equal = set(same) == set(saved) and all(torch.equal(same[k], saved[k]) for k in saved)
+    for step in range(info["step"], STEPS):
+        t.step(step)
+    final = full_state(t)
+    want = torch.load(f"{OUT}.uninterrupted.rank{dist.get_rank()}.pt", weights_only=True)
+    bitwise = set(final) == set(want) and all(torch.equal(final[k], want[k]) for k in want)
+    t.close()
+    # the whole model's state (every stage's), for the loads at other layouts to compare with
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, saved)
+    if dist.get_rank() == 0:
+        torch.save({k: v for p in parts for k, v in p.items()}, f"{ckpt}.source.pt")
+    dist.barrier()
+    return {"saved_at": saved_at, "loaded_equal": loaded_equal, "bitwise": bitwise, "step": info["step"]}
+
+
+def reshard_case(ckpt: str) -> dict:
+    """The pp 2 x dp 2 checkpoint loaded at pp 1 x dp 4: weights and moments equal the source's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (1, 4), mesh_dim_names=("pp", "dp"))
+    t = Trainer(mesh, 2, "1f1b")
+    info = zeroshard.load_checkpoint(ckpt, model=t.module, optimizer=t.opt)
+    got = full_state(t)
+    want = torch.load(f"{ckpt}.source.pt", weights_only=True)
+    diff = max(float((got[k] - want[k]).abs().max()) for k in want) if set(got) == set(want) else float("inf")
+    t.close()
+    return {"diff": diff, "resharded": info["resharded"]}
+
+
+OUT = ""
+
+
+def worker(rank: int, world: int, out_path: str, ckpt: str) -> None:
+    global OUT
+    OUT = out_path
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    ref, ref_norms = reference()
+    out: dict[str, Any] = {"parity": parity_cases(mesh, ref, ref_norms)}
+    out["per_micro_batch"] = per_micro_batch_case(mesh)
+    out["preempt"] = preempt_case(mesh, ckpt)
+    out["reshard"] = reshard_case(ckpt)
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump(out, f)
