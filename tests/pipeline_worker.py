@@ -235,6 +235,19 @@ def reshard_case(ckpt: str) -> dict:
     return {"diff": diff, "resharded": info["resharded"]}
 
 
+def refusals(mesh: Any) -> dict[str, str]:
+    """What does not compose with pp, each refused at construction with its reason."""
+    out = {}
+    for name, kwargs in {"stage3": dict(stage=3, mesh=mesh)}.items():
+        module = StageModule(llama(), 0, LAYERS // 2)
+        try:
+            zeroshard.ZeroOptimizer(module, torch.optim.AdamW, lr=LR, **kwargs).close()
+            out[name] = "accepted"
+        except (ValueError, TypeError) as exc:
+            out[name] = str(exc)
+    return out
+
+
 OUT = ""
 
 
@@ -248,5 +261,6 @@ def worker(rank: int, world: int, out_path: str, ckpt: str) -> None:
     out["per_micro_batch"] = per_micro_batch_case(mesh)
     out["preempt"] = preempt_case(mesh, ckpt)
     out["reshard"] = reshard_case(ckpt)
+    out["refused"] = refusals(mesh)
     with open(f"{out_path}.rank{rank}", "w") as f:
         json.dump(out, f)
