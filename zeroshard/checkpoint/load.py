@@ -151,7 +151,7 @@ def _expected(model: Optional[nn.Module], opt: Any) -> dict[str, tuple[tuple[int
     return out
 
 
-def _held(model: Optional[nn.Module], opt: Any) -> tuple[dict[str, tuple[tuple[int, ...], bool]], list[list[str]]]:
+def _held(model: Optional[nn.Module], opt: Optional["ZeroOptimizer"]) -> tuple[dict[str, tuple[tuple[int, ...], bool]], list[list[str]]]:
     """(everything the target holds, its param groups' trained names), by checkpoint name; under
     pipeline parallelism every stage's (a collective: Note [pipeline checkpoints])."""
     expected = _expected(model, opt)

@@ -255,7 +255,7 @@ def _hf_config(model: Optional[nn.Module]) -> Optional[dict]:
         return None
 
 
-def full_names(model: Optional[nn.Module], opt: Any, save_frozen: bool) -> list[str]:
+def full_names(model: Optional[nn.Module], opt: Optional["ZeroOptimizer"], save_frozen: bool) -> list[str]:
     return list(full_tensors(model, opt, frozen=save_frozen)[0])
 
 
