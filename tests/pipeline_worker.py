@@ -86,10 +86,41 @@ def reference(steps: int = STEPS) -> tuple[dict[str, torch.Tensor], list[float]]
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
+def parallelize(module: StageModule, tp_mesh: Any) -> None:
+    """Megatron-style tensor parallelism of the stage's layers over ``tp_mesh``."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    plan: dict[str, Any] = {}
+    for i in module.model.layers:
+        pre = f"model.layers.{i}"
+        plan.update({f"{pre}.self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")})
+        plan.update({f"{pre}.mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")})
+        plan[f"{pre}.self_attn.o_proj"] = RowwiseParallel()
+        plan[f"{pre}.mlp.down_proj"] = RowwiseParallel()
+    parallelize_module(module, tp_mesh, plan)
+
+
+def tp_case(ref: dict[str, torch.Tensor]) -> dict:
+    """pp 2 x dp 1 x tp 2 at stage 2 with 1F1B: the same parity (8 ranks do not fit 2 cores)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+    t = Trainer(mesh, 2, "1f1b")
+    t.opt.comm_report(reset=True)
+    for step in range(STEPS):
+        t.step(step)
+    report = t.opt.comm_report()
+    got = t.weights()
+    out = {"rel": max_rel(got, ref), "abs": max(float((got[n] - ref[n]).abs().max()) for n in got),
+           "rel_norm": max(float((got[n] - ref[n]).norm() / ref[n].norm()) for n in got),
+           "dtensors": sum(1 for p in t.module.parameters() if hasattr(p, "full_tensor")),
+           "kinds": sorted(report)}
+    t.close()
+    return out
+
+
 class Trainer:
     """One rank's stage of a pp x dp run: the stage module, its ZeroOptimizer and a schedule."""
 
-    def __init__(self, mesh: Any, stage: int, schedule: str, zero_stage_class: bool = True) -> None:
+    def __init__(self, mesh: Any, stage: int, schedule: str, zero_stage_class: bool = True, **options: Any) -> None:
         from torch.distributed.pipelining import PipelineStage as TorchStage, Schedule1F1B, ScheduleGPipe
 
         from zeroshard.comm.pipeline import PipelineStage
@@ -98,12 +129,15 @@ class Trainer:
         self.dp, self.dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")
         per = LAYERS // pp
         self.module = StageModule(llama(), self.pp_rank * per, (self.pp_rank + 1) * per)
+        if "tp" in mesh.mesh_dim_names:
+            parallelize(self.module, mesh["tp"])
         self.opt = zeroshard.ZeroOptimizer(self.module, torch.optim.AdamW, lr=LR, weight_decay=WD, stage=stage,
-                                           mesh=mesh)
+                                           mesh=mesh, **options)
+        scaled = (lambda out, y: self.opt.scale_loss(loss_fn(out, y))) if options.get("mixed_precision") else loss_fn
         cls = PipelineStage if zero_stage_class else TorchStage
         pstage = cls(self.module, self.pp_rank, pp, torch.device("cpu"), group=mesh["pp"].get_group())
         self.schedule = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(pstage, n_microbatches=MICRO,
-                                                                                 loss_fn=loss_fn)
+                                                                                 loss_fn=scaled)
         self.norms: list[float] = []
 
     def step(self, step: int) -> None:
@@ -121,7 +155,8 @@ class Trainer:
         self.opt.zero_grad()
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for n, p in self.module.named_parameters()}
+        return {n: (p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()).clone()
+                for n, p in self.module.named_parameters()}
 
     def close(self) -> None:
         self.opt.close()
@@ -235,6 +270,30 @@ def reshard_case(ckpt: str) -> dict:
     return {"diff": diff, "resharded": info["resharded"]}
 
 
+def fp16_case(mesh: Any) -> dict:
+    """fp16 at stage 2: an inf in one first-stage gradient at step 1 (rank 0 only) skips that
+    step on every rank of both stages, and every stage's loss scale moves alike."""
+    t = Trainer(mesh, 2, "1f1b", mixed_precision="fp16", initial_loss_scale=2.0 ** 8)
+    scales: list[float] = []
+    before: dict[str, torch.Tensor] = {}
+    unchanged = False
+    for step in range(4):
+        handle = None
+        if step == 1 and dist.get_rank() == 0:
+            p = next(iter(t.module.parameters()))
+            handle = p.register_hook(lambda g: g * float("inf"))
+        if step == 1:
+            before = t.weights()
+        t.step(step)
+        if step == 1:
+            unchanged = all(torch.equal(v, t.weights()[k]) for k, v in before.items())
+        if handle is not None:
+            handle.remove()
+        scales.append(t.opt.loss_scale)
+    t.close()
+    return {"scales": scales, "unchanged": unchanged}
+
+
 def refusals(mesh: Any) -> dict[str, str]:
     """What does not compose with pp, each refused at construction with its reason."""
     out = {}
@@ -262,5 +321,7 @@ def worker(rank: int, world: int, out_path: str, ckpt: str) -> None:
     out["preempt"] = preempt_case(mesh, ckpt)
     out["reshard"] = reshard_case(ckpt)
     out["refused"] = refusals(mesh)
+    out["tp"] = tp_case(ref)
+    out["fp16"] = fp16_case(mesh)
     with open(f"{out_path}.rank{rank}", "w") as f:
         json.dump(out, f)
