@@ -185,28 +185,32 @@ def dp_bytes(report: dict[str, dict]) -> tuple[int, int]:
     return sum(v["calls"] for v in grads.values()), sum(v["bytes"] for v in grads.values())
 
 
+CASES = [(stage, schedule, {}) for stage in (1, 2) for schedule in ("gpipe", "1f1b")]
+# (small buckets: several units per stage, each launched once the last micro-batch delivered it)
+CASES += [(stage, "1f1b", {"bucket_size_mb": 0.02}) for stage in (1, 2)]
+
+
 def parity_cases(mesh: Any, ref: dict[str, torch.Tensor], ref_norms: list[float]) -> dict[str, dict]:
     out = {}
-    for stage in (1, 2):
-        for schedule in ("gpipe", "1f1b"):
-            t = Trainer(mesh, stage, schedule)
-            t.opt.comm_report(reset=True)
-            for step in range(STEPS):
-                t.step(step)
-            report = t.opt.comm_report()
-            calls, nbytes = dp_bytes(report)
-            unit_bytes = sum(u.layout.padded_numel * u.flat.element_size() for u in t.opt.units)
-            mem = t.opt.memory_report()
-            numel = sum(p.numel() for p in t.module.parameters())
-            formula = zeroshard.zero_formula(stage, numel, t.dp)
-            out[f"stage{stage}-{schedule}"] = {
-                "rel": max_rel(t.weights(), ref), "norms": t.norms, "ref_norms": ref_norms,
-                "calls": calls, "bytes": nbytes, "units": len(t.opt.units), "unit_bytes": unit_bytes,
-                "pp_report": {k: v for k, v in report.items() if k.endswith("@pp")},
-                "model_states": mem.model_states, "formula": formula.model_states}
-            if stage == 2 and schedule == "1f1b":
-                torch.save(full_state(t), f"{OUT}.uninterrupted.rank{dist.get_rank()}.pt")
-            t.close()
+    for stage, schedule, options in CASES:
+        t = Trainer(mesh, stage, schedule, **options)
+        t.opt.comm_report(reset=True)
+        for step in range(STEPS):
+            t.step(step)
+        report = t.opt.comm_report()
+        calls, nbytes = dp_bytes(report)
+        unit_bytes = sum(u.layout.padded_numel * u.flat.element_size() for u in t.opt.units)
+        mem = t.opt.memory_report()
+        numel = sum(p.numel() for p in t.module.parameters())
+        formula = zeroshard.zero_formula(stage, numel, t.dp)
+        out[f"stage{stage}-{schedule}" + ("-buckets" if options else "")] = {
+            "rel": max_rel(t.weights(), ref), "norms": t.norms, "ref_norms": ref_norms,
+            "calls": calls, "bytes": nbytes, "units": len(t.opt.units), "unit_bytes": unit_bytes,
+            "pp_report": {k: v for k, v in report.items() if k.endswith("@pp")},
+            "model_states": mem.model_states, "formula": formula.model_states}
+        if stage == 2 and schedule == "1f1b" and not options:
+            torch.save(full_state(t), f"{OUT}.uninterrupted.rank{dist.get_rank()}.pt")
+        t.close()
     return out
 
 
