@@ -366,5 +366,5 @@ class Plan:
 
 def plan(shape: ModelShape, hw: Hardware, w: Workload, choices: Optional[list[Choice]] = None) -> Plan:
     choices = choices or [c for c in all_choices() if (w.scope != "hpz" or c.stage == 3)  # (hpZ is stage 3)
-                          and (w.pp == 1 or (c.stage < 3 and c.offload_optimizer != "nvme"))]  # (what pp runs)
+                          and (w.pp == 1 or (c.stage < 3 and not c.placement.state_swapped))]  # (what pp runs)
     return Plan(shape, hw, w, tuple(estimate(c, shape, hw, w) for c in choices))
