@@ -311,6 +311,26 @@ def refusals(mesh: Any) -> dict[str, str]:
     return out
 
 
+def load_worker(rank: int, world: int, out_path: str, ckpt: str) -> None:
+    """2 ranks: the pp 2 x dp 2 checkpoint loaded at pp 1 x dp 2 (then saved again from there,
+    for the one-process load of test_pipeline.py) and at pp 2 x dp 1; each rank's weights and
+    moments against the source's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    want = torch.load(f"{ckpt}.source.pt", weights_only=True)
+    out = {}
+    for layout, shape in (("pp1dp2", (1, 2)), ("pp2dp1", (2, 1))):
+        t = Trainer(init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp")), 2, "1f1b")
+        info = zeroshard.load_checkpoint(ckpt, model=t.module, optimizer=t.opt)
+        got = full_state(t)
+        equal = set(got) <= set(want) and all(torch.equal(got[k], want[k]) for k in got)
+        out[layout] = {"equal": equal, "keys": len(got), "resharded": info["resharded"]}
+        if layout == "pp1dp2":
+            zeroshard.save_checkpoint(f"{ckpt}-pp1dp2", info["step"], model=t.module, optimizer=t.opt)
+        t.close()
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump(out, f)
+
+
 OUT = ""
 
 

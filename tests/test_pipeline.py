@@ -68,6 +68,21 @@ def test_sigterm_agreed_save_resumes_bit_for_bit(ranks):
         assert p["loaded_equal"] and p["bitwise"], p
 
 
+@pytest.fixture(scope="module")
+def two_ranks(ranks, tmp_path_factory):
+    """The pp 2 x dp 2 checkpoint loaded on 2 ranks at pp 1 x dp 2 (and saved again there) and
+    at pp 2 x dp 1."""
+    return run_ranks(w.load_worker, 2, tmp_path_factory.mktemp("pipeline-load"), ranks[0])
+
+
+def test_checkpoint_loads_at_pp1_dp2_and_pp2_dp1(two_ranks):
+    n = sum(3 for _ in w.reference(0)[0])  # (weights, exp_avg, exp_avg_sq of every parameter)
+    for r in two_ranks:
+        assert r["pp1dp2"]["equal"] and r["pp1dp2"]["keys"] == n and r["pp1dp2"]["resharded"], r
+        assert r["pp2dp1"]["equal"] and 0 < r["pp2dp1"]["keys"] < n and r["pp2dp1"]["resharded"], r
+    assert two_ranks[0]["pp2dp1"]["keys"] + two_ranks[1]["pp2dp1"]["keys"] == n
+
+
 def test_checkpoint_loads_at_pp1_dp4(ranks):
     for r in ranks[1]:
         assert r["reshard"]["diff"] == 0.0 and r["reshard"]["resharded"], r["reshard"]
@@ -97,23 +112,31 @@ def test_stage3_is_refused(ranks):
         assert "stage=3 with pipeline parallelism" in r["refused"]["stage3"], r["refused"]
 
 
-def test_checkpoint_loads_in_one_process_and_exports_to_hf(ranks, tmp_path):
-    """The pp 2 x dp 2 checkpoint loads into the whole transformers model in one process with
-    equal weights and Adam moments, and exports to a directory from_pretrained loads."""
-    from transformers import LlamaForCausalLM
-    ckpt = ranks[0]
+def _one_process_state(ckpt: str) -> tuple[dict, dict]:
+    """The whole transformers Llama and a stage-2 ZeroOptimizer in this process, loaded from
+    ``ckpt``: (load info, weights and moments by name)."""
     model = w.llama()
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=w.LR, weight_decay=w.WD, stage=2)
     info = zeroshard.load_checkpoint(ckpt, model=model, optimizer=opt)
-    assert info["resharded"] and info["step"] == 4, info
-    want = torch.load(f"{ckpt}.source.pt", weights_only=True)
     sd = opt.consolidated_state_dict(to_rank=None)
     names = [opt.param_names[id(p)] for g in opt.param_groups for p in g["params"]]
-    got = {f"w:{n}": p.detach() for n, p in model.named_parameters()}
+    got = {f"w:{n}": p.detach().clone() for n, p in model.named_parameters()}
     got.update({f"{k}:{n}": sd["state"][i][k] for i, n in enumerate(names) for k in ("exp_avg", "exp_avg_sq")})
-    assert set(got) == set(want)
-    assert all(torch.equal(got[k], want[k]) for k in want)
     opt.close()
+    return info, got
+
+
+def test_checkpoint_loads_in_one_process_and_exports_to_hf(ranks, two_ranks, tmp_path):
+    """The pp 2 x dp 2 checkpoint, and the one saved again from pp 1 x dp 2, load into the whole
+    transformers model in one process with equal weights and Adam moments; the first exports to
+    a directory from_pretrained loads."""
+    from transformers import LlamaForCausalLM
+    ckpt = ranks[0]
+    want = torch.load(f"{ckpt}.source.pt", weights_only=True)
+    for path in (f"{ckpt}-pp1dp2", ckpt):
+        info, got = _one_process_state(path)
+        assert info["resharded"] and info["step"] == 4, (path, info)
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), path
     out = str(tmp_path / "hf")
     zeroshard.export_hf(info["path"], out)
     loaded = LlamaForCausalLM.from_pretrained(out)
