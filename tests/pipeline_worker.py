@@ -190,10 +190,29 @@ CASES = [(stage, schedule, {}) for stage in (1, 2) for schedule in ("gpipe", "1f
 CASES += [(stage, "1f1b", {"bucket_size_mb": 0.02}) for stage in (1, 2)]
 
 
+def watch_launches(reducer: Any) -> list[list]:
+    """[backward pass, launched by the end-of-backward flush] of every unit reduction: a unit
+    launched from a gradient hook is reduced while the rest of that backward still runs."""
+    out: list[list] = []
+    flushing = [False]
+    flush = reducer.flush
+
+    def watched() -> None:
+        flushing[0] = True
+        try:
+            flush()
+        finally:
+            flushing[0] = False
+    reducer.flush = watched
+    reducer.on_launch.append(lambda ui: out.append([reducer.passes, flushing[0]]))
+    return out
+
+
 def parity_cases(mesh: Any, ref: dict[str, torch.Tensor], ref_norms: list[float]) -> dict[str, dict]:
     out = {}
     for stage, schedule, options in CASES:
         t = Trainer(mesh, stage, schedule, **options)
+        launches = watch_launches(t.opt.reducer)
         t.opt.comm_report(reset=True)
         for step in range(STEPS):
             t.step(step)
@@ -207,7 +226,7 @@ def parity_cases(mesh: Any, ref: dict[str, torch.Tensor], ref_norms: list[float]
             "rel": max_rel(t.weights(), ref), "norms": t.norms, "ref_norms": ref_norms,
             "calls": calls, "bytes": nbytes, "units": len(t.opt.units), "unit_bytes": unit_bytes,
             "pp_report": {k: v for k, v in report.items() if k.endswith("@pp")},
-            "model_states": mem.model_states, "formula": formula.model_states}
+            "model_states": mem.model_states, "formula": formula.model_states, "launches": launches}
         if stage == 2 and schedule == "1f1b" and not options:
             torch.save(full_state(t), f"{OUT}.uninterrupted.rank{dist.get_rank()}.pt")
         t.close()

@@ -51,6 +51,17 @@ def test_gradients_are_reduced_once_per_step(ranks, case):
             assert per["calls"] == w.MICRO * got["units"] and per["bytes"] == w.MICRO * got["unit_bytes"], per
 
 
+@pytest.mark.parametrize("case", ["stage1-1f1b-buckets", "stage2-1f1b-buckets"])
+def test_reductions_overlap_the_last_micro_batch_backward(ranks, case):
+    """Each unit is reduced during the last micro-batch's backward, launched from the gradient
+    hook that completed it (not by the flush at the end of backward), none in earlier ones."""
+    for r in ranks[1]:
+        got = r["parity"][case]
+        passes = [p for p, _ in got["launches"]]
+        assert passes == [w.MICRO * (s + 1) for s in range(w.STEPS) for _ in range(got["units"])], got["launches"]
+        assert not any(flushed for _, flushed in got["launches"]), got["launches"]
+
+
 @pytest.mark.parametrize("case", ["stage1-1f1b", "stage2-1f1b"])
 def test_model_states_follow_the_zero_formula(ranks, case):
     """Per-rank model states of a stage = the ZeRO formula for that stage's parameters over dp 2."""
