@@ -118,9 +118,14 @@ def test_fp16_overflow_on_one_stage_skips_the_step_everywhere(ranks):
         assert r["fp16"]["scales"] == [256.0, 128.0, 128.0, 128.0] and r["fp16"]["unchanged"], r["fp16"]
 
 
-def test_stage3_is_refused(ranks):
+def test_what_does_not_compose_is_refused(ranks):
+    """Stage 3 at construction; several stages per rank and zero-bubble (split) backward at the
+    first backward, each naming why."""
     for r in ranks[1]:
-        assert "stage=3 with pipeline parallelism" in r["refused"]["stage3"], r["refused"]
+        refused = r["refused"]
+        assert "stage=3 with pipeline parallelism" in refused["stage3"], refused
+        assert "4 pipeline stages over 2 ranks" in refused["interleaved"], refused
+        assert "'input' backward" in refused["zero_bubble"], refused
 
 
 def _one_process_state(ckpt: str) -> tuple[dict, dict]:

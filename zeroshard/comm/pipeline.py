@@ -13,7 +13,7 @@ spans the whole model, not one stage:
   reduction] in zeroshard/optim/grad_sync.py): their gradients add into the unit buckets
   locally, and the last micro-batch's backward reduces each unit once, as soon as it is
   complete, overlapped with the rest of that backward. torch's schedules call the method
-  with ``last_backward`` for GPipe, 1F1B and the interleaved ones. torch's own
+  with ``last_backward`` (GPipe, 1F1B). torch's own
   ``PipelineStage`` still trains correctly, with one reduction per micro-batch;
 - clipping: the norm's partial sums (dp, then tp) are summed over pp as well, so every stage
   clips by the norm of the whole model (zeroshard/optim/grad_norm.py);
@@ -35,7 +35,9 @@ after the unit's backward, which a schedule runs once per micro-batch, so gather
 keeps the stage's whole parameters between forward and backward: stage 2's memory). And with
 deferred reduction the stage's unsharded gradient sums are held between micro-batches anyway.
 Schedules that split backward into input and weight parts (zero bubble) are refused: their
-weight gradients reach ``.grad`` outside the hooks the reducer counts on.
+weight gradients reach ``.grad`` outside the hooks the reducer counts on. So are several
+stages per rank (interleaved schedules): each stage's optimizer would clip by its own
+stages' norm.
 """
 from __future__ import annotations
 
@@ -114,11 +116,14 @@ class PipelineStage(_TorchPipelineStage):
         opt = optimizer_for(self.submod)
         if opt is None:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        if self.num_stages != self.group_size:  # (each stage's own clip would see half the model's norm)
+            raise RuntimeError(f"{self.num_stages} pipeline stages over {self.group_size} ranks: a ZeroOptimizer "
+                               "trains one stage module per rank (its norm and fp16 decisions span the pp group "
+                               "once); use ScheduleGPipe or Schedule1F1B with one stage per rank")
         if backward_type != "full":
             raise RuntimeError(f"a pipeline schedule asked for a {backward_type!r} backward (a zero-bubble schedule "
                                "splits backward into input and weight parts); ZeroOptimizer reduces gradients in "
-                               "the hooks of a full backward: use ScheduleGPipe, Schedule1F1B or "
-                               "ScheduleInterleaved1F1B")
+                               "the hooks of a full backward: use ScheduleGPipe or Schedule1F1B")
         with opt.reducer.deferred(not last_backward):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
