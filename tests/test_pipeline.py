@@ -187,3 +187,41 @@ def test_estimate_with_pp_shards_each_stage_over_its_dp_ranks(capsys):
     assert COMMANDS["estimate"].run(p.parse_args(["--params", "1B", "--gpu-memory", "80GB", "--gpus", "4",
                                                   "--nodes", "2", "--pp", "3"])) == 2
     assert "pp=3 must divide" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stage", (0, 1, 2))
+def test_deferred_passes_add_up_like_accumulation(stage):
+    """One process: micro-batches under ``opt.reducer.deferred()`` but the last give the
+    accumulated gradient and step of plain accumulation (Note [deferred reduction]); stage 3
+    refuses to defer."""
+    import copy
+
+    from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+    cfg = GPTConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, seq_len=8)
+    torch.manual_seed(0)
+    ref = TinyGPT(cfg)
+    model = copy.deepcopy(ref)
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=stage, bucket_size_mb=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    launched: list[int] = []
+    opt.reducer.on_launch.append(launched.append)
+    for step in range(2):
+        for k in range(3):
+            with opt.reducer.deferred(k < 2):
+                (model(*synthetic_batch(3 * step + k, 4, cfg)) / 3).backward()
+            (ref(*synthetic_batch(3 * step + k, 4, cfg)) / 3).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert len(opt.units) > 1 and launched == list(range(len(opt.units))) * 2  # (once per unit and step)
+    got = zeroshard.full_state_dict(model)
+    for name, p in ref.named_parameters():
+        assert (got[name] - p.detach()).abs().max() < 1e-6, name
+    opt.close()
+    model3 = TinyGPT(cfg)
+    opt3 = zeroshard.ZeroOptimizer(model3, torch.optim.AdamW, lr=1e-2, stage=3)
+    with pytest.raises(RuntimeError, match="not supported at stage 3"):
+        with opt3.reducer.deferred():
+            pass
+    opt3.close()

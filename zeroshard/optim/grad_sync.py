@@ -88,6 +88,10 @@ class GradientReducer:
     @contextlib.contextmanager
     def deferred(self, defer: bool = True) -> Iterator[None]:
         """Backward passes started inside reduce nothing when ``defer`` (Note [deferred reduction])."""
+        if defer and any(u.policy.shard_parameters for u in self.units):
+            # (stage 3 frees a unit's gathered parameters when its reduction launches)
+            raise RuntimeError("deferred reduction is not supported at stage 3: a unit's parameters are released "
+                               "when its gradients are reduced; use stage 1 or 2")
         before, self.sync = self.sync, not defer
         try:
             yield
