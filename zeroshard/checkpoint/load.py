@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from zeroshard.optim.registry import optimizer_for
-from zeroshard.checkpoint import frozen_base, jsontree, locate, tp_layout, trainer_state
+from zeroshard.checkpoint import frozen_base, jsontree, locate, stage_merge, tp_layout, trainer_state
 from zeroshard.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map
 from zeroshard.checkpoint.shard_file import DTYPES, ShardReader, reap
@@ -151,9 +151,23 @@ def _expected(model: Optional[nn.Module], opt: Any) -> dict[str, tuple[tuple[int
     return out
 
 
-def check_compatible(body: dict, model: Optional[nn.Module], opt: Any, where: str) -> None:
-    """Raises CheckpointMismatchError listing every name, shape or param group that differs."""
+def _held(model: Optional[nn.Module], opt: Optional["ZeroOptimizer"]) -> tuple[dict[str, tuple[tuple[int, ...], bool]], list[list[str]]]:
+    """(everything the target holds, its param groups' trained names), by checkpoint name; under
+    pipeline parallelism every stage's (a collective: Note [pipeline checkpoints])."""
     expected = _expected(model, opt)
+    groups: list[list[str]] = []
+    if opt is not None:
+        names = name_map(model, opt)
+        groups = [[names[opt.param_names[id(p)]] for p in g["params"] if p.requires_grad] for g in opt.param_groups]
+    pp = stage_merge.pipeline_of(opt)
+    return stage_merge.merge_expected(pp, expected, groups) if pp is not None else (expected, groups)
+
+
+def check_compatible(body: dict, model: Optional[nn.Module], opt: Any, where: str,
+                     held: Optional[tuple[dict[str, tuple[tuple[int, ...], bool]], list[list[str]]]] = None) -> None:
+    """Raises CheckpointMismatchError listing every name, shape or param group that differs
+    (``held``: what ``_held`` says, computed once per load)."""
+    expected, mine = held if held is not None else _held(model, opt)
     saved = body["tensors"]
     record = body.get("frozen") or {"tensors": {}}
     unsaved = set(record["tensors"]) - set(saved)  # frozen weights checked by digest instead
@@ -183,7 +197,6 @@ def check_compatible(body: dict, model: Optional[nn.Module], opt: Any, where: st
         names = name_map(model, opt)
         # (frozen parameters train in no group; older checkpoints listed them)
         frozen = {names[opt.param_names[id(p)]] for g in opt.param_groups for p in g["params"] if not p.requires_grad}
-        mine = [[names[opt.param_names[id(p)]] for p in g["params"] if p.requires_grad] for g in opt.param_groups]
         saved = [[n for n in g.get("params", []) if n not in frozen] if isinstance(g, dict) else [] for g in groups]
         if len(saved) != len(mine) or any(set(a) != set(b) for a, b in zip(saved, mine)):
             raise CheckpointMismatchError(
@@ -377,8 +390,9 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
         raise TypeError(f"load_rng={load_rng!r} must be True or False")
     path = os.fspath(path)
     comm = optimizer.comm if optimizer is not None else _world_comm()
-    if getattr(optimizer, "tp", None) is not None:  # every rank of dp x tp takes part, as in the save
-        comm = checkpoint_comm(optimizer)
+    if getattr(optimizer, "tp", None) is not None or stage_merge.pipeline_of(optimizer) is not None:
+        comm = checkpoint_comm(optimizer)  # every rank of dp x tp (x pp) takes part, as in the save
+    held = _held(model, optimizer)
     exact = locate.is_step_dir(path)
     todo = [path] if exact else locate.candidates(path)
     if not todo:
@@ -388,7 +402,7 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
         src, plan, error = None, None, None
         try:
             body = locate.check_step(step_dir)  # the checks latest_checkpoint makes, first
-            check_compatible(body, model, optimizer, step_dir)
+            check_compatible(body, model, optimizer, step_dir, held)
             # Offloaded state streams: verified blocks are kept a few at a time, not all,
             # and the apply phase reads (and verifies) them again as it fills each unit.
             src = _Source(step_dir, body, max_blocks=_STREAM_BLOCKS if _streamed(optimizer) else None)
@@ -438,7 +452,8 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
     return {"step": body["step"], "path": step_dir, "extra": plan.extra,
             "skipped": skipped, "world_size": body["world_size"], "stage": body["stage"],
             "resharded": body["world_size"] != comm.world_size or
-            body["stage"] != getattr(optimizer, "stage", body["stage"]) or _tp_changed(body, model, optimizer),
+            body["stage"] != getattr(optimizer, "stage", body["stage"]) or _tp_changed(body, model, optimizer) or
+            body.get("pipeline_stages", 1) != stage_merge.stages_of(optimizer),
             "rng_restored": plan.rng is not None,
             "bytes_read": sum(r.bytes_read for r in src.readers.values())}
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroshard.checkpoint import commit, frozen_base, jsontree, manifest, rng, validate
+from zeroshard.checkpoint import commit, frozen_base, jsontree, manifest, rng, stage_merge, validate
 from zeroshard.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from zeroshard.checkpoint.pieces import PieceRecord, full_tensors, has_deferred, name_map, owned_pieces
 from zeroshard.checkpoint.shard_file import CODES, Deferred
@@ -84,14 +84,20 @@ class CheckpointSaver:
     def _comm(self, opt: Optional["ZeroOptimizer"]) -> Comm:
         base = opt.comm if opt is not None else Comm(None)
         tp = getattr(opt, "tp", None)  # tensor parallel: every rank of dp x tp writes its part
-        if base.world_size == 1 and tp is None:
+        pp = stage_merge.pipeline_of(opt)  # pipeline parallel: every rank of the mesh (Note [pipeline checkpoints])
+        if base.world_size == 1 and tp is None and pp is None:
             return base
-        key = id(base.group) if tp is None else ("tp", id(tp.comm.group))
+        key: object = id(base.group)
+        if pp is not None:
+            key = ("pp", pp.checkpoint_ranks)
+        elif tp is not None:
+            key = ("tp", id(tp.comm.group))
         if key not in self._comms:
             # The side group must give up on a dead peer as soon as training's own group does
             # (not after gloo's 30-minute default): ZEROSHARD_PG_TIMEOUT, seconds.
             timeout = datetime.timedelta(seconds=float(os.environ.get("ZEROSHARD_PG_TIMEOUT", "1800")))
-            mine = dist.get_process_group_ranks(base.group) if tp is None else tp.checkpoint_ranks
+            mine = list(pp.checkpoint_ranks) if pp is not None else \
+                dist.get_process_group_ranks(base.group) if tp is None else tp.checkpoint_ranks
             # new_group is a collective of the whole world: under a hybrid mesh every rank makes
             # every shard group's side group, in the same order (Note [hybrid sharding]).
             rows = getattr(opt, "shard_group_ranks", None) or [mine]
@@ -118,11 +124,13 @@ class CheckpointSaver:
         if gatherer is not None:  # units an unfinished forward left gathered (Note [saving between steps])
             gatherer.settle()
         error: Optional[BaseException] = None
+        pp = stage_merge.pipeline_of(opt)
         try:
             engine = getattr(opt, "engine", None)  # (a ZeroOptimizer's; any torch.optim optimizer saves)
             if engine is not None:  # a step that failed part way left no state worth saving (Note [failed steps])
                 engine.inflight.check(f"save_checkpoint of step {step}")
-            snap = _capture(step, model, opt, scheduler, dataloader, extra, comm.rank, comm.world_size, save_frozen)
+            snap = _capture(step, model, opt, scheduler, dataloader, extra, comm.world_size, save_frozen,
+                            writes_full=pp.writes_full if pp is not None else comm.rank == 0)
             shapes = _shapes(model, opt, save_frozen)
         except (TypeError, ValueError, RuntimeError) as exc:  # (CheckpointError is one)
             error = exc
@@ -131,6 +139,10 @@ class CheckpointSaver:
             raise error
         if others:
             raise CheckpointError(f"checkpoint of step {step} was not saved: {others[0]}. Nothing was committed")
+        if pp is not None:  # one manifest over every stage (Note [pipeline checkpoints])
+            shapes = stage_merge.merge_save(pp, snap, shapes, full_names(model, opt, save_frozen))
+        if comm.rank != 0:
+            snap.header = {}
         if not async_save:
             self.state = SaveState.WRITING
             try:
@@ -243,8 +255,12 @@ def _hf_config(model: Optional[nn.Module]) -> Optional[dict]:
         return None
 
 
+def full_names(model: Optional[nn.Module], opt: Optional["ZeroOptimizer"], save_frozen: bool) -> list[str]:
+    return list(full_tensors(model, opt, frozen=save_frozen)[0])
+
+
 def _capture(step: int, model: Optional[nn.Module], opt: Any, scheduler: Any, dataloader: Any,
-             extra: Any, rank: int, world_size: int, save_frozen: bool = False) -> commit.Snapshot:
+             extra: Any, world_size: int, save_frozen: bool = False, writes_full: bool = True) -> commit.Snapshot:
     records: list[PieceRecord] = owned_pieces(model, opt) if opt is not None else []
     if save_frozen:
         records += frozen_base.frozen_pieces(opt)
@@ -256,7 +272,7 @@ def _capture(step: int, model: Optional[nn.Module], opt: Any, scheduler: Any, da
     base = frozen_base.base_record(model, opt, save_frozen)  # (a collective at stage 3)
     if not save_frozen:  # a tied frozen weight is recorded under its first name only
         aliases = {k: v for k, v in aliases.items() if v not in base["tensors"]}
-    if rank != 0:
+    if not writes_full:  # (rank 0; under pp each stage's first rank: Note [pipeline checkpoints])
         full = {}
     snap = commit.Snapshot(step, records, full, rng.capture(), _encode_state(dataloader, "dataloader"))
     # Every rank builds and checks the header (cheap, and all refuse alike); rank 0 writes it.
@@ -284,9 +300,7 @@ def _capture(step: int, model: Optional[nn.Module], opt: Any, scheduler: Any, da
         validate.check_header(snap.header, f"step {step}")
     except CheckpointCorruptError as exc:
         raise ValueError(f"refusing to save {exc}: load_checkpoint would refuse it") from None
-    if rank != 0:
-        snap.header = {}
-    return snap
+    return snap  # (the header is rank 0's to write: the others drop it once merged)
 
 
 def _check_arguments(root: Any, step: Any, keep_last: Any, async_save: Any) -> str:

@@ -79,6 +79,7 @@ def check_header(body: dict, path: str) -> None:
     check_int(body.get("step"), 0, MAX_STEP, path, "step")
     world = check_int(body.get("world_size"), 1, MAX_WORLD, path, "world_size")
     check_int(body.get("stage"), 0, 3, path, "stage")
+    check_int(body.get("pipeline_stages", 1), 1, world, path, "pipeline_stages")  # (Note [pipeline checkpoints])
     if body.get("mixed_precision") not in PRECISIONS:
         raise fail(path, f"mixed_precision={body.get('mixed_precision')!r} is not one of {list(PRECISIONS)}")
     if not isinstance(body.get("optimizer"), (str, type(None))):

@@ -20,6 +20,10 @@ A mesh with a dimension named "tp" is a (dp, tp) mesh for tensor parallelism: ze
 the other dimension(s) as its data-parallel mesh (Note [tensor-parallel parameters] in
 ``tensor_parallel.py``). Such a mesh needs DTensor parameters: with plain ones each tp rank
 would train its own copy and write the same checkpoint files, so it is refused.
+
+A mesh with a dimension named "pp" is a ("pp", "dp"[, "tp"]) mesh for pipeline parallelism:
+zeroshard shards over "dp" and records the pp group (Note [pipeline parallelism] in
+``pipeline.py``).
 """
 from __future__ import annotations
 
@@ -29,8 +33,9 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from zeroshard.comm import tensor_parallel
+from zeroshard.comm import pipeline, tensor_parallel
 from zeroshard.comm.hierarchical import HierarchicalComm
+from zeroshard.comm.pipeline import PipelineParallel
 from zeroshard.comm.process_group import Comm
 from zeroshard.comm.tensor_parallel import TensorParallel
 
@@ -48,12 +53,14 @@ class MeshInfo:
     ``comm`` is the group state is sharded over (a ``HierarchicalComm`` under hpZ);
     ``replicas`` the replicate group of a hybrid mesh (Note [hybrid sharding]), whose rows
     ``shard_group_ranks`` lists so every rank can make each shard group's side groups;
-    ``tp`` the tensor-parallel layout of DTensor parameters (Note [tensor-parallel parameters])."""
+    ``tp`` the tensor-parallel layout of DTensor parameters (Note [tensor-parallel parameters]);
+    ``pp`` this rank's pipeline stage and its peers in the others (Note [pipeline parallelism])."""
     comm: Comm
     replicas: Optional[Comm] = None
     shard_group_ranks: Optional[tuple[tuple[int, ...], ...]] = None
     tp: Optional[TensorParallel] = None
     hpz: bool = False
+    pp: Optional[PipelineParallel] = None
 
     @property
     def data_parallel_size(self) -> int:
@@ -73,10 +80,11 @@ def mesh_info(process_group: Optional[dist.ProcessGroup], mesh: object, config: 
               params: Sequence[torch.Tensor], names: dict[int, str]) -> MeshInfo:
     """The MeshInfo of ``process_group=`` or ``mesh=`` over these parameters (their DTensors
     decide tensor parallelism)."""
+    pp = pipeline.detect(_checked(mesh), config) if "pp" in pipeline.mesh_dims(mesh) else None
     comm, replicas, rows = comms_from(process_group, mesh, config.hpz)
     tp = tensor_parallel.detect(list(params), names, comm, config, replicas is not None,
                                 mesh)  # type: ignore[arg-type]  # (detect refuses what is not a DeviceMesh)
-    return MeshInfo(comm, replicas, tuple(tuple(r) for r in rows) if rows is not None else None, tp, config.hpz)
+    return MeshInfo(comm, replicas, tuple(tuple(r) for r in rows) if rows is not None else None, tp, config.hpz, pp)
 
 
 REPLICATE_NAMES = ("dp_replicate", "replicate", "node")
@@ -101,14 +109,15 @@ def _checked(mesh: object) -> "DeviceMesh":
 
 
 def data_parallel_mesh(mesh: "DeviceMesh") -> "DeviceMesh":
-    """The mesh zeroshard shards over: ``mesh`` without its "tp" dimension (Note
-    [tensor-parallel parameters])."""
+    """The mesh zeroshard shards over: ``mesh`` without its "tp" and "pp" dimensions (Note
+    [tensor-parallel parameters], Note [pipeline parallelism])."""
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    if "tp" not in names:
+    if "tp" not in names and "pp" not in names:
         return mesh
-    rest = tuple(n for n in names if n != "tp")
+    rest = tuple(n for n in names if n not in ("tp", "pp"))
     if not rest:
-        raise ValueError("mesh has only a 'tp' dimension; pass the ('dp', 'tp') mesh or its mesh['dp']")
+        raise ValueError(f"mesh has only {names} dimension(s); pass the ('dp', 'tp') or ('pp', 'dp') mesh "
+                         "(a 'dp' dimension of size 1 where there is no data parallelism)")
     return mesh[rest[0]] if len(rest) == 1 else mesh[rest]
 
 

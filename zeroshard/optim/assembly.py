@@ -111,6 +111,7 @@ def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: Para
     lifecycle.check_unclaimed([m.param for m in trainable], names)
     engine.precision = precision = Precision(config, single_dtype(trainable) if not config.mixed_precision
                                              else torch.float32)
+    precision.pp = engine.mesh.pp.comm if engine.mesh.pp is not None else None
     param_dtype = precision.param_dtype
     all_params = params + [m.param for m in frozen]
     # frozen weights compute in the model dtype too: cast once nothing can refuse (the last step)

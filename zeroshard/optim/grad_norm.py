@@ -2,7 +2,7 @@
 
 Each rank holds the averaged gradient of its owned ranges (stages 1-2; all of it at stage 0),
 so the norm is a local partial sum, reduced over the data-parallel group when state is
-sharded. With tensor parallelism (Note [tensor-parallel parameters] in
+sharded, and over the pipeline stages (Note [pipeline parallelism]). With tensor parallelism (Note [tensor-parallel parameters] in
 ``zeroshard/comm/tensor_parallel.py``) the partial sums are also summed over the tp group,
 each element counted once: TP-sharded pieces on every tp rank, replicated ones on tp rank 0.
 """
@@ -58,9 +58,10 @@ def _tp_parts(units: Sequence[FlatUnit], tp: TensorParallel, fn: Callable[[torch
 
 
 def global_norm(units: Sequence[FlatUnit], tp: Optional[TensorParallel], policy: StagePolicy, comm: Comm,
-                norm_type: float) -> torch.Tensor:
+                norm_type: float, pp: Optional[Comm] = None) -> torch.Tensor:
     """The norm of order ``norm_type`` of all gradients of all ranks (a collective): ``units``
-    are this rank's, ``comm`` its shard group (summed over when ``policy`` shards the state)."""
+    are this rank's, ``comm`` its shard group (summed over when ``policy`` shards the state),
+    ``pp`` the other pipeline stages' ranks (Note [pipeline parallelism])."""
     device = units[0].grad_store.device if units else torch.device("cpu")
     if norm_type == math.inf:  # (a maximum: counting a replicated element twice changes nothing)
         parts = map_owned_grads(units, lambda g: g.abs().max())
@@ -69,6 +70,8 @@ def global_norm(units: Sequence[FlatUnit], tp: Optional[TensorParallel], policy:
             comm.all_reduce(total.view(1), op=dist.ReduceOp.MAX, what="norm")
         if tp is not None:
             tp.comm.all_reduce(total.view(1), op=dist.ReduceOp.MAX, what="norm")
+        if pp is not None:
+            pp.all_reduce(total.view(1), op=dist.ReduceOp.MAX, what="norm")
         return total
 
     def power(g: torch.Tensor) -> torch.Tensor:
@@ -82,4 +85,6 @@ def global_norm(units: Sequence[FlatUnit], tp: Optional[TensorParallel], policy:
         comm.all_reduce(local.view(1), what="norm")
     if tp is not None:
         tp.comm.all_reduce(local.view(1), what="norm")
+    if pp is not None:  # (each stage holds different parameters: their sums add)
+        pp.all_reduce(local.view(1), what="norm")
     return (local ** (1.0 / norm_type)).to(units[0].master.dtype if units else torch.float32)

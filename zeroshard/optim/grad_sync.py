@@ -17,12 +17,22 @@ gradient instead of at the reduction, and is written out from there. Later micro
 (gradient accumulation) need a separate bucket, because the store already holds a reduced
 sum. (Copying each gradient once into the unit, then reducing, is what every sharded
 engine pays; the second copy, bucket to store, was a tenth of stage 3's backward on CPU.)
+
+Note [deferred reduction]: a pass that starts while ``sync`` is False (``optimizer.reducer.deferred()``,
+or a pipeline schedule's micro-batches but the last: Note [pipeline parallelism] in
+zeroshard/comm/pipeline.py) adds its gradients into the unit buckets and launches nothing:
+the buckets, and which segments they hold, carry over to the next pass. The next pass with
+``sync`` adds its own and launches each unit as usual, so the micro-batches cost one
+reduction of each unit, overlapped with the last backward. Held buckets are unreduced local
+sums of the whole unit (what DDP's ``no_sync`` keeps in ``.grad``); a step taken without a
+syncing pass reduces them at ``finalize``.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from functools import partial
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -68,9 +78,25 @@ class GradientReducer:
         accumulates anything into ``.grad``."""
         self.on_pass_end: list = []
         """Callbacks run once a backward pass's reductions are all complete."""
+        self.sync = True
+        """Whether a backward pass starting now reduces (False: Note [deferred reduction])."""
+        self._pass_sync = True
         self.on_launch: list = []
         """Callbacks ``f(unit_index)`` run when a unit's gradients are sent (stage 3 releases
         the unit's gathered parameters then)."""
+
+    @contextlib.contextmanager
+    def deferred(self, defer: bool = True) -> Iterator[None]:
+        """Backward passes started inside reduce nothing when ``defer`` (Note [deferred reduction])."""
+        if defer and any(u.policy.shard_parameters for u in self.units):
+            # (stage 3 frees a unit's gathered parameters when its reduction launches)
+            raise RuntimeError("deferred reduction is not supported at stage 3: a unit's parameters are released "
+                               "when its gradients are reduced; use stage 1 or 2")
+        before, self.sync = self.sync, not defer
+        try:
+            yield
+        finally:
+            self.sync = before
 
     def register_hooks(self) -> None:
         for ui, unit in enumerate(self.units):
@@ -88,6 +114,10 @@ class GradientReducer:
     def _reset_pass(self) -> None:
         self._buckets: list[Optional[torch.Tensor]] = [None] * len(self.units)
         self._seen: list[set[int]] = [set() for _ in self.units]
+        """Per unit: offsets of the segments its bucket holds a gradient of (this pass and
+        deferred ones before it)."""
+        self._arrived: list[set[int]] = [set() for _ in self.units]
+        """Per unit: offsets whose gradient this pass delivered (a unit is ready once all did)."""
         self._next = 0
         self._in_backward = False
 
@@ -98,6 +128,7 @@ class GradientReducer:
 
     def _start_pass(self) -> None:
         self._in_backward = True
+        self._pass_sync = self.sync  # (read once: a context left inside backward changes nothing)
         self.grads_since_clear = True
         self.passes += 1
         torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
@@ -146,7 +177,8 @@ class GradientReducer:
         else:
             dst.copy_(grad.reshape(-1))
             self._seen[ui].add(seg.offset)
-        if len(self._seen[ui]) == len(self.units[ui].layout.segments):
+        self._arrived[ui].add(seg.offset)
+        if self._pass_sync and len(self._arrived[ui]) == len(self.units[ui].layout.segments):
             self._launch_ready()
 
     def _take_untaken(self) -> None:
@@ -160,6 +192,10 @@ class GradientReducer:
                     self._on_grad(ui, si, seg, m.param)
 
     def _on_backward_end(self) -> None:
+        if not self._pass_sync:  # the buckets carry over to the next pass (Note [deferred reduction])
+            self._in_backward = False
+            self._arrived = [set() for _ in self.units]
+            return
         # Like DDP, the pass ends with every reduction complete, so .grad is final when
         # backward returns (Note [visible gradients] in grad_links.py).
         self.flush()
@@ -192,7 +228,7 @@ class GradientReducer:
     def _launch_ready(self) -> None:
         while self._next < len(self.units):
             ui = self._next
-            if len(self._seen[ui]) < len(self.units[ui].layout.segments):
+            if len(self._arrived[ui]) < len(self.units[ui].layout.segments):
                 return
             self._launch(ui)
 

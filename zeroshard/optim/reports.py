@@ -53,11 +53,12 @@ def memory_report(opt: "ZeroOptimizer") -> MemoryReport:
 def comm_report(mesh: MeshInfo, reset: bool = False) -> dict[str, dict]:
     """``memory_report``'s sibling: what this rank's collectives moved since construction
     (or the last ``reset``), by kind: calls, bytes and the group dimension crossed; over the
-    shard group (and hpZ's levels of it), the replicas of a hybrid mesh and the tp group."""
-    shard_comm, replicas, tp = mesh.comm, mesh.replicas, mesh.tp
+    shard group (and hpZ's levels of it), the replicas of a hybrid mesh, the tp and pp groups."""
+    shard_comm, replicas, tp, pp = mesh.comm, mesh.replicas, mesh.tp, mesh.pp
     out = {}
     # (hpZ: the node and inter-node levels of the data-parallel group, Note [hpZ slice order])
     for comm, suffix in ((shard_comm, ""), (replicas, "@replicate"), (tp.comm if tp else None, "@tp"),
+                         (pp.comm if pp else None, "@pp"),
                          *getattr(shard_comm, "levels", ())):
         if comm is None:
             continue

@@ -61,7 +61,8 @@ class Stepper:
         once under tensor parallelism), and the gradients clipped by it (clipping.py)."""
         max_norm, norm_type = clipping.check_clip_arguments(max_norm, norm_type)
         overflow = self.grads.finalize()
-        total = grad_norm.global_norm(self.units, self.mesh.tp, self.sharding.policy, self.mesh.comm, norm_type)
+        total = grad_norm.global_norm(self.units, self.mesh.tp, self.sharding.policy, self.mesh.comm, norm_type,
+                                      self.mesh.pp.comm if self.mesh.pp is not None else None)
         coef = clipping.clip_coefficient(total, max_norm, norm_type, error_if_nonfinite and not overflow)
         if coef is not None and (self.fused or self.swapper is not None):  # applied in the update's own pass
             self.clip_coef = float(coef)  # (NVMe: gradients may be in the swap file until their unit's turn)

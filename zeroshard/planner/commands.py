@@ -25,6 +25,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", type=int, default=1, help="GPUs per node")
     p.add_argument("--nodes", type=int, default=1, help="nodes of --gpus GPUs each")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree inside a node")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (across nodes where it divides --nodes)")
     p.add_argument("--scope", choices=("flat", "hybrid", "hpz"), default="flat",
                    help="data-parallel sharding: one flat group, hybrid (shard in the node, replicate "
                         "across), or hpz (stage 3 with a secondary partition in the node)")
@@ -57,8 +58,8 @@ def _run(a: argparse.Namespace) -> int:
         shape, fraction = _trainable(a, shape)
         optim_bytes = a.optim_bytes if a.optim_bytes is not None else optimizer_bytes_per_param(shape, a.optimizer)
         w = Workload(a.batch, a.seq_len, None if a.precision == "fp32" else a.precision, optim_bytes,
-                     tp=a.tp, scope=a.scope, trainable_fraction=fraction)
-        Topology(hw.nodes, hw.n_gpus, w.tp, w.scope)  # (tp must divide the GPUs of a node)
+                     tp=a.tp, scope=a.scope, trainable_fraction=fraction, pp=a.pp)
+        Topology(hw.nodes, hw.n_gpus, w.tp, w.scope, w.pp)  # (tp and pp must divide the ranks)
     except (ValueError, TypeError) as exc:
         print(f"zeroshard estimate: {exc}", file=sys.stderr)
         return 2
@@ -75,7 +76,7 @@ def _run(a: argparse.Namespace) -> int:
                  "inter_node_bytes_per_step": e.traffic.inter_node if e.traffic is not None else None}
                 for e in result.estimates]
         print(json.dumps({"params": shape.n_params, "trainable_fraction": w.trainable_fraction, "rows": rows,
-                          "nodes": a.nodes, "gpus_per_node": a.gpus, "tp": a.tp, "scope": a.scope,
+                          "nodes": a.nodes, "gpus_per_node": a.gpus, "tp": a.tp, "pp": a.pp, "scope": a.scope,
                           "recommended": best.choice.label if best else None}, indent=1))
     else:
         print(plan_markdown(result))

@@ -96,6 +96,10 @@ class Workload:
     data-parallel dimension); embeddings and the head stay whole."""
     scope: str = "flat"
     """Data-parallel sharding scope: "flat", "hybrid" or "hpz" (``zeroshard.planner.traffic``)."""
+    pp: int = 1
+    """Pipeline stages: each rank holds ⌈layers / pp⌉ blocks (and, conservatively, the
+    embeddings and head), sharded over the stage's dp ranks; 1F1B keeps up to ``pp``
+    micro-batches' activations on the first stage. Stages 0-2 only (Note [pipeline parallelism])."""
 
     def __post_init__(self) -> None:
         if self.micro_batch < 1 or self.seq_len < 1:
@@ -106,7 +110,7 @@ class Workload:
             raise ValueError(f"optim_bytes_per_param={self.optim_bytes_per_param!r} must be >= 0")
         if not 0 < self.trainable_fraction <= 1:
             raise ValueError(f"trainable_fraction={self.trainable_fraction!r} must be in (0, 1] (LoRA: ~0.01)")
-        Topology(tp=self.tp, gpus_per_node=self.tp, scope=self.scope)  # (the checks of tp and scope)
+        Topology(tp=self.tp, gpus_per_node=self.tp * self.pp, scope=self.scope, pp=self.pp)  # (their checks)
 
     @property
     def param_bytes(self) -> int:
@@ -280,6 +284,17 @@ def _per_rank(shape: ModelShape, tp: int) -> ModelShape:
     return replace(shape, n_params=root + shape.n_layers * block, block_numel=block)
 
 
+def _per_stage(shape: ModelShape, pp: int) -> ModelShape:
+    """What one pipeline stage holds: ⌈layers / pp⌉ blocks and the root (embeddings, head:
+    the first and last stages hold parts of it; counted whole, an upper bound)."""
+    if pp == 1:
+        return shape
+    root = max(0, shape.n_params - shape.n_layers * shape.block_params)
+    layers = -(-shape.n_layers // pp)
+    return replace(shape, n_params=root + layers * shape.block_params, n_layers=layers,
+                   block_numel=shape.block_params)
+
+
 def _units(shape: ModelShape, stage: int, w: Workload) -> list[tuple[int, bool]]:
     """(elements, is the root unit) per unit: blocks and the root at stage 3, buckets below."""
     if stage == 3:
@@ -291,9 +306,9 @@ def _units(shape: ModelShape, stage: int, w: Workload) -> list[tuple[int, bool]]
 
 
 def estimate(choice: Choice, shape: ModelShape, hw: Hardware, w: Workload) -> Estimate:
-    topo = Topology(hw.nodes, hw.n_gpus, w.tp, w.scope)
+    topo = Topology(hw.nodes, hw.n_gpus, w.tp, w.scope, w.pp)
     n = topo.shard_size
-    shape = _per_rank(shape, w.tp)
+    shape = _per_stage(_per_rank(shape, w.tp), w.pp)
     # (traffic: every parameter gathered; frozen ones reduce no gradient, which step_traffic
     # does not know: its gradient bytes are an upper bound under a trainable fraction)
     traffic = step_traffic(choice.stage, topo, _units(shape, choice.stage, w), w.param_bytes)
@@ -313,8 +328,8 @@ def estimate(choice: Choice, shape: ModelShape, hw: Hardware, w: Workload) -> Es
     gpu = MemoryReport(gpu.parameters, gpu.gradients, gpu.master_weights, gpu.optimizer_states,
                        buffers=_buffers(choice, shape, w) + gpu.buffers, secondary=full.secondary,  # (on the device)
                        frozen=frozen if choice.offload_params is None or not hw.accelerator else 0)
-    act = activation_bytes(shape, w.micro_batch, w.seq_len, w.param_bytes,
-                           checkpointing=choice.activation_checkpointing, eager_attention=w.eager_attention)
+    act = w.pp * activation_bytes(shape, w.micro_batch, w.seq_len, w.param_bytes,
+                                  checkpointing=choice.activation_checkpointing, eager_attention=w.eager_attention)
     params = full.parameters - frozen  # checkpoints hold what trains (Note [frozen weights in checkpoints])
     saved = params // (1 if choice.stage == 3 else n) + full.master_weights + full.optimizer_states
     if choice.stage == 0:
@@ -351,5 +366,6 @@ class Plan:
 
 
 def plan(shape: ModelShape, hw: Hardware, w: Workload, choices: Optional[list[Choice]] = None) -> Plan:
-    choices = choices or [c for c in all_choices() if w.scope != "hpz" or c.stage == 3]  # (hpZ is stage 3)
+    choices = choices or [c for c in all_choices() if (w.scope != "hpz" or c.stage == 3)  # (hpZ is stage 3)
+                          and (w.pp == 1 or (c.stage < 3 and not c.placement.state_swapped))]  # (what pp runs)
     return Plan(shape, hw, w, tuple(estimate(c, shape, hw, w) for c in choices))

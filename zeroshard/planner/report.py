@@ -12,7 +12,7 @@ def plan_markdown(p: Plan) -> str:
             "trainable parameters" if w.trainable_fraction == 1 else
             f"parameters, {w.trainable_fraction:.2%} trainable (the rest frozen: weights only)")
         + f", {s.n_layers} layers, d_model {s.d_model}, vocab {s.vocab}",
-        f"hardware: {hw.nodes} node(s) × {hw.n_gpus} GPU(s) × {fmt_bytes(hw.gpu_memory)}, tp {w.tp}, "
+        f"hardware: {hw.nodes} node(s) × {hw.n_gpus} GPU(s) × {fmt_bytes(hw.gpu_memory)}, tp {w.tp}, pp {w.pp}, "
         f"{w.scope} sharding, CPU {fmt_bytes(hw.cpu_memory)} per node, "
         f"NVMe {fmt_bytes(hw.nvme)} ({hw.usable_fraction:.0%} of GPU/CPU memory usable)",
         f"workload: micro-batch {w.micro_batch} × {w.seq_len} tokens per GPU, "

@@ -50,9 +50,12 @@ class Topology:
     scope: str = "flat"
     """"flat" (one group over every data-parallel rank), "hybrid" (shard inside the node,
     replicate across: ``mesh=``) or "hpz" (stage 3: ``mesh=..., hpz=True``)."""
+    pp: int = 1
+    """Pipeline stages (Note [pipeline parallelism]): across nodes where ``pp`` divides the
+    nodes (the usual placement: only activations cross), else inside each node."""
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "gpus_per_node", "tp"):
+        for name in ("nodes", "gpus_per_node", "tp", "pp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
@@ -61,16 +64,25 @@ class Topology:
                              "parallelism stays inside a node")
         if self.scope not in SCOPES:
             raise ValueError(f"scope={self.scope!r}; use one of {SCOPES}")
+        if self.nodes % self.pp and self.gpus_per_node % (self.tp * self.pp):
+            raise ValueError(f"pp={self.pp} must divide the nodes ({self.nodes}) or the GPUs of a node per tp "
+                             f"group ({self.gpus_per_node} // tp {self.tp}): each stage needs whole dp groups")
+        if self.pp > 1 and self.scope == "hpz":
+            raise ValueError("scope='hpz' is stage 3, which pipeline parallelism (pp > 1) does not run")
+
+    @property
+    def pp_across_nodes(self) -> bool:
+        return self.pp > 1 and self.nodes % self.pp == 0
 
     @property
     def node_dp(self) -> int:
-        """k: data-parallel ranks per node."""
-        return self.gpus_per_node // self.tp
+        """k: data-parallel ranks per node (of one pipeline stage)."""
+        return self.gpus_per_node // self.tp // (1 if self.pp_across_nodes else self.pp)
 
     @property
     def dp(self) -> int:
-        """N: data-parallel ranks in all."""
-        return self.nodes * self.node_dp
+        """N: data-parallel ranks in all (of one pipeline stage)."""
+        return (self.nodes // self.pp if self.pp_across_nodes else self.nodes) * self.node_dp
 
     @property
     def shard_size(self) -> int:
@@ -104,7 +116,7 @@ def step_traffic(stage: int, topo: Topology, units: Sequence[tuple[int, bool]], 
         raise ValueError(f"stage={stage!r} is not a ZeRO stage")
     if topo.scope == "hpz" and stage != 3:
         raise ValueError(f"scope='hpz' partitions stage-3 parameters; stage={stage}")
-    R, k, b, g = topo.nodes, topo.node_dp, param_bytes, grad_bytes
+    R, k, b, g = topo.dp // topo.node_dp, topo.node_dp, param_bytes, grad_bytes  # (R: nodes of one stage)
     sizes = [(padded(n, topo.shard_size), root) for n, root in units]
     psi = sum(p for p, _ in sizes)
     gathered = {0: 0, 1: psi, 2: psi, 3: sum(p * (1 if root else 2) for p, root in sizes)}[stage]

@@ -8,7 +8,7 @@ scale; gradients are unscaled as each reduction retires (``grad_factor``).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -33,6 +33,9 @@ class Precision:
         self._scaled_pass = -1  # the backward pass scale_loss was called for
         self._checked_pass = -1  # the pass whose overflow flag is cached
         self._overflow = False
+        self.pp: Optional[Comm] = None
+        """Pipeline parallelism: the other stages' ranks, which agree on overflow too; the last
+        stage's loss_fn scales the loss, so passes are not checked for being scaled here."""
 
     @property
     def loss_scale(self) -> float:
@@ -57,12 +60,14 @@ class Precision:
         if self.scaler is None:
             return False
         if self._checked_pass != passes:
-            if got_grads and self._scaled_pass < passes:
+            if got_grads and self._scaled_pass < passes and self.pp is None:
                 raise RuntimeError(
                     "mixed_precision='fp16' needs the loss scaled before backward: call "
                     "optimizer.backward(loss) or optimizer.scale_loss(loss).backward() instead "
                     "of loss.backward()")
             self._overflow = comm.any_true(local_overflow())
+            if self.pp is not None:  # (one stage's inf skips every stage's step: Note [pipeline parallelism])
+                self._overflow = self.pp.any_true(self._overflow)
             self._checked_pass = passes
         return self._overflow
 
