@@ -82,6 +82,7 @@ from zeroshard.optim.flat_unit import FlatUnit, alloc_storage, free_storage, is_
 from zeroshard.comm.tensor_parallel import as_sharded_parameter, local_of
 from zeroshard.optim.sharded_tensor import ShardedTensor
 from zeroshard.stages.stage3.forward_check import ForwardAgreement
+from zeroshard.stages.stage3.gather_alias import can_lend, lend, take_back
 
 if TYPE_CHECKING:
     from zeroshard.stages.stage3.secondary import SecondaryPartition
@@ -130,6 +131,8 @@ class ParameterGatherer:
         """The trainable root unit (None without one)."""
         self.state = [UnitState.RELEASED] * len(units)
         self._work: list[Optional[Work]] = [None] * len(units)
+        self._lent: set[int] = set()
+        """Units gathered now by their shard's memory lent to the flat buffer (Note [gather by alias])."""
         self._order: list[int] = []       # this forward's group order
         self._last_order: list[int] = []  # the previous one: what prefetch follows
         self._bw_ptr = -1
@@ -250,6 +253,12 @@ class ParameterGatherer:
                 "built on the meta device. Load weights with zeroshard.load_safetensors(model, path) "
                 "or initialise them with zeroshard.init_meta_weights(model) before the first forward.")
         unit.await_step(whole=self._waits_whole_step(unit))  # (Note [overlapped step])
+        if self.secondary is None and can_lend(unit, self.comm.world_size):  # Note [gather by alias]
+            lend(unit.flat, unit.shard)
+            self._lent.add(ui)
+            self.state[ui] = UnitState.GATHERING
+            self._work[ui] = self.comm.gather_shards(unit.flat)  # (one rank: nothing to wait for)
+            return
         alloc_storage(unit.flat)
         self.state[ui] = UnitState.GATHERING
         swap = unit.swap_holding("shard")
@@ -334,7 +343,11 @@ class ParameterGatherer:
             elif swap is not None:  # never launched (the same on every rank): drop the read
                 swap.evict(unit, ("shard",))
             self._work[ui] = None
-        free_storage(unit.flat)
+        if ui in self._lent:  # (the shard's memory: never to the host pool)
+            self._lent.discard(ui)
+            take_back(unit.flat)
+        else:
+            free_storage(unit.flat)
         self.state[ui] = UnitState.RELEASED
         self.show(ui, sharded=True)
 
