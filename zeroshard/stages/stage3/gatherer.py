@@ -16,7 +16,15 @@ Lifecycle of a unit in one iteration (``UnitState``):
   and the post-hook does not release it (the recomputed graph still needs it).
 
 At most ``max_live`` non-root units are gathered or gathering at once; prefetch never
-exceeds it. Every rank makes the same gather calls in the same order (same model, same
+exceeds it.
+
+Note [prefetch depth]: forward prefetches the next ``max_live - 1`` groups of the previous
+forward's order, backward the next ``max_live - 1`` groups it reaches, each as far as the
+bound allows: with the default of 2 that is the next group (the unit in use plus one read in
+flight); a larger ``max_live_units`` lets the reads of units k+1, k+2, ... overlap the compute
+of unit k, so a disk slower than one unit's compute per read still keeps up on average (the
+gathered buffers of those units are the memory it costs: ``max_live_units`` x the largest
+unit, which the planner counts). Every rank makes the same gather calls in the same order (same model, same
 graph), which the collectives require. See Note [released parameters].
 
 Note [compiled stage 3]: under ``torch.compile`` the hooks that gather and release units run
@@ -410,8 +418,8 @@ class ParameterGatherer:
             self._order.append(gi)
             pos = len(self._order)
             self.ensure_group(gi)
-            if pos < len(self._last_order):
-                self.prefetch_group(self._last_order[pos])
+            for ahead in self._last_order[pos:pos + self.max_live - 1]:  # (Note [prefetch depth])
+                self.prefetch_group(ahead)
         else:
             self.ensure_group(gi)
 
@@ -470,8 +478,8 @@ class ParameterGatherer:
         self.ensure_group(gi)
         if p >= 0:
             self._bw_ptr = p - 1
-            if p - 1 >= 0:
-                self.prefetch_group(self._order[p - 1])
+            for q in range(p - 1, max(-1, p - self.max_live), -1):  # (Note [prefetch depth])
+                self.prefetch_group(self._order[q])
 
     def _release_frozen_after(self, p: int, gi: int) -> None:
         """Frozen units of the groups that ran after position ``p`` in forward: no backward node
