@@ -43,7 +43,7 @@ def can_lend(unit: FlatUnit, world_size: int) -> bool:
     shard, flat = unit.shard, unit.flat
     return (shard.device.type == "cpu" and flat.device == shard.device and shard.dtype == flat.dtype
             and shard.numel() == flat.numel() and shard.storage_offset() == 0 and flat.storage_offset() == 0
-            and not shard.is_pinned())
+            and not shard.is_pinned() and shard.untyped_storage().nbytes() == flat.numel() * flat.element_size())
 
 
 def lend(flat: torch.Tensor, shard: torch.Tensor) -> None:
