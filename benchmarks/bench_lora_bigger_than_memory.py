@@ -33,7 +33,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_bigger_than_memory import Cgroup, fio_speed  # noqa: E402 - the same cgroup method
+from bench_bigger_than_memory import CGROUP_ROOT, Cgroup, fio_speed  # noqa: E402 - the same cgroup method
 
 MODEL = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=4,
              vocab_size=4096, max_position_embeddings=128, tie_word_embeddings=False)
@@ -100,10 +100,25 @@ def _zero(args: argparse.Namespace, swap: str):
     return model, opt, load_s
 
 
-def _steps(model, opt, start: int, n: int) -> tuple[list[float], list[float]]:
+def _cgroup_cache() -> int:
+    """Page-cache bytes charged to this process's memory cgroup (v1 ``memory.stat`` "cache");
+    -1 where there is none: O_DIRECT reads must not grow it with the base."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = next(ln.split(":", 2)[2].strip() for ln in f if ":memory:" in ln)
+        with open(os.path.join(CGROUP_ROOT, path.lstrip("/"), "memory.stat")) as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("cache "))
+    except (OSError, StopIteration, ValueError):
+        return -1
+
+
+def _steps(model, opt, start: int, n: int, io: list | None = None) -> tuple[list[float], list[float]]:
+    """``io``: per step, what the swap files did (``placement_report()["measured_io"]`` deltas)
+    and the cgroup's page cache after it."""
     import torch
     losses, times = [], []
     for step in range(start, start + n):
+        before = opt.placement_report()["measured_io"] if io is not None else None
         t0 = time.perf_counter()
         ids = _batch(step)
         loss = model(input_ids=ids, labels=ids).loss
@@ -113,6 +128,9 @@ def _steps(model, opt, start: int, n: int) -> tuple[list[float], list[float]]:
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
+        if io is not None and before is not None:
+            after = opt.placement_report()["measured_io"]
+            io.append({**{k: after[k] - before[k] for k in before}, "cgroup_cache": _cgroup_cache()})
         print(f"  step {step + 1}: loss {loss.item():.6f} in {times[-1]:.1f}s, peak RSS "
               f"{_peak_rss() / 2**30:.2f} GiB", file=sys.stderr, flush=True)
     return losses, times
@@ -125,7 +143,8 @@ def child_train(args: argparse.Namespace) -> None:
     model, opt, load_s = _zero(args, swap)
     zeroshard.init_meta_weights(model, seed=0)
     rep = opt.memory_report()
-    losses, times = _steps(model, opt, 0, args.steps)
+    io: list[dict] = []
+    losses, times = _steps(model, opt, 0, args.steps, io)
     t0 = time.perf_counter()
     zeroshard.save_checkpoint(os.path.join(args.dir, "ckpt"), args.steps, model=model, optimizer=opt)
     save_s = time.perf_counter() - t0
@@ -133,7 +152,7 @@ def child_train(args: argparse.Namespace) -> None:
     zeroshard.save_adapter(model, os.path.join(args.dir, "adapter"))
     print(json.dumps({"base_load_s": load_s, "step_s": times + more_times, "losses": losses,
                       "after_save_losses": more, "save_s": save_s, "peak_rss": _peak_rss(),
-                      "frozen_resident": rep.frozen, "frozen_on_nvme": rep.frozen_offloaded,
+                      "frozen_resident": rep.frozen, "frozen_on_nvme": rep.frozen_offloaded, "step_io": io,
                       "memory_report": str(rep)}))
 
 
@@ -191,6 +210,8 @@ def main() -> None:
     ap.add_argument("--resume-steps", type=int, default=2)
     ap.add_argument("--read-gib", type=float, default=2.0)
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--no-peers", action="store_true",
+                    help="skip plain PEFT in the cgroup (the OOM-kill and memory-mapped runs): a quicker run")
     ap.add_argument("--child", choices=("plain", "plain_mmap", "train", "resume"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -205,18 +226,25 @@ def main() -> None:
     tool, read_gbps = read_speed(args.dir, args.read_gib)
     print(f"base: {n / 1e9:.3f} B parameters, {base_bytes / 2**30:.2f} GiB in bf16; disk read {read_gbps:.2f} GB/s "
           f"({tool})", flush=True)
+    # Compute alone: the same PEFT model with its base resident in memory, outside the cgroup
+    # (no I/O at all), the same steps: what a step would take at infinite disk speed.
+    res_code, resident, _ = _run(None, "plain", args)
+    resident_s = statistics.median(resident["step_s"][1:]) if res_code == 0 and resident.get("step_s") else None
+    print(f"resident model (no limit, no I/O): {resident_s} s/step", flush=True)
     os.system("sync; echo 3 > /proc/sys/vm/drop_caches")  # the base is read from disk, not page cache
     cg = Cgroup(int(base_bytes * args.limit_fraction))
+    plain_code, plain_killed, plain_peak, mmap_code, mmap_run, mmap_peak = None, None, None, None, {}, None
     try:
         print(f"cgroup memory limit {cg.limit / 2**30:.2f} GiB ({cg.limit / base_bytes:.2f}x the base)", flush=True)
-        plain_code, _, plain_peak = _run(cg, "plain", args)
-        plain_killed = plain_code in (-signal.SIGKILL, 128 + signal.SIGKILL) or cg.oom_kills() > 0
-        print(f"plain PEFT, base in process memory: exit {plain_code} "
-              f"({'killed by the OOM killer' if plain_killed else 'NOT killed'})", flush=True)
-        os.system("sync; echo 3 > /proc/sys/vm/drop_caches")
-        mmap_code, mmap_run, mmap_peak = _run(cg, "plain_mmap", args)
-        print(f"plain PEFT, base memory-mapped (from_pretrained's zero-copy): exit {mmap_code}", flush=True)
-        os.system("sync; echo 3 > /proc/sys/vm/drop_caches")
+        if not args.no_peers:
+            plain_code, _, plain_peak = _run(cg, "plain", args)
+            plain_killed = plain_code in (-signal.SIGKILL, 128 + signal.SIGKILL) or cg.oom_kills() > 0
+            print(f"plain PEFT, base in process memory: exit {plain_code} "
+                  f"({'killed by the OOM killer' if plain_killed else 'NOT killed'})", flush=True)
+            os.system("sync; echo 3 > /proc/sys/vm/drop_caches")
+            mmap_code, mmap_run, mmap_peak = _run(cg, "plain_mmap", args)
+            print(f"plain PEFT, base memory-mapped (from_pretrained's zero-copy): exit {mmap_code}", flush=True)
+            os.system("sync; echo 3 > /proc/sys/vm/drop_caches")
         code, train, train_peak = _run(cg, "train", args)
         if code != 0:
             raise SystemExit(f"the zeroshard run failed with exit {code}")
@@ -229,10 +257,24 @@ def main() -> None:
     steps = train["step_s"][1:] + resume["step_s"][1:]  # the first step of a process warms up
     step_s = statistics.median(steps)
     read_once = base_bytes / (read_gbps * 1e9)
+    # The step split (train's steps after the first): compute = the resident model's step;
+    # I/O wait = what forward and backward waited on gather reads (the prefetch did not hide);
+    # overhead = the rest (zeroshard's own CPU work, the adapters' state I/O, the step).
+    io = train["step_io"][1:]
+    io_wait = statistics.median(r["gather_wait_s"] for r in io) if io else None
+    base_read = statistics.median(r["frozen_gather_read"] for r in io) if io else None
+    split = {"compute_s": resident_s, "io_wait_s": io_wait,
+             "overhead_s": (step_s - resident_s - io_wait) if resident_s is not None and io_wait is not None else None}
     ckpt_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(args.dir, "ckpt"))
                      for f in fs)
     result = {
         "params": n, "base_bytes": base_bytes, "limit_bytes": cg.limit, "limit_over_base": cg.limit / base_bytes,
+        "split": split, "resident_step_s": resident_s,
+        "base_bytes_read_per_step": base_read, "base_reads_per_step": base_read / base_bytes if base_read else None,
+        "direct_fraction": (sum(r["direct"] for r in io) / max(1, sum(r["read"] + r["written"] for r in io))
+                            if io else None),
+        "cgroup_cache_per_step": [r["cgroup_cache"] for r in train["step_io"]],
+        "step_over_resident_plus_two_reads": (step_s / (resident_s + 2 * read_once)) if resident_s else None,
         "plain_peft": {"exit": plain_code, "killed": plain_killed, "peak_cgroup": plain_peak},
         "plain_peft_mmap": {"exit": mmap_code, "peak_cgroup": mmap_peak,
                             "step_s": statistics.median(mmap_run["step_s"][1:]) if mmap_run.get("step_s") else None,
@@ -254,21 +296,33 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     print(f"\nbase {base_bytes / 2**30:.2f} GiB bf16 in a {cg.limit / 2**30:.2f} GiB cgroup; plain PEFT: "
-          f"{'killed (OOM)' if plain_killed else 'ran'}\npeak RSS {max(result['peak_rss'].values()) / 2**30:.2f} GiB, "
+          f"{'not run (--no-peers)' if plain_killed is None else 'killed (OOM)' if plain_killed else 'ran'}\npeak RSS {max(result['peak_rss'].values()) / 2**30:.2f} GiB, "
           f"peak cgroup {max(result['peak_cgroup'].values()) / 2**30:.2f} GiB; {step_s:.1f} s/step = "
           f"{step_s / read_once:.2f}x the {read_once:.1f} s to read the base once (floor 2x); plain PEFT on the "
           f"memory-mapped base: {result['plain_peft_mmap']['step_s']} s/step\n"
           f"checkpoint {ckpt_bytes / 2**20:.1f} MiB; resumed losses bit-identical: {result['resume_bitwise']}; "
           f"adapter loads with PEFT: {adapter_ok}")
-    if not (result["resume_bitwise"] and plain_killed and adapter_ok):
+    if resident_s is not None and io_wait is not None:
+        print(f"split of a step: compute {resident_s:.2f} s (resident model), I/O wait {io_wait:.2f} s, overhead "
+              f"{split['overhead_s']:.2f} s; step / (resident + 2 reads of the base) = "
+              f"{result['step_over_resident_plus_two_reads']:.2f} (target <= 1.15); base read per step "
+              f"{result['base_reads_per_step']:.2f}x the base (2 = forward + backward); O_DIRECT share "
+              f"{result['direct_fraction']:.3f}; cgroup page cache after each step "
+              f"{[round(c / 2**20) for c in result['cgroup_cache_per_step']]} MiB")
+    if not (result["resume_bitwise"] and (plain_killed or args.no_peers) and adapter_ok):
         sys.exit(1)
 
 
-def _run(cg: Cgroup, mode: str, args: argparse.Namespace) -> tuple[int, dict, int]:
+def _run(cg: Cgroup | None, mode: str, args: argparse.Namespace) -> tuple[int, dict, int]:
+    """Runs child ``mode`` in the cgroup (outside any with ``cg=None``); (exit, JSON, cgroup peak)."""
     import subprocess
-    cg._write("memory.max_usage_in_bytes", "0")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--dir", args.dir, "--steps", str(args.steps),
            "--resume-steps", str(args.resume_steps), "--layers", str(args.layers)]
+    if cg is None:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+        return p.returncode, json.loads(lines[-1]) if lines else {}, 0
+    cg._write("memory.max_usage_in_bytes", "0")
     procs = os.path.join(cg.path, "cgroup.procs")
     p = subprocess.run(["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *cmd], stdout=subprocess.PIPE, text=True)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]

@@ -12,6 +12,11 @@ model, ``torch.nn.utils.clip_grad_norm_``) measured in the same run:
   half of the state (NVMe for the rest, as in bench_bigger_than_memory.py --auto);
 - "all NVMe": ``offload_optimizer="nvme", offload_params="nvme"``.
 The ratios are noisy on a shared 2-core machine; the script prints every step's time too.
+
+``--paired`` measures plain torch and stage 3 in memory in ONE process instead, alternating a
+step of each: both see the same load at the same time, so each pair's ratio is measured in one
+window of a few seconds, and the median of the pairs' ratios is what is reported (on a machine
+shared with other jobs, the per-process medians above can differ by 2x from load alone).
 """
 from __future__ import annotations
 
@@ -21,14 +26,32 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 MODES = ("plain", "stage 3", "auto, half the state", "all NVMe")
+
+
+def timed(m, o, batch, clip):
+    """One step: (loss, wall seconds per phase, process CPU seconds per phase). The CPU time is
+    what the load of other jobs on a shared machine moves least (it still moves: caches, and
+    OpenMP threads spinning while they wait for a core)."""
+    marks = [(time.perf_counter(), time.process_time())]
+    loss = m(*batch)
+    marks.append((time.perf_counter(), time.process_time()))
+    loss.backward()
+    marks.append((time.perf_counter(), time.process_time()))
+    clip()
+    o.step()
+    o.zero_grad()
+    marks.append((time.perf_counter(), time.process_time()))
+    names = ("forward", "backward", "step")
+    return loss, ({k: marks[i + 1][0] - marks[i][0] for i, k in enumerate(names)},
+                  {k: marks[i + 1][1] - marks[i][1] for i, k in enumerate(names)})
 
 
 def child(args: argparse.Namespace) -> None:
     import torch
     import zeroshard
-    from zeroshard.bench.phases import timed_step
     from zeroshard.planner.auto_placement import PlacementError
     from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
     cfg = GPTConfig(vocab=4096, d_model=args.d_model, n_layers=args.layers, n_heads=12, seq_len=64)
@@ -59,14 +82,64 @@ def child(args: argparse.Namespace) -> None:
             place = dict(offload="auto", memory_budget={"host": budget}, nvme_path=swap, overlap_step=False)
         model, opt = build(**place)
         zeroshard.init_meta_weights(model, seed=0)
-    phases = []
+    phases, cpu = [], []
     clip = ((lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) if args.child == "plain"
             else (lambda: opt.clip_grad_norm_(1.0)))
     for step in range(args.steps):
-        phases.append(timed_step(model, opt, synthetic_batch(step, 1, cfg), clip)[1])
+        _, (wall, cpu_s) = timed(model, opt, synthetic_batch(step, 1, cfg), clip)
+        phases.append(wall)
+        cpu.append(cpu_s)
         print(f"  {args.child} step {step + 1}: " + ", ".join(f"{k} {v:.2f}s" for k, v in phases[-1].items()),
               file=sys.stderr, flush=True)
-    print(json.dumps({"phases": phases, "params": sum(p.numel() for p in model.parameters())}))
+    print(json.dumps({"phases": phases, "cpu": cpu, "params": sum(p.numel() for p in model.parameters())}))
+
+
+def paired(args: argparse.Namespace) -> dict:
+    """Plain torch and stage 3 (in memory) in one process, a step of each in turn."""
+    import torch
+    import zeroshard
+    from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+    cfg = GPTConfig(vocab=4096, d_model=args.d_model, n_layers=args.layers, n_heads=12, seq_len=64)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    plain = TinyGPT(cfg)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, weight_decay=0.01)
+    with torch.device("meta"):
+        model = TinyGPT(cfg)
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-4, weight_decay=0.01, stage=3)
+    zeroshard.init_meta_weights(model, seed=0)
+    runs: dict[str, list] = {"plain": [], "stage 3": []}
+    cpu: dict[str, list] = {"plain": [], "stage 3": []}
+    losses: list[float] = []
+
+    for step in range(args.steps):
+        batch = synthetic_batch(step, 1, cfg)
+        order = [("plain", plain, plain_opt), ("stage 3", model, opt)]
+        for name, m, o in order if step % 2 == 0 else order[::-1]:  # (neither always runs first)
+            clip = ((lambda: torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)) if name == "plain"
+                    else (lambda: opt.clip_grad_norm_(1.0)))
+            loss, (phases, cpu_s) = timed(m, o, batch, clip)
+            runs[name].append(phases)
+            cpu[name].append(cpu_s)
+            if name == "stage 3":
+                losses.append(float(loss))
+            print(f"  {name} step {step + 1}: " + ", ".join(f"{k} {v:.2f}s" for k, v in phases.items()),
+                  file=sys.stderr, flush=True)
+    def pair_ratios(rows):
+        return {k: statistics.median(s[k] / p[k] for p, s in zip(rows["plain"][1:], rows["stage 3"][1:]))
+                for k in rows["plain"][0]}
+    ratios, cpu_ratios = pair_ratios(runs), pair_ratios(cpu)
+    med = {name: {k: statistics.median(r[k] for r in rows[1:]) for k in rows[0]} for name, rows in runs.items()}
+    print(f"paired, {sum(p.numel() for p in plain.parameters()) / 1e9:.3f} B parameters, {args.layers} blocks, "
+          f"steps 2-{args.steps}: median of each pair's stage 3 / plain: "
+          + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
+          + "; in process CPU time: " + ", ".join(f"{k} {v:.2f}x" for k, v in cpu_ratios.items()))
+    for name, m in med.items():
+        print(f"{name:>10}: " + ", ".join(f"{k} {v:.2f} s" for k, v in m.items()))
+    return {"paired": True, "pair_ratio_median": ratios, "pair_cpu_ratio_median": cpu_ratios, "median_s": med,
+            "steps": runs, "cpu_steps": cpu, "losses": losses, "threads": torch.get_num_threads(),
+            "load_average": os.getloadavg()}
 
 
 def main() -> None:
@@ -76,6 +149,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--dir", default="/tmp/zs-overhead", help="swap files go here (NVMe placements)")
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--paired", action="store_true",
+                    help="plain torch and stage 3 in memory alternating in one process (see the docstring)")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="comma-separated placements to run (plain always runs: the ratios are to it)")
+    ap.add_argument("--threads", type=int, default=0, help="--paired: torch threads (0: torch's default)")
     ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -83,8 +161,17 @@ def main() -> None:
         return
     if args.steps < 2:
         ap.error("--steps must be at least 2 (step 1 is not counted)")
+    if args.paired:
+        out = paired(args)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"layers": args.layers, "d_model": args.d_model, **out}, f, indent=1)
+        return
+    wanted = {m.strip() for m in args.modes.split(",")}
+    if wanted - set(MODES):
+        ap.error(f"--modes: unknown {sorted(wanted - set(MODES))}; choose from {list(MODES)}")
     results = {}
-    for mode in MODES:
+    for mode in (m for m in MODES if m == "plain" or m in wanted):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--layers", str(args.layers),
                "--d-model", str(args.d_model), "--steps", str(args.steps), "--dir", args.dir]
         out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
@@ -92,13 +179,18 @@ def main() -> None:
         counted = rows["phases"][1:]
         med = {k: statistics.median(r[k] for r in counted) for k in counted[0]}
         med["total"] = statistics.median(sum(r.values()) for r in counted)
-        results[mode] = {"median_s": med, "steps": rows["phases"], "params": rows["params"]}
+        cpu_med = {k: statistics.median(r[k] for r in rows["cpu"][1:]) for k in counted[0]}
+        results[mode] = {"median_s": med, "median_cpu_s": cpu_med, "steps": rows["phases"], "cpu_steps": rows["cpu"],
+                         "params": rows["params"]}
     plain = results["plain"]["median_s"]
     print(f"{results['plain']['params'] / 1e9:.3f} B parameters, {args.layers} blocks, medians of steps 2-{args.steps}")
     for mode, r in results.items():
         med = r["median_s"]
         r["over_plain"] = {k: med[k] / plain[k] for k in med}
-        print(f"{mode:>22}: " + ", ".join(f"{k} {med[k]:.2f} s ({r['over_plain'][k]:.2f}x)" for k in med))
+        cpu_med, plain_cpu = r["median_cpu_s"], results["plain"]["median_cpu_s"]
+        r["cpu_over_plain"] = {k: cpu_med[k] / plain_cpu[k] for k in cpu_med}
+        print(f"{mode:>22}: " + ", ".join(f"{k} {med[k]:.2f} s ({r['over_plain'][k]:.2f}x)" for k in med)
+              + "; CPU time: " + ", ".join(f"{k} {r['cpu_over_plain'][k]:.2f}x" for k in cpu_med))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"layers": args.layers, "d_model": args.d_model, "load_average": os.getloadavg(),

@@ -78,3 +78,50 @@ def test_hugging_face_meta_init_and_base_model_files(tmp_path):
     with torch.no_grad():
         got = model.eval()(x, output_hidden_states=True).hidden_states[-1]
         assert torch.equal(got, base(x).last_hidden_state)
+
+
+def _train_stage3(lend: bool, monkeypatch, offload_params=None, tmp_path=None, steps: int = 3):
+    """Losses and final full state of 3 stage-3 steps at world size 1, the gather lending the
+    shard's memory (Note [gather by alias]) or copying it as before."""
+    from zeroshard.stages.stage3 import gatherer as gatherer_module
+    if not lend:
+        monkeypatch.setattr(gatherer_module, "can_lend", lambda unit, world_size: False)
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    extra = {} if offload_params is None else dict(offload_params=offload_params, offload_optimizer=offload_params,
+                                                   nvme_path=str(tmp_path))
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=3, **extra)
+    seen = []  # (unit, flat's data pointer, shard's) while the first block is gathered in forward
+    block = model.blocks[0]
+    unit = opt.segment_index()[id(block.fc.weight)][0]
+    handle = block.register_forward_pre_hook(lambda *a: seen.append(  # (after the gatherer's pre-hook)
+        (unit.flat.data_ptr(), unit.shard.data_ptr() if unit.shard.untyped_storage().nbytes() else None)))
+    losses = []
+    for step in range(steps):
+        loss = model(*synthetic_batch(step, 2, CFG))
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    handle.remove()
+    released = all(u.flat.untyped_storage().nbytes() == 0 for u in opt.units)
+    return losses, zeroshard.full_state_dict(model), seen, released
+
+
+def test_one_rank_gathers_by_lending_the_shard_bit_for_bit(monkeypatch):
+    """Note [gather by alias]: at world size 1 the gathered buffer is the shard's own memory
+    while in use (no copy), released after it as before, with the same values bit for bit."""
+    lent, lent_sd, seen, released = _train_stage3(True, monkeypatch)
+    assert released and all(flat == shard for flat, shard in seen), seen
+    monkeypatch.undo()
+    copied, copied_sd, seen_copy, released_copy = _train_stage3(False, monkeypatch)
+    assert released_copy and all(flat != shard for flat, shard in seen_copy), seen_copy
+    assert lent == copied
+    assert all(torch.equal(lent_sd[k], copied_sd[k]) for k in copied_sd)
+
+
+def test_a_swapped_shard_is_gathered_by_copy_not_lent(monkeypatch, tmp_path):
+    """A shard in a swap file is not in memory to lend: the gather reads it as before."""
+    losses, _, seen, released = _train_stage3(True, monkeypatch, "nvme", tmp_path, steps=2)
+    assert released and seen and all(shard is None or flat != shard for flat, shard in seen), seen

@@ -232,13 +232,20 @@ class StatePlacement:
             out["moments"]["memory" if kept else "nvme"] += nbytes
         return out
 
-    def measured_io(self, swapper: Optional[NvmeOptimizerState]) -> dict[str, int]:
+    def measured_io(self, swapper: Optional[NvmeOptimizerState]) -> dict[str, float]:
         """Bytes the swap files have read and written since construction, and of those the
-        bytes that went through O_DIRECT (``direct``, Note [aligned swap parts])."""
+        bytes that went through O_DIRECT (``direct``, Note [aligned swap parts]); of the reads,
+        the stage-3 shards read for gathers (``gather_read``; ``frozen_gather_read``: frozen
+        units', a LoRA base's) and the seconds forward and backward waited on them
+        (``gather_wait_s``: the I/O wait the prefetch did not hide)."""
         files = [f for f in (swapper.file if swapper is not None else None,
                              self.store.file if self.store is not None else None) if f is not None]
+        store = self.store
         return {"read": sum(f.bytes_read for f in files), "written": sum(f.bytes_written for f in files),
-                "direct": sum(f.direct_bytes for f in files)}
+                "direct": sum(f.direct_bytes for f in files),
+                "gather_read": store.gather_read if store is not None else 0,
+                "frozen_gather_read": store.frozen_gather_read if store is not None else 0,
+                "gather_wait_s": store.gather_wait_s if store is not None else 0.0}
 
     def report(self, runs: Sequence[Run], swapper: Optional[NvmeOptimizerState], micro_batches: int = 1) -> dict:
         """What was decided and why: bytes per kind and tier (planned, and as the units hold them

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional, Sequence
 
@@ -58,6 +59,12 @@ class NvmeUnitStore:
         self._writes: list[tuple[Any, Any, tuple[str, ...]]] = []  # (handle, unit, parts to free)
         self._reads: dict[tuple[int, str], Any] = {}
         self._lock = threading.RLock()
+        self.gather_read = 0
+        """Bytes of stage-3 shards read for gathers so far (``frozen_gather_read``: of frozen units,
+        a LoRA base), and the seconds forward and backward waited on those reads
+        (``gather_wait_s``): what ``placement_report()["measured_io"]`` shows of the gathers."""
+        self.frozen_gather_read = 0
+        self.gather_wait_s = 0.0
         self.cache: Optional[Any] = None
         """The parameter cache (``param_cache.ParamCache``) of automatic placement, if any."""
         self.before_close: list[Callable[[], None]] = []
@@ -195,6 +202,11 @@ class NvmeUnitStore:
         ``fetch``, and ``finish_gather`` copies it."""
         self.settle(unit)  # (a write of the shard still in flight: read what it wrote)
         keep = self.cache is not None and self.cache.keep(unit, backward)
+        resident = is_allocated(unit.shard) and (id(unit), "shard") not in self._reads
+        if not resident:  # (a shard the cache kept, or still in memory, is read by no one)
+            self.gather_read += dest.numel() * dest.element_size()
+            if unit.frozen:
+                self.frozen_gather_read += dest.numel() * dest.element_size()
         if keep or is_allocated(unit.shard) or (id(unit), "shard") in self._reads or dest.data_ptr() % ALIGN:
             self.fetch(unit, ("shard",), urgent=True)
             return
@@ -203,12 +215,15 @@ class NvmeUnitStore:
     def finish_gather(self, unit: FlatUnit, dest: torch.Tensor, backward: bool) -> None:
         """``dest`` holds the shard once this returns (see ``fetch_for_gather``)."""
         h = self._reads.pop((id(unit), "gather"), None)
+        t0 = time.perf_counter()
         if h is None:
             self.wait_fetch(unit, ("shard",))
+            self.gather_wait_s += time.perf_counter() - t0
             dest.copy_(unit.shard)
             self.gathered(unit, backward)
             return
         h.wait()
+        self.gather_wait_s += time.perf_counter() - t0
         if self.cache is not None and self.cache.keep(unit, backward):  # (grad mode changed since the read began)
             alloc_storage(unit.shard)
             unit.shard.copy_(dest)

@@ -381,7 +381,7 @@ def plan_explicit(units: list[UnitSpec], fixed: Fixed, *, accelerator: bool, opt
                 (f"explicit: offload_optimizer={optimizer!r}, offload_params={params!r} for every unit",))
 
 
-def report_text(plan: Plan, measured: Optional[dict[str, int]] = None) -> str:
+def report_text(plan: Plan, measured: Optional[dict[str, float]] = None) -> str:
     """A person's view of a plan: bytes per kind and tier, the step's predicted traffic, why."""
     by = plan.bytes_by()
     tiers = [t for t in TIERS if any(by[k][t] for k in KINDS)] or ["host"]

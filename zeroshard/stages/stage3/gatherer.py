@@ -16,7 +16,15 @@ Lifecycle of a unit in one iteration (``UnitState``):
   and the post-hook does not release it (the recomputed graph still needs it).
 
 At most ``max_live`` non-root units are gathered or gathering at once; prefetch never
-exceeds it. Every rank makes the same gather calls in the same order (same model, same
+exceeds it.
+
+Note [prefetch depth]: forward prefetches the next ``max_live - 1`` groups of the previous
+forward's order, backward the next ``max_live - 1`` groups it reaches, each as far as the
+bound allows: with the default of 2 that is the next group (the unit in use plus one read in
+flight); a larger ``max_live_units`` lets the reads of units k+1, k+2, ... overlap the compute
+of unit k, so a disk slower than one unit's compute per read still keeps up on average (the
+gathered buffers of those units are the memory it costs: ``max_live_units`` x the largest
+unit, which the planner counts). Every rank makes the same gather calls in the same order (same model, same
 graph), which the collectives require. See Note [released parameters].
 
 Note [compiled stage 3]: under ``torch.compile`` the hooks that gather and release units run
@@ -82,6 +90,7 @@ from zeroshard.optim.flat_unit import FlatUnit, alloc_storage, free_storage, is_
 from zeroshard.comm.tensor_parallel import as_sharded_parameter, local_of
 from zeroshard.optim.sharded_tensor import ShardedTensor
 from zeroshard.stages.stage3.forward_check import ForwardAgreement
+from zeroshard.stages.stage3.gather_alias import can_lend, lend, take_back
 
 if TYPE_CHECKING:
     from zeroshard.stages.stage3.secondary import SecondaryPartition
@@ -130,6 +139,8 @@ class ParameterGatherer:
         """The trainable root unit (None without one)."""
         self.state = [UnitState.RELEASED] * len(units)
         self._work: list[Optional[Work]] = [None] * len(units)
+        self._lent: set[int] = set()
+        """Units gathered now by their shard's memory lent to the flat buffer (Note [gather by alias])."""
         self._order: list[int] = []       # this forward's group order
         self._last_order: list[int] = []  # the previous one: what prefetch follows
         self._bw_ptr = -1
@@ -250,6 +261,12 @@ class ParameterGatherer:
                 "built on the meta device. Load weights with zeroshard.load_safetensors(model, path) "
                 "or initialise them with zeroshard.init_meta_weights(model) before the first forward.")
         unit.await_step(whole=self._waits_whole_step(unit))  # (Note [overlapped step])
+        if self.secondary is None and can_lend(unit, self.comm.world_size):  # Note [gather by alias]
+            lend(unit.flat, unit.shard)
+            self._lent.add(ui)
+            self.state[ui] = UnitState.GATHERING
+            self._work[ui] = self.comm.gather_shards(unit.flat)  # (one rank: nothing to wait for)
+            return
         alloc_storage(unit.flat)
         self.state[ui] = UnitState.GATHERING
         swap = unit.swap_holding("shard")
@@ -334,7 +351,11 @@ class ParameterGatherer:
             elif swap is not None:  # never launched (the same on every rank): drop the read
                 swap.evict(unit, ("shard",))
             self._work[ui] = None
-        free_storage(unit.flat)
+        if ui in self._lent:  # (the shard's memory: never to the host pool)
+            self._lent.discard(ui)
+            take_back(unit.flat)
+        else:
+            free_storage(unit.flat)
         self.state[ui] = UnitState.RELEASED
         self.show(ui, sharded=True)
 
@@ -397,8 +418,8 @@ class ParameterGatherer:
             self._order.append(gi)
             pos = len(self._order)
             self.ensure_group(gi)
-            if pos < len(self._last_order):
-                self.prefetch_group(self._last_order[pos])
+            for ahead in self._last_order[pos:pos + self.max_live - 1]:  # (Note [prefetch depth])
+                self.prefetch_group(ahead)
         else:
             self.ensure_group(gi)
 
@@ -457,8 +478,8 @@ class ParameterGatherer:
         self.ensure_group(gi)
         if p >= 0:
             self._bw_ptr = p - 1
-            if p - 1 >= 0:
-                self.prefetch_group(self._order[p - 1])
+            for q in range(p - 1, max(-1, p - self.max_live), -1):  # (Note [prefetch depth])
+                self.prefetch_group(self._order[q])
 
     def _release_frozen_after(self, p: int, gi: int) -> None:
         """Frozen units of the groups that ran after position ``p`` in forward: no backward node
