@@ -44,7 +44,7 @@ def mesh_worker(rank: int, world: int, out_path: str) -> None:
         out["by_name"] = [opt.comm.world_size, opt.replicas.world_size if opt.replicas is not None else None,
                           opt.shard_group_ranks]
     _attempt(out, "reversed", by_name)
-    unknown = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp"))
+    unknown = init_device_mesh("cpu", (1, 2), mesh_dim_names=("ep", "dp"))  # (expert parallelism: not read)
     _attempt(out, "unknown_names", lambda: zeroshard.ZeroOptimizer(_model(), torch.optim.AdamW, stage=1, mesh=unknown))
     with open(f"{out_path}.rank{rank}", "w") as f:
         json.dump(out, f)

@@ -33,7 +33,7 @@ def test_meshes_that_cannot_train_correctly_are_refused_and_dims_are_read_by_nam
         assert "parallelize_module" in r["tp_without_dtensors"] and "mesh['dp']" in r["tp_without_dtensors"], r
         assert r["model_intact"], r
         assert r["by_name"] == [2, 1, [[0, 1]]] and r["reversed"] == "accepted", r
-        assert r["unknown_names"].startswith("ValueError") and "'pp'" in r["unknown_names"], r
+        assert r["unknown_names"].startswith("ValueError") and "'ep'" in r["unknown_names"], r
         assert "dp_replicate" in r["unknown_names"] and "dp_shard" in r["unknown_names"], r
     assert ranks[0]["not_my_mesh"] == "accepted", ranks[0]
     assert ranks[1]["not_my_mesh"].startswith("ValueError") and "rank 1" in ranks[1]["not_my_mesh"], ranks[1]
