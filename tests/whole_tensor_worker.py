@@ -65,7 +65,7 @@ def weight(rank: int, world: int, exact_sum: bool) -> float:
 
 
 def reference(recipe: str, world: int, max_norm: float, clip: str = "exact", precision: Optional[str] = None,
-              exact_sum: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
+              exact_sum: bool = False, accumulation: int = 1) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process, torch's own classes, the global batch. Under bf16 the same recipe as
     ZeroOptimizer's: a bf16 model, fp32 master copies that torch's classes update."""
     model = llama()
@@ -85,16 +85,22 @@ def reference(recipe: str, world: int, max_norm: float, clip: str = "exact", pre
         ids = batch(step, LOCAL_BATCH * world)
         # The global batch's gradient as data parallelism computes it: each rank's share's
         # gradient summed, then averaged (the same arithmetic, so the same bits)
-        for r in range(world):
-            part = ids[r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH]
-            (model(input_ids=part, labels=part).loss * weight(r, world, exact_sum)).backward()
-            if precision == "bf16":  # (each rank's bf16 gradient is summed in fp32, as ZeroOptimizer reduces)
+        total: dict[str, torch.Tensor] = {}
+        micro = LOCAL_BATCH // accumulation
+        for k in range(accumulation):  # (each backward is reduced over the ranks, then accumulated)
+            summed: dict[str, torch.Tensor] = {}
+            for r in range(world):
+                x = ids[r * LOCAL_BATCH + k * micro:r * LOCAL_BATCH + (k + 1) * micro]
+                (model(input_ids=x, labels=x).loss * (weight(r, world, exact_sum) / accumulation)).backward()
+                # (each rank's gradient, summed in fp32, as ZeroOptimizer reduces the bf16 ones too)
                 for n, p in named.items():
-                    m = stepped[n]
-                    m.grad = p.grad.float() if m.grad is None else m.grad + p.grad.float()
+                    summed[n] = p.grad.float().clone() if n not in summed else summed[n] + p.grad.float()
                 model.zero_grad()
-        for p in stepped.values():
-            p.grad.mul_(1.0 / world)
+            for n, g in summed.items():
+                g.mul_(1.0 / world)
+                total[n] = g if n not in total else total[n] + g
+        for n, p in stepped.items():
+            p.grad = total[n]
         params = list(stepped.values())
         norms.append(exact_clip(params, max_norm) if clip == "exact" else
                      float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
@@ -118,11 +124,13 @@ class Case(NamedTuple):
     mesh: Optional[str] = None  # "hybrid": a (replicate 2, shard 2) mesh at world 4
     exact_sum: bool = False  # (world 4: ranks 2-3 weigh their loss 0, see ``weight``)
     offload: Optional[str] = None  # offload_optimizer
+    accumulation: int = 1  # micro-batches per step
 
     @property
     def key(self) -> str:
         return "-".join([self.recipe, str(self.stage)] + (["noclip"] if self.max_norm == NO_CLIP else []) +
                         ([self.clip + "clip"] if self.clip != "exact" else []) + [x for x in (self.precision, self.mesh, self.offload) if x] +
+                        ([f"acc{self.accumulation}"] if self.accumulation > 1 else []) +
                         (["exactsum"] if self.exact_sum else []))
 
 
@@ -144,7 +152,10 @@ def zero_run(case: Case, rank: int, world: int) -> tuple[dict[str, torch.Tensor]
     norms = []
     for step in range(STEPS):
         ids = batch(step, LOCAL_BATCH * world)[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
-        (model(input_ids=ids, labels=ids).loss * weight(rank, world, case.exact_sum)).backward()
+        micro = LOCAL_BATCH // case.accumulation
+        for k in range(case.accumulation):
+            x = ids[k * micro:(k + 1) * micro]
+            (model(input_ids=x, labels=x).loss * (weight(rank, world, case.exact_sum) / case.accumulation)).backward()
         norms.append(float(opt.clip_grad_norm_(case.max_norm)))
         opt.step()
         opt.zero_grad()
@@ -158,7 +169,8 @@ def zero_run(case: Case, rank: int, world: int) -> tuple[dict[str, torch.Tensor]
 
 
 def compare(case: Case, rank: int, world: int) -> dict:
-    ref, ref_norms = reference(case.recipe, world, case.max_norm, case.clip, case.precision, case.exact_sum)
+    ref, ref_norms = reference(case.recipe, world, case.max_norm, case.clip, case.precision, case.exact_sum,
+                               case.accumulation)
     got, norms, owners = zero_run(case, rank, world)
     rel = max(float((got[n] - t).abs().max() / t.abs().max().clamp_min(1e-12)) for n, t in ref.items())
     # (bf16: relative to one bf16 ulp of the reference value, as tests/test_parity.py bounds it)
@@ -170,7 +182,8 @@ def compare(case: Case, rank: int, world: int) -> dict:
 def cases(world: int) -> list[Case]:
     """The parity matrix at ``world`` ranks (every stage at world 2; the others sample it)."""
     if world == 1:
-        return [Case("muon", 1), Case("muon", 3), Case("adafactor", 2), Case("muon", 3, precision="bf16")]
+        return [Case("muon", 1), Case("muon", 3), Case("adafactor", 2), Case("muon", 3, precision="bf16"),
+                Case("muon", 2, accumulation=2)]
     if world == 4:
         return ([Case("muon", stage, exact_sum=True) for stage in (1, 2, 3)] + [Case("muon", 2)] +
                 [Case("adafactor", stage) for stage in (1, 2, 3)] +
@@ -182,6 +195,7 @@ def cases(world: int) -> list[Case]:
     out += [Case("muon", 2, precision="bf16"), Case("muon", 3, precision="bf16"), Case("adafactor", 3, precision="bf16")]
     out += [Case("muon", 3, offload="cpu"), Case("adafactor", 2, precision="bf16", offload="cpu")]
     out += [Case("adafactor", 2, offload="nvme"), Case("adafactor", 3, precision="bf16", offload="nvme")]
+    out += [Case("muon", 3, accumulation=2), Case("adafactor", 2, accumulation=2)]
     return out
 
 
