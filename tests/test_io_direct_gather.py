@@ -4,15 +4,14 @@ and backward), counted by ``placement_report()["measured_io"]``; where the file 
 O_DIRECT the same reads go through the page cache with the same values bit for bit."""
 from __future__ import annotations
 
-import errno
-import os
 
 import pytest
 import torch
 
 import zeroshard
-from zeroshard.io import _plan
 from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+
+from .test_io_helpers import refuse_o_direct
 
 CFG = GPTConfig(vocab=64, d_model=64, n_layers=3, n_heads=2, seq_len=8)
 STEPS = 3
@@ -23,14 +22,7 @@ def _run(tmp_path, refuse_direct: bool, monkeypatch) -> tuple[list[float], list[
     (the adapters' stand-in), every shard in the swap file; (losses, per-step measured_io
     deltas, the frozen units' shard bytes)."""
     if refuse_direct:  # as tmpfs before Linux 6.6: every O_DIRECT open() fails with EINVAL
-        real_open = os.open
-
-        def refusing_open(path, flags, mode=0o777, **kw):
-            if flags & os.O_DIRECT:
-                raise OSError(errno.EINVAL, "Invalid argument", path)
-            return real_open(path, flags, mode, **kw)
-        monkeypatch.setattr(_plan.os, "open", refusing_open)
-        monkeypatch.setattr(_plan, "_direct_refusals", {})
+        refuse_o_direct(monkeypatch)
     torch.manual_seed(0)
     model = TinyGPT(CFG)
     for block in model.blocks:

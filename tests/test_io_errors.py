@@ -13,7 +13,7 @@ from zeroshard.io import AIOError, ALIGN, DiskFullError, TruncatedFileError, ali
 from zeroshard.io import _plan
 from zeroshard.io.handle import Handle
 
-from .test_io_helpers import BACKENDS, make_engine, pattern, read_only_mount, small_filesystem
+from .test_io_helpers import BACKENDS, make_engine, pattern, read_only_mount, refuse_o_direct, small_filesystem
 
 BLOCK = 64 << 10
 
@@ -151,15 +151,7 @@ def test_o_direct_refused_per_request_falls_back(tmp_path, backend):
 def test_o_direct_refused_at_open_uses_buffered_and_says_so(tmp_path, backend, monkeypatch):
     """A file system that refuses O_DIRECT at open() (EINVAL, as tmpfs did before Linux 6.6):
     simulated by failing exactly that open() call, since every file system here accepts it."""
-    real_open = os.open
-
-    def refusing_open(path, flags, mode=0o777, **kw):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument", path)
-        return real_open(path, flags, mode, **kw)
-
-    monkeypatch.setattr(_plan.os, "open", refusing_open)
-    monkeypatch.setattr(_plan, "_direct_refusals", {})
+    refuse_o_direct(monkeypatch)
     io = make_engine(backend, block_size=BLOCK)
     src = pattern(50_000)
     h = io.pwrite(src, tmp_path / "f.bin")

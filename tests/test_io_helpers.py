@@ -77,3 +77,20 @@ def read_only_mount(where: str) -> Iterator[str]:
         yield mnt
     finally:
         subprocess.run(["umount", mnt], capture_output=True, timeout=60)
+
+
+def refuse_o_direct(monkeypatch) -> None:
+    """A file system that refuses O_DIRECT at open() (EINVAL, as tmpfs did before Linux 6.6):
+    simulated by failing exactly that open() call, since every file system here accepts it."""
+    import errno
+    import os
+
+    from zeroshard.io import _plan
+    real_open = os.open
+
+    def refusing_open(path, flags, mode=0o777, **kw):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, mode, **kw)
+    monkeypatch.setattr(_plan.os, "open", refusing_open)
+    monkeypatch.setattr(_plan, "_direct_refusals", {})
