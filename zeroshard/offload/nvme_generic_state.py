@@ -137,18 +137,25 @@ class GenericRecords:
 
     def read(self, t: torch.Tensor, tensors_only: bool = False) -> dict:
         """The run's whole state (tensors read from the file), or {} before its first step."""
+        return self._read_into(t, tensors_only)[0]
+
+    def _read_into(self, t: torch.Tensor, tensors_only: bool = False) -> tuple[dict, Optional[torch.Tensor]]:
+        """``read``, and the buffer its tensors are views of (None when kept in memory or empty)."""
         if id(t) not in self.scalars:
-            return {}
+            return {}, None
+        buf = None
         if id(t) in self.resident:
             tensors = {k: v.clone() for k, v in self.resident[id(t)].items()}
         else:
             buf = aligned_empty(self.runs[id(t)].region_bytes)
             self._read(buf, self.file_offset[id(t)]).wait()
             tensors = self._views(t, buf)
-        return tensors if tensors_only else {**self.scalars[id(t)], **tensors}
+        return (tensors if tensors_only else {**self.scalars[id(t)], **tensors}), buf
 
-    def write(self, t: torch.Tensor, state: dict, wait: bool = True) -> Optional[Pending]:
-        """Stores ``state`` (every key of the run's layout; the rest kept as scalars)."""
+    def write(self, t: torch.Tensor, state: dict, wait: bool = True,
+              buf: Optional[torch.Tensor] = None) -> Optional[Pending]:
+        """Stores ``state`` (every key of the run's layout; the rest kept as scalars). ``buf``: a
+        region buffer that already holds the tensors (updated in place), written as it is."""
         layout = self.runs[id(t)]
         missing = [k.key for k in layout.keys if k.key not in state]
         if missing:
@@ -158,9 +165,10 @@ class GenericRecords:
         self.scalars[id(t)] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
                                for k, v in state.items() if k not in names}
         if id(t) in self.file_offset:
-            buf = aligned_empty(layout.region_bytes)
-            for k, view in self._views(t, buf).items():
-                view.copy_(state[k].reshape(view.shape))
+            if buf is None:
+                buf = aligned_empty(layout.region_bytes)
+                for k, view in self._views(t, buf).items():
+                    view.copy_(state[k].reshape(view.shape))
             pending = self._write(buf, self.file_offset[id(t)])
             if wait:
                 pending.wait()
@@ -182,7 +190,8 @@ class GenericRecords:
         if grad_scale != 1.0 and t.grad is not None:
             t.grad.mul_(grad_scale)
         saved_state, saved_params = part.state, [g["params"] for g in part.param_groups]
-        state = self.read(t)
+        state, buf = self._read_into(t)
+        views = {k.key: state[k.key] for k in layout.keys} if buf is not None else {}
         try:
             part.state = defaultdict(dict)
             if state:
@@ -195,4 +204,7 @@ class GenericRecords:
             part.state = saved_state
             for g, params in zip(part.param_groups, saved_params):
                 g["params"] = params
-        return self.write(t, new, wait=False)
+        # (a class that updates its state in place, as Muon and Adafactor do, left the new state
+        # in the buffer read: written as it is, without a second buffer and copy)
+        in_place = bool(views) and all(new.get(k) is v for k, v in views.items())
+        return self.write(t, new, wait=False, buf=buf if in_place else None)
