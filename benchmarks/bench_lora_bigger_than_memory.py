@@ -92,8 +92,12 @@ def _zero(args: argparse.Namespace, swap: str):
     import zeroshard
     with torch.device("meta"):
         model = get_peft_model(LlamaForCausalLM(_config(args.layers)).to(torch.bfloat16), _lora())
-    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, stage=3, offload_optimizer="nvme",
-                                  offload_params="nvme", nvme_path=swap)
+    if args.placement == "auto":  # (the budget covers the process's resident memory; the cgroup also
+        # counts reclaimable page cache, which --headroom leaves it)
+        place = dict(offload="auto", memory_budget={"host": args.budget})
+    else:
+        place = dict(offload_optimizer="nvme", offload_params="nvme")
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, stage=3, nvme_path=swap, **place)
     t0 = time.perf_counter()
     zeroshard.load_safetensors(model, os.path.join(args.dir, "base"))
     load_s = time.perf_counter() - t0
@@ -153,6 +157,8 @@ def child_train(args: argparse.Namespace) -> None:
     print(json.dumps({"base_load_s": load_s, "step_s": times + more_times, "losses": losses,
                       "after_save_losses": more, "save_s": save_s, "peak_rss": _peak_rss(),
                       "frozen_resident": rep.frozen, "frozen_on_nvme": rep.frozen_offloaded, "step_io": io,
+                      "placement": opt.placement_report()["text"], "budget": args.budget,
+                      "live_units": opt.gatherer.max_live,
                       "memory_report": str(rep)}))
 
 
@@ -210,6 +216,13 @@ def main() -> None:
     ap.add_argument("--resume-steps", type=int, default=2)
     ap.add_argument("--read-gib", type=float, default=2.0)
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--placement", choices=("auto", "nvme"), default="auto",
+                    help="auto: offload='auto' with memory_budget = the cgroup limit less --headroom (the base "
+                         "streams, what fits stays, the parameter cache and prefetch depth follow the budget); "
+                         "nvme: offload_optimizer/offload_params='nvme' (everything streams)")
+    ap.add_argument("--headroom", type=float, default=0.1,
+                    help="--placement auto: share of the cgroup limit left out of the budget (page cache, kernel)")
+    ap.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--no-peers", action="store_true",
                     help="skip plain PEFT in the cgroup (the OOM-kill and memory-mapped runs): a quicker run")
     ap.add_argument("--child", choices=("plain", "plain_mmap", "train", "resume"), help=argparse.SUPPRESS)
@@ -286,6 +299,8 @@ def main() -> None:
         "peak_rss": {"train": train["peak_rss"], "resume": resume["peak_rss"]},
         "peak_cgroup": {"train": train_peak, "resume": resume_peak},
         "frozen_resident": train["frozen_resident"], "frozen_on_nvme": train["frozen_on_nvme"],
+        "placement": args.placement, "budget": train["budget"] or None, "placement_text": train["placement"],
+        "live_units": train["live_units"],
         "resume_bitwise": train["after_save_losses"] == resume["losses"], "adapter_loads_with_peft": adapter_ok,
         "losses": {"before_save": train["losses"], "after_save": train["after_save_losses"],
                    "resumed": resume["losses"]},
@@ -317,7 +332,8 @@ def _run(cg: Cgroup | None, mode: str, args: argparse.Namespace) -> tuple[int, d
     """Runs child ``mode`` in the cgroup (outside any with ``cg=None``); (exit, JSON, cgroup peak)."""
     import subprocess
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--dir", args.dir, "--steps", str(args.steps),
-           "--resume-steps", str(args.resume_steps), "--layers", str(args.layers)]
+           "--resume-steps", str(args.resume_steps), "--layers", str(args.layers), "--placement", args.placement,
+           "--budget", str(int(cg.limit * (1 - args.headroom)) if cg is not None else 0)]
     if cg is None:
         p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]

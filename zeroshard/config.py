@@ -119,9 +119,11 @@ class ZeroConfig:
     reduce_dtype: Optional[str] = None
     """dtype of gradient buffers and reductions: None = fp32 (exact accumulation, the
     default even under bf16/fp16), or "bf16"/"fp16" to halve gradient memory and traffic."""
-    max_live_units: int = 2
+    max_live_units: Optional[int] = None
     """Stage 3: how many units (besides the root unit) may be gathered or being prefetched
-    at once; bounds the gather buffers to about that many units."""
+    at once; bounds the gather buffers to about that many units. None: 2, or 3 under
+    ``offload="auto"`` when the budget has room for one more beside the state it places
+    (Note [prefetch depth] in zeroshard/stages/stage3/gatherer.py)."""
     stage3_unit_classes: Optional[tuple[str, ...]] = None
     """Stage 3: class names of the modules that form units (default: every repeated block,
     e.g. each transformer layer)."""
@@ -195,7 +197,8 @@ class ZeroConfig:
                 f"reduce_dtype={self.reduce_dtype!r} is not supported; use None, 'fp32', 'bf16' or 'fp16'")
         check_real("bucket_size_mb", self.bucket_size_mb, low=0.0, strict=True, unit="MiB")
         check_int("max_inflight_buckets", self.max_inflight_buckets, low=1)
-        check_int("max_live_units", self.max_live_units, low=1)
+        if self.max_live_units is not None:
+            check_int("max_live_units", self.max_live_units, low=1)
         if self.stage3_unit_numel is not None:
             check_int("stage3_unit_numel", self.stage3_unit_numel, low=1)
         classes = self.stage3_unit_classes

@@ -23,24 +23,34 @@ from zeroshard.offload.peak_memory import (StepPeaks, cache_within, resident_byt
 from zeroshard.offload.swap_file import aligned
 from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.config import Placement, ZeroConfig
-from zeroshard.planner.auto_placement import (KINDS, Fixed, MemoryBudget, Plan, UnitSpec, plan_auto, plan_explicit,
-                                         report_text)
+from zeroshard.planner.auto_placement import (KINDS, Fixed, MemoryBudget, Plan, Tier, UnitSpec, plan_auto,
+                                              plan_explicit, report_text)
 
 if TYPE_CHECKING:  # (types only: the optimizer state and runs are built after the placement)
+    from torch import nn
+
+    from zeroshard.layout import NamedParam, UnitLayout
     from zeroshard.offload.nvme_state import NvmeOptimizerState
+    from zeroshard.optim.flat_unit import FlatUnit
     from zeroshard.optim.state_io import Run
     from zeroshard.stages import StagePolicy
 
 
+FrozenUnit = tuple["UnitLayout", Sequence["NamedParam"], torch.dtype, Optional["nn.Module"]]
+"""A stage-3 frozen unit before it is built: layout, members, dtype, module (None: the root)."""
+
+
 def describe_units(config: ZeroConfig, policy: StagePolicy, rank: int, layouts: Sequence[tuple[Any, Any]],
                    unit_modules: Sequence[Any], param_dtype: torch.dtype, groups: Sequence[dict],
-                   accelerator: bool) -> tuple[list[UnitSpec], Fixed]:
+                   accelerator: bool, frozen_units: Sequence[FrozenUnit] = ()) -> tuple[list[UnitSpec], Fixed]:
     """Each unit's bytes per kind of state on ``rank``, and the memory placement cannot move
-    (Note [automatic placement])."""
+    (Note [automatic placement]). ``frozen_units``: stage 3's frozen units (layout, members,
+    dtype, module), described after the trainable ones (a shard each: Note [frozen units])."""
     p = torch.finfo(param_dtype).bits // 8 if param_dtype.is_floating_point else 4
     s = 8 if param_dtype == torch.float64 else 4
     mixed = param_dtype not in (torch.float32, torch.float64)
-    specs, widest, widest_root, largest_run = [], 0, 0, 0
+    specs, largest_run = [], 0
+    gathered: dict[int, int] = {}  # id(module) -> bytes of its units gathered (one group: Note [frozen units])
     for i, (layout, _) in enumerate(layouts):
         lo, hi = layout.slice_of(rank) if policy.shard_optimizer else (0, layout.padded_numel)
         n = hi - lo
@@ -52,27 +62,46 @@ def describe_units(config: ZeroConfig, policy: StagePolicy, rank: int, layouts: 
                               grad=s * (n if policy.shard_gradients else layout.padded_numel), moments=sum(runs),
                               shard_reads=1 if root else 2,
                               master_in_shard=policy.shard_parameters and not separate, root=root))
-        if root:
-            widest_root = max(widest_root, layout.padded_numel)
-        else:
-            widest = max(widest, layout.padded_numel)
-    frozen = sum(q.numel() * q.element_size() for g in groups for q in g["params"] if not q.requires_grad)
-    if policy.shard_parameters:  # the gather buffers of the units alive at once
-        model = p * (widest_root + config.max_live_units * widest)
+        module = unit_modules[i] if i < len(unit_modules) else None
+        gathered[id(module)] = gathered.get(id(module), 0) + p * layout.padded_numel
+    laid_out = set()
+    for layout, members, dtype, module in frozen_units:
+        root = module is None
+        b = torch.empty((), dtype=dtype).element_size()
+        lo, hi = layout.slice_of(rank)
+        specs.append(UnitSpec(len(specs), shard=b * (hi - lo), master=0, grad=0, moments=0,
+                              shard_reads=1 if root else 2, root=root, frozen=True))
+        gathered[id(module)] = gathered.get(id(module), 0) + b * layout.padded_numel
+        laid_out |= {id(m.param) for m in members}
+    widest_root = gathered.get(id(None), 0)
+    widest = max((v for k, v in gathered.items() if k != id(None)), default=0)
+    frozen = sum(q.numel() * q.element_size() for g in groups for q in g["params"]
+                 if not q.requires_grad and id(q) not in laid_out)
+    if policy.shard_parameters:  # the gather buffers of the groups alive at once
+        model = widest_root + live_units(config) * widest
     else:  # the model's own copy, which placement cannot move
         model = sum(p * layout.padded_numel for layout, _ in layouts)
-    buckets = config.max_inflight_buckets * 4 * max(widest, widest_root)
-    working = 2 * p * max(widest, widest_root)  # (Note [what the budget covers])
+    widest_numel = max((layout.padded_numel for layout, _ in layouts), default=0)
+    buckets = config.max_inflight_buckets * 4 * widest_numel
+    working = 2 * p * widest_numel  # (Note [what the budget covers])
     parts = largest_parts(specs)
     slots = 3 if config.offload_buffer_mb is None else max(1, min(3, int(config.offload_buffer_mb * 2**20
                                                                        // max(1, largest_run + parts))))
     return specs, Fixed(device=model + frozen + buckets + working, staging=slots * parts, pool=slots * largest_run,
-                        working=working)
+                        working=working, group=widest if policy.shard_parameters else 0)
+
+
+def live_units(config: ZeroConfig, chosen: Optional[int] = None) -> int:
+    """Stage 3's groups gathered or being read at once: ``max_live_units``, else what
+    ``offload="auto"`` chose (``chosen``), else 2 (Note [prefetch depth] in
+    zeroshard/stages/stage3/gatherer.py)."""
+    return config.max_live_units or chosen or 2
 
 
 def largest_parts(specs: Sequence[UnitSpec]) -> int:
-    """Bytes of the largest unit's shard, master and gradient: what one unit in flight holds."""
-    return max((u.shard + u.master + u.grad for u in specs), default=0)
+    """Bytes of the largest unit's shard, master and gradient: what one unit in flight holds
+    (a frozen unit's shard is read straight into its gather buffer, counted apart)."""
+    return max((u.shard + u.master + u.grad for u in specs if not u.frozen), default=0)
 
 
 def outside_state(groups: Sequence[dict]) -> int:
@@ -92,15 +121,21 @@ torch 2.13 on a 2-layer model, counted as memory outside the state."""
 class StatePlacement:
     def __init__(self, config: ZeroConfig, policy: StagePolicy, rank: int, optimizer_class: type,
                  layouts: Sequence[tuple[Any, Any]], unit_modules: Sequence[Any], param_dtype: torch.dtype,
-                 groups: Sequence[dict], device: Optional[torch.device]) -> None:
+                 groups: Sequence[dict], device: Optional[torch.device],
+                 frozen_units: Sequence[FrozenUnit] = ()) -> None:
         self.config = config
         first = next((m.param for _, members in layouts for m in members), None)
         model_device = device or (first.device if first is not None else torch.device("cpu"))
         self.accelerator = model_device.type != "cpu"
         self.auto = config.offload == "auto"
+        # (offload="auto" places the frozen units too, after the trainable ones: a LoRA base past
+        # memory streams like any shard; explicit options give them offload_params)
         specs, fixed = describe_units(config, policy, rank, layouts, unit_modules, param_dtype, groups,
-                                      self.accelerator)
+                                      self.accelerator, frozen_units if self.auto else ())
         self.specs = specs
+        self.live_units = live_units(config)
+        """Stage 3's groups gathered at once (Note [prefetch depth]): 3 where offload="auto"
+        found room for one more (``max_live_units`` unset), else ``max_live_units`` or 2."""
         if self.auto:
             budget = MemoryBudget.parse(config.memory_budget)
             # (Note [freed memory goes back] in peak_memory.py: the largest block backward frees
@@ -112,8 +147,10 @@ class StatePlacement:
             host_budget = budget.host if self.accelerator else budget.device + budget.host
             process = budget.reserve if budget.reserve is not None else outside_state(groups) + host_budget // 50
             fixed = dataclasses.replace(fixed, host=fixed.host + process, process=process)
+            group = fixed.group if config.max_live_units is None else 0
             self.plan: Plan = plan_auto(specs, budget, fixed, accelerator=self.accelerator,
-                                        nvme=config.nvme_path is not None)
+                                        nvme=config.nvme_path is not None, deeper=group)
+            self.live_units = live_units(config, 3 if self.plan.deeper else None)
             # (whole-tensor classes stream state of their own: Note [generic state on NVMe])
             streamable = [c for c in {g.get("optimizer_class", optimizer_class) for g in groups}
                           if not (isinstance(c, type) and issubclass(c, (torch.optim.Adam, torch.optim.AdamW)))
@@ -164,6 +201,39 @@ class StatePlacement:
         shard = {"device": None, "host": "cpu", "nvme": "nvme"}[self.plan.tier(index, "shard")]
         return Placement(optimizer="nvme", params=shard if self.specs[index].shard else None)
 
+    def of_frozen(self, index: int) -> Placement:
+        """A frozen unit's placement (``index`` counts frozen units from 0): ``offload_params``
+        under the explicit options, the plan's tier for its shard under offload="auto"."""
+        if not self.auto:
+            return self.config.placement
+        i = self._frozen_index(index)
+        if i is None or not self.plan.offloads:
+            return Placement()
+        return Placement(params={"device": None, "host": "cpu", "nvme": "nvme"}[self.plan.tier(i, "shard")])
+
+    def _frozen_index(self, index: int) -> Optional[int]:
+        i = sum(1 for u in self.specs if not u.frozen) + index
+        return i if i < len(self.specs) and self.specs[i].frozen else None
+
+    def adopt_frozen(self, unit: FlatUnit) -> None:
+        """Hands a frozen unit's shard to the swap file where it streams (the explicit options:
+        ``offload_params="nvme"``; auto: the plan's tier)."""
+        if not self.auto:
+            if self.store is not None and self.config.params_swapped:
+                self.store.adopt(unit)
+            return
+        i = self._frozen_index(sum(1 for u in self._units if u.frozen))
+        if i is None:
+            return
+        self._index[id(unit)] = i
+        self._units.append(unit)
+        if self.store is None:
+            return
+        if self.plan.tier(i, "shard") == Tier.NVME:
+            self.store.adopt(unit, ("shard",))
+        if isinstance(self.store.cache, _PendingCache) and i in self.store.cache.indices:
+            self.store.cache.units.append(unit)
+
     def adopt(self, unit: Any) -> None:
         index = len(self._index)
         self._index[id(unit)] = index
@@ -204,6 +274,8 @@ class StatePlacement:
             reducer.on_pass_end.append(trim_freed_memory)  # (after the peak is read)
 
     def after_step(self) -> None:
+        if self.store is not None:  # (parts torch code touched before the step: Note [parts held for torch code])
+            self.store.release_held()
         if self.peaks is not None:
             self.peaks.after_step()
             trim_freed_memory()
@@ -221,6 +293,9 @@ class StatePlacement:
         memory is reported as "memory")."""
         out = {k: {"memory": 0, "nvme": 0} for k in KINDS}
         for u in self._units:
+            if u.frozen:
+                out["shard"]["nvme" if u.swapped("shard") else "memory"] += u.shard.numel() * u.shard.element_size()
+                continue
             parts = (("shard", u.shard) if u.policy.shard_parameters else None,
                      ("master", u.master) if u.separate_master else None, ("grad", u.grad_store))
             for kind, t in filter(None, parts):

@@ -127,10 +127,14 @@ def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: Para
                             dtype_of=lambda m: casts.get(id(m.param), m.param.dtype), whole_groups=whole)
     engine.placement = placement_class(config, sharding.policy, engine.mesh.comm.rank, engine.optimizer_class,
                                       plan.layouts, plan.modules, param_dtype, construction.as_planned(groups, casts),
-                                      device if meta_shapes else None)  # (Note [automatic placement])
+                                      device if meta_shapes else None,  # (Note [automatic placement])
+                                      frozen_units=[(layout, members, casts.get(id(members[0].param),
+                                                                                members[0].param.dtype), m)
+                                                    for (layout, members), m in zip(plan.frozen_layouts,
+                                                                                    plan.frozen_modules)])
     _build_units(owner, engine, plan, casts, device if meta_shapes else None)
     _build_optimizer_state(owner, engine, groups, kwargs)
-    sharding.start(engine.all_units, plan, module)  # (stage 3: torch code sees sharded parameters from here)
+    sharding.start(engine.all_units, plan, module, engine.placement.live_units)  # (stage 3: torch code sees sharded parameters from here)
     show = sharding.visible
     engine.user_groups = [{**{k: v for k, v in ig.items() if k != "params"}, "params": [show(p) for p in g["params"]],
                            **{k: g[k] for k in ("param_names", "optimizer_class") if k in g}}
@@ -176,8 +180,8 @@ def _start_from_rank0(mesh: MeshInfo, params: list[torch.Tensor], frozen: list[N
 def _build_units(owner: torch.optim.Optimizer, engine: Engine, plan: UnitPlan, casts: dict[int, torch.dtype],
                  device: Optional[torch.device]) -> None:
     """The flat units, one at a time (a swapped unit leaves memory at once), each placed where
-    the placement decides; frozen units follow offload_params (offload="auto" places what trains)."""
-    config, placement, policy = engine.config, engine.placement, engine.sharding.policy
+    the placement decides (frozen units too: offload_params, or offload="auto"'s plan)."""
+    placement, policy = engine.placement, engine.sharding.policy
     shard_rank = engine.mesh.comm.shard_rank
     engine.unit_store = store = placement.store  # gradients, masters (and shards) on NVMe
     if store is not None:
@@ -190,9 +194,8 @@ def _build_units(owner: torch.optim.Optimizer, engine: Engine, plan: UnitPlan, c
         engine.units.append(unit)
     for layout, members in plan.frozen_layouts:
         unit = FlatUnit(layout, members, policy, shard_rank, casts.get(id(members[0].param), members[0].param.dtype),
-                        device, config.placement, frozen=True)
-        if store is not None and config.params_swapped:
-            store.adopt(unit)
+                        device, placement.of_frozen(len(engine.frozen_units)), frozen=True)
+        placement.adopt_frozen(unit)
         engine.frozen_units.append(unit)
     for unit in engine.units:  # (what reads a unit's parts waits for a step in flight)
         unit.step_in_flight = engine.inflight

@@ -246,6 +246,9 @@ class FlatUnit:
         self.grad_stats = None
         if set_to_none:
             self.grad_valid = False
+            store = self.swap_holding("grad")
+            if store is not None:  # (a copy torch code touched is dropped unwritten)
+                store.forget(self, "grad")
         elif self.swap is not None:
             self.grad_valid = False  # fetch allocates without reading; zeros go to the file
             self.swap.load(self, ("grad",))

@@ -148,6 +148,8 @@ class ShardedTensor(torch.Tensor):
                 g.on_use(func)
         if _mutates(func) and args and isinstance(args[0], ShardedTensor) and args[0].part == "shard":
             return _write_params(func, args, kwargs, grads)
+        if func in _ALIASES:  # (a view of the same piece: no data is read)
+            return _dispatch(func, args, kwargs, grads)
         with _resident(grads, _mutates(func)):
             return _dispatch(func, args, kwargs, grads)
 
@@ -378,15 +380,17 @@ def _pointwise_ok(func: Any, args: tuple, kwargs: dict, layout: ShardedTensor) -
 
 
 def _note_writes(func: Any, grads: list[ShardedTensor]) -> None:
-    """Swapped gradients keep their norm and finiteness noted (clipping reads those)."""
+    """A swapped gradient's noted norm and finiteness (clipping reads those) are out of date
+    after an in-place op; they are noted again once per unit, as it leaves memory (Note
+    [parts held for torch code] in zeroshard/offload/unit_swap.py), not once per parameter."""
     if _mutates(func):
         for g in grads:
             if g.part == "grad" and g.unit is not None and g.unit.swap is not None:
-                g.unit.note_grad_stats()
+                g.unit.grad_stats = None
 
 
 class _resident:
-    """Swapped parts (NVMe offload) are read in for the op and written back after a write."""
+    """Swapped parts (NVMe offload) are read in for the op and held (``NvmeUnitStore.touched``)."""
 
     def __init__(self, grads: list[ShardedTensor], write: bool) -> None:
         self.ctxs = []
@@ -397,7 +401,7 @@ class _resident:
                 u.await_step()
             if u is not None and u.swap is not None and u.swapped(g.part) and (id(u), g.part) not in seen:
                 seen.add((id(u), g.part))
-                self.ctxs.append(u.swap.resident(u, (g.part,), write=write))
+                self.ctxs.append(u.swap.touched(u, g.part, write))
 
     def __enter__(self) -> None:
         for c in self.ctxs:

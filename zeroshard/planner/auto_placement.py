@@ -11,7 +11,8 @@ one, kept on NVMe, costs a known number of bytes of disk traffic per step (``tra
 
     kind     | held (bytes)       | moved per step on NVMe
     shard    | p·n                | read at each gather (2, the root unit 1) + written after the
-             |                    | step (+ read by the step when the shard is the fp32 master)
+             |                    | step (+ read by the step when the shard is the fp32 master);
+             |                    | a frozen unit's (a LoRA base) is only read
     master   | 4·n                | read + written by the step
     grad     | 4·n (stages 0-1: the whole unit) | written per micro-batch, read back per
              |                    | micro-batch after the first and by the step (2k per k)
@@ -23,9 +24,12 @@ fits: every item kept saves at least as much per byte as any streamed item that 
 fit in its place, so it is within one item's traffic of the optimum. Among items of one
 ratio, units are taken in bit-reversed order, so resident units alternate with streamed
 ones and a streamed unit's reads overlap a resident unit's compute. What stays free after
-that is the parameter cache: swapped shards of the last units of forward (the first that
-backward gathers again) stay in memory from their forward gather to their backward gather,
-saving one read each (1 byte saved per byte, so it comes last).
+that, one more gathered group may be read ahead where it fits (``deeper``: Note [prefetch
+depth] in zeroshard/stages/stage3/gatherer.py), then comes the parameter cache: swapped shards
+of the last units of forward (the first that backward gathers again) stay in memory from their
+forward gather to their backward gather, saving one read each (1 byte saved per byte, so it
+comes last). Frozen units (a LoRA base) are described after the trainable ones, a shard each,
+so the cache, which prefers the highest indices, keeps frozen shards first.
 
 Tiers: with an accelerator, "device" holds stage-3 shards (and, fixed, the model copy of
 stages 0-2 and the gather buffers), "host" the optimizer side (masters, gradients, moments:
@@ -151,6 +155,9 @@ class UnitSpec:
     master_in_shard: bool = False
     """The shard is the fp32 master (stage 3 in fp32): the step reads it too."""
     root: bool = False
+    frozen: bool = False
+    """A frozen unit (Note [frozen units] in zeroshard/stages/stage3/frozen.py): a shard only,
+    read by its gathers and never written."""
 
     def size(self, kind: str) -> int:
         return getattr(self, kind)
@@ -159,7 +166,8 @@ class UnitSpec:
         """(read, written) bytes per step when ``kind`` is on NVMe."""
         n = self.size(kind)
         if kind == "shard":
-            return n * ((self.shard_reads - int(cached)) * micro_batches + int(self.master_in_shard)), n
+            return (n * ((self.shard_reads - int(cached)) * micro_batches + int(self.master_in_shard)),
+                    0 if self.frozen else n)
         if kind == "grad":
             return n * micro_batches, n * micro_batches
         return n, n
@@ -185,6 +193,9 @@ class Fixed:
     working: int = 0
     """Of ``device`` (one memory: ``host``): backward's unsharded gradients, which autograd
     makes for a unit before the reducer takes them (two units at once)."""
+    group: int = 0
+    """Stage 3: bytes of the widest group of units gathered together (a block's trainable and
+    frozen units), of which ``device`` counts ``max_live_units`` (and the root's)."""
 
 
 @dataclass(frozen=True)
@@ -200,6 +211,10 @@ class Plan:
     mode: str
     """"auto", or "explicit" for offload_optimizer / offload_params given by hand."""
     reasons: tuple[str, ...] = field(default=())
+    deeper: int = 0
+    """Bytes of the one group more that stage 3 may gather or read ahead (``offload="auto"``
+    with ``max_live_units`` unset, when streamed shards leave room for it: Note [prefetch
+    depth] in zeroshard/stages/stage3/gatherer.py); 0: the usual two groups."""
 
     def tier(self, index: int, kind: str) -> Tier:
         return self.tiers[index][KINDS.index(kind)]
@@ -243,7 +258,7 @@ class Plan:
         out = {t: sum(by[k][t] for k in KINDS) for t in ("device", "host")}
         out["device"] += self.fixed.device
         nvme = sum(by[k]["nvme"] for k in KINDS)
-        out["host"] += self.fixed.host + (self.fixed.staging + int(nvme * self.fixed.samples_per_byte)
+        out["host"] += self.fixed.host + self.deeper + (self.fixed.staging + int(nvme * self.fixed.samples_per_byte)
                                           + max(self.fixed.pool, sum(self.units[i].shard for i in self.cached))
                                           if self.streams else 0)
         if not self.accelerator:
@@ -267,9 +282,11 @@ def _order(kind: str, spec: UnitSpec, micro_batches: int) -> float:
 
 
 def plan_auto(units: list[UnitSpec], budget: MemoryBudget, fixed: Fixed, *, accelerator: bool,
-              nvme: bool, micro_batches: int = 1) -> Plan:
+              nvme: bool, micro_batches: int = 1, deeper: int = 0) -> Plan:
     """The placement that moves the fewest bytes per step within ``budget`` (Note [automatic
-    placement]); ``PlacementError`` with the smallest feasible budget when none fits."""
+    placement]); ``PlacementError`` with the smallest feasible budget when none fits.
+    ``deeper``: the bytes of one more gathered group, taken from what the state leaves when
+    shards stream (``Plan.deeper``), before the parameter cache."""
     state = sum(u.size(k) for u in units for k in KINDS)
     if accelerator:
         caps = {"device": budget.device - fixed.device, "host": budget.host - fixed.host}
@@ -315,6 +332,9 @@ def plan_auto(units: list[UnitSpec], budget: MemoryBudget, fixed: Fixed, *, acce
             f"without nvme_path nothing can stream from disk: the smallest budget that fits is {minimum}; "
             "raise memory_budget or pass nvme_path=<directory on an NVMe drive>", need, state)
     tiers = tuple(tuple(chosen.get((u.index, k), resident) for k in KINDS) for u in units)
+    streams_shards = any(chosen.get((u.index, "shard")) == Tier.NVME for u in units)
+    deeper = deeper if 0 < deeper <= caps["host"] and streams_shards else 0
+    caps["host"] -= deeper
     cached: set[int] = set()
     room = caps["host"] + fixed.pool  # what is left, and the pool (idle from forward to backward)
     for u in sorted(units, key=lambda u: -u.index):  # last of forward first: backward wants them first
@@ -325,12 +345,16 @@ def plan_auto(units: list[UnitSpec], budget: MemoryBudget, fixed: Fixed, *, acce
                f"{fmt_bytes(fixed.device + fixed.host)} of fixed memory{_outside(fixed)}"
                + (f" and {fmt_bytes(fixed.staging + fixed.pool)} of NVMe staging buffers" if streamed else ""),
                "kept in memory by bytes moved per byte held: shards first (3-4), then masters, "
-               f"gradients and moments (2); {fmt_bytes(streamed)} streams from NVMe"]
+               f"gradients, moments and frozen shards (2); {fmt_bytes(streamed)} streams from NVMe"]
+    if deeper:
+        reasons.append(f"prefetch: one more unit group ({fmt_bytes(deeper)}) may be read ahead, so stage 3 "
+                       "reads two groups ahead of the one in use")
     if cached:
         reasons.append(f"parameter cache: the shards of {len(cached)} unit(s) "
                        f"({fmt_bytes(sum(units[i].shard for i in cached))}) stay in memory from forward to "
                        "backward (in memory the step's pool frees), one read less each per step")
-    return Plan(tuple(units), tiers, frozenset(cached), budget, fixed, accelerator, "auto", tuple(reasons))
+    return Plan(tuple(units), tiers, frozenset(cached), budget, fixed, accelerator, "auto", tuple(reasons),
+                deeper=deeper)
 
 
 def _outside(fixed: Fixed) -> str:

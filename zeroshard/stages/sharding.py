@@ -82,12 +82,14 @@ class Sharding:
         return UnitPlan(layouts, modules, layouts_for(frozen_groupings, world, len(layouts)) if frozen else [],
                         frozen_modules if frozen else [])
 
-    def start(self, units: Sequence[FlatUnit], plan: UnitPlan, module: Optional[nn.Module]) -> None:
-        """Stage 3, every unit built: from here on torch code sees sharded parameters."""
+    def start(self, units: Sequence[FlatUnit], plan: UnitPlan, module: Optional[nn.Module],
+              live_units: Optional[int] = None) -> None:
+        """Stage 3, every unit built: from here on torch code sees sharded parameters.
+        ``live_units``: the placement's choice (``StatePlacement.live_units``)."""
         if not self.policy.shard_parameters or module is None:
             return
         self.gatherer = ParameterGatherer(units, plan.modules + plan.frozen_modules, module, self.mesh.comm,
-                                          self.config.max_live_units)
+                                          live_units or self.config.max_live_units or 2)
         comm = self.mesh.comm
         if self.config.hpz and isinstance(comm, HierarchicalComm):
             self.gatherer.secondary = SecondaryPartition(units, comm)

@@ -24,8 +24,12 @@ bound allows: with the default of 2 that is the next group (the unit in use plus
 flight); a larger ``max_live_units`` lets the reads of units k+1, k+2, ... overlap the compute
 of unit k, so a disk slower than one unit's compute per read still keeps up on average (the
 gathered buffers of those units are the memory it costs: ``max_live_units`` x the largest
-unit, which the planner counts). Every rank makes the same gather calls in the same order (same model, same
-graph), which the collectives require. See Note [released parameters].
+unit, which the planner counts). ``offload="auto"`` with ``max_live_units`` unset takes 3 when
+the state it places leaves room for one more group (a deeper read-ahead, before the parameter
+cache: a cached shard saves a read, a deeper prefetch only hides one; on this project's 2-core
+VM disk a sweep of 2-6 live groups on a 16-block LoRA base changed nothing beyond noise, so the
+budget's memory goes to state first). Every rank makes the same gather calls in the same order
+(same model, same graph), which the collectives require. See Note [released parameters].
 
 Note [compiled stage 3]: under ``torch.compile`` the hooks that gather and release units run
 eagerly (``torch.compiler.disable``): resizing storage and issuing collectives are not
