@@ -17,6 +17,7 @@ import torch
 
 from zeroshard.optim.elementwise import update_kind
 
+from zeroshard.io.host_pool import HOST_POOL
 from zeroshard.offload.param_cache import ParamCache
 from zeroshard.offload.peak_memory import (StepPeaks, cache_within, resident_bytes, return_freed_memory,
                                            trim_freed_memory)
@@ -87,8 +88,17 @@ def describe_units(config: ZeroConfig, policy: StagePolicy, rank: int, layouts: 
     parts = largest_parts(specs)
     slots = 3 if config.offload_buffer_mb is None else max(1, min(3, int(config.offload_buffer_mb * 2**20
                                                                        // max(1, largest_run + parts))))
-    return specs, Fixed(device=model + frozen + buckets + working, staging=slots * parts, pool=slots * largest_run,
-                        working=working, group=widest if policy.shard_parameters else 0)
+    # Released CPU buffers the host pool keeps for the next of their size (Note [reused host
+    # buffers] in zeroshard/io/host_pool.py): up to max_buffers of the largest a step releases,
+    # a unit's gathered buffer or gradient bucket; in memory beside the live ones (measured:
+    # a 64-block LoRA step peaked 110 MiB over a plan without them).
+    flats = [p * layout.padded_numel for layout, _ in layouts] + [
+        torch.empty((), dtype=d).element_size() * layout.padded_numel for layout, _, d, _ in frozen_units]
+    largest_flat = max(flats, default=0) if policy.shard_parameters else 0
+    retained = 0 if accelerator or not HOST_POOL.enabled else HOST_POOL.max_buffers * max(largest_flat,
+                                                                                          4 * widest_numel)
+    return specs, Fixed(device=model + frozen + buckets + working + retained, staging=slots * parts,
+                        pool=slots * largest_run, working=working, group=widest if policy.shard_parameters else 0)
 
 
 def live_units(config: ZeroConfig, chosen: Optional[int] = None) -> int:

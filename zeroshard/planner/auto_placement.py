@@ -43,8 +43,9 @@ the state's, since that is what a memory limit (a cgroup, a scheduler's) kills f
 fixed costs include ``Fixed.process``, the memory outside the training state: the budget's
 ``reserve`` when given, else what the process held when the optimizer was built (the
 interpreter, torch, data) less the model's parameters (they become the state the plan
-places), plus what the first backward initialises and 2% of the budget; and
-``Fixed.working``, backward's unsharded gradients of two units. What neither sees (the
+places), plus what the first backward initialises and 2% of the budget;
+``Fixed.working``, backward's unsharded gradients of two units; and, on a CPU-only machine,
+the released buffers the host pool keeps for reuse (two of the largest unit buffers). What neither sees (the
 batch's activations) shows in the first step: its resident peak from the first backward
 on is measured (VmHWM after a reset), and the parameter cache, the one placement that can
 change at no cost, starts empty and is then given what that peak left of the budget
