@@ -10,15 +10,20 @@ the next one: ``release`` moves a storage's memory into the pool instead of unma
 (``UntypedStorage._swap_data_ptr_``: every view of the storage sees it empty, exactly as after
 ``resize_(0)``), and ``acquire`` moves it into the next empty storage of that size.
 
-What it may hold is bounded in two ways, so that a memory budget still means what it says:
-- at most ``max_buffers`` buffers (the oldest go first). Within a forward or backward pass
-  the pool then holds what was just released and is about to be taken again. Buffers are matched by storage size, so the gradient buckets use the
-  same padded storages as swapped parts (Note [aligned swap parts]): at world size 1 a unit's
-  gathered parameters, bucket and swapped gradient are then one size, and a buffer released by
-  one is taken by the next of any of them;
-- ``trim()`` returns everything at the end of each backward pass and of each optimizer step
-  (ZeroOptimizer registers it), where the step's staging buffers, or user code, need the
-  memory the passes used.
+What it may hold is bounded by resident memory: at most ``max_buffers`` times the largest
+buffer it was given (the oldest go first; at most ``max_entries`` buffers). A buffer's resident
+memory is the pages it was used for, not its storage size: a small swapped part lives in a
+32 MiB padded storage (Note [aligned swap parts]) of which it touches its own bytes, so many
+small parts fit beside two large gathered buffers. A buffer is handed to the next request of
+its size or up to 1/64 larger (a frozen unit's gathered buffer and its padded shard differ by a
+few KiB), so at world size 1 a unit's gathered parameters, bucket and swapped gradient share
+buffers.
+
+The pool lives across passes and steps, so the buffers backward releases are what the step's
+staging and the next forward take: since the fifth session it is no longer emptied after each
+backward and step (a 16-block LoRA step had mapped 29 buffers anew, with ~7,400 page faults).
+``offload="auto"`` counts what it may hold (Note [what the budget covers] in
+zeroshard/planner/auto_placement.py); ``trim()`` returns it all (``ZeroOptimizer.close`` does).
 Only plain CPU storages of at least ``MIN_BYTES`` take part (pinned memory has its own caching
 allocator; small buffers come from glibc's heap without faults). ``ZEROSHARD_HOST_POOL=0`` turns
 it off; released memory then goes back at once, as before.
@@ -36,20 +41,25 @@ MIN_BYTES = 1 << 20
 
 
 class HostBufferPool:
-    def __init__(self, max_buffers: int = 2) -> None:
+    def __init__(self, max_buffers: int = 4, max_entries: int = 64) -> None:
         self.max_buffers = max_buffers
+        self.max_entries = max_entries
         self.enabled = (os.environ.get("ZEROSHARD_HOST_POOL", "1") != "0"
                         and hasattr(torch.UntypedStorage, "_swap_data_ptr_"))
-        self._entries: list[tuple[int, torch.UntypedStorage]] = []  # (bytes, holder), oldest first
+        self._entries: list[tuple[int, torch.UntypedStorage, int]] = []  # (bytes, holder, resident), oldest first
+        self._resident: dict[int, int] = {}  # data_ptr of memory handed out -> the pages it was used for
+        self._largest = 0
         self._lock = threading.Lock()
         self.reused = 0
         """Bytes handed out again instead of newly mapped (since start)."""
+        self.mapped = 0
+        """Bytes of poolable buffers mapped anew (since start): what reuse did not cover."""
 
     @property
     def held(self) -> int:
-        """Bytes the pool holds now."""
+        """Resident bytes the pool holds now (the pages its buffers were used for)."""
         with self._lock:
-            return sum(n for n, _ in self._entries)
+            return sum(r for _, _, r in self._entries)
 
     def _takes(self, t: torch.Tensor) -> bool:
         return self.enabled and t.device.type == "cpu" and not t.is_pinned()
@@ -61,32 +71,47 @@ class HostBufferPool:
         if n < MIN_BYTES or not self._takes(t):
             s.resize_(0)
             return
+        used = min(n, t.numel() * t.element_size() + ALIGN)  # (a padded storage's untouched pages cost nothing)
+        with self._lock:
+            resident = max(used, self._resident.pop(s.data_ptr(), 0))
+            self._largest = max(self._largest, resident)
         holder = torch.UntypedStorage(0)
         holder._swap_data_ptr_(s)  # type: ignore[attr-defined]  # (private torch API; hasattr checked in __init__)
         with self._lock:
-            self._entries.append((n, holder))
-            del self._entries[:max(0, len(self._entries) - self.max_buffers)]  # (oldest first, freed with their holders)
+            self._entries.append((n, holder, resident))
+            bound = self.max_buffers * self._largest
+            while self._entries and (len(self._entries) > self.max_entries
+                                     or sum(r for _, _, r in self._entries) > bound):
+                del self._entries[0]  # (oldest first, freed with its holder)
 
     def acquire(self, t: torch.Tensor, nbytes: int) -> None:
         """Gives ``t``'s empty storage ``nbytes`` of memory: a pooled buffer of that size if
         there is one (its old contents: like any fresh allocation, it is uninitialised), else
         a new one with huge pages advised (Note [huge pages for unit buffers])."""
         s = t.untyped_storage()
-        if s.nbytes() == nbytes:
+        if nbytes <= s.nbytes() <= nbytes + (nbytes >> 6):  # (already holds memory that fits)
             return
-        holder = None
-        if s.nbytes() == 0 and nbytes >= MIN_BYTES and self._takes(t):
+        holder, resident = None, 0
+        pooled = s.nbytes() == 0 and nbytes >= MIN_BYTES and self._takes(t)
+        if pooled:
             with self._lock:
-                for k in range(len(self._entries) - 1, -1, -1):  # (the newest of that size)
-                    if self._entries[k][0] == nbytes:
-                        holder = self._entries.pop(k)[1]
+                for k in range(len(self._entries) - 1, -1, -1):  # (the newest that fits)
+                    if nbytes <= self._entries[k][0] <= nbytes + (nbytes >> 6):
+                        _, holder, resident = self._entries.pop(k)
                         self.reused += nbytes
                         break
         if holder is not None:
             s._swap_data_ptr_(holder)  # type: ignore[attr-defined]  # (private torch API; hasattr checked in __init__)
-            return
-        s.resize_(nbytes)
-        advise_huge_pages(t)
+        else:
+            s.resize_(nbytes)
+            advise_huge_pages(t)
+            if pooled:
+                self.mapped += nbytes
+        if pooled:
+            with self._lock:
+                if len(self._resident) > 4096:  # (memory freed elsewhere never says so)
+                    self._resident.clear()
+                self._resident[s.data_ptr()] = resident
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised 1-D CPU tensor, 4096-aligned in a padded storage like
@@ -102,7 +127,7 @@ class HostBufferPool:
         """Returns every pooled buffer to the system; the bytes returned."""
         with self._lock:
             entries, self._entries = self._entries, []
-        return sum(n for n, _ in entries)
+        return sum(r for _, _, r in entries)
 
 
 HOST_POOL = HostBufferPool()

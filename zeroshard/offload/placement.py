@@ -89,7 +89,7 @@ def describe_units(config: ZeroConfig, policy: StagePolicy, rank: int, layouts: 
     slots = 3 if config.offload_buffer_mb is None else max(1, min(3, int(config.offload_buffer_mb * 2**20
                                                                        // max(1, largest_run + parts))))
     # Released CPU buffers the host pool keeps for the next of their size (Note [reused host
-    # buffers] in zeroshard/io/host_pool.py): up to max_buffers of the largest a step releases,
+    # buffers] in zeroshard/io/host_pool.py): up to max_buffers of the largest it was given,
     # a unit's gathered buffer or gradient bucket; in memory beside the live ones (measured:
     # a 64-block LoRA step peaked 110 MiB over a plan without them).
     flats = [p * layout.padded_numel for layout, _ in layouts] + [

@@ -26,7 +26,6 @@ from torch import nn
 from zeroshard.comm.mesh import MeshInfo, mesh_info
 from zeroshard.comm.tensor_parallel import local_of
 from zeroshard.config import ZeroConfig
-from zeroshard.io.host_pool import HOST_POOL
 from zeroshard.layout import NamedParam
 from zeroshard.offload import NvmeOptimizerState
 from zeroshard.offload.nvme_generic_state import probe_layouts
@@ -234,7 +233,6 @@ def _build_gradients(engine: Engine, params: list[torch.Tensor]) -> None:
     if engine.module is None:  # (with a module, the module guard sees DDP's forward)
         reducer.on_pass_start.append(ddp_check.at_first_backward(params))
     reducer.on_pass_end.append(engine.grad_links.publish)
-    reducer.on_pass_end.append(HOST_POOL.trim)  # (Note [reused host buffers])
     engine.placement.watch(reducer)
     reducer.register_hooks()
     engine.removers.append(reducer.remove_hooks)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
-from zeroshard.io.host_pool import HOST_POOL
 
 if TYPE_CHECKING:  # (types only: these modules build on this one)
     from zeroshard.config import ZeroConfig
@@ -175,6 +174,5 @@ def start_swapped_step(inflight: StepInFlight, units: Sequence[FlatUnit], gather
         swapper.run(todo, grad_scale=scale, unit_done=unit_done)
 
     def after() -> None:
-        HOST_POOL.trim()
         placement.after_step()
     inflight.start([r.unit for r, _, _ in todo], work, after)

@@ -21,7 +21,6 @@ import torch
 
 from zeroshard.comm.mesh import MeshInfo
 from zeroshard.config import ZeroConfig
-from zeroshard.io.host_pool import HOST_POOL
 from zeroshard.offload.nvme_state import NvmeOptimizerState
 from zeroshard.offload.placement import StatePlacement
 from zeroshard.ops import FusedAdam
@@ -114,7 +113,6 @@ class Stepper:
             give_back()
         restore()
         self.sharding.gather_params(self.units)
-        HOST_POOL.trim()
         self.placement.after_step()  # (offload="auto": the step's peak memory against the budget)
 
     def _update(self, scale: float, kwargs: dict) -> None:

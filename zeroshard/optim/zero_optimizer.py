@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeroshard.io.host_pool import HOST_POOL
 from zeroshard.layout import Segment
 from zeroshard.memory import MemoryReport
 from zeroshard.optim import assembly, construction, lifecycle, reports, state_io
-from zeroshard.optim.zero_engine import Engine
 from zeroshard.optim.flat_unit import FlatUnit
 from zeroshard.optim.param_state import ParamStateView
 from zeroshard.optim.params import ParamsLike
+from zeroshard.optim.zero_engine import Engine
 
 # Engine objects read through the optimizer (``opt.units``, ``opt.comm``, ...); the first four
 # wait for a step in flight, so such code never sees a step half done (Note [overlapped step]).
@@ -179,6 +180,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             lifecycle.hand_back_stage3(e.sharding.gatherer, e.all_units)
         e.closed = True
         e.teardown(handed_back=True)
+        HOST_POOL.trim()  # (its buffers outlive steps, not the optimizer: Note [reused host buffers])
 
     def __deepcopy__(self, memo: dict) -> "ZeroOptimizer":
         raise TypeError(

@@ -45,7 +45,8 @@ fixed costs include ``Fixed.process``, the memory outside the training state: th
 interpreter, torch, data) less the model's parameters (they become the state the plan
 places), plus what the first backward initialises and 2% of the budget;
 ``Fixed.working``, backward's unsharded gradients of two units; and, on a CPU-only machine,
-the released buffers the host pool keeps for reuse (two of the largest unit buffers). What neither sees (the
+the released buffers the host pool keeps for reuse (``max_buffers`` of the largest unit
+buffers: Note [reused host buffers] in zeroshard/io/host_pool.py). What neither sees (the
 batch's activations) shows in the first step: its resident peak from the first backward
 on is measured (VmHWM after a reset), and the parameter cache, the one placement that can
 change at no cost, starts empty and is then given what that peak left of the budget
