@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, c
 import torch
 
 from zeroshard.comm.tensor_parallel import is_dtensor
+from zeroshard.io.host_pool import HOST_POOL
 
 if TYPE_CHECKING:
     from zeroshard.optim.zero_optimizer import ZeroOptimizer
@@ -104,6 +105,7 @@ class Teardown:
             p = ref()
             if p is not None and hasattr(p, _OWNER):
                 delattr(p, _OWNER)
+        HOST_POOL.trim()  # (its buffers outlive steps, not the optimizer: Note [reused host buffers])
 
 
 def hand_back_stage3(gatherer: Any, units: Sequence[Any]) -> None:

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroshard.io.host_pool import HOST_POOL
 from zeroshard.layout import Segment
 from zeroshard.memory import MemoryReport
 from zeroshard.optim import assembly, construction, lifecycle, reports, state_io
@@ -180,7 +179,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             lifecycle.hand_back_stage3(e.sharding.gatherer, e.all_units)
         e.closed = True
         e.teardown(handed_back=True)
-        HOST_POOL.trim()  # (its buffers outlive steps, not the optimizer: Note [reused host buffers])
 
     def __deepcopy__(self, memo: dict) -> "ZeroOptimizer":
         raise TypeError(
