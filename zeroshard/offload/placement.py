@@ -283,9 +283,13 @@ class StatePlacement:
             reducer.on_pass_end.append(self.peaks.on_backward_end)
             reducer.on_pass_end.append(trim_freed_memory)  # (after the peak is read)
 
-    def after_step(self) -> None:
-        if self.store is not None:  # (parts torch code touched before the step: Note [parts held for torch code])
+    def release_held(self) -> None:
+        """Writes and releases the parts torch code touched before the step (Note [parts held
+        for torch code] in zeroshard/offload/unit_swap.py)."""
+        if self.store is not None:
             self.store.release_held()
+
+    def after_step(self) -> None:
         if self.peaks is not None:
             self.peaks.after_step()
             trim_freed_memory()

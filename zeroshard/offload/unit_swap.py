@@ -40,8 +40,9 @@ multiplication), and once in all where the gradients fit that memory (a LoRA's a
 part an op changed is *dirty*: its file copy is behind
 until it leaves memory, when it is written (its noted norm is computed again then, once per
 unit). Every way out of memory writes a dirty part first (``evict``, dropping it from the
-held set, ``read_range``); gradients set to None are dropped unwritten, and the end of each
-step releases what is still held.
+held set, ``read_range``); gradients set to None are dropped unwritten, and each step
+releases what is still held as it starts, on the caller's thread (a step in flight overlaps
+the next forward's gathers).
 """
 from __future__ import annotations
 
@@ -278,7 +279,7 @@ class NvmeUnitStore:
     @contextlib.contextmanager
     def touched(self, unit: FlatUnit, part: str, write: bool) -> Iterator[None]:
         """``part`` of ``unit`` in memory for one torch op on a ``ShardedTensor`` view of it, and
-        kept there afterwards (the most recent ``max_in_flight`` parts); ``write``: the op
+        kept there afterwards (the most recent parts); ``write``: the op
         changed it, so the file is behind until the part is written (when it leaves). Held
         parts take at most the memory of ``max_in_flight`` units in flight (oldest leave first)."""
         key = (id(unit), part)
@@ -324,7 +325,7 @@ class NvmeUnitStore:
                     free_storage(self.tensor_of(unit, part))
 
     def release_held(self) -> None:
-        """Writes what torch code changed and releases every held part (the end of a step)."""
+        """Writes what torch code changed and releases every held part (as a step starts)."""
         with self._lock:
             for key in list(self._held):
                 self._drop_held(key)

@@ -82,6 +82,9 @@ class Stepper:
 
     def step(self, user_groups: Sequence[dict], kwargs: dict) -> None:
         overflow = self.grads.finalize()
+        # (here, on the caller's thread: a step in flight overlaps the next forward, which may
+        # be gathering a shard torch code had held: Note [parts held for torch code])
+        self.placement.release_held()
         if self.precision.scaler is not None:
             self.precision.update(overflow)
             self.grads.set_grad_factor()
