@@ -93,7 +93,7 @@ def build(size_gb: float, seed: int = 0) -> tuple[torch.nn.Module, zeroshard.Zer
 def flat_state(model: torch.nn.Module, opt: zeroshard.ZeroOptimizer) -> dict[str, torch.Tensor]:
     """The same bytes as the checkpoint, as one dict of tensors, for the peers."""
     out = {f"param.{i}": p.detach() for i, p in enumerate(model)}
-    for run in opt.runs:
+    for run in opt.engine.joined().runs:
         for k, v in opt.inner.state[run.tensor].items():
             if v.dim() > 0:
                 for piece in run.unit.layout.pieces_in(run.a, run.b):

@@ -158,7 +158,7 @@ def child_train(args: argparse.Namespace) -> None:
                       "after_save_losses": more, "save_s": save_s, "peak_rss": _peak_rss(),
                       "frozen_resident": rep.frozen, "frozen_on_nvme": rep.frozen_offloaded, "step_io": io,
                       "placement": opt.placement_report()["text"], "budget": args.budget,
-                      "live_units": opt.gatherer.max_live,
+                      "live_units": opt.engine.gatherer.max_live,
                       "memory_report": str(rep)}))
 
 

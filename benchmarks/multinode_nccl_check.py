@@ -111,7 +111,7 @@ def _rank(rank: int, port: int, backend: str, out: str, ckpt: str) -> None:
             opt.comm_report(reset=True)
             _train(model, opt, device, rank, WORLD, 1, 2, clip=False)
             report = opt.comm_report(reset=True)
-            root = opt.gatherer.root
+            root = opt.engine.gatherer.root
             units = [(u.layout.numel, i == root) for i, u in enumerate(opt.units)]
             want = step_traffic(stage, Topology(NODES, PER_NODE, scope=scope), units, opt.units[0].flat.element_size(),
                                 n_tensors=sum(len(u.layout.segments) for u in opt.units))

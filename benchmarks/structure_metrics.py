@@ -12,7 +12,16 @@ count. ``--json`` prints them as JSON (tests/test_structure.py reads them as a r
   ``__init__`` re-exporting its files is left out;
 - offload_kind_compares: comparisons with "nvme"/"cpu"/"auto" outside ``config.py`` and the
   placement policy (``offload/placement.py``), not counting a device's type (``x.device.type == "cpu"``);
-- any_annotations: annotations that are or contain ``Any``.
+- any_annotations: annotations that are or contain ``Any``;
+- import_cycles_with_annotations (issue 44): the same circles, counting the imports under
+  ``if TYPE_CHECKING:`` too (an annotation-only import is still a dependency a reader follows);
+- below_facade_naming_facade: modules below the facade (the engine and its policies: every
+  folder but the consumers in CONSUMERS) whose code names ``ZeroOptimizer``;
+- reads_through_facade: ``opt.<name>`` reads outside the facade of an engine object
+  (ENGINE_NAMES, what ``ZeroOptimizer.__getattr__`` used to serve) through a variable that
+  holds the optimizer; plus facade_proxy_names, how many names a ``__getattr__`` on the facade serves;
+- sibling_folders_both_ways: pairs of top-level folders under zeroshard/ that import each other
+  at run time (module level or inside functions), in both directions.
 """
 from __future__ import annotations
 
@@ -27,6 +36,15 @@ FACADE = os.path.join("optim", "zero_optimizer.py")
 OPT_NAMES = ("opt", "optimizer", "zero")
 KINDS = ("nvme", "cpu", "auto")
 KIND_HOMES = ("config.py", os.path.join("offload", "placement.py"))
+# What the facade's proxy served until issue 44 (``opt.units``, ``opt.comm``, ...).
+ENGINE_NAMES = frozenset(
+    "units runs inner swapper comm replicas tp shard_group_ranks gatherer placement reducer scaler policy "
+    "frozen_units unit_store grad_links module_guard module param_names optimizer_class config mesh sharding "
+    "precision".split())
+OPT_HOLDERS = OPT_NAMES + ("zopt", "_opt", "optim")
+# The layers above the facade: they take the optimizer from the user (and may name it).
+CONSUMERS = ("checkpoint", "integrations", "deepspeed_compat", "train", "bench", "model", "cli.py", "demo.py", "__init__.py",
+             "toy.py", "launch.py")
 
 
 def files() -> Iterator[tuple[str, ast.Module]]:
@@ -59,11 +77,12 @@ def _length(fn: ast.AST) -> int:
     return fn.end_lineno - fn.lineno + 1  # type: ignore[attr-defined]
 
 
-def _module_imports(tree: ast.Module, package: str) -> set[str]:
-    """Modules imported anywhere in the file except under ``if TYPE_CHECKING:``."""
+def _module_imports(tree: ast.Module, package: str, annotations: bool = False) -> set[str]:
+    """Modules imported anywhere in the file; under ``if TYPE_CHECKING:`` only if ``annotations``."""
     out: set[str] = set()
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and isinstance(node.test, ast.Name)
-            and node.test.id == "TYPE_CHECKING" for b in node.body for n in ast.walk(b)}
+    skip = set() if annotations else {
+        id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and isinstance(node.test, ast.Name)
+        and node.test.id == "TYPE_CHECKING" for b in node.body for n in ast.walk(b)}
     for node in ast.walk(tree):
         if id(node) in skip:
             continue
@@ -121,13 +140,37 @@ def measure() -> dict:
     with open(os.path.join(ROOT, FACADE), encoding="utf-8") as f:
         facade_lines = len(f.read().splitlines())
     taking_any, private_reads, kind_compares, any_count = [], [], [], 0
+    naming_facade, facade_reads = [], []
     graph: dict[str, set[str]] = {}
+    graph_all: dict[str, set[str]] = {}
+    folder_edges: set[tuple[str, str]] = set()
     for rel, tree in trees.items():
         mod = module_name(rel)
         package = mod if rel.endswith("__init__.py") else mod.rsplit(".", 1)[0]
         if not rel.endswith("__init__.py"):
-            graph[mod] = {m for m in _module_imports(tree, package)
+            for g, annotations in ((graph, False), (graph_all, True)):
+                g[mod] = {m for m in _module_imports(tree, package, annotations)
                           if m in modules and m != mod and not modules[m].endswith("__init__.py")}
+        top = rel.split(os.sep)[0]
+        for m in _module_imports(tree, package):
+            other = modules.get(m, "").split(os.sep)[0] if m in modules else None
+            if other and other != top and os.sep in modules[m] and os.sep in rel:
+                folder_edges.add((top, other))
+        annotations = [a for fn in _functions(tree) for a in
+                       [*(x.annotation for x in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs), fn.returns]
+                       if a is not None] + [n.annotation for n in ast.walk(tree) if isinstance(n, ast.AnnAssign)]
+        if rel != FACADE and not rel.startswith(CONSUMERS) and (any(
+                isinstance(n, ast.Name) and n.id == "ZeroOptimizer" or isinstance(n, ast.alias) and n.name == "ZeroOptimizer"
+                for n in ast.walk(tree)) or any(isinstance(n, ast.Constant) and "ZeroOptimizer" in str(n.value)
+                                                for a in annotations for n in ast.walk(a))):
+            naming_facade.append(rel)
+        if rel != FACADE:
+            for n in ast.walk(tree):
+                if isinstance(n, ast.Attribute) and n.attr in ENGINE_NAMES:
+                    v = n.value
+                    holder = v.id if isinstance(v, ast.Name) else v.attr if isinstance(v, ast.Attribute) else None
+                    if holder in OPT_HOLDERS:
+                        facade_reads.append(f"{rel}:{n.lineno} {ast.unparse(n)}")
         for fn in _functions(tree):
             args = fn.args.posonlyargs + fn.args.args
             for a in args + fn.args.kwonlyargs:
@@ -152,6 +195,13 @@ def measure() -> dict:
                                   "device" in ast.unparse(v) for v in values)  # (a device's type, not an offload kind)
                 if consts and not device_type:
                     kind_compares.append(f"{rel}:{node.lineno}")
+    getattr_fn = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__getattr__"), None)
+    proxied = 0
+    if getattr_fn is not None:
+        proxied = next((len(ast.literal_eval(node.value)) if isinstance(node.value, (ast.Set, ast.List, ast.Tuple))
+                        else len(ENGINE_NAMES) for node in facade.body if isinstance(node, ast.Assign)
+                        and any(isinstance(t, ast.Name) and t.id == "_ENGINE" for t in node.targets)), len(ENGINE_NAMES))
+    both_ways = sorted({tuple(sorted(e)) for e in folder_edges if (e[1], e[0]) in folder_edges})
     return {
         "facade_lines": facade_lines,
         "facade_constructor_lines": _length(init),
@@ -161,8 +211,16 @@ def measure() -> dict:
         "import_cycles": len(_cycles(graph)),
         "offload_kind_compares": len(kind_compares),
         "any_annotations": any_count,
+        "import_cycles_with_annotations": len(_cycles(graph_all)),
+        "below_facade_naming_facade": len(naming_facade),
+        "reads_through_facade": len(facade_reads),
+        "facade_proxy_names": proxied,
+        "sibling_folders_both_ways": len(both_ways),
         "where": {"functions_taking_opt_any": taking_any, "private_reads_of_opt": private_reads,
-                  "import_cycles": _cycles(graph), "offload_kind_compares": kind_compares},
+                  "import_cycles": _cycles(graph), "offload_kind_compares": kind_compares,
+                  "import_cycles_with_annotations": _cycles(graph_all),
+                  "below_facade_naming_facade": naming_facade, "reads_through_facade": facade_reads,
+                  "sibling_folders_both_ways": [f"{a} <-> {b}" for a, b in both_ways]},
     }
 
 

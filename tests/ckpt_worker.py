@@ -83,7 +83,7 @@ class Trainer:
         # is saved too, so every consumer (export included) sees a whole model; the default,
         # lean checkpoints are tests/test_lora.py's.
         kw.setdefault("save_frozen", True)
-        losses = self.opt.comm.all_gather_object(self.losses)
+        losses = self.opt.engine.comm.all_gather_object(self.losses)
         zeroshard.save_checkpoint(root, self.step, model=self.model, optimizer=self.opt, scheduler=self.sched,
                                   dataloader=self.sampler, extra={"losses": losses}, **kw)
 
@@ -93,7 +93,7 @@ class Trainer:
         self.step = info["step"]
         saved = info["extra"]["losses"]
         # After a reshard the local losses of other world sizes do not apply: keep rank 0's.
-        self.losses = list(saved[self.opt.comm.rank] if len(saved) == self.opt.comm.world_size else saved[0])
+        self.losses = list(saved[self.opt.engine.comm.rank] if len(saved) == self.opt.engine.comm.world_size else saved[0])
         return info
 
     def result(self) -> dict:
@@ -172,7 +172,7 @@ def _state_digest(t: Trainer) -> dict:
 
     def digest(x: torch.Tensor) -> str:
         return hashlib.sha256(x.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-    state = [(k, v) for run in t.opt.runs for k, v in sorted(t.opt.inner.state.get(run.tensor, {}).items())]
+    state = [(k, v) for run in t.opt.engine.joined().runs for k, v in sorted(t.opt.inner.state.get(run.tensor, {}).items())]
     return {"params": {n: digest(p) for n, p in t.model.named_parameters()},
             "masters": [digest(u.master) for u in t.opt.units],
             "state": [digest(v) for _, v in state], "ids": [id(v) for _, v in state]}
@@ -211,9 +211,9 @@ def damaged_peer(rank: int, world: int, out: str, root: str) -> None:
             f.seek(-1, os.SEEK_END)
             f.write(last)
     torch.distributed.barrier()
-    live = {id(v) for run in t.opt.runs for v in t.opt.inner.state[run.tensor].values()}
+    live = {id(v) for run in t.opt.engine.joined().runs for v in t.opt.inner.state[run.tensor].values()}
     t.load(step)
-    moments = [v for run in t.opt.runs for k, v in t.opt.inner.state[run.tensor].items() if v.dim() > 0]
+    moments = [v for run in t.opt.engine.joined().runs for k, v in t.opt.inner.state[run.tensor].items() if v.dim() > 0]
     loaded = _state_digest(t)
     _dump(out, rank, {"refused": refused, "untouched": untouched,
                       "restored": {k: loaded[k] for k in ("params", "masters", "state")} ==

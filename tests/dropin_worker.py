@@ -109,7 +109,7 @@ def _touch_state(model: torch.nn.Module) -> dict:
     w = model.transformer.h[0].mlp.c_fc.weight
     probe = {"read_sum": float(w.sum()), "read_norm": float(w.norm()), "repr": len(repr(w)) > 0}
     buf = io.BytesIO()
-    try:  # (refused for pieces of sharded tensors: Note [saving pieces] in zeroshard/optim/sharded_tensor.py)
+    try:  # (refused for pieces of sharded tensors: Note [saving pieces] in zeroshard/stages/sharded_tensor.py)
         torch.save(model.state_dict(), buf)
     except RuntimeError as exc:
         probe["save_refused"] = str(exc)
@@ -262,7 +262,7 @@ def comm_worker(rank: int, world: int, out_path: str, stage: int) -> None:
     model(input_ids=part, labels=part).loss.backward()
     opt.step()
     units = [{"padded": u.layout.padded_numel, "elsize": u.flat.element_size(), "root": u is (
-        opt.units[opt.gatherer.root] if opt.gatherer is not None and opt.gatherer.root is not None else None)}
+        opt.units[opt.engine.gatherer.root] if opt.engine.gatherer is not None and opt.engine.gatherer.root is not None else None)}
         for u in opt.units]
     with open(f"{out_path}.rank{rank}", "w") as f:
         json.dump({"report": opt.comm_report(), "units": units}, f)

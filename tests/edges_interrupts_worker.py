@@ -131,7 +131,7 @@ def save_between_steps(rank: int, world: int, out: str, directory: str) -> None:
     opt.zero_grad()
     train(model, opt, 2, 4)
     res["backward_raised_train_on"] = {"equal": same(full(model), want),
-                                       "released": opt.gatherer.gathered_bytes() == 0}
+                                       "released": opt.engine.gatherer.gathered_bytes() == 0}
     # issue 29: full_state_dict of a torch.compile wrapper gathers the full weights (keys as the
     # wrapper's state_dict has them), not this rank's pieces
     compiled = torch.compile(model, backend="eager")
@@ -155,13 +155,13 @@ def lone_forward(rank: int, world: int, out: str, directory: str) -> None:
     x, y = batch(0)
     with torch.no_grad():  # every rank evaluates: agreed once per evaluation, the same loss as unsharded
         res["eval_all"] = all(model(*batch(s)).item() == ref(*batch(s)).item() for s in range(3))
-        res["checks"] = opt.gatherer.forward_check.count
+        res["checks"] = opt.engine.gatherer.forward_check.count
         t0 = time.perf_counter()
         model(x, y)
         forward = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(20):
-        opt.gatherer.forward_check.check(model)
+        opt.engine.gatherer.forward_check.check(model)
     res["check_seconds"] = (time.perf_counter() - t0) / 20
     res["forward_seconds"] = forward
     model(x, y).backward()  # (a training forward: the next evaluation agrees again)
@@ -169,7 +169,7 @@ def lone_forward(rank: int, world: int, out: str, directory: str) -> None:
     opt.zero_grad()
     with torch.no_grad():
         model(x, y)
-    res["checks_after_training"] = opt.gatherer.forward_check.count
+    res["checks_after_training"] = opt.engine.gatherer.forward_check.count
     ref = TinyGPT(CFG)  # (unsharded, with the weights after that step)
     ref.load_state_dict(zeroshard.full_state_dict(model, rank0_only=False))
     # del opt at 2 ranks: no collective can run from a finalizer; the sharded parameters stay

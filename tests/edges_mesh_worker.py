@@ -41,8 +41,8 @@ def mesh_worker(rank: int, world: int, out_path: str) -> None:
 
     def by_name() -> None:
         opt = zeroshard.ZeroOptimizer(_model(), torch.optim.AdamW, stage=1, mesh=reversed_mesh)
-        out["by_name"] = [opt.comm.world_size, opt.replicas.world_size if opt.replicas is not None else None,
-                          opt.shard_group_ranks]
+        out["by_name"] = [opt.engine.comm.world_size, opt.engine.replicas.world_size if opt.engine.replicas is not None else None,
+                          opt.engine.shard_group_ranks]
     _attempt(out, "reversed", by_name)
     unknown = init_device_mesh("cpu", (1, 2), mesh_dim_names=("ep", "dp"))  # (expert parallelism: not read)
     _attempt(out, "unknown_names", lambda: zeroshard.ZeroOptimizer(_model(), torch.optim.AdamW, stage=1, mesh=unknown))

@@ -68,13 +68,13 @@ def in_flight(root: str) -> None:
     opt.step()
     zeroshard.save_checkpoint(os.path.join(root, "ckpt"), 0, model=model, optimizer=opt, async_save=True)
     zeroshard.wait_checkpoint()
-    full = torch.zeros(opt.comm.world_size * 1024)
-    rank = opt.comm.rank
+    full = torch.zeros(opt.engine.comm.world_size * 1024)
+    rank = opt.engine.comm.rank
     if rank == 1:
         time.sleep(1.0)
     else:
         sys.setswitchinterval(30.0)
-    work = opt.comm.gather_shards(full)
+    work = opt.engine.comm.gather_shards(full)
     if rank == 1:
         work.wait()
     del work, full

@@ -72,7 +72,7 @@ def parity_worker(rank: int, world: int, out_path: str, ckpt: str) -> None:
     _steps(m2, o2, rank, world, 4, 8)
     a, b = weights(m1, 3), weights(m2, 3)
     resume_equal = all(torch.equal(a[n], b[n]) for n in a)
-    s1, s2 = ([o.inner.state[r.tensor] for r in o.runs] for o in (o1, o2))
+    s1, s2 = ([o.inner.state[r.tensor] for r in o.engine.runs] for o in (o1, o2))
     moments_equal = all(sorted(x) == sorted(y) and all(torch.equal(torch.as_tensor(x[k]), torch.as_tensor(y[k]))
                                                        for k in x) for x, y in zip(s1, s2))
     # weights written outside the step reach the secondary partition (Note [hpZ secondary partition])
@@ -111,7 +111,7 @@ def traffic_worker(rank: int, world: int, out_path: str, configs: list[tuple[str
             opt.step()
             model.zero_grad()
             phases["step"] = opt.comm_report(reset=True)
-        root = opt.gatherer.root if opt.gatherer is not None else None
+        root = opt.engine.gatherer.root if opt.engine.gatherer is not None else None
         units = [{"numel": u.layout.numel, "padded": u.layout.padded_numel, "elsize": u.flat.element_size(),
                   "root": i == root, "tensors": len(u.layout.segments)} for i, u in enumerate(opt.units)]
         key = f"{scope}-{stage}" + ("" if precision == "fp32" else f"-{precision}")

@@ -58,7 +58,7 @@ def lr_lambda(step: int) -> float:
 
 def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     opt = zeroshard.optim.registry.optimizer_for(model)
-    if opt is not None and opt.gatherer is not None:
+    if opt is not None and opt.engine.gatherer is not None:
         return zeroshard.full_state_dict(model, rank0_only=False)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 

@@ -250,7 +250,7 @@ def resume_worker(rank: int, world: int, out_path: str, spec: tuple, root: str) 
 
 
 def _frozen_gathered(opt: Any) -> int:
-    return sum(u.flat.untyped_storage().nbytes() for u in opt.frozen_units)
+    return sum(u.flat.untyped_storage().nbytes() for u in opt.engine.frozen_units)
 
 
 def memory_worker(rank: int, world: int, out_path: str, root: str) -> None:

@@ -161,7 +161,7 @@ def run_auto_matrix(rank: int, world: int, out: str, directory: str) -> None:
                     "equal": all(torch.equal(want[k], got[k]) for k in want),
                     "nvme_bytes": sum(kind["nvme"] for kind in rep["bytes"].values()),
                     "memory_bytes": sum(b for kind in rep["bytes"].values() for t, b in kind.items() if t != "nvme"),
-                    "cached": len(rep["cache"]["units"]), "swapper": opt.swapper is not None}
+                    "cached": len(rep["cache"]["units"]), "swapper": opt.engine.joined().swapper is not None}
                 opt.close()
     with open(f"{out}.rank{rank}", "w") as f:
         json.dump(res, f)

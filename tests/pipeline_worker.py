@@ -171,7 +171,7 @@ def full_state(t: Trainer) -> dict[str, torch.Tensor]:
     """This stage's weights and Adam moments, whole, by the full model's names (a collective over dp)."""
     out = {f"w:{n}": w for n, w in t.weights().items()}
     sd = t.opt.consolidated_state_dict(to_rank=None)
-    names = [t.opt.param_names[id(p)] for g in t.opt.param_groups for p in g["params"]]
+    names = [t.opt.engine.param_names[id(p)] for g in t.opt.param_groups for p in g["params"]]
     for i, n in enumerate(names):
         for k in ("exp_avg", "exp_avg_sq"):
             if k in sd["state"].get(i, {}):
@@ -212,7 +212,7 @@ def parity_cases(mesh: Any, ref: dict[str, torch.Tensor], ref_norms: list[float]
     out = {}
     for stage, schedule, options in CASES:
         t = Trainer(mesh, stage, schedule, **options)
-        launches = watch_launches(t.opt.reducer)
+        launches = watch_launches(t.opt.engine.reducer)
         t.opt.comm_report(reset=True)
         for step in range(STEPS):
             t.step(step)

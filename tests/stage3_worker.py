@@ -129,7 +129,7 @@ def check_memory(rank: int, world: int) -> dict:
 
     def probe(*_):
         nonlocal peak_buffers
-        peak_buffers = max(peak_buffers, opt.gatherer.gathered_bytes())
+        peak_buffers = max(peak_buffers, opt.engine.gatherer.gathered_bytes())
     for block in model.blocks:
         block.register_forward_hook(lambda *a: probe())
     x, y = synthetic_batch(0, 4, cfg)

@@ -109,7 +109,7 @@ def test_unknown_or_invalid_options_name_the_problem(kwargs, match):
 def test_state_dict_from_a_different_model():
     torch.manual_seed(0)
     a = _opt(TinyNet())
-    a_model = a.module
+    a_model = a.engine.module
     a_model(batch(0, 4)).backward()
     a.step()
     other = _opt(nn.Sequential(nn.Linear(15, 7), nn.Linear(7, 1)))
@@ -155,7 +155,7 @@ def test_optimizer_kwargs_go_to_the_inner_optimizer_only():
     with pytest.raises(TypeError, match=r"\['hpz'\] is both a ZeroOptimizer option and an argument of _SGDWithHpz.*optimizer_kwargs"):
         zeroshard.ZeroOptimizer(TinyNet(), _SGDWithHpz, lr=0.1, hpz=2)
     opt = zeroshard.ZeroOptimizer(TinyNet(), _SGDWithHpz, stage=1, optimizer_kwargs={"lr": 0.2, "hpz": 3})
-    assert opt.inner.hpz_seen == 3 and opt.param_groups[0]["lr"] == 0.2 and opt.config.hpz != 3
+    assert opt.inner.hpz_seen == 3 and opt.param_groups[0]["lr"] == 0.2 and opt.engine.config.hpz != 3
     opt.close()
     with pytest.raises(TypeError, match=r"\['lr'\] given both as keywords and in optimizer_kwargs"):
         zeroshard.ZeroOptimizer(TinyNet(), torch.optim.AdamW, lr=0.1, optimizer_kwargs={"lr": 0.2})

@@ -55,7 +55,7 @@ def test_a_frozen_base_past_the_budget_streams_and_trains_bit_for_bit(tmp_path):
     model, opt = _auto(tmp_path, _minimum(tmp_path))
     rep = opt.placement_report()
     frozen = {u["index"] for u in rep["units"]} - set(range(len(opt.units)))
-    assert frozen and len(frozen) == len(opt.frozen_units)
+    assert frozen and len(frozen) == len(opt.engine.frozen_units)
     streamed = [i for i in frozen if rep["units"][i]["shard"] == "nvme"]
     assert streamed, rep["text"]  # (at the minimum every frozen shard it can stream does)
     assert rep["applied"]["shard"] == {"memory": rep["bytes"]["shard"]["host"], "nvme": rep["bytes"]["shard"]["nvme"]}
@@ -85,7 +85,7 @@ def test_before_a_frozen_base_was_placed_it_sat_outside_the_budget(tmp_path):
     model, opt = _auto(tmp_path, _minimum(tmp_path))
     rep = opt.placement_report()
     assert rep["predicted_memory"]["host"] <= rep["budget"]["host"]
-    assert sum(u.shard.numel() * u.shard.element_size() for u in opt.frozen_units if u.swapped("shard")) > 0
+    assert sum(u.shard.numel() * u.shard.element_size() for u in opt.engine.frozen_units if u.swapped("shard")) > 0
     opt.close()
 
 
@@ -110,10 +110,10 @@ def test_the_memory_the_state_leaves_takes_one_more_prefetched_group(tmp_path):
     model, opt = _auto(tmp_path, budget, freeze="root")
     rep = opt.placement_report()
     assert any("prefetch" in r for r in rep["reasons"]), rep["text"]
-    assert opt.gatherer.max_live == 3
+    assert opt.engine.gatherer.max_live == 3
     losses = _steps(model, opt, 0, 2)
     opt.close()
     model, opt = _auto(tmp_path, budget, freeze="root", max_live_units=2)
-    assert opt.gatherer.max_live == 2 and not any("prefetch" in r for r in opt.placement_report()["reasons"])
+    assert opt.engine.gatherer.max_live == 2 and not any("prefetch" in r for r in opt.placement_report()["reasons"])
     assert _steps(model, opt, 0, 2) == losses  # (the depth changes when reads start, not values)
     opt.close()

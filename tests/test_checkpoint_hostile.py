@@ -128,7 +128,7 @@ def test_save_refuses_steps_the_load_refuses(tmp_path, step):
 @pytest.mark.parametrize("stage", [True, 2.0])
 def test_save_refuses_a_stage_the_load_refuses(tmp_path, stage):
     t = _trained()
-    object.__setattr__(t.opt.config, "stage", stage)  # what a config that let it through would hold
+    object.__setattr__(t.opt.engine.config, "stage", stage)  # what a config that let it through would hold
     with pytest.raises(ValueError, match=f"stage={stage!r}"):
         zeroshard.save_checkpoint(str(tmp_path), 1, model=t.model, optimizer=t.opt)
     assert not os.listdir(tmp_path)

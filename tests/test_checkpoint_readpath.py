@@ -91,11 +91,11 @@ def test_adopted_state_trains_on_bit_for_bit(tmp_path, monkeypatch):
     model, opt = _build()
     root = str(tmp_path / "ck")
     zeroshard.save_checkpoint(root, 1, model=model, optimizer=opt)
-    saved = {k: v.clone() for k, v in opt.inner.state[opt.runs[0].tensor].items()}
+    saved = {k: v.clone() for k, v in opt.inner.state[opt.engine.joined().runs[0].tensor].items()}
     fresh, fresh_opt = _build(seed=5)
     live = {id(v) for s in fresh_opt.inner.state.values() for v in s.values()}
     zeroshard.load_checkpoint(root, model=fresh, optimizer=fresh_opt)
-    for run, mine in zip(opt.runs, fresh_opt.runs):
+    for run, mine in zip(opt.engine.joined().runs, fresh_opt.runs):
         for key in ("exp_avg", "exp_avg_sq"):
             got = fresh_opt.inner.state[mine.tensor][key]
             assert id(got) not in live, f"{key} was copied into the live tensor, not adopted"
@@ -109,7 +109,7 @@ def test_adopted_state_trains_on_bit_for_bit(tmp_path, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(model, fresh))
     # A second load replaces the adopted (and since updated) views by new ones.
     zeroshard.load_checkpoint(root, model=fresh, optimizer=fresh_opt)
-    assert all(torch.equal(v, saved[k]) for k, v in fresh_opt.inner.state[fresh_opt.runs[0].tensor].items())
+    assert all(torch.equal(v, saved[k]) for k, v in fresh_opt.inner.state[fresh_opt.engine.runs[0].tensor].items())
 
 
 def test_pages_outside_adopted_views_are_given_back():

@@ -254,7 +254,7 @@ def test_float_and_numpy_budgets_are_bytes_like_an_int():
     for value in (2.5e9, np.int64(2**31)):
         opt = zeroshard.ZeroOptimizer(Net(), A, lr=1e-2, stage=2, offload="auto",
                                       memory_budget={"host": value, "reserve": 0})
-        assert opt.placement.plan.budget.host == int(value)
+        assert opt.engine.placement.plan.budget.host == int(value)
 
 
 # -- clip_grad_norm_ ------------------------------------------------------------------------------

@@ -325,7 +325,7 @@ def test_a_backward_abandoned_by_ctrl_c_trains_on_as_torch(tmp_path, stage, over
                       else make(None, "bf16", cfg=AUTO_CFG, stage=stage))
         for step in range(3):
             if abandon and step == 1:
-                reducer, start = opt.reducer, opt.reducer._start_pass
+                reducer, start = opt.engine.reducer, opt.engine.reducer._start_pass
 
                 def interrupted(*_) -> None:
                     if where == "pass start":

@@ -22,7 +22,7 @@ CFG = GPTConfig(vocab=64, d_model=32, n_layers=3, n_heads=4, seq_len=8)
 def _watch_buckets(opt) -> list[int]:
     """Bytes of buckets alive (beside the gradient stores) as each unit's reduction starts."""
     seen: list[int] = []
-    opt.reducer.on_launch.append(lambda _ui: seen.append(opt.reducer.live_bucket_bytes()))
+    opt.engine.reducer.on_launch.append(lambda _ui: seen.append(opt.engine.reducer.live_bucket_bytes()))
     return seen
 
 

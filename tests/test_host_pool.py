@@ -13,7 +13,7 @@ import torch
 import zeroshard
 from zeroshard.io import buffers
 from zeroshard.io.host_pool import HOST_POOL, MIN_BYTES, HostBufferPool
-from zeroshard.optim.flat_unit import alloc_storage, free_storage
+from zeroshard.units.flat_unit import alloc_storage, free_storage
 from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
 
 MIB = 1 << 20

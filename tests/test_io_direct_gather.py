@@ -32,7 +32,7 @@ def _run(tmp_path, refuse_direct: bool, monkeypatch) -> tuple[list[float], list[
     swap.mkdir()
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=3, offload_optimizer="nvme",
                                   offload_params="nvme", nvme_path=str(swap))
-    frozen = sum(u.shard.numel() * u.shard.element_size() for u in opt.frozen_units)
+    frozen = sum(u.shard.numel() * u.shard.element_size() for u in opt.engine.frozen_units)
     losses, io = [], []
     for step in range(STEPS):
         before = opt.placement_report()["measured_io"]
@@ -93,7 +93,7 @@ def _prefetched(max_live: int, tmp_path) -> tuple[list[float], list[int]]:
     def count(i: int):
         def hook(*_):
             if step[0] > 0:
-                ahead.append(sum(opt.gatherer.state[opt.units.index(u)] is not UnitState.RELEASED
+                ahead.append(sum(opt.engine.gatherer.state[opt.units.index(u)] is not UnitState.RELEASED
                                  for u in block_units[i + 1:]))
         return hook
     for i, b in enumerate(model.blocks):

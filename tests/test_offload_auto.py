@@ -137,7 +137,7 @@ def test_offloading_needs_adam_and_names_the_budget_that_holds_everything(tmp_pa
                                 memory_budget={"host": half, "reserve": 0}, nvme_path=str(tmp_path))
     opt = zeroshard.ZeroOptimizer(TinyGPT(CFG), torch.optim.SGD, lr=0.1, stage=3, offload="auto",
                                   memory_budget={"host": "1GiB", "reserve": 0}, nvme_path=str(tmp_path))
-    assert opt.swapper is None and opt.unit_store is None  # everything fits: plain in-memory SGD
+    assert opt.engine.joined().swapper is None and opt.engine.unit_store is None  # everything fits: plain in-memory SGD
 
 
 def test_planner_fits_the_budget_and_moves_less_with_more_memory():

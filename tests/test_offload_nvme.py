@@ -37,10 +37,10 @@ def test_nvme_state_is_bit_identical(stage, tmp_path):
     a, b = zeroshard.full_state_dict(ref), zeroshard.full_state_dict(got)
     assert all(torch.equal(a[k], b[k]) for k in a)
     rep = opt.memory_report()
-    files = os.path.getsize(opt.swapper.path) + os.path.getsize(opt.unit_store.path)
+    files = os.path.getsize(opt.engine.joined().swapper.path) + os.path.getsize(opt.engine.unit_store.path)
     assert rep.offloaded > 0 and files == rep.offloaded
     assert rep.gradients == 0 and rep.master_weights == 0  # in the swap file between uses
-    assert rep.optimizer_states == opt.swapper.pool_bytes
+    assert rep.optimizer_states == opt.engine.joined().swapper.pool_bytes
 
 
 def test_nvme_state_round_trips_through_state_dicts_and_checkpoints(tmp_path):
@@ -74,7 +74,7 @@ def test_missing_path_and_non_adam_are_refused(tmp_path):
 
 def test_truncated_swap_file_fails_the_next_read(tmp_path):
     model, opt = _train(2, str(tmp_path), steps=1)
-    os.truncate(opt.swapper.path, 4096)
+    os.truncate(opt.engine.joined().swapper.path, 4096)
     model(*synthetic_batch(1, 4, CFG)).backward()
     with pytest.raises(TruncatedFileError, match="zeroshard-optim"):
         opt.step()
@@ -158,6 +158,6 @@ def test_offload_buffer_mb_bounds_the_staging_memory(tmp_path):
         return zeroshard.full_state_dict(model), opt
     full, opt3 = run(None)
     capped, opt1 = run(0.3)  # one slot of this model (~0.2 MiB), not two
-    assert opt1.unit_store.max_in_flight == 1 and len(opt1.swapper._pool) == 1
+    assert opt1.engine.unit_store.max_in_flight == 1 and len(opt1.engine.swapper._pool) == 1
     assert opt1.memory_report().optimizer_states < opt3.memory_report().optimizer_states
     assert all(torch.equal(full[k], capped[k]) for k in full)

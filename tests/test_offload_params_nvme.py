@@ -46,7 +46,7 @@ def test_needs_nvme_optimizer_offload(tmp_path):
 
 def test_truncated_param_swap_file_fails_the_next_gather(tmp_path):
     model, opt = make(str(tmp_path))
-    os.truncate(opt.unit_store.path, 4096)
+    os.truncate(opt.engine.unit_store.path, 4096)
     with pytest.raises(TruncatedFileError, match="zeroshard-params"):
         model(*synthetic_batch(0, 2, CFG)).backward()
 
@@ -195,10 +195,10 @@ def test_clipping_reads_no_gradient_back_from_the_swap_file(tmp_path):
     written; only other norm types read the gradients back."""
     model, opt = make(str(tmp_path))
     model(*synthetic_batch(0, 2, CFG)).backward()
-    opt.reducer.finalize()
+    opt.engine.reducer.finalize()
     reads = []
-    real = opt.unit_store.aio.pread
-    opt.unit_store.aio.pread = lambda *a, **k: reads.append(a) or real(*a, **k)
+    real = opt.engine.unit_store.aio.pread
+    opt.engine.unit_store.aio.pread = lambda *a, **k: reads.append(a) or real(*a, **k)
     norm = opt.clip_grad_norm_(1.0)
     assert reads == [] and torch.isfinite(norm)
     opt.clip_grad_norm_(1.0, norm_type=float("inf"))

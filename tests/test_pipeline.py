@@ -135,7 +135,7 @@ def _one_process_state(ckpt: str) -> tuple[dict, dict]:
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=w.LR, weight_decay=w.WD, stage=2)
     info = zeroshard.load_checkpoint(ckpt, model=model, optimizer=opt)
     sd = opt.consolidated_state_dict(to_rank=None)
-    names = [opt.param_names[id(p)] for g in opt.param_groups for p in g["params"]]
+    names = [opt.engine.param_names[id(p)] for g in opt.param_groups for p in g["params"]]
     got = {f"w:{n}": p.detach().clone() for n, p in model.named_parameters()}
     got.update({f"{k}:{n}": sd["state"][i][k] for i, n in enumerate(names) for k in ("exp_avg", "exp_avg_sq")})
     opt.close()
@@ -204,10 +204,10 @@ def test_deferred_passes_add_up_like_accumulation(stage):
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=stage, bucket_size_mb=0.01)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     launched: list[int] = []
-    opt.reducer.on_launch.append(launched.append)
+    opt.engine.reducer.on_launch.append(launched.append)
     for step in range(2):
         for k in range(3):
-            with opt.reducer.deferred(k < 2):
+            with opt.engine.reducer.deferred(k < 2):
                 (model(*synthetic_batch(3 * step + k, 4, cfg)) / 3).backward()
             (ref(*synthetic_batch(3 * step + k, 4, cfg)) / 3).backward()
         opt.step()
@@ -222,6 +222,6 @@ def test_deferred_passes_add_up_like_accumulation(stage):
     model3 = TinyGPT(cfg)
     opt3 = zeroshard.ZeroOptimizer(model3, torch.optim.AdamW, lr=1e-2, stage=3)
     with pytest.raises(RuntimeError, match="not supported at stage 3"):
-        with opt3.reducer.deferred():
+        with opt3.engine.reducer.deferred():
             pass
     opt3.close()

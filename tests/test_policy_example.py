@@ -24,9 +24,9 @@ def test_the_policy_decides_each_unit_and_training_matches_torch():
     ref = TinyNet()
     ref.load_state_dict(model.state_dict())
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    assert isinstance(opt.placement, LargestOnHost) and len(opt.units) > 1
-    decided = [opt.placement.of_unit(i) for i in range(len(opt.units))]
-    largest = opt.placement.on_host
+    assert isinstance(opt.engine.placement, LargestOnHost) and len(opt.units) > 1
+    decided = [opt.engine.placement.of_unit(i) for i in range(len(opt.units))]
+    largest = opt.engine.placement.on_host
     assert opt.units[largest].layout.padded_numel == max(u.layout.padded_numel for u in opt.units)
     assert decided[largest] == Placement(optimizer="cpu")
     assert all(d == Placement() for i, d in enumerate(decided) if i != largest)
@@ -42,7 +42,7 @@ def test_the_policy_decides_each_unit_and_training_matches_torch():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host and device memory differ only beside an accelerator")
 def test_the_largest_units_state_lives_on_the_host():
     _, opt = _built()
-    largest = opt.placement.on_host
+    largest = opt.engine.placement.on_host
     assert [u.master.device.type for u in opt.units] == ["cpu" if i == largest else "cuda"
                                                          for i in range(len(opt.units))]
 

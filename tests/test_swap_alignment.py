@@ -12,7 +12,7 @@ import zeroshard
 from tests.nvme_params_worker import CFG
 from zeroshard.io import ALIGN
 from zeroshard.io.buffers import MAPPED_BYTES, held_bytes, resizable_aligned, storage_bytes
-from zeroshard.optim.flat_unit import alloc_storage, free_storage
+from zeroshard.units.flat_unit import alloc_storage, free_storage
 from zeroshard.toy import TinyGPT, synthetic_batch
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the alignment after re-allocation is glibc's")
@@ -57,7 +57,7 @@ def test_stage3_nvme_traffic_goes_through_o_direct(tmp_path):
     opt, losses = run(offload_optimizer="nvme", offload_params="nvme", nvme_path=str(tmp_path))
     if direct_refusals():
         pytest.skip(f"this file system refuses O_DIRECT: {direct_refusals()}")
-    files = [opt.unit_store.file, opt.swapper.file]
+    files = [opt.engine.unit_store.file, opt.engine.joined().swapper.file]
     moved = sum(f.bytes_read + f.bytes_written for f in files)
     assert sum(f.direct_bytes for f in files) >= 0.95 * moved, [(f.direct_bytes, f.bytes_read, f.bytes_written)
                                                                for f in files]

@@ -87,8 +87,8 @@ def test_damaged_swap_file_is_an_error_naming_it(stage, params, precision, tmp_p
             _step(model, opt, 0)
             path = getattr(opt, which).path
             model(*synthetic_batch(1, 4, CFG)).backward()
-            opt.reducer.finalize()  # every gradient reduced and written out: all state is on disk
-            opt.unit_store.settle()
+            opt.engine.reducer.finalize()  # every gradient reduced and written out: all state is on disk
+            opt.engine.unit_store.settle()
             _damage(path, how)
             try:
                 opt.step()
@@ -100,8 +100,8 @@ def test_damaged_swap_file_is_an_error_naming_it(stage, params, precision, tmp_p
                 got, want = zeroshard.full_state_dict(model), _ref(stage, params, precision)
                 assert all(torch.equal(got[k], want[k]) for k in want), f"{which} {how}: silent corruption"
                 outcomes.append("harmless")
-            opt.swapper.close()
-            opt.unit_store.close()  # (damaged: closing discards it, and never removes another file)
+            opt.engine.joined().swapper.close()
+            opt.engine.unit_store.close()  # (damaged: closing discards it, and never removes another file)
             assert os.listdir(nvme) == ([os.path.basename(path)] if how == "replace" else [])
     # With every part on disk when the damage happens, every damage is caught.
     assert outcomes.count("error") == len(outcomes), list(zip([(w, h) for w in ("swapper", "unit_store") for h in DAMAGE], outcomes))
@@ -110,11 +110,11 @@ def test_damaged_swap_file_is_an_error_naming_it(stage, params, precision, tmp_p
 def test_a_swap_file_is_never_recreated_after_start_up(tmp_path):
     model, opt = _make(2, None, "bf16", str(tmp_path))
     _step(model, opt, 0)
-    os.unlink(opt.unit_store.path)
-    with pytest.raises(AIOError, match=re.escape(opt.unit_store.path) + ".*deleted"):
+    os.unlink(opt.engine.unit_store.path)
+    with pytest.raises(AIOError, match=re.escape(opt.engine.unit_store.path) + ".*deleted"):
         model(*synthetic_batch(1, 4, CFG)).backward()  # gradients are written as reductions retire
         opt.step()
-    assert not os.path.exists(opt.unit_store.path)
+    assert not os.path.exists(opt.engine.unit_store.path)
 
 
 def test_stale_files_of_any_kind_rank_or_world_size_are_removed_but_live_ones_kept(tmp_path):
@@ -140,10 +140,10 @@ def test_stale_files_of_any_kind_rank_or_world_size_are_removed_but_live_ones_ke
         left = sorted(os.listdir(tmp_path))
         assert not set(dead) & set(left)
         assert live.name in left and "notes.swap" in left
-        assert {os.path.basename(opt.swapper.path), os.path.basename(opt.unit_store.path)} <= set(left)
+        assert {os.path.basename(opt.engine.joined().swapper.path), os.path.basename(opt.engine.unit_store.path)} <= set(left)
         # A second optimizer of this process must not remove the first one's files.
         model2, opt2 = _make(2, None, None, str(tmp_path))
-        assert os.path.exists(opt.swapper.path) and os.path.exists(opt.unit_store.path)
+        assert os.path.exists(opt.engine.joined().swapper.path) and os.path.exists(opt.engine.unit_store.path)
         _step(model, opt, 0)
     finally:
         os.close(holder)

@@ -74,7 +74,7 @@ def full_state(model: torch.nn.Module, opt: Any) -> dict[str, torch.Tensor]:
     """Weights and Adam moments of every parameter, global tensors (collectives)."""
     out = {f"w:{n}": t for n, t in full_weights(model).items()}
     sd = opt.consolidated_state_dict(to_rank=None)
-    names = [n for g in opt.param_groups for n in [opt.param_names[id(p)] for p in g["params"]]]
+    names = [n for g in opt.param_groups for n in [opt.engine.param_names[id(p)] for p in g["params"]]]
     for i, n in enumerate(names):
         for k in ("exp_avg", "exp_avg_sq"):
             if k in sd["state"].get(i, {}):

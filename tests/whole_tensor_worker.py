@@ -241,7 +241,7 @@ def _built(recipe: str, stage: int, offload: Optional[str] = None) -> tuple[torc
 def _state(model: torch.nn.Module, opt: zeroshard.ZeroOptimizer) -> dict:
     """Weights, and the whole optimizer state by parameter name (consolidated: a collective)."""
     cons = opt.consolidated_state_dict(to_rank=None)
-    names = [opt.param_names[id(p)] for g in opt.param_groups for p in g["params"]]  # (the state's index order)
+    names = [opt.engine.param_names[id(p)] for g in opt.param_groups for p in g["params"]]  # (the state's index order)
     return {"weights": zeroshard.full_state_dict(model, rank0_only=False),
             "state": {names[i]: s for i, s in cons["state"].items()}}
 
@@ -339,7 +339,7 @@ def torch_next_step(root: str, recipe: str, stage: int) -> dict:
     before = zeroshard.full_state_dict(model, rank0_only=False)
     ref.load_state_dict(before)
     rparams = dict(ref.named_parameters())
-    groups = [[rparams[opt.param_names[id(p)]] for p in g["params"]] for g in opt.param_groups]
+    groups = [[rparams[opt.engine.param_names[id(p)]] for p in g["params"]] for g in opt.param_groups]
     classes = [torch.optim.Muon, torch.optim.AdamW]
     opts, first = [], 0
     for cls, params, saved in zip(classes, groups, cons["param_groups"]):

@@ -4,17 +4,17 @@
 
 See docs/design.md for the architecture and README.md for the quick start.
 """
-from zeroshard.config import ZeroConfig
+from zeroshard.config import AutoOffload, CPUOffload, NVMeOffload, ZeroConfig
 from zeroshard.memory import MemoryReport, zero_formula
 from zeroshard.optim.zero_optimizer import ZeroOptimizer
-from zeroshard.stages.stage3.full_state import full_state_dict
-from zeroshard.stages.stage3.materialize import init_meta_weights
-from zeroshard.stages.stage3.safetensors_load import load_safetensors
+from zeroshard.model.full_state import full_state_dict
+from zeroshard.model.init_weights import init_meta_weights
+from zeroshard.model.safetensors_load import load_safetensors
 from zeroshard.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint, wait_checkpoint
 
 __version__ = "0.1.0"
 
-__all__ = ["ZeroOptimizer", "ZeroConfig", "MemoryReport", "zero_formula", "full_state_dict",
+__all__ = ["ZeroOptimizer", "ZeroConfig", "CPUOffload", "NVMeOffload", "AutoOffload", "MemoryReport", "zero_formula", "full_state_dict",
            "init_meta_weights", "load_safetensors", "__version__"]
 __all__ += ["save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint", "wait_checkpoint"]
 # initialize(model, config) -> (model, optimizer, scheduler); DeepSpeed's keyword form -> (engine, optimizer,

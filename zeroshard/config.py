@@ -9,7 +9,7 @@ import math
 import numbers
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -56,6 +56,26 @@ def check_bool(name: str, value: Any) -> None:
         raise TypeError(f"{name}={value!r} must be True or False, not a {type(value).__name__}")
 
 
+# Note [one validator]: the rules between options live in ``ZeroConfig`` and the functions it
+# calls here; the planner's choices (planner/estimate.py ``Choice``), the fine-tune CLI and the
+# DeepSpeed config reader (train/) check their own formats, then build a ZeroConfig or call these
+# functions, so no two places can disagree on what runs.
+def check_offload(stage: int, offload_optimizer: Optional[str], offload_params: Optional[str]) -> None:
+    """The offload kinds and what they need of the stage (ZeroConfig's rules, shared with the planner)."""
+    for name, value in (("offload_optimizer", offload_optimizer), ("offload_params", offload_params)):
+        if not _member(value, _OFFLOAD):
+            raise ValueError(f"{name}={value!r} is not supported; use one of {_OFFLOAD}")
+    if offload_params is not None and stage != 3:
+        raise ValueError(
+            f"offload_params={offload_params!r} needs stage=3 (parameters are only "
+            f"partitioned at stage 3), got stage={stage}")
+    if offload_params == "nvme" and offload_optimizer != "nvme":
+        raise ValueError(
+            f"offload_params='nvme' needs offload_optimizer='nvme' too (got {offload_optimizer!r}): "
+            "the fp32 master of a swapped parameter shard lives in the same swap file as the "
+            "shard, and its optimizer states are streamed beside it")
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where a unit's pieces live (``offload_optimizer`` / ``offload_params``, or one unit's
@@ -86,7 +106,62 @@ class Placement:
         return torch.device("cpu") if self.params in ("cpu", "nvme") else model_device
 
 
-@dataclass(frozen=True)
+# Note [typed offload options]: ``offload=`` takes one of the three classes below (the strings
+# ``offload_optimizer="cpu"|"nvme"``, ``offload_params=``, ``nvme_path=``, ``offload="auto"``
+# with ``memory_budget=`` stay as sugar for them). ``ZeroConfig`` turns either form into the
+# same fields once, here, and ``ZeroConfig.offload_options`` gives the typed form back, so the
+# rest of zeroshard reads one vocabulary whichever the user wrote.
+@dataclass(frozen=True, kw_only=True)
+class CPUOffload:
+    """fp32 master pieces and optimizer moments in host memory (the strings' ``offload_optimizer="cpu"``);
+    ``params=True`` (stage 3) keeps the parameter shards there between gathers too."""
+
+    params: bool = False
+    pin_memory: bool = True
+    """Pin the host buffers when the model is on an accelerator (faster copies; pinned memory
+    cannot be swapped out by the OS). On a CPU-only machine nothing is pinned either way."""
+
+    def __post_init__(self) -> None:
+        check_bool("CPUOffload.params", self.params)
+        check_bool("CPUOffload.pin_memory", self.pin_memory)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NVMeOffload:
+    """Optimizer moments (and with ``params=True``, stage 3's parameter shards with their
+    masters and gradients) in swap files under ``path``, streamed each step."""
+
+    path: str
+    params: bool = False
+    buffer_mb: Optional[float] = None
+    """Bound on the staging buffers' host memory in MiB (``offload_buffer_mb``); None: three slots."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
+            raise TypeError(f"NVMeOffload(path={self.path!r}) must be a directory path for the swap files")
+        check_bool("NVMeOffload.params", self.params)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoOffload:
+    """The planner places each unit's state in memory or on NVMe to fit ``budget`` (the strings'
+    ``offload="auto", memory_budget=...``; Note [automatic placement]); ``path``: where its swap
+    files go (``nvme_path``; default a temporary directory)."""
+
+    budget: Union[str, int, float, dict[str, Union[str, int, float]]]
+    path: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.budget is None:
+            raise ValueError("AutoOffload(budget=...) needs a budget, e.g. {'device': '20GiB', 'host': '48GiB'}")
+        if self.path is not None and not isinstance(self.path, (str, os.PathLike)):
+            raise TypeError(f"AutoOffload(path={self.path!r}) must be a directory path (a str)")
+
+
+OffloadOptions = Union[CPUOffload, NVMeOffload, AutoOffload]
+
+
+@dataclass(frozen=True, kw_only=True)
 class ZeroConfig:
     """How parameters, gradients and optimizer state are partitioned and kept."""
 
@@ -98,8 +173,9 @@ class ZeroConfig:
     """Stage 3 only: where parameter slices live between gathers: None, "cpu" or "nvme"."""
     nvme_path: Optional[str] = None
     """Directory for the swap files of "nvme" offload."""
-    offload: Optional[str] = None
-    """"auto": the planner places each unit's shard, master, gradient and moments in memory or
+    offload: Optional[Union[str, CPUOffload, NVMeOffload, AutoOffload]] = None
+    """``CPUOffload(...)``, ``NVMeOffload(path=...)`` or ``AutoOffload(budget=...)`` (Note [typed offload
+    options]); or the string sugar "auto": the planner places each unit's shard, master, gradient and moments in memory or
     on NVMe to fit ``memory_budget`` with the least traffic per step (Note [automatic placement]
     in zeroshard/planner/auto_placement.py), instead of offload_optimizer / offload_params."""
     memory_budget: Any = None
@@ -156,30 +232,23 @@ class ZeroConfig:
     raised by the next call that needs the state. None: on under offload="auto", off
     otherwise; ignored where nothing streams."""
 
+    pin_memory: bool = True
+    """Host buffers of offloaded state are pinned when the model is on an accelerator
+    (``CPUOffload(pin_memory=...)``)."""
+
     placement_policy: Optional[type] = None
     """A placement policy of your own: a subclass of ``zeroshard.offload.placement.StatePlacement``
     (one file; Note [assembly] in zeroshard/optim/assembly.py), built in its place with the same
     arguments. It decides each unit's ``Placement`` (``of_unit``) and may override what follows."""
 
     def __post_init__(self) -> None:
+        self._take_typed_offload()
         if self.placement_policy is not None and not isinstance(self.placement_policy, type):
             raise TypeError(f"placement_policy={self.placement_policy!r} must be a class (a subclass of "
                             "zeroshard.offload.placement.StatePlacement), not an instance")
         if isinstance(self.stage, bool) or self.stage not in _STAGES or not isinstance(self.stage, int):
             raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; use one of {_STAGES} (an int)")
-        for name in ("offload_optimizer", "offload_params"):
-            value = getattr(self, name)
-            if not _member(value, _OFFLOAD):
-                raise ValueError(f"{name}={value!r} is not supported; use one of {_OFFLOAD}")
-        if self.offload_params is not None and self.stage != 3:
-            raise ValueError(
-                f"offload_params={self.offload_params!r} needs stage=3 (parameters are only "
-                f"partitioned at stage 3), got stage={self.stage}")
-        if self.offload_params == "nvme" and self.offload_optimizer != "nvme":
-            raise ValueError(
-                f"offload_params='nvme' needs offload_optimizer='nvme' too (got {self.offload_optimizer!r}): "
-                "the fp32 master of a swapped parameter shard lives in the same swap file as the "
-                "shard, and its optimizer states are streamed beside it")
+        check_offload(self.stage, self.offload_optimizer, self.offload_params)
         self._check_auto()
         uses_nvme = "nvme" in (self.offload_optimizer, self.offload_params) or self.offload == "auto"
         if self.nvme_path is not None and not isinstance(self.nvme_path, (str, os.PathLike)):
@@ -209,6 +278,7 @@ class ZeroConfig:
         if self.offload_buffer_mb is not None:
             check_real("offload_buffer_mb", self.offload_buffer_mb, low=0.0, strict=True, unit="MiB, or None")
         check_bool("fused_adam", self.fused_adam)
+        check_bool("pin_memory", self.pin_memory)
         check_real("initial_loss_scale", self.initial_loss_scale, low=0.0, strict=True, high=_MAX_LOSS_SCALE)
         check_int("loss_scale_growth_interval", self.loss_scale_growth_interval, low=1)
         check_bool("hpz", self.hpz)
@@ -220,6 +290,46 @@ class ZeroConfig:
         if self.hpz and self.offload_params == "nvme":
             raise ValueError("hpz=True keeps a secondary parameter partition in memory; it does not combine "
                              "with offload_params='nvme' (use offload_params='cpu' or None)")
+
+    def _take_typed_offload(self) -> None:
+        """``offload=CPUOffload(...) | NVMeOffload(...) | AutoOffload(...)`` becomes the fields the
+        strings set (Note [typed offload options]); given with those strings too, it is refused."""
+        typed = self.offload
+        if not isinstance(typed, (CPUOffload, NVMeOffload, AutoOffload)):
+            return
+        given = {k: getattr(self, k) for k in ("offload_optimizer", "offload_params", "nvme_path", "memory_budget")
+                 if getattr(self, k) is not None}
+        if given:
+            raise ValueError(f"offload={typed!r} says where the state lives; it cannot be combined with "
+                             f"{', '.join(f'{k}={v!r}' for k, v in given.items())}: drop those (or use the strings alone)")
+        set_ = object.__setattr__
+        if isinstance(typed, AutoOffload):
+            set_(self, "offload", "auto")
+            set_(self, "memory_budget", typed.budget)
+            set_(self, "nvme_path", None if typed.path is None else os.fspath(typed.path))
+            return
+        set_(self, "offload", None)
+        kind = "cpu" if isinstance(typed, CPUOffload) else "nvme"
+        set_(self, "offload_optimizer", kind)
+        set_(self, "offload_params", kind if typed.params else None)
+        if isinstance(typed, CPUOffload):
+            set_(self, "pin_memory", typed.pin_memory)
+        else:
+            set_(self, "nvme_path", os.fspath(typed.path))
+            if typed.buffer_mb is not None:
+                set_(self, "offload_buffer_mb", typed.buffer_mb)
+
+    @property
+    def offload_options(self) -> Optional[OffloadOptions]:
+        """Where the state lives, in the typed form whichever form was given (None: on the device)."""
+        if self.offload == "auto":
+            return AutoOffload(budget=self.memory_budget, path=self.nvme_path)
+        if self.offload_optimizer == "nvme":
+            return NVMeOffload(path=str(self.nvme_path), params=self.offload_params == "nvme",
+                               buffer_mb=self.offload_buffer_mb)
+        if self.offload_optimizer == "cpu":
+            return CPUOffload(params=self.offload_params == "cpu", pin_memory=self.pin_memory)
+        return None
 
     def _check_auto(self) -> None:
         if not _member(self.offload, (None, "auto")):
@@ -267,7 +377,7 @@ class ZeroConfig:
     def placement(self) -> Placement:
         """The placement every unit gets when it is chosen by hand (``offload="auto"`` gives each
         unit its own, from the plan)."""
-        return Placement(self.offload_optimizer, self.offload_params)
+        return Placement(self.offload_optimizer, self.offload_params, self.pin_memory)
 
     @classmethod
     def field_names(cls) -> frozenset[str]:

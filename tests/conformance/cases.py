@@ -30,7 +30,7 @@ NOT_APPLICABLE = {
     "torch: test_rosenbrock_sparse / SparseAdam / sparse gradients":
         "sparse gradients are refused with a clear error (flat dense buffers)",
     "torch: LBFGS configurations":
-        "couples every parameter through its closure: refused by design (zeroshard/optim/elementwise.py); "
+        "couples every parameter through its closure: refused by design (zeroshard/units/elementwise.py); "
         "Adafactor and Muon take the whole-tensor path instead (tests/test_whole_tensor.py)",
     "torch: test_differentiable_* / test_step_is_differentiable":
         "differentiable optimizers need autograd through the step; ZeRO's step is a no_grad collective",

@@ -90,7 +90,7 @@ def zero_constructor(rank: int, world: int) -> None:
 def zero_sharding_balanced(rank: int, world: int) -> None:
     model = nn.Sequential(*[nn.Linear(9, 9) for _ in range(6)])
     opt = zeroshard.ZeroOptimizer(model, torch.optim.Adam, lr=1e-2, stage=2)
-    owned = torch.tensor([float(sum(r.tensor.numel() for r in opt.runs))])
+    owned = torch.tensor([float(sum(r.tensor.numel() for r in opt.engine.joined().runs))])
     if dist.is_initialized():
         sizes = [torch.zeros(1) for _ in range(world)]
         dist.all_gather(sizes, owned)

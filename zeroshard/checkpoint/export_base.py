@@ -20,7 +20,7 @@ import torch
 
 from zeroshard.checkpoint import frozen_base
 from zeroshard.checkpoint.shard_file import DTYPES, tensor_bytes
-from zeroshard.stages.stage3.safetensors_load import _RangeReader, _peft_base_name, _weight_map
+from zeroshard.checkpoint.hf_files import RangeReader, peft_base_name, weight_map
 
 _CHUNK = 64 << 16  # elements per read: whole digest blocks (frozen_base._BLOCK)
 
@@ -37,7 +37,7 @@ class BaseTensor:
 
 
 def _stored_name(name: str, stored: set[str]) -> Optional[str]:
-    for cand in dict.fromkeys((name, _peft_base_name(name))):
+    for cand in dict.fromkeys((name, peft_base_name(name))):
         if cand in stored:
             return cand
         rest = cand.partition(".")[2]  # (a head model's name, a base model's file)
@@ -54,7 +54,7 @@ class BaseSource:
     against ``record`` (the manifest's ``frozen`` entry); ValueError naming what differs."""
 
     def __init__(self, base_dir: str, names: list[str], record: dict, where: str) -> None:
-        self.readers: dict[str, _RangeReader] = {}
+        self.readers: dict[str, RangeReader] = {}
         self.tensors: dict[str, BaseTensor] = {}
         try:
             self._check(base_dir, names, record, where)
@@ -66,7 +66,7 @@ class BaseSource:
         if record.get("method", frozen_base.METHOD) != frozen_base.METHOD:
             raise ValueError(f"{where} records its base by digest method {record.get('method')!r}; this zeroshard "
                              f"computes {frozen_base.METHOD!r} and cannot check base={base_dir!r} against it")
-        files = _weight_map(base_dir)
+        files = weight_map(base_dir)
         absent, wrong = [], []
         for name in names:
             want = record["tensors"][name]
@@ -91,9 +91,9 @@ class BaseSource:
                              f"of {len(names)} frozen weights: {'; '.join(parts)}{' ...' if len(wrong) > 5 else ''}); "
                              "pass the directory of the base model it was trained from")
 
-    def _reader(self, path: str) -> _RangeReader:
+    def _reader(self, path: str) -> RangeReader:
         if path not in self.readers:
-            self.readers[path] = _RangeReader(path)
+            self.readers[path] = RangeReader(path)
         return self.readers[path]
 
     def _read(self, t: BaseTensor, a: int, b: int) -> torch.Tensor:

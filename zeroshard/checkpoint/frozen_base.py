@@ -50,10 +50,11 @@ from torch import nn
 from zeroshard.checkpoint.errors import CheckpointMismatchError
 from zeroshard.checkpoint.pieces import PARAM, PieceRecord, _deferred
 from zeroshard.checkpoint.shard_file import CODES
+from zeroshard.optim.zero_optimizer import engine_of
 
 if TYPE_CHECKING:
     from zeroshard.layout import Segment
-    from zeroshard.optim.flat_unit import FlatUnit
+    from zeroshard.units.flat_unit import FlatUnit
     from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
 _PRIME = (1 << 61) - 1
@@ -74,7 +75,8 @@ class FrozenRun:
 
 
 def _managed_frozen(opt: Optional["ZeroOptimizer"]) -> list[FlatUnit]:
-    return list(getattr(opt, "frozen_units", []) or []) if opt is not None else []
+    engine = engine_of(opt)
+    return list(engine.frozen_units) if engine is not None else []
 
 
 def managed_ids(opt: Optional["ZeroOptimizer"]) -> set[int]:
@@ -85,8 +87,8 @@ def managed_ids(opt: Optional["ZeroOptimizer"]) -> set[int]:
     for u in _managed_frozen(opt):
         for m in u.members:
             out.add(id(m.param))
-            if opt.gatherer is not None:
-                out.add(id(opt.gatherer.visible(m.param)))
+            if opt.engine.gatherer is not None:
+                out.add(id(opt.engine.gatherer.visible(m.param)))
     return out
 
 
@@ -168,14 +170,15 @@ def is_peft_model(model: Optional[nn.Module]) -> bool:
 def save_frozen_default(model: Optional[nn.Module], opt: Any) -> bool:
     """Whether a save writes frozen weights when not told: all but a PEFT model's base
     (Note [frozen weights in checkpoints])."""
-    return not is_peft_model(model if model is not None else getattr(opt, "module", None))
+    engine = engine_of(opt)
+    return not is_peft_model(model if model is not None else engine.module if engine is not None else None)
 
 
 _CACHED: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
 """Per optimizer: the digests the last save computed, which the next may reuse."""
 
 
-def forget(opt: Optional["ZeroOptimizer"]) -> None:
+def forget(opt: Optional[object]) -> None:
     """Drops the digests a save would reuse (the frozen weights were written behind the
     version counters' back: ``load_safetensors``)."""
     if opt is not None:
@@ -211,8 +214,8 @@ def digests(model: Optional[nn.Module], opt: Any, fresh: bool = False) -> dict[s
             kept[name] = (key, entry)
     units_key = tuple(u.writes for u in _managed_frozen(opt))
     units = cached["units"] if cached["units"] is not None and cached["units"][0] == units_key else None
-    if units_key and not fresh and opt.comm.world_size > 1:  # (recomputing is a collective: all ranks or none)
-        units = None if opt.comm.any_true(units is None) else units
+    if units_key and not fresh and opt.engine.comm.world_size > 1:  # (recomputing is a collective: all ranks or none)
+        units = None if opt.engine.comm.any_true(units is None) else units
     if units_key:
         units = units if units is not None else (units_key, _unit_digests(opt))
         out.update(units[1])
@@ -250,7 +253,7 @@ def _unit_digests(opt: Optional["ZeroOptimizer"]) -> dict[str, dict]:
                     if a < b:
                         partial[seg.name], pieces[seg.name] = _blocks(u.shard[a - lo:b - lo], a - seg.offset,
                                                                       seg.numel)
-        gathered = opt.comm.all_gather_object((partial, pieces)) if opt.comm.world_size > 1 else [(partial, pieces)]
+        gathered = opt.engine.comm.all_gather_object((partial, pieces)) if opt.engine.comm.world_size > 1 else [(partial, pieces)]
         for u, seg in segments:
             total = sum(p.get(seg.name, 0) for p, _ in gathered)
             straddling: dict[int, list] = {}

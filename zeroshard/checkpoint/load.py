@@ -35,8 +35,11 @@ from zeroshard.stages.stage3.secondary import params_written
 from zeroshard.checkpoint.saver import checkpoint_comm, wait_checkpoint
 from zeroshard.optim.lifecycle import state_restored
 from zeroshard.comm import Comm
+from zeroshard.optim.zero_optimizer import engine_of
 
 if TYPE_CHECKING:
+    from zeroshard.comm.tensor_parallel import TensorParallel
+    from zeroshard.offload.nvme_state import NvmeOptimizerState
     from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
 
@@ -139,8 +142,8 @@ def _expected(model: Optional[nn.Module], opt: Any) -> dict[str, tuple[tuple[int
     out: dict[str, tuple[tuple[int, ...], bool]] = {}
     if opt is not None:
         names = name_map(model, opt)
-        tp = getattr(opt, "tp", None)
-        for u in opt.units:
+        tp = _tp_of(opt)
+        for u in opt.engine.joined().units:
             for seg in u.layout.segments:
                 out[names[seg.name]] = (tuple(seg.shape) if tp is None else tp.global_shape(seg.name, seg.shape), True)
         for _, seg in frozen_base.unit_segments(opt):
@@ -158,7 +161,7 @@ def _held(model: Optional[nn.Module], opt: Optional["ZeroOptimizer"]) -> tuple[d
     groups: list[list[str]] = []
     if opt is not None:
         names = name_map(model, opt)
-        groups = [[names[opt.param_names[id(p)]] for p in g["params"] if p.requires_grad] for g in opt.param_groups]
+        groups = [[names[opt.engine.param_names[id(p)]] for p in g["params"] if p.requires_grad] for g in opt.param_groups]
     pp = stage_merge.pipeline_of(opt)
     return stage_merge.merge_expected(pp, expected, groups) if pp is not None else (expected, groups)
 
@@ -196,7 +199,7 @@ def check_compatible(body: dict, model: Optional[nn.Module], opt: Any, where: st
         groups = body.get("param_groups", [])
         names = name_map(model, opt)
         # (frozen parameters train in no group; older checkpoints listed them)
-        frozen = {names[opt.param_names[id(p)]] for g in opt.param_groups for p in g["params"] if not p.requires_grad}
+        frozen = {names[opt.engine.param_names[id(p)]] for g in opt.param_groups for p in g["params"] if not p.requires_grad}
         saved = [[n for n in g.get("params", []) if n not in frozen] if isinstance(g, dict) else [] for g in groups]
         if len(saved) != len(mine) or any(set(a) != set(b) for a, b in zip(saved, mine)):
             raise CheckpointMismatchError(
@@ -207,7 +210,7 @@ def check_compatible(body: dict, model: Optional[nn.Module], opt: Any, where: st
 
 def _target(opt: Optional["ZeroOptimizer"], own: str) -> tp_layout.Target:
     """Which part of parameter ``own`` this rank holds (None: all of it; Note [stored order])."""
-    tp = getattr(opt, "tp", None)
+    tp = _tp_of(opt)
     return None if tp is None else tp.split_of(own)
 
 
@@ -216,7 +219,7 @@ def _needed(opt: Optional["ZeroOptimizer"], model: Optional[nn.Module], saved: s
     weights only where the checkpoint holds them: Note [frozen weights in checkpoints])."""
     if opt is not None:
         names = name_map(model, opt)
-        for run in opt.runs:
+        for run in opt.engine.joined().runs:
             for piece in run.unit.layout.pieces_in(run.a, run.b):
                 yield (names[piece.segment.name], piece.start, piece.stop, run, piece,
                        _target(opt, piece.segment.name))
@@ -278,9 +281,9 @@ def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
         if opt is None:
             managed = optimizer_for(model) if model is not None else None
             if managed is not None:  # the weights alone changed: whatever else holds them follows
-                managed.model_weights_changed()
+                managed.engine.weights_changed()
             return
-        for unit in opt.units:  # every owned piece came from the checkpoint (read_phase checked)
+        for unit in opt.engine.joined().units:  # every owned piece came from the checkpoint (read_phase checked)
             unit.needs_init = False
         keys: dict[str, list[str]] = {}
         for own, name in ckpt_name.items():
@@ -300,11 +303,11 @@ def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
 
         # Swapped units come into memory one at a time and go back to their file after.
         replaced = []  # the state tensors adopted views replace, freed on the reaper thread
-        for run in resident_runs(opt.runs, write=True):
+        for run in resident_runs(opt.engine.joined().runs, write=True):
             for item in later.pop(id(run), ()):
                 put_param(*item)
             names = {p.segment.name for p in run.unit.layout.pieces_in(run.a, run.b)}
-            replaced += opt.inner.state.get(run.tensor, {}).values()
+            replaced += opt.engine.joined().inner.state.get(run.tensor, {}).values()
             fill_run(opt, run, sorted(set().union(*(keys[n] for n in names))), fetch,
                      adopt=None if streamed else _adopter(src, opt, run, ckpt_name))
             if streamed:
@@ -336,8 +339,8 @@ def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
 def _adopter(src: _Source, opt: Any, run: Any, ckpt_name: dict[str, str]):
     """``adopt(key)`` for ``fill_run``: the verified view holding ``run``'s state ``key``
     whole, or None where it must be copied (Note [adopting verified state])."""
-    current = opt.inner.state.get(run.tensor, {})
-    if getattr(opt, "swapper", None) is not None or getattr(opt, "tp", None) is not None or \
+    current = opt.engine.joined().inner.state.get(run.tensor, {})
+    if _swapper_of(opt) is not None or _tp_of(opt) is not None or \
             run.tensor.device.type != "cpu":
         return None
 
@@ -389,8 +392,8 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
     if not isinstance(load_rng, bool):
         raise TypeError(f"load_rng={load_rng!r} must be True or False")
     path = os.fspath(path)
-    comm = optimizer.comm if optimizer is not None else _world_comm()
-    if getattr(optimizer, "tp", None) is not None or stage_merge.pipeline_of(optimizer) is not None:
+    comm = optimizer.engine.comm if optimizer is not None else _world_comm()
+    if _tp_of(optimizer) is not None or stage_merge.pipeline_of(optimizer) is not None:
         comm = checkpoint_comm(optimizer)  # every rank of dp x tp (x pp) takes part, as in the save
     held = _held(model, optimizer)
     exact = locate.is_step_dir(path)
@@ -460,10 +463,10 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
 
 def _tp_changed(body: dict, model: Optional[nn.Module], opt: Any) -> bool:
     """The checkpoint's tensor-parallel splits differ from the optimizer's."""
-    tp = getattr(opt, "tp", None)
+    tp = _tp_of(opt)
     names = name_map(model, opt) if opt is not None else {}
-    mine = {ckpt: (tp.split_of(own)[0].manifest() if tp is not None and tp.split_of(own) else None)
-            for own, ckpt in names.items()}
+    splits = {own: tp.split_of(own) if tp is not None else None for own in names}
+    mine = {ckpt: (split[0].manifest() if split else None) for own, ckpt in names.items() for split in (splits[own],)}
     saved = {n: m.get("split") for n, m in body["tensors"].items() if m.get("kind") == "sharded"}
     return any(saved.get(n) != s for n, s in mine.items()) if opt is not None else False
 
@@ -474,7 +477,8 @@ _STREAM_BLOCKS = 4
 
 def _streamed(opt: object) -> bool:
     """The optimizer keeps its state in swap files: load without holding it all in memory."""
-    return getattr(opt, "unit_store", None) is not None
+    engine = engine_of(opt)
+    return engine is not None and engine.unit_store is not None
 
 
 def _world_comm() -> Any:
@@ -482,3 +486,13 @@ def _world_comm() -> Any:
 
 
 __all__ = ["load_checkpoint", "check_compatible", "DTYPES"]
+
+
+def _tp_of(opt: object) -> Optional[TensorParallel]:
+    engine = engine_of(opt)
+    return engine.tp if engine is not None else None
+
+
+def _swapper_of(opt: object) -> Optional[NvmeOptimizerState]:
+    engine = engine_of(opt)
+    return engine.swapper if engine is not None else None

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from zeroshard.checkpoint.shard_file import Deferred
-from zeroshard.optim.state_io import elementwise_state, flat
+from zeroshard.units.run import elementwise_state, flat
+from zeroshard.optim.zero_optimizer import engine_of
 
 if TYPE_CHECKING:
     from zeroshard.optim.zero_optimizer import ZeroOptimizer
@@ -53,7 +54,7 @@ def name_map(model: Optional[nn.Module], opt: "ZeroOptimizer") -> dict[str, str]
     out = {}
     for g in opt.param_groups:
         for p in g["params"]:
-            own = opt.param_names[id(p)]
+            own = opt.engine.param_names[id(p)]
             out[own] = by_id.get(id(p), own)
     return out
 
@@ -61,24 +62,24 @@ def name_map(model: Optional[nn.Module], opt: "ZeroOptimizer") -> dict[str, str]
 def write_range(opt: "ZeroOptimizer", unit: Any) -> tuple[int, int]:
     """The unit range this rank writes: what it owns when state is sharded; at stage 0 every
     rank holds everything, so rank r writes slice r and the write load stays balanced."""
-    if opt.policy.shard_optimizer:
+    if opt.engine.policy.shard_optimizer:
         return unit.owned
-    return unit.layout.slice_of(opt.comm.rank)
+    return unit.layout.slice_of(opt.engine.comm.rank)
 
 
 def owned_pieces(model: Optional[nn.Module], opt: "ZeroOptimizer") -> list[PieceRecord]:
     """This rank's pieces, as views of the live tensors (callers copy before training goes on)."""
     names = name_map(model, opt)
     records = []
-    for ri, run in enumerate(opt.runs):
+    for ri, run in enumerate(opt.engine.joined().runs):
         wlo, whi = write_range(opt, run.unit)
         lo, hi = max(run.a, wlo), min(run.b, whi)
         if lo >= hi:
             continue
-        swapper = getattr(opt, "swapper", None)
+        swapper = opt.engine.joined().swapper
         store = getattr(run.unit, "swap", None)
-        state = swapper.scalars(run.tensor) if swapper is not None else opt.inner.state.get(run.tensor, {})
-        tp = getattr(opt, "tp", None)
+        state = swapper.scalars(run.tensor) if swapper is not None else opt.engine.joined().inner.state.get(run.tensor, {})
+        tp = opt.engine.tp
         for piece in run.unit.layout.pieces_in(lo, hi):
             ua, ub = piece.unit_offset, piece.unit_offset + piece.numel
             off = 0
@@ -126,9 +127,10 @@ def full_tensors(model: Optional[nn.Module], opt: Any, frozen: bool = True
     if model is None:
         return {}, {}
     trained = {id(p) for g in opt.param_groups for p in g["params"] if p.requires_grad} if opt else set()
-    managed = {id(m.param) for u in getattr(opt, "frozen_units", []) for m in u.members} if opt else set()
-    if opt is not None and opt.gatherer is not None:
-        managed |= {id(opt.gatherer.visible(m.param)) for u in opt.frozen_units for m in u.members}
+    engine = engine_of(opt)
+    managed = {id(m.param) for u in engine.frozen_units for m in u.members} if engine is not None else set()
+    if opt is not None and opt.engine.gatherer is not None:
+        managed |= {id(opt.engine.gatherer.visible(m.param)) for u in opt.engine.frozen_units for m in u.members}
     first: dict[int, str] = {}
     full, aliases = {}, {}
     for name, t in model.state_dict(keep_vars=True).items():

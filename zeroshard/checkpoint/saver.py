@@ -32,6 +32,7 @@ from zeroshard.checkpoint.pieces import PieceRecord, full_tensors, has_deferred,
 from zeroshard.checkpoint.shard_file import CODES, Deferred
 from zeroshard.comm import Comm
 from zeroshard.optim.registry import optimizer_for
+from zeroshard.optim.zero_optimizer import engine_of
 
 if TYPE_CHECKING:
     from zeroshard.optim.zero_optimizer import ZeroOptimizer
@@ -82,8 +83,9 @@ class CheckpointSaver:
             raise CheckpointError(f"the previous asynchronous checkpoint save failed: {err}") from err
 
     def _comm(self, opt: Optional["ZeroOptimizer"]) -> Comm:
-        base = opt.comm if opt is not None else Comm(None)
-        tp = getattr(opt, "tp", None)  # tensor parallel: every rank of dp x tp writes its part
+        engine = engine_of(opt)
+        base = engine.comm if engine is not None else Comm(None)
+        tp = engine.tp if engine is not None else None  # tensor parallel: every rank of dp x tp writes its part
         pp = stage_merge.pipeline_of(opt)  # pipeline parallel: every rank of the mesh (Note [pipeline checkpoints])
         if base.world_size == 1 and tp is None and pp is None:
             return base
@@ -100,7 +102,7 @@ class CheckpointSaver:
                 dist.get_process_group_ranks(base.group) if tp is None else tp.checkpoint_ranks
             # new_group is a collective of the whole world: under a hybrid mesh every rank makes
             # every shard group's side group, in the same order (Note [hybrid sharding]).
-            rows = getattr(opt, "shard_group_ranks", None) or [mine]
+            rows = (engine.shard_group_ranks if engine is not None else None) or [mine]
             for ranks in rows:
                 group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
                 if sorted(ranks) == sorted(mine):
@@ -113,20 +115,21 @@ class CheckpointSaver:
         self.wait()
         root = _check_arguments(root, step, keep_last, async_save)
         comm = self._comm(opt)
-        replicas = getattr(opt, "replicas", None)
+        engine = engine_of(opt)  # (a ZeroOptimizer's; any torch.optim optimizer saves)
+        replicas = engine.replicas if engine is not None else None
         if replicas is not None and not first_replica:  # hybrid: the first replica writes (all hold the same shards)
             return self._save_replicated(replicas, root, step, model, opt, scheduler, dataloader, extra, keep_last,
                                          save_frozen)
         # Capture and the loader's checks on every rank, then agree: a rank that cannot save
         # (a lambda in its sampler state) must not leave the others waiting in the commit.
         managed = opt if opt is not None else optimizer_for(model) if model is not None else None
-        gatherer = getattr(managed, "gatherer", None)
+        managed_engine = engine_of(managed) if engine is None else engine
+        gatherer = managed_engine.gatherer if managed_engine is not None else None
         if gatherer is not None:  # units an unfinished forward left gathered (Note [saving between steps])
             gatherer.settle()
         error: Optional[BaseException] = None
         pp = stage_merge.pipeline_of(opt)
         try:
-            engine = getattr(opt, "engine", None)  # (a ZeroOptimizer's; any torch.optim optimizer saves)
             if engine is not None:  # a step that failed part way left no state worth saving (Note [failed steps])
                 engine.inflight.check(f"save_checkpoint of step {step}")
             snap = _capture(step, model, opt, scheduler, dataloader, extra, comm.world_size, save_frozen,
@@ -279,19 +282,19 @@ def _capture(step: int, model: Optional[nn.Module], opt: Any, scheduler: Any, da
     names = name_map(model, opt) if opt is not None else {}
     groups = [{**{k: v for k, v in g.items() if k not in ("params", "optimizer_class")},  # (a class: the loader's own;
                # frozen parameters train in no group)
-               "params": [names[opt.param_names[id(p)]] for p in g["params"] if p.requires_grad]}
+               "params": [names[opt.engine.param_names[id(p)]] for p in g["params"] if p.requires_grad]}
               for g in opt.param_groups] if opt is not None else []
     snap.header = {
         "format": manifest.FORMAT, "version": manifest.VERSION, "step": step,
         "world_size": world_size,
         "stage": opt.stage if opt is not None else 0,
-        "mixed_precision": opt.config.mixed_precision if opt is not None else None,
-        "optimizer": type(opt.inner).__name__ if opt is not None else None,
+        "mixed_precision": opt.engine.config.mixed_precision if opt is not None else None,
+        "optimizer": type(opt.engine.joined().inner).__name__ if opt is not None else None,
         "param_groups": jsontree.encode(groups, "param_groups"),
         "aliases": aliases,
         "model_config": _hf_config(model),
         "trainer": {"scheduler": _encode_state(scheduler, "scheduler"),
-                    "loss_scaler": opt.scaler.state_dict() if opt is not None and opt.scaler else None,
+                    "loss_scaler": opt.engine.scaler.state_dict() if opt is not None and opt.engine.scaler else None,
                     "extra": jsontree.encode(extra, "extra")},
     }
     if base["tensors"]:  # Note [frozen weights in checkpoints]
@@ -321,8 +324,9 @@ def _shapes(model: Optional[nn.Module], opt: Any, save_frozen: bool = False) -> 
     out = {}
     if opt is not None:
         names = name_map(model, opt)
-        tp = getattr(opt, "tp", None)
-        for u in opt.units:
+        engine = opt.engine.joined()
+        tp = engine.tp
+        for u in engine.units:
             for seg in u.layout.segments:
                 out[names[seg.name]] = {"shape": list(seg.shape), "dtype": CODES[u.flat.dtype],
                                         "group": seg.group, "kind": "sharded"}

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
+from zeroshard.optim.zero_optimizer import engine_of
+
 if TYPE_CHECKING:
     from zeroshard.checkpoint.commit import Snapshot
     from zeroshard.comm.pipeline import PipelineParallel
@@ -22,7 +24,8 @@ if TYPE_CHECKING:
 
 def pipeline_of(opt: object) -> Optional["PipelineParallel"]:
     """The optimizer's PipelineParallel (None without pp, or for a plain torch.optim optimizer)."""
-    mesh = getattr(opt, "mesh", None)
+    engine = engine_of(opt)
+    mesh = engine.mesh if engine is not None else None
     return getattr(mesh, "pp", None)
 
 

@@ -56,9 +56,9 @@ def prepare(body: dict, opt: Any, scheduler: Any, dataloader: Any, src_dir: str,
             for k, v in saved.items():
                 if k != "params" and k in mine:
                     compatible(mine[k], v, f"{where}: param_groups[{i}][{k!r}]")
-        if opt.scaler is not None and trainer.get("loss_scaler"):
+        if opt.engine.scaler is not None and trainer.get("loss_scaler"):
             scaler = trainer["loss_scaler"]
-            compatible(opt.scaler.state_dict(), scaler, f"{where}: trainer.loss_scaler")
+            compatible(opt.engine.scaler.state_dict(), scaler, f"{where}: trainer.loss_scaler")
     if scheduler is not None:
         if trainer.get("scheduler") is None:
             raise CheckpointMismatchError(f"{src_dir} holds no scheduler state; pass scheduler=None")
@@ -112,7 +112,7 @@ def apply(plan: TrainerPlan, opt: Any, scheduler: Any, dataloader: Any) -> tuple
 
 def _snapshot(opt: Optional["ZeroOptimizer"], scheduler: Any, dataloader: Any) -> Callable[[], None]:
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] if opt is not None else None
-    scaler = copy.deepcopy(opt.scaler.state_dict()) if opt is not None and opt.scaler is not None else None
+    scaler = copy.deepcopy(opt.engine.scaler.state_dict()) if opt is not None and opt.engine.scaler is not None else None
     sched = copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None
     loader = copy.deepcopy(dataloader.state_dict()) if hasattr(dataloader, "state_dict") else None
     gens = (random.getstate(), np.random.get_state(), torch.get_rng_state())

@@ -41,10 +41,12 @@ stages' norm.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, ContextManager, Optional
 
 import torch
+from torch import nn
 
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
@@ -105,6 +107,31 @@ def detect(mesh: Optional["DeviceMesh"], config: "ZeroConfig") -> Optional[Pipel
                             tuple(sorted(mesh.mesh.flatten().tolist())), all(c == 0 for c in others))
 
 
+# Note [deferring a stage's reductions]: ``PipelineStage`` (below) must reach the gradient
+# reducer of the ZeroOptimizer that trains its ``submod``, but comm/ sits below the optimizer
+# (Note [the layers] in docs/design.md). So the engine's assembly registers, per module it
+# manages, how to defer its reductions (``defer_reductions``, held weakly: the entry never keeps
+# an optimizer alive) and the stage looks that up; a module no ZeroOptimizer trains has none.
+_DEFERRALS: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakMethod]" = weakref.WeakKeyDictionary()
+
+
+def defer_reductions(module: nn.Module, deferred: Callable[[bool], ContextManager[None]]) -> Callable[[], None]:
+    """Registers ``deferred`` (a bound method: ``GradientReducer.deferred``) for ``module``; returns
+    what removes the entry again (the optimizer's teardown runs it)."""
+    ref = weakref.WeakMethod(deferred)  # type: ignore[arg-type]
+    _DEFERRALS[module] = ref
+
+    def remove() -> None:
+        if _DEFERRALS.get(module) is ref:
+            del _DEFERRALS[module]
+    return remove
+
+
+def _deferral(module: nn.Module) -> Optional[Callable[[bool], ContextManager[None]]]:
+    ref = _DEFERRALS.get(module)
+    return ref() if ref is not None else None
+
+
 class PipelineStage(_TorchPipelineStage):
     """torch's ``PipelineStage`` whose micro-batches but the last add their gradients locally,
     so a stage module trained by a ZeroOptimizer reduces its gradients once per step (Note
@@ -112,9 +139,8 @@ class PipelineStage(_TorchPipelineStage):
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
                                    last_backward: bool = False) -> _BackwardResult:
-        from zeroshard.optim.registry import optimizer_for  # (the optimizer package imports this one)
-        opt = optimizer_for(self.submod)
-        if opt is None:
+        deferred = _deferral(self.submod)
+        if deferred is None:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         if self.num_stages != self.group_size:  # (each stage's own clip would see half the model's norm)
             raise RuntimeError(f"{self.num_stages} pipeline stages over {self.group_size} ranks: a ZeroOptimizer "
@@ -124,6 +150,5 @@ class PipelineStage(_TorchPipelineStage):
             raise RuntimeError(f"a pipeline schedule asked for a {backward_type!r} backward (a zero-bubble schedule "
                                "splits backward into input and weight parts); ZeroOptimizer reduces gradients in "
                                "the hooks of a full backward: use ScheduleGPipe or Schedule1F1B")
-        with opt.reducer.deferred(not last_backward):
+        with deferred(not last_backward):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-

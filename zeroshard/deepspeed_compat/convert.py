@@ -283,9 +283,9 @@ def convert_deepspeed(ckpt: str, out: str, tag: Optional[str] = None,
                                                                 sum(len(s) for s in shapes[:gi + 1])))}
                                           for gi, g in enumerate(opt.param_groups)]})
     scaler = osds[0].get("loss_scaler") if osds else None
-    if opt.scaler is not None and isinstance(scaler, StandIn):
+    if opt.engine.scaler is not None and isinstance(scaler, StandIn):
         cur_iter, last = int(scaler.state.get("cur_iter", 0)), int(scaler.state.get("last_overflow_iter", -1))
-        opt.scaler.load_state_dict({"scale": float(scaler.state.get("cur_scale", opt.scaler.scale)),
+        opt.engine.scaler.load_state_dict({"scale": float(scaler.state.get("cur_scale", opt.engine.scaler.scale)),
                                     "good_steps": max(0, cur_iter - last - 1),
                                     "skipped_steps": int(ms.get("skipped_steps", 0))})
     client = {k: _plain(v, k) for k, v in ms.items() if k not in _DS_KEYS}

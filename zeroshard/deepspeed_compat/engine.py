@@ -145,7 +145,7 @@ class DeepSpeedEngine(nn.Module):
 
     @property
     def global_rank(self) -> int:
-        return self.optimizer.comm.rank
+        return self.optimizer.engine.comm.rank
 
     @property
     def world_size(self) -> int:
@@ -212,9 +212,9 @@ class DeepSpeedEngine(nn.Module):
         # (an infinite bound measures the norm without changing a gradient)
         norm = opt.clip_grad_norm_(clip if clip else float("inf"))
         self._global_grad_norm = float(norm)
-        skipped_before = opt.scaler.skipped_steps if opt.scaler is not None else 0
+        skipped_before = opt.engine.scaler.skipped_steps if opt.engine.scaler is not None else 0
         opt.step()
-        overflow = opt.scaler is not None and opt.scaler.skipped_steps != skipped_before
+        overflow = opt.engine.scaler is not None and opt.engine.scaler.skipped_steps != skipped_before
         self._step_applied = not overflow
         if overflow:
             self.skipped_steps += 1
@@ -248,7 +248,7 @@ class DeepSpeedEngine(nn.Module):
         os.makedirs(save_dir, exist_ok=True)
         save_checkpoint(os.path.join(save_dir, tag), self.global_steps, model=self.module,
                         optimizer=self.optimizer, scheduler=self.lr_scheduler, extra=extra)
-        comm = self.optimizer.comm
+        comm = self.optimizer.engine.comm
         if save_latest and comm.rank == 0:
             _write_latest(save_dir, tag)
         comm.barrier()  # (every rank then sees the new 'latest', as DeepSpeed's barrier ensures)

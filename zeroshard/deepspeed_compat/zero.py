@@ -92,21 +92,21 @@ class GatheredParameters:
             if (id(unit), seg.offset) not in seen:
                 seen.add((id(unit), seg.offset))
                 self._targets.append((unit, seg))
-        if modifier_rank is not None and not 0 <= modifier_rank < self._opt.comm.world_size:
+        if modifier_rank is not None and not 0 <= modifier_rank < self._opt.engine.comm.world_size:
             raise ValueError(f"GatheredParameters(modifier_rank={modifier_rank}) is not a rank of the "
-                             f"optimizer's group (0..{self._opt.comm.world_size - 1})")
+                             f"optimizer's group (0..{self._opt.engine.comm.world_size - 1})")
 
     def __enter__(self) -> "GatheredParameters":
         opt = self._opt
         if opt is None:
             return self
         opt.finish_step()  # (an overlapped step writes the shards being gathered)
-        if opt.gatherer is not None:
+        if opt.engine.gatherer is not None:
             indices = {id(u): i for i, u in enumerate(opt.all_units)}
             for ui in sorted({indices[id(unit)] for unit, _ in self._targets}):
-                if opt.gatherer.state[ui].value == "released":
+                if opt.engine.gatherer.state[ui].value == "released":
                     self._gathered.append(ui)
-                opt.gatherer.ensure(ui)
+                opt.engine.gatherer.ensure(ui)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -117,9 +117,9 @@ class GatheredParameters:
             if self.modifier_rank is not None and exc[0] is None:
                 self._write_back(opt)
         finally:
-            if opt.gatherer is not None:
+            if opt.engine.gatherer is not None:
                 for ui in self._gathered:
-                    opt.gatherer.release(ui)
+                    opt.engine.gatherer.release(ui)
             self._gathered = []
 
     @torch.no_grad()
@@ -127,6 +127,6 @@ class GatheredParameters:
         """The modifier rank's values everywhere: the full buffers, then each rank's shard and
         master (only of the parameters named, so the others keep their fp32 masters exact)."""
         views = [unit.flat[seg.offset:seg.end] for unit, seg in self._targets]
-        opt.comm.broadcast_tensors(views, src=int(self.modifier_rank or 0))
+        opt.engine.comm.broadcast_tensors(views, src=int(self.modifier_rank or 0))
         for (unit, seg), view in zip(self._targets, views):
             unit.load_segment(seg.offset, view.clone())

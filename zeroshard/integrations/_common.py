@@ -63,8 +63,8 @@ class SaveGuard:
         self.model_state: Optional[dict] = None
         self.armed = False
         optimizer.register_state_dict_post_hook(lambda opt, sd: self._optimizer_state_dict(sd))
-        model = optimizer.module
-        if model is not None and optimizer.gatherer is not None:
+        model = optimizer.engine.module
+        if model is not None and optimizer.engine.gatherer is not None:
             model.register_state_dict_post_hook(lambda mod, sd, prefix, meta: self._model_state_dict(sd, prefix))
 
     @classmethod
@@ -77,7 +77,7 @@ class SaveGuard:
 
     @property
     def world_size(self) -> int:
-        return self.optimizer.comm.world_size
+        return self.optimizer.engine.comm.world_size
 
     def arm(self, optimizer: bool = True, weights: bool = True) -> None:
         """A collective: every rank must call it. Rank 0 keeps the consolidated optimizer state
@@ -86,8 +86,9 @@ class SaveGuard:
         if optimizer:
             self.optimizer_state = self.optimizer.consolidated_state_dict(to_rank=0)
             self.armed = True
-        if weights and self.optimizer.gatherer is not None:
-            self.model_state = full_state_dict(self.optimizer.module, rank0_only=True)
+        module = self.optimizer.engine.module
+        if weights and self.optimizer.engine.gatherer is not None and module is not None:
+            self.model_state = full_state_dict(module, rank0_only=True)
 
     def disarm(self) -> None:
         self.optimizer_state = self.model_state = None
@@ -98,7 +99,7 @@ class SaveGuard:
             return dict(self.optimizer_state)
         if self.world_size > 1 and not self.armed:  # (armed, other ranks: not written)
             sd[REFUSED_KEY] = _RefusedSave(
-                f"refusing to save ZeroOptimizer.state_dict() of rank {self.optimizer.comm.rank}: it holds only "
+                f"refusing to save ZeroOptimizer.state_dict() of rank {self.optimizer.engine.comm.rank}: it holds only "
                 f"this rank's shard of {self.world_size}, so a file written from one rank would lose the others' "
                 f"optimizer state. {self.fix}")
         return sd
@@ -120,7 +121,7 @@ def optimizer_of(model: Optional[nn.Module] = None, optimizer: Any = None) -> Ze
     if isinstance(optimizer, ZeroOptimizer):
         return optimizer
     found = registry.optimizer_for(_unwrap(model)) if model is not None else None
-    if found is None:
+    if not isinstance(found, ZeroOptimizer):
         raise TypeError(f"no ZeroOptimizer found for model {type(model).__name__ if model is not None else None} "
                         f"or optimizer {type(optimizer).__name__}; build one first: "
                         "opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, ...)")
@@ -162,7 +163,7 @@ def is_zero(optimizer: object) -> bool:
 def full_weights_for_save(model: nn.Module) -> Optional[dict]:
     """Stage 3: the full weights on rank 0 (None elsewhere); stages 0-2: None (state_dict is full)."""
     opt = registry.optimizer_for(_unwrap(model))
-    if opt is None or opt.gatherer is None:
+    if opt is None or opt.engine.gatherer is None:
         return None
     from zeroshard import full_state_dict
     return full_state_dict(_unwrap(model), rank0_only=True)

@@ -45,22 +45,22 @@ def attach(accelerator: Any, optimizer: Any) -> SaveGuard:
     """Prepares ``accelerator`` to train the model of the ZeroOptimizer ``optimizer``; call it
     before ``accelerator.prepare(...)``, on every rank. Returns the save guard."""
     opt = optimizer_of(None, optimizer)
-    if opt.module is None:
+    if opt.engine.module is None:
         raise ValueError("attach needs a ZeroOptimizer built from the model (ZeroOptimizer(model, ...)), not from "
                          "a list of parameters: Accelerate saves and loads the model")
     check_no_autocast(accelerator.mixed_precision, "Accelerator(mixed_precision=...):")
-    keep_out_of_ddp(opt.module)
+    keep_out_of_ddp(opt.engine.module)
     guard = SaveGuard.install(opt, FIX)
     if _ATTACHED.get(guard) is accelerator:
         return guard
     _ATTACHED[guard] = accelerator
     opt.register_step_pre_hook(lambda *_: guard.disarm())
-    module = opt.module
+    module = opt.engine.module
 
     def before_save(models: list, weights: list, output_dir: str) -> None:
         guard.disarm()
         guard.arm(optimizer=True, weights=False)
-        if opt.gatherer is None:
+        if opt.engine.gatherer is None:
             return
         from zeroshard import full_state_dict
         for model, sd in zip(models, weights):
@@ -73,7 +73,7 @@ def attach(accelerator: Any, optimizer: Any) -> SaveGuard:
                     sd[key] = full[key] if full is not None else torch.empty(0)
 
     def before_load(models: list, input_dir: str) -> None:
-        if opt.gatherer is None:
+        if opt.engine.gatherer is None:
             return
         for i, model in enumerate(models):
             if _unwrap(model) is module:

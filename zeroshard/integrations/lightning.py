@@ -44,7 +44,7 @@ class ZeroStrategy(DDPStrategy):
         super().setup(trainer)
         for opt in self.optimizers:
             zopt = optimizer_of(None, opt)  # a TypeError names the fix for any other optimizer
-            if zopt.gatherer is not None and zopt.module is self.lightning_module:
+            if zopt.engine.gatherer is not None and zopt.engine.module is self.lightning_module:
                 # Stage 3 gathers the root unit in the root module's forward, which Lightning
                 # never calls (it calls training_step).
                 raise ValueError(
@@ -70,17 +70,18 @@ class ZeroStrategy(DDPStrategy):
         module = self.lightning_module
         if module is None:  # (Lightning attaches the module before it saves a checkpoint)
             raise RuntimeError("ZeroStrategy.lightning_module_state_dict: no LightningModule is attached")
-        sharded = [o for o in map(self._zero, self.optimizers) if o.gatherer is not None]
+        sharded = [o for o in map(self._zero, self.optimizers) if o.engine.gatherer is not None]
         if not sharded:
             return module.state_dict()
         from zeroshard import full_state_dict
         names = {id(m): n for n, m in module.named_modules()}
         sd = module.state_dict()
         for zopt in sharded:
-            full = full_state_dict(zopt.module, rank0_only=True)
-            if full is None:
+            managed = zopt.engine.module
+            full = full_state_dict(managed, rank0_only=True) if managed is not None else None
+            if managed is None or full is None:
                 continue
-            prefix = names[id(zopt.module)] + "." if names[id(zopt.module)] else ""
+            prefix = names[id(managed)] + "." if names[id(managed)] else ""
             sd.update({prefix + k: v for k, v in full.items()})
         return sd if self.is_global_zero else {}
 

@@ -37,7 +37,7 @@ from torch import nn
 
 from zeroshard.checkpoint.export import parse_size
 from zeroshard.optim.registry import optimizer_for
-from zeroshard.stages.stage3.full_state import full_state_dict
+from zeroshard.model.full_state import full_state_dict
 
 
 class _PeftModel(Protocol):
@@ -81,12 +81,12 @@ def _peft_model(model: nn.Module) -> _PeftModel:
 
 def _comm(model: nn.Module) -> Any:
     opt = optimizer_for(model)
-    return opt.comm if opt is not None and opt.comm.world_size > 1 else None
+    return opt.engine.comm if opt is not None and opt.engine.comm.world_size > 1 else None
 
 
 def _rank(model: nn.Module) -> int:
     opt = optimizer_for(model)
-    return opt.comm.rank if opt is not None else 0
+    return opt.engine.comm.rank if opt is not None else 0
 
 
 def _agree(comm: Any, error: Optional[BaseException], what: str) -> None:
@@ -270,8 +270,8 @@ class _Groups:
 
     def __init__(self, model: nn.Module) -> None:
         opt = optimizer_for(model)
-        self.gatherer = opt.gatherer if opt is not None else None
-        self.where = opt.segment_index() if opt is not None else {}
+        self.gatherer = opt.engine.gatherer if opt is not None else None
+        self.where = opt.engine.segment_index() if opt is not None else {}
         self.model = model
 
     def group_of(self, t: torch.Tensor) -> int:

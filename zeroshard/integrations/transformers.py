@@ -56,16 +56,16 @@ class ZeroCallback(TrainerCallback):
         opt = optimizer_of(model, optimizer)
         if args.bf16 or args.fp16:
             check_no_autocast("bf16" if args.bf16 else "fp16", "TrainingArguments(bf16/fp16=True):")
-        if opt.module is not None and model is not None and opt.module is not model:
+        if opt.engine.module is not None and model is not None and opt.engine.module is not model:
             raise ValueError(f"the Trainer's model ({type(model).__name__}) is not the model its ZeroOptimizer "
-                             f"manages ({type(opt.module).__name__})")
+                             f"manages ({type(opt.engine.module).__name__})")
         # (the Trainer samples a 1/world_size share of the data per process: every process must be a rank
         # the optimizer averages over, or each trains on its share alone)
-        ranks = opt.data_parallel_size * (opt.tp.comm.world_size if opt.tp is not None else 1)
+        ranks = opt.data_parallel_size * (opt.engine.tp.comm.world_size if opt.engine.tp is not None else 1)
         if getattr(args, "world_size", 1) > ranks:
             raise RuntimeError(
                 f"the Trainer runs world_size={args.world_size} processes but the ZeroOptimizer spans {ranks} "
-                f"rank(s) (world_size={opt.comm.world_size}): it was built before torch.distributed."
+                f"rank(s) (world_size={opt.engine.comm.world_size}): it was built before torch.distributed."
                 "init_process_group (or over a smaller process_group). Build it after the process group is "
                 "initialized, e.g. after TrainingArguments(...), which initializes it under torchrun")
         keep_out_of_ddp(model)

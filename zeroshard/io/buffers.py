@@ -82,7 +82,7 @@ mapping, at the same offset into the first page every time: see Note [aligned sw
 
 def resizable_aligned(numel: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     """An uninitialised 1-D CPU tensor on a 4096-byte boundary whose storage may be released
-    and re-allocated (``free_storage`` / ``alloc_storage`` in zeroshard/optim/flat_unit.py)
+    and re-allocated (``free_storage`` / ``alloc_storage`` in zeroshard/units/flat_unit.py)
     and usually comes back on the boundary again. Note [aligned swap parts]:
 
     Swapped unit parts (stage-3 shards, masters, gradients and the gathered buffer a shard is

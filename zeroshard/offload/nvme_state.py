@@ -40,7 +40,7 @@ from zeroshard.offload.swap_file import SwapFile, aligned
 from zeroshard.ops import adam_step_
 
 if TYPE_CHECKING:
-    from zeroshard.optim.flat_unit import FlatUnit
+    from zeroshard.units.flat_unit import FlatUnit
 
 KEYS = ("exp_avg", "exp_avg_sq")
 

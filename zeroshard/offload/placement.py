@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
-from zeroshard.optim.elementwise import update_kind
+from zeroshard.units.elementwise import update_kind
 
 from zeroshard.io.host_pool import HOST_POOL
 from zeroshard.offload.param_cache import ParamCache
@@ -32,9 +32,9 @@ if TYPE_CHECKING:  # (types only: the optimizer state and runs are built after t
 
     from zeroshard.layout import NamedParam, UnitLayout
     from zeroshard.offload.nvme_state import NvmeOptimizerState
-    from zeroshard.optim.flat_unit import FlatUnit
-    from zeroshard.optim.state_io import Run
-    from zeroshard.stages import StagePolicy
+    from zeroshard.units.flat_unit import FlatUnit
+    from zeroshard.units.run import Run
+    from zeroshard.units.stage_policy import StagePolicy
 
 
 FrozenUnit = tuple["UnitLayout", Sequence["NamedParam"], torch.dtype, Optional["nn.Module"]]

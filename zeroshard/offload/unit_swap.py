@@ -57,7 +57,7 @@ import torch
 
 from zeroshard.io import ALIGN
 from zeroshard.offload.swap_file import SwapFile, aligned
-from zeroshard.optim.flat_unit import FlatUnit, alloc_storage, free_storage, is_allocated
+from zeroshard.units.flat_unit import FlatUnit, alloc_storage, free_storage, is_allocated
 
 
 class NvmeUnitStore:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeroshard.comm import pipeline
 from zeroshard.comm.mesh import MeshInfo, mesh_info
 from zeroshard.comm.tensor_parallel import local_of
 from zeroshard.config import ZeroConfig
@@ -33,11 +34,11 @@ from zeroshard.offload.placement import StatePlacement
 from zeroshard.ops import FusedAdam
 from zeroshard.optim import construction, ddp_check, kernel_choice, lifecycle, registry, reports
 from zeroshard.optim.zero_engine import Engine
-from zeroshard.optim.flat_unit import FlatUnit
+from zeroshard.units.flat_unit import FlatUnit
 from zeroshard.optim.grad_links import GradLinks
 from zeroshard.optim.grad_sync import GradientReducer
 from zeroshard.optim.gradients import GradientFlow
-from zeroshard.optim.elementwise import update_kind
+from zeroshard.units.elementwise import update_kind
 from zeroshard.optim.inner import GroupedInner, step_without_hooks
 from zeroshard.optim.hyperparams import (check_inputs, check_optimizer_kwargs, nvme_kernel_refusal,
                                          separate_optimizer_kwargs, single_dtype, trainable_params)
@@ -45,7 +46,7 @@ from zeroshard.optim.module_guard import ModuleGuard
 from zeroshard.optim.params import ParamsLike, module_of_groups, normalize_params
 from zeroshard.optim.stepper import Stepper
 from zeroshard.precision.precision_policy import Precision
-from zeroshard.stages import policy_for_stage
+from zeroshard.units.stage_policy import policy_for_stage
 from zeroshard.stages.sharding import Sharding, UnitPlan
 from zeroshard.stages.stage3.materialize import follow_replacements, swap_meta_parameters
 
@@ -53,14 +54,29 @@ from zeroshard.stages.stage3.materialize import follow_replacements, swap_meta_p
 _DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# The facade's own defaults for the options it names (a value equal to one is not "given").
+_FACADE_DEFAULTS: dict[str, object] = {"stage": 2, "offload_optimizer": None, "offload_params": None,
+                                       "nvme_path": None, "mixed_precision": None}
+
+
 def configure(optimizer_class: type, model_or_params: ParamsLike, module: Optional[nn.Module], kwargs: dict,
-              optimizer_kwargs: Optional[dict], **options: object) -> tuple[ZeroConfig, dict, ParamsLike]:
-    """The validated config (``options`` and the zeroshard settings among ``kwargs``), the inner
-    optimizer's arguments (the rest, or ``optimizer_kwargs``: a user's ``lr=`` never collides
-    with a zeroshard option) and the checked model or parameters; nothing is touched yet."""
+              optimizer_kwargs: Optional[dict], given: Optional[ZeroConfig],
+              **options: object) -> tuple[ZeroConfig, dict, ParamsLike]:
+    """The validated config (``given``, or ``options`` and the zeroshard settings among ``kwargs``),
+    the inner optimizer's arguments (the rest, or ``optimizer_kwargs``: a user's ``lr=`` never
+    collides with a zeroshard option) and the checked model or parameters; nothing is touched yet."""
     config_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in ZeroConfig.field_names()}
     inner_kwargs = separate_optimizer_kwargs(optimizer_class, config_kwargs, kwargs, optimizer_kwargs)
-    config = ZeroConfig(**options, **config_kwargs)  # type: ignore[arg-type]  # (each field checks its value)
+    if given is not None:
+        if not isinstance(given, ZeroConfig):
+            raise TypeError(f"config={given!r} must be a zeroshard.ZeroConfig, not a {type(given).__name__}")
+        beside = {**{k: v for k, v in options.items() if v != _FACADE_DEFAULTS.get(k)}, **config_kwargs}
+        if beside:
+            raise ValueError(f"config= holds zeroshard's options, and {', '.join(f'{k}={v!r}' for k, v in beside.items())} "
+                             "was given beside it: set it in the ZeroConfig instead (dataclasses.replace(config, ...))")
+        config = given
+    else:
+        config = ZeroConfig(**options, **config_kwargs)  # type: ignore[arg-type]  # (each field checks its value)
     update_kind(optimizer_class)
     check_optimizer_kwargs(optimizer_class, inner_kwargs)
     checked = check_inputs(model_or_params, config.stage, inner_kwargs, module)
@@ -252,6 +268,7 @@ def _attach(owner: torch.optim.Optimizer, engine: Engine) -> None:
     if module is not None:
         registry.register(module, owner)  # type: ignore[arg-type]  # (the ZeroOptimizer being built)
         engine.removers.append(functools.partial(registry.unregister, module))
+        engine.removers.append(pipeline.defer_reductions(module, engine.reducer.deferred))  # (Note [deferring a stage's reductions])
         # (a function, not a bound method: torch marks public hooks with an attribute)
         load_hook = module.register_load_state_dict_post_hook(lambda mod, incompatible: sharding.weights_changed(units))
         engine.removers.append(load_hook.remove)

@@ -6,7 +6,7 @@ parameter's ``.grad`` is *published* as a view of its range of that store:
 
 - stages 0-1, fp32 model, store in memory on the model's device: a plain tensor view of the
   whole averaged gradient (no extra memory; identical on every rank);
-- otherwise a ``ShardedTensor`` (zeroshard/optim/sharded_tensor.py): this rank's piece at stages
+- otherwise a ``ShardedTensor`` (zeroshard/stages/sharded_tensor.py): this rank's piece at stages
   2-3, or the whole fp32 gradient behind a bf16/fp16 parameter or a swap file.
 
 Torch code may then read, scale, clip or unscale ``p.grad`` in place (it writes the store),
@@ -30,8 +30,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from zeroshard.comm.tensor_parallel import as_param_grad, local_grad
-from zeroshard.optim.flat_unit import FlatUnit
-from zeroshard.optim.sharded_tensor import ShardedTensor
+from zeroshard.units.flat_unit import FlatUnit
+from zeroshard.stages.sharded_tensor import ShardedTensor
 
 
 class GradLinks:

@@ -19,8 +19,8 @@ from ..ops.sqnorm import squared_norm_f64
 if TYPE_CHECKING:
     from zeroshard.comm.process_group import Comm
     from zeroshard.comm.tensor_parallel import TensorParallel
-    from zeroshard.optim.flat_unit import FlatUnit
-    from zeroshard.stages import StagePolicy
+    from zeroshard.units.flat_unit import FlatUnit
+    from zeroshard.units.stage_policy import StagePolicy
 
 
 def map_owned_grads(units: Sequence[FlatUnit], fn: Callable[[torch.Tensor], Any],

@@ -41,7 +41,7 @@ from zeroshard.comm import Comm, Work
 from zeroshard.comm.tensor_parallel import local_grad
 from zeroshard.io.host_pool import HOST_POOL
 from zeroshard.layout import Segment
-from zeroshard.optim.flat_unit import FlatUnit
+from zeroshard.units.flat_unit import FlatUnit
 
 
 class _Pending:

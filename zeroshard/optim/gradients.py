@@ -15,7 +15,7 @@ import torch
 from zeroshard.comm.process_group import Comm
 from zeroshard.ops.sqnorm import squared_norm_f64
 from zeroshard.optim import grad_norm
-from zeroshard.optim.flat_unit import FlatUnit
+from zeroshard.units.flat_unit import FlatUnit
 from zeroshard.optim.grad_links import GradLinks
 from zeroshard.optim.grad_sync import GradientReducer
 from zeroshard.optim.step_in_flight import StepInFlight

@@ -19,7 +19,7 @@ import inspect
 
 from zeroshard.config import ZeroConfig, check_bool, check_real
 from zeroshard.layout import NamedParam
-from zeroshard.optim.elementwise import update_kind
+from zeroshard.units.elementwise import update_kind
 from zeroshard.optim.kernel_choice import choose_kernels
 
 # Non-negative real hyperparameters of torch.optim's elementwise optimizers.

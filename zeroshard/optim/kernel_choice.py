@@ -17,9 +17,9 @@ from typing import Any, Optional
 import torch
 
 from zeroshard.ops import FusedAdam
-from zeroshard.optim import state_io
-from zeroshard.optim.elementwise import update_kind
-from zeroshard.optim.flat_unit import FlatUnit
+from zeroshard.units.run import Run
+from zeroshard.units.elementwise import update_kind
+from zeroshard.units.flat_unit import FlatUnit
 from zeroshard.optim.inner import GroupedInner, normalize_state, step_without_hooks  # noqa: F401
 
 # torch.optim.Adam/AdamW options the fused kernel reproduces exactly (per group).
@@ -72,7 +72,7 @@ def sync_fused_group(group: dict) -> None:
         group["adamw_mode"] = bool(group["decoupled_weight_decay"])
 
 
-def _runs(units: list[FlatUnit], whole: list[bool]) -> list[state_io.Run]:
+def _runs(units: list[FlatUnit], whole: list[bool]) -> list[Run]:
     """This rank's runs: per unit, one per param group over the owned range, or one per
     parameter, shaped as it, for a group whose optimizer reads whole tensors (Note
     [whole-tensor units] in layout/bucketing.py: the owned range holds such parameters whole)."""
@@ -90,12 +90,12 @@ def _runs(units: list[FlatUnit], whole: list[bool]) -> list[state_io.Run]:
                                                "reads whole tensors (an owner layout keeps it whole)")
                         t, grad = t.view(piece.segment.shape), grad.view(piece.segment.shape)
                     t.grad = grad
-                    out.append(state_io.Run(unit, g, lo, hi, t))
+                    out.append(Run(unit, g, lo, hi, t))
     return out
 
 
 def build_inner(optimizer_class: type, kwargs: dict, groups: list[dict], units: list[FlatUnit],
-                enabled: bool) -> tuple[list[state_io.Run], Any]:
+                enabled: bool) -> tuple[list[Run], Any]:
     """The inner optimizer(s) over this rank's runs: one instance per optimizer class and kernel
     (a ``GroupedInner`` when there are several), each group on its own class."""
     classes = [group_class(g, optimizer_class) for g in groups]

@@ -15,7 +15,7 @@ import signal
 import threading
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -23,7 +23,7 @@ from zeroshard.comm.tensor_parallel import is_dtensor
 from zeroshard.io.host_pool import HOST_POOL
 
 if TYPE_CHECKING:
-    from zeroshard.optim.zero_optimizer import ZeroOptimizer
+    from zeroshard.units.flat_unit import FlatUnit
 
 _OWNER = "_zeroshard_owner"  # attribute on each managed parameter: weakref to its optimizer
 
@@ -183,21 +183,18 @@ def state_restored(opt: object, step: Optional[int] = None) -> None:
             engine.inflight.steps = int(step)
 
 
-def rebuild_with_group(opt: "ZeroOptimizer", param_group: dict) -> None:
-    """``ZeroOptimizer.add_param_group`` after construction: consolidate the state on every rank,
-    close, build again over the old groups plus ``param_group``, load the state back."""
-    state = opt.consolidated_state_dict(to_rank=None)
-    if state is None:  # (to_rank=None: every rank gets it)
-        raise RuntimeError("add_param_group: the consolidated state did not reach this rank")
-    engine = opt.engine
-    visible = engine.sharding.visible
-    shown = {id(visible(m.param)): (visible(m.param), m.param) for u in opt.all_units for m in u.members}
+def groups_with(visible: Callable[[torch.Tensor], torch.Tensor], units: Sequence["FlatUnit"],
+                param_groups: list[dict], param_group: dict) -> list[dict]:
+    """The param groups a rebuild for ``add_param_group`` builds from (Note [rebuild on
+    add_param_group] in zero_optimizer.py): the current ones plus ``param_group``, each naming
+    the model's own parameters (stage 3 shows torch code other objects between uses)."""
+    shown = {id(visible(m.param)): (visible(m.param), m.param) for u in units for m in u.members}
     own = {i: orig for i, (_, orig) in shown.items()}
     for seen, orig in shown.values():  # (stage 3: a frozen weight unfrozen through either object torch
         if seen is not orig and seen.requires_grad != orig.requires_grad:  # code may hold)
             orig.requires_grad_(True)
     groups = [{**{k: v for k, v in g.items() if k != "adamw_mode"},  # (the kernel's key, derived again)
-               "params": [own.get(id(p), p) for p in g["params"]]} for g in opt.param_groups]
+               "params": [own.get(id(p), p) for p in g["params"]]} for g in param_groups]
     new = dict(param_group)
     new["params"] = [new["params"]] if isinstance(new["params"], torch.Tensor) else list(new["params"])
     new["params"] = [own.get(id(p), p) for p in new["params"]]
@@ -206,15 +203,4 @@ def rebuild_with_group(opt: "ZeroOptimizer", param_group: dict) -> None:
     if twice:
         raise ValueError(f"some parameters appear in more than one parameter group (positions {twice[:5]} "
                          "of the new group are in an existing one)")
-    hooks = {k: v for k, v in opt.__dict__.items() if k.startswith("_optimizer_") and k.endswith("_hooks")}
-    optimizer_class, args = opt.build_args
-    module = engine.module
-    opt.close()
-    engine.close_files()  # swap files are made anew by the rebuild
-    # (the keywords __init__ was given, so each has the type it declares; build_args keeps them as objects)
-    type(opt).__init__(opt, groups + [new], optimizer_class, module=module, **cast("dict[str, Any]", args))
-    opt.__dict__.update(hooks)
-    n = sum(len(g["params"]) for g in state["param_groups"])
-    added = {k: v for k, v in opt.param_groups[-1].items() if k != "params"}
-    state["param_groups"].append({**added, "params": list(range(n, n + len(new["params"])))})
-    opt.load_state_dict(state)
+    return groups + [new]

@@ -1,7 +1,7 @@
 """``ModuleGuard``: ``model.to(...)``, ``.cuda()``, ``.float()`` after the optimizer was built.
 
 Note [moving a managed model]: every trainable parameter is a view into its unit's flat buffer
-(zeroshard/optim/flat_unit.py). ``nn.Module._apply`` — behind ``.to``, ``.cuda``, ``.half`` —
+(zeroshard/units/flat_unit.py). ``nn.Module._apply`` — behind ``.to``, ``.cuda``, ``.half`` —
 replaces each parameter's data with ``fn(param)``; even ``.to("cpu:0")`` on a CPU model
 (what the Hugging Face Trainer and Accelerate do under torchrun) copies. The copy would
 detach the model from the buffers the optimizer updates, so the model would never train (and

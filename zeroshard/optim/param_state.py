@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zeroshard.optim.state_io import elementwise_state, flat
+from zeroshard.units.run import elementwise_state, flat
 
 if TYPE_CHECKING:
-    from zeroshard.optim.zero_optimizer import ZeroOptimizer
+    from zeroshard.optim.zero_engine import EngineOwner
 
 
 class ParamStateView(Mapping):
-    def __init__(self, opt: ZeroOptimizer) -> None:
+    def __init__(self, opt: "EngineOwner") -> None:
         # (it holds the optimizer, as torch's state dict is held by it: the optimizer lives until
         # collected, not until its last name goes, as code that builds one and drops it expects)
         self._opt = opt

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Optional
 from torch import nn
 
 if TYPE_CHECKING:
-    from zeroshard.optim.zero_optimizer import ZeroOptimizer
+    from zeroshard.optim.zero_engine import EngineOwner
 
 _BY_MODEL: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
-def register(model: nn.Module, optimizer: "ZeroOptimizer") -> None:
+def register(model: nn.Module, optimizer: "EngineOwner") -> None:
     current = optimizer_for(model)
     if current is not None and current is not optimizer:
         raise RuntimeError(f"{type(model).__name__} is already managed by a live ZeroOptimizer ({current!r}); "
@@ -31,7 +31,7 @@ def unregister(model: nn.Module) -> None:
         del _BY_MODEL[model]
 
 
-def optimizer_for(model: nn.Module) -> Optional["ZeroOptimizer"]:
+def optimizer_for(model: nn.Module) -> Optional["EngineOwner"]:
     """The live optimizer of ``model``, or of the module a ``torch.compile`` wrapper holds
     (``_orig_mod``: the wrapper's state dict has the same tensors under ``_orig_mod.`` keys, so
     ``full_state_dict(torch.compile(model))`` gathers them like the model's own)."""

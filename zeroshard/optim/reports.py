@@ -8,44 +8,45 @@ import torch
 
 from zeroshard.memory import MemoryReport, tensor_bytes
 from zeroshard.offload.unit_swap import NvmeUnitStore
-from zeroshard.optim.flat_unit import FlatUnit
+from zeroshard.units.flat_unit import FlatUnit
 
 if TYPE_CHECKING:
     from zeroshard.comm.mesh import MeshInfo
-    from zeroshard.optim.state_io import Run
-    from zeroshard.optim.zero_optimizer import ZeroOptimizer
+    from zeroshard.units.run import Run
+    from zeroshard.optim.zero_engine import EngineOwner
 
 
-def memory_report(opt: "ZeroOptimizer") -> MemoryReport:
+def memory_report(opt: "EngineOwner") -> MemoryReport:
     """Bytes of model state this rank holds, by category. State kept in swap files counts
     as ``offloaded``; its parts read into memory for a moment (the swap pipeline's working
     set) count as ``buffers``, like the gather buffers of stage 3."""
+    engine = opt.engine.joined()
     seen: set[int] = set()
-    managed = opt.segment_index()  # (stage 3: frozen weights live in frozen units, counted below)
+    managed = engine.segment_index()  # (stage 3: frozen weights live in frozen units, counted below)
     frozen = sum(tensor_bytes(p, seen) for g in opt.param_groups for p in g["params"]
                  if not p.requires_grad and id(p) not in managed)
-    frozen_units = getattr(opt, "frozen_units", [])
+    frozen_units = engine.frozen_units
     frozen += sum(0 if u.swapped("shard") else tensor_bytes(u.shard, seen) for u in frozen_units)
     frozen_offloaded = sum(u.shard.numel() * u.shard.element_size() for u in frozen_units if u.swapped("shard"))
 
     def held(unit: FlatUnit, part: str, t: torch.Tensor) -> int:
         return 0 if unit.swapped(part) else tensor_bytes(t, seen)
     staging = sum(tensor_bytes(NvmeUnitStore.tensor_of(u, p), seen)
-                  for u in opt.all_units if u.swap is not None for p in u.swap.parts_of(u))
+                  for u in engine.all_units if u.swap is not None for p in u.swap.parts_of(u))
     return MemoryReport(
         parameters=sum(held(u, "shard", u.shard if u.policy.shard_parameters else u.flat)
-                       for u in opt.units) + frozen,
+                       for u in engine.units) + frozen,
         frozen=frozen, frozen_offloaded=frozen_offloaded,
-        gradients=sum(held(u, "grad", u.grad_store) for u in opt.units),
-        master_weights=sum(held(u, "master", u.master) for u in opt.units if u.separate_master),
-        optimizer_states=(opt.swapper.pool_bytes + opt.swapper.resident_bytes if opt.swapper is not None else
-                          sum(tensor_bytes(v, seen) for s in opt.inner.state.values()
+        gradients=sum(held(u, "grad", u.grad_store) for u in engine.units),
+        master_weights=sum(held(u, "master", u.master) for u in engine.units if u.separate_master),
+        optimizer_states=(engine.swapper.pool_bytes + engine.swapper.resident_bytes if engine.swapper is not None else
+                          sum(tensor_bytes(v, seen) for s in engine.inner.state.values()
                               for v in s.values() if isinstance(v, torch.Tensor))),
-        offloaded=((opt.swapper.file_bytes if opt.swapper is not None else 0)
-                   + (opt.unit_store.file_bytes if opt.unit_store is not None else 0)),
-        buffers=(opt.reducer.live_bucket_bytes() + (opt.gatherer.gathered_bytes() if opt.gatherer else 0)
+        offloaded=((engine.swapper.file_bytes if engine.swapper is not None else 0)
+                   + (engine.unit_store.file_bytes if engine.unit_store is not None else 0)),
+        buffers=(engine.reducer.live_bucket_bytes() + (engine.gatherer.gathered_bytes() if engine.gatherer else 0)
                  + staging),
-        secondary=(opt.gatherer.secondary.nbytes() if opt.gatherer is not None and opt.gatherer.secondary is not None
+        secondary=(engine.gatherer.secondary.nbytes() if engine.gatherer is not None and engine.gatherer.secondary is not None
                    else 0),
     )
 

@@ -9,32 +9,20 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from zeroshard.optim.elementwise import update_kind
+from zeroshard.units.elementwise import update_kind
 
 from zeroshard.offload.unit_swap import resident_runs
 from zeroshard.optim.inner import normalize_state
+from zeroshard.units.run import Run, elementwise_state, flat, run_pieces as _run_pieces
 
 if TYPE_CHECKING:
-    from zeroshard.optim.flat_unit import FlatUnit
-    from zeroshard.optim.zero_optimizer import ZeroOptimizer
+    from zeroshard.optim.zero_engine import EngineOwner
 
 FORMAT = 1
-
-
-@dataclass(frozen=True)
-class Run:
-    """One tensor of the inner optimizer: unit range ``[a, b)`` of param group ``group``."""
-
-    unit: "FlatUnit"
-    group: int
-    a: int
-    b: int
-    tensor: torch.Tensor
 
 
 def is_sharded(state_dict: dict) -> bool:
@@ -47,28 +35,12 @@ def _hparams(group: dict) -> dict:
     return {k: v for k, v in group.items() if k not in ("params", "optimizer_class")}
 
 
-def elementwise_state(value: Any, run_tensor: torch.Tensor) -> bool:
-    """A state tensor with one value per element of the run (sliced with it, like Adam's
-    moments). Anything else (``step``, or a custom optimizer's per-tensor state of shape
-    (1,)) is one value per run and is saved and loaded whole, as a scalar."""
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == run_tensor.shape
-
-
-def flat(t: torch.Tensor) -> torch.Tensor:
-    """A run's tensor, or its elementwise state, as the flat unit range it covers (a
-    whole-tensor run holds its parameter's shape: Note [whole-tensor units])."""
-    return t.reshape(-1)
-
-
-def _run_pieces(run: Run):
-    yield from run.unit.layout.pieces_in(run.a, run.b)
-
-
 # -- sharded ------------------------------------------------------------------------------------
-def sharded_state_dict(opt: "ZeroOptimizer") -> dict:
+def sharded_state_dict(opt: "EngineOwner") -> dict:
+    engine = opt.engine.joined()
     pieces: dict[str, dict[str, Any]] = {}
-    for run in resident_runs(opt.runs):
-        state = opt.inner.state.get(run.tensor, {})
+    for run in resident_runs(engine.runs):
+        state = engine.inner.state.get(run.tensor, {})
         for piece in _run_pieces(run):
             lo, hi = piece.unit_offset - run.a, piece.unit_offset - run.a + piece.numel
             entry: dict[str, Any] = {
@@ -81,16 +53,17 @@ def sharded_state_dict(opt: "ZeroOptimizer") -> dict:
                 entry["master"] = flat(run.tensor)[lo:hi].clone()
             pieces[piece.segment.name] = entry
     return {
-        "zeroshard": {"format": FORMAT, "stage": opt.stage, "world_size": opt.comm.world_size,
-                      "rank": opt.comm.rank, "optimizer": type(opt.inner).__name__},
-        "param_groups": [{**_hparams(g), "params": [opt.param_names[id(p)] for p in g["params"]]}
+        "zeroshard": {"format": FORMAT, "stage": engine.config.stage, "world_size": engine.comm.world_size,
+                      "rank": engine.comm.rank, "optimizer": type(engine.inner).__name__},
+        "param_groups": [{**_hparams(g), "params": [engine.param_names[id(p)] for p in g["params"]]}
                          for g in opt.param_groups],
         "pieces": pieces,
-        "loss_scaler": opt.scaler.state_dict() if opt.scaler else None,
+        "loss_scaler": engine.scaler.state_dict() if engine.scaler else None,
     }
 
 
-def _check_groups(opt: "ZeroOptimizer", groups: list[dict], by_name: bool) -> None:
+def _check_groups(opt: "EngineOwner", groups: list[dict], by_name: bool) -> None:
+    engine = opt.engine.joined()
     if len(groups) != len(opt.param_groups):
         raise ValueError(f"state dict has {len(groups)} param groups, this optimizer has "
                          f"{len(opt.param_groups)}: it was saved for a different model or grouping")
@@ -99,7 +72,7 @@ def _check_groups(opt: "ZeroOptimizer", groups: list[dict], by_name: bool) -> No
         if len(saved["params"]) != len(mine["params"]):
             problems.append(f"group {gi}: {len(saved['params'])} saved parameters vs {len(mine['params'])}")
         elif by_name:
-            names = [opt.param_names[id(p)] for p in mine["params"]]
+            names = [engine.param_names[id(p)] for p in mine["params"]]
             diff = [f"{a!r}!={b!r}" for a, b in zip(saved["params"], names) if a != b]
             if diff:
                 problems.append(f"group {gi}: names differ: {', '.join(diff[:5])}")
@@ -107,9 +80,10 @@ def _check_groups(opt: "ZeroOptimizer", groups: list[dict], by_name: bool) -> No
         raise ValueError("state dict does not match this optimizer's parameters: " + "; ".join(problems))
 
 
-def apply_group_options(opt: "ZeroOptimizer", groups: list[dict], replace: bool = False) -> None:
+def apply_group_options(opt: "EngineOwner", groups: list[dict], replace: bool = False) -> None:
     """Saved param-group options (all but "params") take effect, in ``opt.param_groups`` and in the
     inner optimizer; ``replace``: options the saved groups lack are removed too (an undo)."""
+    engine = opt.engine.joined()
     for saved, mine in zip(groups, opt.param_groups):
         if replace:
             for k in [k for k in mine if k not in ("params", "optimizer_class") and k not in saved]:
@@ -117,20 +91,25 @@ def apply_group_options(opt: "ZeroOptimizer", groups: list[dict], replace: bool 
         for k, v in saved.items():
             if k != "params":
                 mine[k] = v
-    opt.engine.stepper.sync_hyperparameters(opt.param_groups)
+    engine.stepper.sync_hyperparameters(opt.param_groups)
 
 
-def apply_loss_scaler(opt: "ZeroOptimizer", state: dict) -> None:
+def apply_loss_scaler(opt: "EngineOwner", state: dict) -> None:
     """The fp16 loss scaler's saved state takes effect, and with it the gradients' factor."""
-    opt.scaler.load_state_dict(state)
-    opt.engine.grads.set_grad_factor()
+    engine = opt.engine.joined()
+    if engine.scaler is None:
+        raise ValueError("the state holds an fp16 loss scaler's state, and this optimizer has no loss scaler "
+                         "(mixed_precision is not 'fp16'): load it into ZeroOptimizer(..., mixed_precision='fp16')")
+    engine.scaler.load_state_dict(state)
+    engine.grads.set_grad_factor()
 
 
-def load_sharded(opt: "ZeroOptimizer", sd: dict) -> None:
+def load_sharded(opt: "EngineOwner", sd: dict) -> None:
+    engine = opt.engine.joined()
     _check_groups(opt, sd["param_groups"], by_name=True)
     pieces = sd["pieces"]
     missing, wrong = [], []
-    for run in opt.runs:
+    for run in engine.runs:
         for piece in _run_pieces(run):
             e = pieces.get(piece.segment.name)
             if e is None or e["start"] > piece.start or e["stop"] < piece.stop:
@@ -144,15 +123,15 @@ def load_sharded(opt: "ZeroOptimizer", sd: dict) -> None:
         raise ValueError(
             f"this rank's state dict lacks pieces {missing[:5]}{'...' if len(missing) > 5 else ''}: it was "
             f"saved by rank {meta['rank']} of {meta['world_size']} at stage {meta['stage']}, this is rank "
-            f"{opt.comm.rank} of {opt.comm.world_size} at stage {opt.stage}. To change world size or "
+            f"{engine.comm.rank} of {engine.comm.world_size} at stage {engine.config.stage}. To change world size or "
             "stage, load a checkpoint (zeroshard.load_checkpoint) or a consolidated_state_dict().")
     apply_group_options(opt, sd["param_groups"])
-    for run in resident_runs(opt.runs, write=True):
+    for run in resident_runs(engine.runs, write=True):
         names = [piece.segment.name for piece in _run_pieces(run)]
         keys = sorted(set().union(*(pieces[n]["state"] for n in names))) if names else []
         fill_run(opt, run, keys, lambda name, a, b, key: _slice_entry(pieces[name], a, b, key))
     normalize_loaded(opt)
-    if opt.scaler is not None and sd.get("loss_scaler"):
+    if engine.scaler is not None and sd.get("loss_scaler"):
         apply_loss_scaler(opt, sd["loss_scaler"])
 
 
@@ -166,56 +145,58 @@ def _slice_entry(entry: dict, a: int, b: int, key: str) -> Optional[torch.Tensor
 
 
 # -- consolidated -------------------------------------------------------------------------------
-def _param_index(opt: "ZeroOptimizer") -> dict[str, int]:
+def _param_index(opt: "EngineOwner") -> dict[str, int]:
+    engine = opt.engine.joined()
     index, i = {}, 0
     for g in opt.param_groups:
         for p in g["params"]:
-            index[opt.param_names[id(p)]] = i
+            index[engine.param_names[id(p)]] = i
             i += 1
     return index
 
 
-def consolidated_state_dict(opt: "ZeroOptimizer", to_rank: Optional[int]) -> Optional[dict]:
+def consolidated_state_dict(opt: "EngineOwner", to_rank: Optional[int]) -> Optional[dict]:
     # Which state keys exist (tensor-valued or scalar) and the scalars' values, per group;
     # a rank that owns nothing of a group learns them from the others.
+    engine = opt.engine.joined()
     whole = {i for i, g in enumerate(opt.param_groups)
-             if update_kind(g.get("optimizer_class", opt.optimizer_class)) == "whole"}
+             if update_kind(g.get("optimizer_class", engine.optimizer_class)) == "whole"}
     # Whole-tensor groups (Note [whole-tensor units]): a parameter's state is its owner's run's,
     # whatever its keys and shapes (Adafactor's differ between matrices and vectors).
     owned: dict[str, dict[str, object]] = {}
-    for run in opt.runs:
+    for run in engine.runs:
         if run.group in whole:
             seg = next(run.unit.layout.pieces_in(run.a, run.b)).segment
             owned[seg.name] = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                               for k, v in opt.inner.state.get(run.tensor, {}).items()}
-    for other in opt.comm.all_gather_object(owned) if whole else ():
+                               for k, v in engine.inner.state.get(run.tensor, {}).items()}
+    for other in engine.comm.all_gather_object(owned) if whole else ():
         owned.update(other)
     local: dict[int, dict[str, Any]] = {}
-    for run in opt.runs:
+    for run in engine.runs:
         if run.group in whole:
             continue
-        for k, v in opt.inner.state.get(run.tensor, {}).items():
+        for k, v in engine.inner.state.get(run.tensor, {}).items():
             is_scalar = not elementwise_state(v, run.tensor)
             local.setdefault(run.group, {})[k] = (v.clone() if isinstance(v, torch.Tensor) else v) if is_scalar else None
     merged: dict[int, dict[str, Any]] = {}
-    for other in opt.comm.all_gather_object(local):
+    for other in engine.comm.all_gather_object(local):
         for g, keys in other.items():
             for k, v in keys.items():
                 merged.setdefault(g, {}).setdefault(k, v)
     index = _param_index(opt)
     masters = _full_masters(opt)
     state: dict[int, dict[str, Any]] = {}
-    for unit in opt.units:
+    for unit in engine.units:
         groups_here = {seg.group for seg in unit.layout.segments}
         tensor_keys = sorted({k for g in groups_here for k, v in merged.get(g, {}).items() if v is None})
         fulls = {}
         for key in tensor_keys:
             full = torch.zeros(unit.layout.padded_numel, dtype=unit.master.dtype, device=unit.device)
-            for run in opt.runs:
-                if run.unit is unit and key in opt.inner.state.get(run.tensor, {}):
-                    full[run.a:run.b].copy_(flat(opt.inner.state[run.tensor][key]))
-            if opt.policy.shard_optimizer:
-                opt.comm.gather_shards(full).wait()
+            for run in engine.runs:
+                if run.unit is unit and key in engine.inner.state.get(run.tensor, {}):
+                    full[run.a:run.b].copy_(flat(engine.inner.state[run.tensor][key]))
+            if engine.policy.shard_optimizer:
+                engine.comm.gather_shards(full).wait()
             fulls[key] = full
         for seg in unit.layout.segments:
             entry = dict(owned.get(seg.name, {})) if seg.group in whole else {}
@@ -226,7 +207,7 @@ def consolidated_state_dict(opt: "ZeroOptimizer", to_rank: Optional[int]) -> Opt
                 entry[MASTER_KEY] = _global(opt, seg.name, masters[id(unit)][seg.offset:seg.end].view(seg.shape).clone())
             if entry:
                 state[index[seg.name]] = entry
-    if to_rank is not None and opt.comm.rank != to_rank:
+    if to_rank is not None and engine.comm.rank != to_rank:
         return None
     groups, i = [], 0
     for g in opt.param_groups:
@@ -246,42 +227,45 @@ save -- continues from the masters, bit for bit, not from the bf16 weights round
 optimizer loading the dict keeps it as an unused state entry."""
 
 
-def _full_masters(opt: "ZeroOptimizer") -> dict[int, torch.Tensor]:
+def _full_masters(opt: "EngineOwner") -> dict[int, torch.Tensor]:
     """id(unit) -> the unit's whole fp32 master (a collective where state is sharded), for
     units with masters apart from their low-precision weights."""
+    engine = opt.engine.joined()
     out: dict[int, torch.Tensor] = {}
-    for unit in opt.units:
+    for unit in engine.units:
         if unit.separate_master:
             out[id(unit)] = torch.zeros(unit.layout.padded_numel, dtype=unit.master.dtype, device=unit.device)
     if not out:
         return out
-    for run in resident_runs(opt.runs):
+    for run in resident_runs(engine.runs):
         if id(run.unit) in out:
             out[id(run.unit)][run.a:run.b].copy_(flat(run.tensor))
-    if opt.policy.shard_optimizer:
-        for unit in opt.units:
+    if engine.policy.shard_optimizer:
+        for unit in engine.units:
             if id(unit) in out:
-                opt.comm.gather_shards(out[id(unit)]).wait()
+                engine.comm.gather_shards(out[id(unit)]).wait()
     return out
 
 
-def _global(opt: "ZeroOptimizer", name: str, t: torch.Tensor) -> torch.Tensor:
+def _global(opt: "EngineOwner", name: str, t: torch.Tensor) -> torch.Tensor:
     """The whole tensor behind a TP-sharded parameter's local state (a collective over tp)."""
-    tp = getattr(opt, "tp", None)
+    engine = opt.engine.joined()
+    tp = engine.tp
     return t if tp is None else tp.full(name, t)
 
 
-def load_consolidated(opt: "ZeroOptimizer", sd: dict) -> None:
+def load_consolidated(opt: "EngineOwner", sd: dict) -> None:
+    engine = opt.engine.joined()
     if "state" not in sd or "param_groups" not in sd:
         raise ValueError(f"not an optimizer state dict: keys {sorted(sd)[:8]}; expected 'state' and "
                          "'param_groups' (torch.optim format) or a ZeroOptimizer.state_dict()")
     _check_groups(opt, sd["param_groups"], by_name=False)
     index = _param_index(opt)
     saved = sd["state"]
-    if getattr(opt, "tp", None) is not None:  # global tensors: this tp rank's part of each
-        saved = {i: {k: opt.tp.local_part(name, v) for k, v in saved.get(i, {}).items()}
+    if engine.tp is not None:  # global tensors: this tp rank's part of each
+        saved = {i: {k: engine.tp.local_part(name, v) for k, v in saved.get(i, {}).items()}
                  for name, i in index.items()}
-    numel = {seg.name: seg.numel for u in opt.units for seg in u.layout.segments}
+    numel = {seg.name: seg.numel for u in engine.units for seg in u.layout.segments}
     wrong = []
     for name, i in index.items():
         for k, v in saved.get(i, {}).items():
@@ -291,7 +275,7 @@ def load_consolidated(opt: "ZeroOptimizer", sd: dict) -> None:
     if wrong:
         raise ValueError("optimizer state does not fit this model: " + "; ".join(wrong[:10]))
     apply_group_options(opt, sd["param_groups"])
-    for run in resident_runs(opt.runs, write=True):
+    for run in resident_runs(engine.runs, write=True):
         names = [piece.segment.name for piece in _run_pieces(run)]
         keys = sorted(set().union(*(saved.get(index[n], {}) for n in names)) - {MASTER_KEY}) if names else []
         fill_run(opt, run, keys, lambda name, a, b, key: _slice_plain(  # (Note [masters in the consolidated state])
@@ -306,13 +290,14 @@ def _slice_plain(entry: dict, a: int, b: int, key: str, numel: int) -> Optional[
     return v
 
 
-def normalize_loaded(opt: "ZeroOptimizer") -> None:
-    if getattr(opt, "swapper", None) is None:  # (swapped state is FusedAdam's, already in form)
-        normalize_state(opt.inner)
+def normalize_loaded(opt: "EngineOwner") -> None:
+    engine = opt.engine.joined()
+    if engine.swapper is None:  # (swapped state is FusedAdam's, already in form)
+        normalize_state(engine.inner)
 
 
 # -- in-place fill (checkpoint loading) ------------------------------------------------------
-def fill_run(opt: "ZeroOptimizer", run: Run, keys: list[str], fetch, adopt=None) -> None:
+def fill_run(opt: "EngineOwner", run: Run, keys: list[str], fetch, adopt=None) -> None:
     """Rebuilds one run's optimizer state (and master) from per-piece data, writing into the
     state tensors the run already has (so state that lives elsewhere, e.g. offloaded, stays
     where it is) and allocating without zero-filling otherwise: the pieces of a run cover it
@@ -320,11 +305,12 @@ def fill_run(opt: "ZeroOptimizer", run: Run, keys: list[str], fetch, adopt=None)
     or None (key ``"__master__"``: the master values); ``keys`` are the state keys.
     ``adopt(key)``, if given, returns a tensor holding the run's whole state ``key`` to take
     as it is instead of copying, or None (Note [adopting verified state] in checkpoint/load.py)."""
+    engine = opt.engine.joined()
     pieces = list(_run_pieces(run))
     if not pieces:
         return
     first = pieces[0]
-    current = opt.inner.state.get(run.tensor, {})
+    current = engine.inner.state.get(run.tensor, {})
     state: dict[str, Any] = {}
     for key in keys:
         probe = fetch(first.segment.name, first.start, first.stop, key)
@@ -346,9 +332,9 @@ def fill_run(opt: "ZeroOptimizer", run: Run, keys: list[str], fetch, adopt=None)
             flat(buf)[o:o + piece.numel].copy_(fetch(piece.segment.name, piece.start, piece.stop, key).reshape(-1))
         state[key] = buf
     if state:
-        opt.inner.state[run.tensor] = state
+        engine.inner.state[run.tensor] = state
     else:  # saved before the first step: no state, and none may linger from before the load
-        opt.inner.state.pop(run.tensor, None)
+        engine.inner.state.pop(run.tensor, None)
     if run.unit.separate_master:
         for piece in pieces:
             master = fetch(piece.segment.name, piece.start, piece.stop, "__master__")

@@ -42,8 +42,8 @@ if TYPE_CHECKING:  # (types only: these modules build on this one)
     from zeroshard.config import ZeroConfig
     from zeroshard.offload.nvme_state import NvmeOptimizerState
     from zeroshard.offload.placement import StatePlacement
-    from zeroshard.optim.flat_unit import FlatUnit
-    from zeroshard.stages import StagePolicy
+    from zeroshard.units.flat_unit import FlatUnit
+    from zeroshard.units.stage_policy import StagePolicy
     from zeroshard.stages.stage3.gatherer import ParameterGatherer
 
 

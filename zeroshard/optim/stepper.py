@@ -25,9 +25,9 @@ from zeroshard.offload.nvme_state import NvmeOptimizerState
 from zeroshard.offload.placement import StatePlacement
 from zeroshard.ops import FusedAdam
 from zeroshard.optim import clipping, grad_norm, kernel_choice, step_in_flight, untouched
-from zeroshard.optim.flat_unit import FlatUnit
+from zeroshard.units.flat_unit import FlatUnit
 from zeroshard.optim.gradients import GradientFlow
-from zeroshard.optim.state_io import Run
+from zeroshard.units.run import Run
 from zeroshard.optim.step_in_flight import StepInFlight
 from zeroshard.precision.precision_policy import Precision
 from zeroshard.stages.sharding import Sharding

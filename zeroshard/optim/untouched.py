@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Se
 import torch
 import torch.distributed as dist
 
-from zeroshard.optim.state_io import Run, elementwise_state, flat
+from zeroshard.units.run import Run, elementwise_state, flat
 
 if TYPE_CHECKING:
     from zeroshard.comm.process_group import Comm
-    from zeroshard.optim.flat_unit import FlatUnit
+    from zeroshard.units.flat_unit import FlatUnit
 
 
 def untouched_everywhere(flags: Sequence[Sequence[bool]], comm: Comm, replicas: Optional[Comm],

@@ -9,9 +9,11 @@ needs one of them takes that object, not the optimizer.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from torch import nn
+
+from zeroshard.layout import Segment
 
 from zeroshard.comm.mesh import MeshInfo
 from zeroshard.comm.process_group import Comm
@@ -20,18 +22,18 @@ from zeroshard.config import ZeroConfig
 from zeroshard.offload.nvme_state import NvmeOptimizerState
 from zeroshard.offload.placement import StatePlacement
 from zeroshard.offload.unit_swap import NvmeUnitStore
-from zeroshard.optim.flat_unit import FlatUnit
+from zeroshard.units.flat_unit import FlatUnit
 from zeroshard.optim.grad_links import GradLinks
 from zeroshard.optim.grad_sync import GradientReducer
 from zeroshard.optim.gradients import GradientFlow
 from zeroshard.optim.lifecycle import Teardown
 from zeroshard.optim.module_guard import ModuleGuard
-from zeroshard.optim.state_io import Run
+from zeroshard.units.run import Run
 from zeroshard.optim.step_in_flight import StepInFlight
 from zeroshard.optim.stepper import Stepper
 from zeroshard.precision.loss_scaler import DynamicLossScaler
 from zeroshard.precision.precision_policy import Precision
-from zeroshard.stages.stage_policy import StagePolicy
+from zeroshard.units.stage_policy import StagePolicy
 from zeroshard.stages.sharding import Sharding
 from zeroshard.stages.stage3.gatherer import ParameterGatherer
 
@@ -110,6 +112,34 @@ class Engine:
         """Trainable units, then frozen ones (stage 3: Note [frozen units])."""
         return self.units + self.__dict__.get("frozen_units", [])
 
+    def joined(self) -> "Engine":
+        """This engine once a step in flight has finished (Note [overlapped step]): code that
+        reads ``units``, ``runs``, ``inner`` or ``swapper`` from outside the step asks through
+        this, so it never sees a step half done."""
+        self.inflight.join()
+        return self
+
+    def segment_index(self) -> dict[int, tuple[FlatUnit, Segment]]:
+        """id(param) -> (unit, segment) for every managed parameter (frozen ones too), also under
+        the sharded parameters torch code sees between uses (stage 3)."""
+        visible = self.sharding.visible
+        return {id(p): (u, seg) for u in self.joined().all_units for m, seg in zip(u.members, u.layout.segments)
+                for p in {id(m.param): m.param, id(visible(m.param)): visible(m.param)}.values()}
+
+    def weights_changed(self) -> None:
+        """The model's parameters were written from outside: masters take the new values
+        (the facade's ``model_weights_changed``)."""
+        self.sharding.weights_changed(self.joined().units)
+
     def close_files(self) -> None:
         for closer in self.files_closers:
             closer()
+
+
+class EngineOwner(Protocol):
+    """What the modules under the facade may read of a ZeroOptimizer: its engine, and the param
+    groups torch code sees (LR schedulers write them). The facade satisfies it; nothing below
+    the facade names the facade (Note [the layers] in docs/design.md)."""
+
+    engine: Engine
+    param_groups: list[dict[str, Any]]

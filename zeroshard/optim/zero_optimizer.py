@@ -10,27 +10,20 @@ placement calls for, and makes every rank's parameters current.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeroshard.config import ZeroConfig
 from zeroshard.layout import Segment
 from zeroshard.memory import MemoryReport
 from zeroshard.optim import assembly, construction, lifecycle, reports, state_io
-from zeroshard.optim.flat_unit import FlatUnit
+from zeroshard.units.flat_unit import FlatUnit
 from zeroshard.optim.param_state import ParamStateView
 from zeroshard.optim.params import ParamsLike
 from zeroshard.optim.zero_engine import Engine
-
-# Engine objects read through the optimizer (``opt.units``, ``opt.comm``, ...); the first four
-# wait for a step in flight, so such code never sees a step half done (Note [overlapped step]).
-_JOINED = frozenset({"units", "runs", "inner", "swapper"})
-_ENGINE = _JOINED | {"comm", "replicas", "tp", "shard_group_ranks", "gatherer", "placement", "reducer", "scaler",
-                     "policy", "frozen_units", "unit_store", "grad_links", "module_guard", "module", "param_names",
-                     "optimizer_class", "config", "mesh", "sharding", "precision"}
-
 
 class ZeroOptimizer(torch.optim.Optimizer):
     def __init__(self, model_or_params: ParamsLike, optimizer_class: type, *, stage: int = 2,
@@ -38,14 +31,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  nvme_path: Optional[str] = None, mixed_precision: Optional[str] = None,
                  process_group: Optional[dist.ProcessGroup] = None, mesh: object = None,
                  module: Optional[nn.Module] = None, optimizer_kwargs: Optional[dict] = None,
-                 **kwargs: object) -> None:
+                 config: Optional[ZeroConfig] = None, **kwargs: object) -> None:
         self.build_args = (optimizer_class, dict(  # (what add_param_group builds again with)
             stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params, nvme_path=nvme_path,
             mixed_precision=mixed_precision, process_group=process_group, mesh=mesh,
-            optimizer_kwargs=optimizer_kwargs, **kwargs))
+            optimizer_kwargs=optimizer_kwargs, config=config, **kwargs))
         config, inner_kwargs, model_or_params = assembly.configure(
-            optimizer_class, model_or_params, module, kwargs, optimizer_kwargs, stage=stage, nvme_path=nvme_path,
-            offload_optimizer=offload_optimizer, offload_params=offload_params, mixed_precision=mixed_precision)
+            optimizer_class, model_or_params, module, kwargs, optimizer_kwargs, config, stage=stage,
+            nvme_path=nvme_path, offload_optimizer=offload_optimizer, offload_params=offload_params,
+            mixed_precision=mixed_precision)
         self.engine = engine = Engine(config, optimizer_class)
         # Everything checkable is checked before the model is touched; the rest is undone on an
         # error (Note [refused construction] in zeroshard/optim/construction.py).
@@ -60,14 +54,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             construction.abandon(engine, snapshot, exc)
             raise
         engine.ready = True
-
-    def __getattr__(self, name: str) -> Any:
-        engine = self.__dict__.get("engine")
-        if engine is None or name not in _ENGINE:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        if name in _JOINED:
-            engine.inflight.join()
-        return getattr(engine, name)
 
     # -- properties users read -----------------------------------------------------------------
     @property
@@ -89,8 +75,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @property
     def all_units(self) -> list[FlatUnit]:
         """Trainable units, then frozen ones (stage 3: Note [frozen units])."""
-        self.engine.inflight.join()
-        return self.engine.all_units
+        return self.engine.joined().all_units
+
+    @property
+    def units(self) -> list[FlatUnit]:
+        """The trainable flat units (layout introspection; the engine's are ``engine.units``)."""
+        return self.engine.joined().units
+
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        """The torch optimizer that steps this rank's owned ranges (its runs, not the model's parameters)."""
+        return self.engine.joined().inner
 
     @property
     def data_parallel_size(self) -> int:
@@ -114,7 +109,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The model's parameters were written from outside (``model.load_state_dict``, a
         weights-only ``load_checkpoint``): the fp32 masters of stages 0-2 take the new values, or
         the next step would write the old ones back."""
-        self.engine.sharding.weights_changed(self.units)
+        self.engine.weights_changed()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -147,7 +142,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def gather_params(self) -> None:
         """Makes every rank's full parameters current from the owned ranges (after a step or
         after loading owned pieces from a checkpoint). A collective."""
-        self.engine.sharding.gather_params(self.units)
+        self.engine.sharding.gather_params(self.engine.joined().units)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.stepper.clip_coef = 1.0
@@ -155,13 +150,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """As torch.optim: the new parameters join with their own hyperparameters, existing state
-        is kept. Units are laid out at construction, so this rebuilds them (a collective costing
-        one copy of the optimizer state per rank for a moment: lifecycle.rebuild_with_group)."""
+        is kept. Note [rebuild on add_param_group]: units are laid out at construction, so this
+        consolidates the state on every rank (a collective costing one copy of the optimizer state
+        per rank for a moment), closes, builds again over the old groups plus the new one and
+        loads the state back; torch's state-dict hooks registered on this optimizer are kept."""
         if not self.engine.ready:
             return super().add_param_group(param_group)  # (torch's constructor adds the first groups)
         if not isinstance(param_group, dict) or "params" not in param_group:
             raise TypeError(f"param_group must be a dict with 'params', got {type(param_group).__name__}")
-        lifecycle.rebuild_with_group(self, param_group)
+        state = self.consolidated_state_dict(to_rank=None)
+        if state is None:  # (to_rank=None: every rank gets it)
+            raise RuntimeError("add_param_group: the consolidated state did not reach this rank")
+        e = self.engine
+        groups = lifecycle.groups_with(e.sharding.visible, e.joined().all_units, self.param_groups, param_group)
+        hooks = {k: v for k, v in self.__dict__.items() if k.startswith("_optimizer_") and k.endswith("_hooks")}
+        (optimizer_class, args), module = self.build_args, e.module
+        self.close()
+        e.close_files()  # swap files are made anew by the rebuild
+        type(self).__init__(self, groups, optimizer_class, module=module, **cast("dict[str, Any]", args))
+        self.__dict__.update(hooks)
+        n = sum(len(g["params"]) for g in state["param_groups"])
+        added = {k: v for k, v in self.param_groups[-1].items() if k != "params"}
+        state["param_groups"].append({**added, "params": list(range(n, n + len(groups[-1]["params"])))})
+        self.load_state_dict(state)
 
     # -- lifetime --------------------------------------------------------------------------------
     def close(self) -> None:
@@ -226,7 +237,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return reports.memory_report(self)
 
     def placement_report(self, micro_batches: int = 1) -> dict:  # where state lives, why: offload/placement.py
-        return self.engine.placement.report(self.runs, self.swapper, micro_batches)
+        e = self.engine.joined()
+        return e.placement.report(e.runs, e.swapper, micro_batches)
 
     def comm_report(self, reset: bool = False) -> dict[str, dict]:
         """What this rank's collectives moved since construction (or the last ``reset``), by kind:
@@ -234,14 +246,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return reports.comm_report(self.engine.mesh, reset)
 
     def segment_index(self) -> dict[int, tuple[FlatUnit, Segment]]:
-        """Where each managed parameter lives (frozen ones too): id(param) -> (unit, segment), also
-        under the sharded parameters torch code sees between uses (stage 3)."""
-        visible = self.engine.sharding.visible
-        return {id(p): (u, seg) for u in self.all_units for m, seg in zip(u.members, u.layout.segments)
-                for p in {id(m.param): m.param, id(visible(m.param)): visible(m.param)}.values()}
+        """Where each managed parameter lives (frozen ones too): id(param) -> (unit, segment)."""
+        return self.engine.segment_index()
 
     def __repr__(self) -> str:  # (also while being built: what exists)
         built = self.engine.__dict__
         return (f"ZeroOptimizer(stage={self.stage}, world_size={built['mesh'].comm.world_size if 'mesh' in built else '?'}, "
                 f"units={len(built.get('units', []))}, optimizer={self.engine.optimizer_class.__name__}, "
                 f"runs_on={type(built['inner']).__name__ if 'inner' in built else None})")
+
+
+def engine_of(optimizer: object) -> Optional[Engine]:
+    """The engine behind a ZeroOptimizer, once a step in flight has finished (Note [overlapped
+    step]); None for any other optimizer (checkpoints and integrations take any torch.optim one)."""
+    return optimizer.engine.joined() if isinstance(optimizer, ZeroOptimizer) else None

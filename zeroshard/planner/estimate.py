@@ -12,14 +12,13 @@ from typing import Optional
 
 import torch
 
-from zeroshard.config import Placement
+from zeroshard.config import Placement, check_offload
 from zeroshard.memory import MemoryReport, zero_formula
 from zeroshard.planner.activations import activation_bytes
 from zeroshard.planner.model_shape import ModelShape
 from zeroshard.planner.traffic import StepTraffic, Topology, step_traffic
 
 _PRECISIONS = (None, "bf16", "fp16")
-_OFFLOAD = (None, "cpu", "nvme")
 _AN_ACCELERATOR = torch.device("cuda")
 """Any device but the host (nothing is allocated on it): where ``Placement`` puts state that it
 moves off such a device is host memory."""
@@ -129,15 +128,7 @@ class Choice:
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
-        if self.offload_optimizer not in _OFFLOAD or self.offload_params not in _OFFLOAD:
-            raise ValueError(f"offload_optimizer={self.offload_optimizer!r}, offload_params="
-                             f"{self.offload_params!r}: use None, 'cpu' or 'nvme'")
-        if self.offload_optimizer and self.stage == 0:
-            raise ValueError("offload_optimizer needs stage >= 1 (each rank offloads the slice it owns)")
-        if self.offload_params and self.stage != 3:
-            raise ValueError(f"offload_params={self.offload_params!r} needs stage=3, got stage={self.stage}")
-        if self.placement.params_swapped and not self.placement.state_swapped:
-            raise ValueError("offload_params='nvme' needs offload_optimizer='nvme' too (as ZeroConfig does)")
+        check_offload(self.stage, self.offload_optimizer, self.offload_params)  # (Note [one validator])
 
     @property
     def placement(self) -> Placement:

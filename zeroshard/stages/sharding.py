@@ -21,7 +21,7 @@ from zeroshard.comm.hierarchical import HierarchicalComm
 from zeroshard.comm.mesh import MeshInfo
 from zeroshard.layout import NamedParam, UnitLayout, build_layouts, layouts_for
 from zeroshard.layout.bucketing import layouts_with_owners, owner_layouts
-from zeroshard.stages.stage_policy import StagePolicy
+from zeroshard.units.stage_policy import StagePolicy
 from zeroshard.stages.stage3.frozen import frozen_params, split_frozen
 from zeroshard.stages.stage3.gatherer import ParameterGatherer
 from zeroshard.stages.stage3.secondary import SecondaryPartition
@@ -29,7 +29,7 @@ from zeroshard.stages.stage3.units import plan_units
 
 if TYPE_CHECKING:
     from zeroshard.config import ZeroConfig
-    from zeroshard.optim.flat_unit import FlatUnit
+    from zeroshard.units.flat_unit import FlatUnit
 
 Layouts = list[tuple[UnitLayout, list[NamedParam]]]
 

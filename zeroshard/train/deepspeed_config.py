@@ -28,7 +28,7 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from zeroshard.config import Placement, check_int, check_real
+from zeroshard.config import Placement, ZeroConfig, check_int, check_real
 from zeroshard.optim.hyperparams import check_hyperparameters
 from zeroshard.optim.muon_recipe import ADAM_KEYS
 from zeroshard.train.schedules import check_schedule_params
@@ -493,6 +493,10 @@ def translate(config: Union[None, str, os.PathLike, Mapping], world_size: int = 
     if noted:
         warnings.warn("DeepSpeed config keys without effect in zeroshard: " +
                       "; ".join(f"{p} ({why})" for p, why in noted.items()), stacklevel=3)
+    try:  # (one validator: the options the config maps to are ZeroConfig's, checked by it: Note [one validator])
+        ZeroConfig(**zero)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"DeepSpeed config: {exc}") from None
     return DeepSpeedPlan(zero=zero, optimizer_class=opt_cls, optimizer_kwargs=opt_kwargs, scheduler=sched,
                          scheduler_params=sched_params, gradient_clipping=float(clip) if clip else None,
                          gradient_accumulation_steps=accum, micro_batch_size=micro, train_batch_size=total,

@@ -56,8 +56,8 @@ class TrainLoop:
         self.progress, self.preemption, self.watchdog, self.fault = progress, preemption, watchdog, fault
         self.extra = dict(extra or {})
         """Run facts stored with every checkpoint (and compared on resume)."""
-        self.rank = optimizer.comm.rank
-        self.world = optimizer.comm.world_size
+        self.rank = optimizer.engine.comm.rank
+        self.world = optimizer.engine.comm.world_size
         self.step = 0
         self.saved_step: Optional[int] = None
         self.resumed_from: Optional[str] = None
@@ -122,11 +122,11 @@ class TrainLoop:
             total += float(loss.detach())
         if self.s.grad_clip:
             self.opt.clip_grad_norm_(self.s.grad_clip)
-        skipped = self.opt.scaler.skipped_steps if self.opt.scaler is not None else 0
+        skipped = self.opt.engine.scaler.skipped_steps if self.opt.engine.scaler is not None else 0
         self.lr = float(self.opt.param_groups[0]["lr"])  # the lr this step uses (logged)
         self.opt.step()
         # DeepSpeed does not advance the schedule on a step skipped for fp16 overflow: neither do we.
-        if self.sched is not None and (self.opt.scaler is None or self.opt.scaler.skipped_steps == skipped):
+        if self.sched is not None and (self.opt.engine.scaler is None or self.opt.engine.scaler.skipped_steps == skipped):
             self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         return total / self.s.grad_accum
@@ -138,7 +138,7 @@ class TrainLoop:
             loss = self._train_step()
             self.step += 1
             steps_done += 1
-            stop, (loss_sum,) = self.preemption.agree(self.opt.comm.group, [loss])
+            stop, (loss_sum,) = self.preemption.agree(self.opt.engine.comm.group, [loss])
             if self.watchdog is not None:
                 self.watchdog.beat(self.step)
             self.progress.step(self.step, loss_sum / self.world, self.lr, steps_done)
@@ -146,7 +146,7 @@ class TrainLoop:
                 who = signal_name(self.preemption.received) if self.preemption.requested else "another rank"
                 self.progress.log(f"preemption requested ({who}): saving step {self.step} and exiting", echo=True)
                 self.save(wait=True)
-                self.opt.comm.barrier()
+                self.opt.engine.comm.barrier()
                 return "preempted"
             if self.step % self.s.save_interval == 0:
                 self.save()

@@ -124,7 +124,7 @@ def finish_weights(model: nn.Module, source: ModelSource, seed: int = 0) -> None
     if source.weights_dir is not None:
         zeroshard.load_safetensors(model, source.weights_dir)
     opt = optimizer_for(model)
-    if opt is not None and any(u.needs_init for u in opt.all_units):  # PEFT adapters of a meta start
+    if opt is not None and any(u.needs_init for u in opt.engine.joined().all_units):  # PEFT adapters of a meta start
         zeroshard.init_meta_weights(model, seed=seed)
 
 

@@ -31,7 +31,7 @@ import ctypes
 
 import torch
 
-from zeroshard.optim.flat_unit import FlatUnit
+from zeroshard.units.flat_unit import FlatUnit
 
 _AVAILABLE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 

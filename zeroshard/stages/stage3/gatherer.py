@@ -44,7 +44,7 @@ Note [sharded parameters]: outside the forward and backward of its unit a parame
 registered in its module as a ``ShardedTensor`` Parameter over the owned piece of the unit's
 shard (the scheme of FSDP2's sharded DTensor parameters), so torch code that reads it, prints
 it, calls ``model.state_dict()`` / ``torch.save`` / ``load_state_dict`` or ``model.to()`` sees
-real memory and global values (zeroshard/optim/sharded_tensor.py), and the optimizer's param
+real memory and global values (zeroshard/stages/sharded_tensor.py), and the optimizer's param
 groups and ``.grad`` are those objects. While a unit is gathered its modules hold the
 *unsharded* parameters instead: views into the gathered flat buffer that autograd saves and
 accumulates into (the reducer's hooks are on them). The swap is of registrations only
@@ -90,9 +90,9 @@ from torch.utils._pytree import tree_flatten
 
 from zeroshard.comm import Comm, Work
 from zeroshard.io.buffers import held_bytes
-from zeroshard.optim.flat_unit import FlatUnit, alloc_storage, free_storage, is_allocated
+from zeroshard.units.flat_unit import FlatUnit, alloc_storage, free_storage, is_allocated
 from zeroshard.comm.tensor_parallel import as_sharded_parameter, local_of
-from zeroshard.optim.sharded_tensor import ShardedTensor
+from zeroshard.stages.sharded_tensor import ShardedTensor
 from zeroshard.stages.stage3.forward_check import ForwardAgreement
 from zeroshard.stages.stage3.gather_alias import can_lend, lend, take_back
 

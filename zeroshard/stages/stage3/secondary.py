@@ -29,7 +29,7 @@ import torch
 from zeroshard.comm import Work
 from zeroshard.comm.hierarchical import HierarchicalComm
 from zeroshard.memory import tensor_bytes
-from zeroshard.optim.flat_unit import FlatUnit
+from zeroshard.units.flat_unit import FlatUnit
 
 _OWNERS: "weakref.WeakKeyDictionary[FlatUnit, SecondaryPartition]" = weakref.WeakKeyDictionary()
 

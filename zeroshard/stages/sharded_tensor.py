@@ -45,7 +45,7 @@ from zeroshard.ops.sqnorm import squared_norm_f64
 from zeroshard.stages.stage3.secondary import params_written
 
 if TYPE_CHECKING:
-    from zeroshard.optim.flat_unit import FlatUnit
+    from zeroshard.units.flat_unit import FlatUnit
 
 aten = torch.ops.aten
 

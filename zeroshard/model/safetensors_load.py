@@ -10,44 +10,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import json
-import os
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from zeroshard.checkpoint import frozen_base
-from zeroshard.checkpoint.shard_file import DTYPES
+from zeroshard.checkpoint.hf_files import RangeReader, peft_base_name, weight_map
 
 from zeroshard.optim.registry import optimizer_for
 from zeroshard.stages.stage3.secondary import params_written
 
 if TYPE_CHECKING:
-    from zeroshard.optim.zero_optimizer import ZeroOptimizer
-
-
-def _weight_map(path: str) -> dict[str, str]:
-    if os.path.isfile(path):
-        with safe_open(path, framework="pt") as f:
-            return {k: path for k in f.keys()}
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            raw = json.load(f).get("weight_map")
-        if not isinstance(raw, dict):
-            raise ValueError(f"{index} has no 'weight_map' object")
-        out = {}
-        for name, fname in raw.items():
-            if not isinstance(fname, str) or os.path.basename(fname) != fname or fname in ("", ".", ".."):
-                raise ValueError(f"{index} maps {name!r} to {fname!r}, which is not a plain file name "
-                                 "in that directory; refusing to read it")
-            out[name] = os.path.join(path, fname)
-        return out
-    single = os.path.join(path, "model.safetensors")
-    if os.path.isfile(single):
-        return _weight_map(single)
-    raise FileNotFoundError(f"{path} holds neither model.safetensors.index.json nor model.safetensors")
+    from zeroshard.optim.zero_engine import EngineOwner
 
 
 def _resolve_prefix(files: dict[str, str], model: nn.Module) -> dict[str, tuple[str, str]]:
@@ -62,7 +36,7 @@ def _resolve_prefix(files: dict[str, str], model: nn.Module) -> dict[str, tuple[
             out.setdefault(alias, (path, name))
     if _adapter_names(model):  # a PEFT model over the base: its names wrap the base's names
         for name in model.state_dict(keep_vars=True):
-            base = _peft_base_name(name)
+            base = peft_base_name(name)
             if base in out:
                 out.setdefault(name, out[base])
     return out
@@ -73,62 +47,8 @@ def _adapter_names(model: nn.Module) -> list[str]:
     return list(config) if isinstance(config, dict) else []
 
 
-def _peft_base_name(name: str) -> str:
-    """``base_model.model.model.layers.0.q_proj.base_layer.weight`` -> ``model.layers.0.q_proj.weight``."""
-    if name.startswith("base_model.model."):
-        name = name[len("base_model.model."):]
-    return name.replace(".base_layer.", ".")
-
-
 def _is_adapter(name: str, adapters: list[str]) -> bool:
     return any(f".{a}." in f"{name}." for a in adapters)
-
-
-class _RangeReader:
-    """Reads byte ranges of the tensors of one safetensors file with ``os.pread``: exactly the
-    elements a rank owns, with no memory map (a mapped file's touched pages count as the
-    process's resident memory). The header is checked against the file before it is used."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
-        size = os.fstat(self.fd).st_size
-        head = os.pread(self.fd, 8, 0)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if not 0 < n <= min(size - 8, 100 << 20):
-            raise ValueError(f"{path} is not a safetensors file (header length {n}, file size {size})")
-        header = json.loads(os.pread(self.fd, n, 8))
-        header.pop("__metadata__", None)
-        self.base = 8 + n
-        self.entries: dict[str, tuple[torch.dtype, list[int], int]] = {}
-        for name, e in header.items():
-            dtype = DTYPES.get(e.get("dtype"))
-            a, b = e.get("data_offsets", (-1, -1))
-            shape = [int(d) for d in e.get("shape", [])]
-            numel = 1
-            for d in shape:
-                numel *= d
-            if dtype is None or not 0 <= a <= b <= size - self.base or b - a != numel * dtype.itemsize:
-                raise ValueError(f"{path}: tensor {name!r} has an invalid header entry {e}")
-            self.entries[name] = (dtype, shape, self.base + a)
-
-    def shape(self, name: str) -> list[int]:
-        return self.entries[name][1]
-
-    def read(self, name: str, start: int, stop: int) -> torch.Tensor:
-        dtype, _, offset = self.entries[name]
-        nbytes = (stop - start) * dtype.itemsize
-        buf = bytearray(nbytes)
-        view, done = memoryview(buf), 0
-        while done < nbytes:
-            got = os.preadv(self.fd, [view[done:]], offset + start * dtype.itemsize + done)
-            if got <= 0:
-                raise ValueError(f"{self.path}: short read of {name!r}")
-            done += got
-        return torch.frombuffer(buf, dtype=dtype) if nbytes else torch.empty(0, dtype=dtype)
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 @torch.no_grad()
@@ -141,13 +61,13 @@ def load_safetensors(model: nn.Module, path: str, strict: bool = True) -> list[s
     if opt is None:
         raise ValueError("load_safetensors needs the model to be managed by a ZeroOptimizer; for a "
                          "plain model use safetensors.torch.load_model")
-    files = _resolve_prefix(_weight_map(path), model)
-    handles: dict[str, _RangeReader] = {}
+    files = _resolve_prefix(weight_map(path), model)
+    handles: dict[str, RangeReader] = {}
 
-    def handle(name: str) -> tuple[_RangeReader, str]:
+    def handle(name: str) -> tuple[RangeReader, str]:
         fname, stored = files[name]
         if fname not in handles:
-            handles[fname] = _RangeReader(fname)
+            handles[fname] = RangeReader(fname)
         return handles[fname], stored
     try:
         return _load(opt, model, path, files, handle, strict)
@@ -159,10 +79,10 @@ def load_safetensors(model: nn.Module, path: str, strict: bool = True) -> list[s
             h.close()
 
 
-def _load(opt: "ZeroOptimizer", model: nn.Module, path: str, files: dict, handle, strict: bool) -> list[str]:
+def _load(opt: "EngineOwner", model: nn.Module, path: str, files: dict, handle, strict: bool) -> list[str]:
     missing, wrong = [], []
-    where = opt.segment_index()
-    for unit in opt.all_units:
+    where = opt.engine.segment_index()
+    for unit in opt.engine.joined().all_units:
         complete = True
         for m, seg in zip(unit.members, unit.layout.segments):
             if seg.name not in files:
@@ -193,8 +113,8 @@ def _load(opt: "ZeroOptimizer", model: nn.Module, path: str, files: dict, handle
             t.data.copy_(f.read(stored_name, 0, t.numel()).view(t.shape))
         elif isinstance(t, nn.Parameter):
             missing.append(key)
-    if opt.gatherer is not None:  # a unit gathered now holds the old values: drop it
-        opt.gatherer.release_all()
+    if opt.engine.gatherer is not None:  # a unit gathered now holds the old values: drop it
+        opt.engine.gatherer.release_all()
     if wrong:
         raise ValueError("shapes differ between the files and the model: " + "; ".join(wrong[:10]))
     adapters = _adapter_names(model)

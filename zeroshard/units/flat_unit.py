@@ -18,7 +18,9 @@ the methods below read or write the file where needed.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
@@ -28,10 +30,68 @@ from zeroshard.io.host_pool import HOST_POOL
 from zeroshard.layout import NamedParam, UnitLayout
 from zeroshard.config import Placement
 from zeroshard.ops.sqnorm import squared_norm_f64
-from zeroshard.stages import StagePolicy
+from zeroshard.units.stage_policy import StagePolicy
 
-if TYPE_CHECKING:
-    from zeroshard.offload.unit_swap import NvmeUnitStore
+
+# Note [the store a unit calls back]: the NVMe store (zeroshard/offload/unit_swap.py,
+# ``NvmeUnitStore``) sits above the unit: it adopts units and the unit calls back only through
+# ``PartStore``, so the bottom layer never imports offload/ (Note [the layers] in docs/design.md).
+# A part is one of a unit's tensors by name: "shard", "master" or "grad".
+class PartStore(Protocol):
+    def parts_of(self, unit: "FlatUnit") -> tuple[str, ...]:
+        """The parts of ``unit`` the store holds."""
+        ...
+
+    def swaps(self, unit: "FlatUnit", part: str) -> bool:
+        ...
+
+    def fetch(self, unit: "FlatUnit", parts: Iterable[str], skip_read: Iterable[str] = (),
+              urgent: bool = False) -> None:
+        """Starts reading ``parts`` into memory (``skip_read``: allocated, not read)."""
+        ...
+
+    def load(self, unit: "FlatUnit", parts: Iterable[str]) -> None:
+        """Reads ``parts`` into memory and waits for them."""
+        ...
+
+    def flush(self, unit: "FlatUnit", parts: Iterable[str], release: bool = True) -> None:
+        """Writes ``parts`` back in the background (freed once written with ``release``)."""
+        ...
+
+    def settle(self, unit: "Optional[FlatUnit]" = None) -> None:
+        """Waits for the unit's (or every unit's) writes in flight."""
+        ...
+
+    def forget(self, unit: "FlatUnit", part: str) -> None:
+        """``part``'s value is gone (gradients set to None): a held copy is dropped unwritten."""
+        ...
+
+    def read_range(self, unit: "FlatUnit", part: str, a: int, b: int) -> torch.Tensor:
+        ...
+
+    def write_range(self, unit: "FlatUnit", part: str, a: int, values: torch.Tensor) -> None:
+        ...
+
+    def touched(self, unit: "FlatUnit", part: str, write: bool) -> AbstractContextManager[None]:
+        """``part`` in memory for torch code (Note [parts held for torch code])."""
+        ...
+
+    def sized(self, unit: "FlatUnit") -> AbstractContextManager[None]:
+        ...
+
+    def resident(self, unit: "FlatUnit", parts: Sequence[str], write: bool = False) -> AbstractContextManager[None]:
+        """``parts`` in memory for the block (written back after it with ``write``)."""
+        ...
+
+    def evict(self, unit: "FlatUnit", parts: Iterable[str]) -> None:
+        ...
+
+    def fetch_for_gather(self, unit: "FlatUnit", dest: torch.Tensor, backward: bool) -> None:
+        """Starts reading the unit's shard into ``dest`` for a stage-3 gather."""
+        ...
+
+    def finish_gather(self, unit: "FlatUnit", dest: torch.Tensor, backward: bool) -> None:
+        ...
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -73,7 +133,7 @@ class FlatUnit:
         """Frozen parameters only (stage 3, Note [frozen units] in zeroshard/stages/stage3/frozen.py):
         a shard and the gathered buffer in the model dtype, no master, gradient or optimizer state."""
         self.members = list(members)
-        self.swap: Optional[NvmeUnitStore] = None
+        self.swap: Optional[PartStore] = None
         """The swap file that holds some of this unit's parts between uses (NVMe offload)."""
         self.step_in_flight: Optional[Any] = None
         """The optimizer's ``StepInFlight``: what reads this unit's parts outside the optimizer
@@ -149,7 +209,7 @@ class FlatUnit:
         """``part`` ("shard", "master" or "grad") lives in the swap file between uses."""
         return self.swap_holding(part) is not None
 
-    def swap_holding(self, part: str) -> Optional[NvmeUnitStore]:
+    def swap_holding(self, part: str) -> Optional[PartStore]:
         """The swap file ``part`` lives in between uses; None when it stays in memory."""
         return self.swap if self.swap is not None and self.swap.swaps(self, part) else None
 

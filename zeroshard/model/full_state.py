@@ -21,12 +21,12 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True,
     live = model.state_dict(keep_vars=True)
     if not frozen:
         live = {k: v for k, v in live.items() if not (isinstance(v, nn.Parameter) and not v.requires_grad)}
-    if opt is None or opt.gatherer is None:  # stages 0-2: every rank holds full parameters
+    if opt is None or opt.engine.gatherer is None:  # stages 0-2: every rank holds full parameters
         live = {k: v.full_tensor().detach() if is_dtensor(v) else v for k, v in live.items()}  # (TP: global)
         out = {k: (v.detach().cpu() if cpu else v.detach()).clone() for k, v in live.items()}
-        return None if rank0_only and (opt is not None and opt.comm.rank != 0) else out
-    keep = not rank0_only or opt.comm.rank == 0
-    where = opt.segment_index()
+        return None if rank0_only and (opt is not None and opt.engine.comm.rank != 0) else out
+    keep = not rank0_only or opt.engine.comm.rank == 0
+    where = opt.engine.segment_index()
     by_unit: dict[int, list[str]] = {}
     out = {}  # (dict[str, torch.Tensor], as above)
     for key, t in live.items():
@@ -34,8 +34,8 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True,
             by_unit.setdefault(where[id(t)][0].layout.index, []).append(key)
         elif keep:
             out[key] = (t.detach().cpu() if cpu else t.detach()).clone()
-    gatherer = opt.gatherer
-    for ui, unit in enumerate(opt.all_units):
+    gatherer = opt.engine.gatherer
+    for ui, unit in enumerate(opt.engine.joined().all_units):
         if unit.frozen and not frozen:
             continue
         was_released = gatherer.state[ui].value == "released"
@@ -44,7 +44,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True,
             for key in by_unit.get(unit.layout.index, []):
                 seg = where[id(live[key])][1]
                 t = unit.flat[seg.offset:seg.end].view(seg.shape)
-                t = opt.tp.full(seg.name, t) if opt.tp is not None else t  # (a TP shard: the global tensor)
+                t = opt.engine.tp.full(seg.name, t) if opt.engine.tp is not None else t  # (a TP shard: the global tensor)
                 out[key] = (t.cpu() if cpu else t).clone()
         if was_released:
             gatherer.release(ui)
