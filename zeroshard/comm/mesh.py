@@ -177,7 +177,7 @@ def _hpz_comm(process_group: Optional[dist.ProcessGroup], mesh: object) -> Hiera
                          "init_device_mesh('cuda', (nodes, gpus_per_node)), and no process_group=: the "
                          "secondary partition lives in dimension 1, inside each node")
     mesh = _checked(mesh)
-    if "tp" in tuple(getattr(mesh, "mesh_dim_names", None) or ()):
+    if "tp" in tuple(getattr(mesh, "mesh_dim_names", None) or ()):  # (the mesh's shape; DTensors: check_composition)
         raise ValueError("hpz=True with tensor parallelism (a mesh with a 'tp' dimension) is not supported yet; "
                          "use hpZ on a (nodes, ranks per node) data-parallel mesh, or TP without hpz")
     if sorted(mesh.mesh.flatten().tolist()) != list(range(dist.get_world_size())):

@@ -79,8 +79,9 @@ def mesh_dims(mesh: object) -> tuple[str, ...]:
 
 
 def detect(mesh: Optional["DeviceMesh"], config: "ZeroConfig") -> Optional[PipelineParallel]:
-    """The PipelineParallel of a mesh with a "pp" dimension (None without one); refuses what
-    does not compose (Note [pipeline parallelism])."""
+    """The PipelineParallel of a mesh with a "pp" dimension (None without one); refuses a mesh
+    of another shape. What pp does not compose with (stage 3, hpZ, NVMe) is refused by
+    ``check_composition`` (zeroshard/optim/composition.py; Note [pipeline parallelism])."""
     dims = mesh_dims(mesh)
     if mesh is None or "pp" not in dims:
         return None
@@ -88,18 +89,6 @@ def detect(mesh: Optional["DeviceMesh"], config: "ZeroConfig") -> Optional[Pipel
     if rest != ["dp"]:
         raise ValueError(f"mesh_dim_names={dims}: a pipeline-parallel mesh is ('pp', 'dp') or ('pp', 'dp', 'tp'); "
                          "a hybrid (replicate, shard) data-parallel dimension with pp is not supported yet")
-    if config.stage == 3:
-        raise ValueError("stage=3 with pipeline parallelism (a 'pp' mesh dimension) is not supported: stage 3 "
-                         "gathers each unit's parameters in forward and frees them after its backward, and a "
-                         "pipeline schedule runs both once per micro-batch (2 x n_microbatches gathers per step; "
-                         "FSDP2's reshard_after_forward=False keeps them whole instead, which is stage 2's "
-                         "memory). Use stage=1 or stage=2")
-    if config.hpz:
-        raise ValueError("hpz=True with pipeline parallelism (a 'pp' mesh dimension) is not supported; use hpz "
-                         "on a (nodes, ranks per node) mesh without pp")
-    if config.optimizer_swapped or config.params_swapped:
-        raise ValueError("NVMe offload with pipeline parallelism (a 'pp' mesh dimension) is not supported yet; "
-                         "offload to 'cpu', or pass a mesh without pp")
     pp_mesh = mesh["pp"]
     coord = list(mesh.get_coordinate() or ())
     others = [c for n, c in zip(dims, coord) if n != "pp"]

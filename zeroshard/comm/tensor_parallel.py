@@ -212,14 +212,6 @@ def detect(params: list[torch.Tensor], names: dict[int, str], dp: Comm, config: 
                              "a mesh without 'tp' over every rank (not this mesh's mesh['dp']) or process_group=")
         return None
     first = names.get(id(dts[0]), "?")
-    if config.mixed_precision is not None:
-        raise ValueError(f"parameter {first!r} is a DTensor: mixed_precision={config.mixed_precision!r} is not "
-                         "supported with tensor parallelism (the DTensor keeps its dtype); use fp32 parameters")
-    if config.optimizer_swapped:
-        raise ValueError("offload_optimizer='nvme' is not supported with DTensor (tensor-parallel) parameters")
-    if hybrid:
-        raise ValueError("a hybrid (replicate, shard) mesh together with tensor parallelism is not supported; "
-                         "pass the ('dp', 'tp') mesh")
     from torch.distributed.tensor import Shard
     mesh = dts[0].device_mesh
     out: dict[int, TpParam] = {}
@@ -235,7 +227,7 @@ def detect(params: list[torch.Tensor], names: dict[int, str], dp: Comm, config: 
                              Split(place.dim, ()) if isinstance(place, Shard) else None, mesh.get_local_rank(0),
                              p._local_tensor.shape)
     tp_group = mesh.get_group(0)
-    if dp.group is not None:
+    if dp.group is not None and not hybrid:  # (a hybrid mesh is refused by check_composition: optim/composition.py)
         overlap = set(dist.get_process_group_ranks(dp.group)) & set(dist.get_process_group_ranks(tp_group))
         if overlap != {dist.get_rank()}:
             raise ValueError(

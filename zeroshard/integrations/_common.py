@@ -64,7 +64,7 @@ class SaveGuard:
         self.armed = False
         optimizer.register_state_dict_post_hook(lambda opt, sd: self._optimizer_state_dict(sd))
         model = optimizer.engine.module
-        if model is not None and optimizer.engine.gatherer is not None:
+        if model is not None and optimizer.engine.shards_parameters:
             model.register_state_dict_post_hook(lambda mod, sd, prefix, meta: self._model_state_dict(sd, prefix))
 
     @classmethod
@@ -87,7 +87,7 @@ class SaveGuard:
             self.optimizer_state = self.optimizer.consolidated_state_dict(to_rank=0)
             self.armed = True
         module = self.optimizer.engine.module
-        if weights and self.optimizer.engine.gatherer is not None and module is not None:
+        if weights and self.optimizer.engine.shards_parameters and module is not None:
             self.model_state = full_state_dict(module, rank0_only=True)
 
     def disarm(self) -> None:
@@ -163,7 +163,7 @@ def is_zero(optimizer: object) -> bool:
 def full_weights_for_save(model: nn.Module) -> Optional[dict]:
     """Stage 3: the full weights on rank 0 (None elsewhere); stages 0-2: None (state_dict is full)."""
     opt = registry.optimizer_for(_unwrap(model))
-    if opt is None or opt.engine.gatherer is None:
+    if opt is None or not opt.engine.shards_parameters:
         return None
     from zeroshard import full_state_dict
     return full_state_dict(_unwrap(model), rank0_only=True)

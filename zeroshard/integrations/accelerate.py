@@ -60,7 +60,7 @@ def attach(accelerator: Any, optimizer: Any) -> SaveGuard:
     def before_save(models: list, weights: list, output_dir: str) -> None:
         guard.disarm()
         guard.arm(optimizer=True, weights=False)
-        if opt.engine.gatherer is None:
+        if not opt.engine.shards_parameters:
             return
         from zeroshard import full_state_dict
         for model, sd in zip(models, weights):
@@ -73,7 +73,7 @@ def attach(accelerator: Any, optimizer: Any) -> SaveGuard:
                     sd[key] = full[key] if full is not None else torch.empty(0)
 
     def before_load(models: list, input_dir: str) -> None:
-        if opt.engine.gatherer is None:
+        if not opt.engine.shards_parameters:
             return
         for i, model in enumerate(models):
             if _unwrap(model) is module:

@@ -44,7 +44,7 @@ class ZeroStrategy(DDPStrategy):
         super().setup(trainer)
         for opt in self.optimizers:
             zopt = optimizer_of(None, opt)  # a TypeError names the fix for any other optimizer
-            if zopt.engine.gatherer is not None and zopt.engine.module is self.lightning_module:
+            if zopt.engine.shards_parameters and zopt.engine.module is self.lightning_module:
                 # Stage 3 gathers the root unit in the root module's forward, which Lightning
                 # never calls (it calls training_step).
                 raise ValueError(
@@ -70,7 +70,7 @@ class ZeroStrategy(DDPStrategy):
         module = self.lightning_module
         if module is None:  # (Lightning attaches the module before it saves a checkpoint)
             raise RuntimeError("ZeroStrategy.lightning_module_state_dict: no LightningModule is attached")
-        sharded = [o for o in map(self._zero, self.optimizers) if o.engine.gatherer is not None]
+        sharded = [o for o in map(self._zero, self.optimizers) if o.engine.shards_parameters]
         if not sharded:
             return module.state_dict()
         from zeroshard import full_state_dict

@@ -21,7 +21,8 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True,
     live = model.state_dict(keep_vars=True)
     if not frozen:
         live = {k: v for k, v in live.items() if not (isinstance(v, nn.Parameter) and not v.requires_grad)}
-    if opt is None or opt.engine.gatherer is None:  # stages 0-2: every rank holds full parameters
+    gatherer = opt.engine.gatherer if opt is not None else None  # (stage 3's: Engine.shards_parameters)
+    if opt is None or gatherer is None:  # stages 0-2: every rank holds full parameters
         live = {k: v.full_tensor().detach() if is_dtensor(v) else v for k, v in live.items()}  # (TP: global)
         out = {k: (v.detach().cpu() if cpu else v.detach()).clone() for k, v in live.items()}
         return None if rank0_only and (opt is not None and opt.engine.comm.rank != 0) else out
@@ -34,7 +35,6 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True,
             by_unit.setdefault(where[id(t)][0].layout.index, []).append(key)
         elif keep:
             out[key] = (t.detach().cpu() if cpu else t.detach()).clone()
-    gatherer = opt.engine.gatherer
     for ui, unit in enumerate(opt.engine.joined().all_units):
         if unit.frozen and not frozen:
             continue

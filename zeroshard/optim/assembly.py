@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard.comm import pipeline
+from zeroshard.optim.composition import check_composition
 from zeroshard.comm.mesh import MeshInfo, mesh_info
 from zeroshard.comm.tensor_parallel import local_of
 from zeroshard.config import ZeroConfig
@@ -117,27 +118,20 @@ def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: Para
     engine.mesh = mesh_info(process_group, mesh, config, params, names)  # Note [hybrid sharding], [hpZ slice order]
     engine.sharding = sharding = Sharding(policy_for_stage(config.stage), engine.mesh, config)
     frozen = sharding.frozen(module, meta_shapes)  # (Note [frozen units] in stages/stage3/frozen.py)
-    if engine.mesh.tp is not None and frozen:
-        raise ValueError(f"stage 3 with tensor parallelism partitions trainable parameters only; {len(frozen)} are "
-                         f"frozen (e.g. {frozen[0].name!r}): use stage 1-2, or train them")
+    whole = frozenset(i for i, g in enumerate(groups)
+                      if update_kind(g.get("optimizer_class", engine.optimizer_class)) == "whole")
+    check_composition(config, engine.mesh, [m.name for m in frozen], sorted(whole))
     _start_from_rank0(engine.mesh, params, frozen, module)
     trainable = trainable_params(groups, names, {**meta_shapes, **engine.mesh.local_shapes()},
                                  sharding.shard_parameters)
     lifecycle.check_unclaimed([m.param for m in trainable], names)
     engine.precision = precision = Precision(config, single_dtype(trainable) if not config.mixed_precision
-                                             else torch.float32)
-    precision.pp = engine.mesh.pp.comm if engine.mesh.pp is not None else None
+                                             else torch.float32, pp=engine.mesh.pp.comm if engine.mesh.pp else None)
     param_dtype = precision.param_dtype
     all_params = params + [m.param for m in frozen]
     # frozen weights compute in the model dtype too: cast once nothing can refuse (the last step)
     casts = construction.frozen_casts(all_params, param_dtype) if precision.mixed else {}
     snapshot.keep_data_only_of(lambda p: sharding.shard_parameters or local_of(p).dtype != param_dtype)
-    whole = frozenset(i for i, g in enumerate(groups)
-                      if update_kind(g.get("optimizer_class", engine.optimizer_class)) == "whole")
-    if whole and engine.mesh.tp is not None:
-        raise ValueError("an optimizer that reads whole tensors (here in param group(s) "
-                         f"{sorted(whole)}) cannot run on tensor-parallel shards: its update of a DTensor's local "
-                         "shard is not its update of the matrix. Use an elementwise optimizer (AdamW, SGD) with TP")
     plan = sharding.lay_out(module, trainable, frozen, precision.bucket_numel(config.bucket_size_mb),
                             dtype_of=lambda m: casts.get(id(m.param), m.param.dtype), whole_groups=whole)
     engine.placement = placement_class(config, sharding.policy, engine.mesh.comm.rank, engine.optimizer_class,
@@ -204,7 +198,7 @@ def _build_units(owner: torch.optim.Optimizer, engine: Engine, plan: UnitPlan, c
     engine.units, engine.frozen_units = [], []
     for layout, members in plan.layouts:
         unit = FlatUnit(layout, members, policy, shard_rank, engine.precision.param_dtype, device,
-                        placement.of_unit(len(engine.units)))
+                        placement.of_unit(len(engine.units)), step_in_flight=engine.inflight)
         placement.adopt(unit)
         engine.units.append(unit)
     for layout, members in plan.frozen_layouts:
@@ -212,8 +206,6 @@ def _build_units(owner: torch.optim.Optimizer, engine: Engine, plan: UnitPlan, c
                         device, placement.of_frozen(len(engine.frozen_units)), frozen=True)
         placement.adopt_frozen(unit)
         engine.frozen_units.append(unit)
-    for unit in engine.units:  # (what reads a unit's parts waits for a step in flight)
-        unit.step_in_flight = engine.inflight
 
 
 def _build_optimizer_state(owner: torch.optim.Optimizer, engine: Engine, groups: list[dict], kwargs: dict) -> None:
@@ -240,8 +232,7 @@ def _build_gradients(engine: Engine, params: list[torch.Tensor]) -> None:
     """The reducer (gradients into the units as backward runs) and the ``.grad`` views torch code sees."""
     config, mesh, units = engine.config, engine.mesh, engine.units
     engine.reducer = reducer = GradientReducer(units, mesh.comm, engine.precision.reduce_dtype,
-                                               config.max_inflight_buckets)
-    reducer.replicas = mesh.replicas
+                                               config.max_inflight_buckets, replicas=mesh.replicas)
     engine.grad_links = GradLinks(units, mesh.comm, engine.sharding.visible)
     engine.grads = GradientFlow(units, reducer, engine.grad_links, engine.sharding.visible, engine.precision,
                                 mesh.comm, mesh.data_parallel_size, engine.inflight)
@@ -274,7 +265,7 @@ def _attach(owner: torch.optim.Optimizer, engine: Engine) -> None:
         engine.removers.append(load_hook.remove)
         members = [m.param for u in engine.all_units for m in u.members]
         engine.module_guard = ModuleGuard(module, members + [sharding.visible(p) for p in members], "ZeroOptimizer",
-                                          [u.flat for u in units] if sharding.gatherer is None else [])
+                                          [u.flat for u in units] if not sharding.policy.shard_parameters else [])
         engine.removers.append(engine.module_guard.remove)
     managed = [m.param for u in engine.all_units for m in u.members]
     lifecycle.claim(managed, owner)

@@ -54,10 +54,10 @@ class _Pending:
 
 class GradientReducer:
     def __init__(self, units: Sequence[FlatUnit], comm: Comm, reduce_dtype: torch.dtype,
-                 max_inflight: int) -> None:
+                 max_inflight: int, replicas: Optional[Comm] = None) -> None:
         self.units = list(units)
         self.comm = comm
-        self.replicas: Optional[Comm] = None
+        self.replicas = replicas
         """Hybrid sharding: the group of this rank's replicas (same shard, other shard groups)."""
         self.reduce_dtype = reduce_dtype
         self.max_inflight = max_inflight

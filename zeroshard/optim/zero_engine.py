@@ -84,6 +84,12 @@ class Engine:
         return self.sharding.policy
 
     @property
+    def shards_parameters(self) -> bool:
+        """Stage 3: parameters persist only as owned slices (the one answer to "is this stage 3?";
+        ``gatherer`` is the object that gathers them, None otherwise)."""
+        return self.sharding.policy.shard_parameters
+
+    @property
     def comm(self) -> Comm:
         return self.mesh.comm
 

@@ -22,7 +22,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Precision:
-    def __init__(self, config: ZeroConfig, trainable_dtype: torch.dtype) -> None:
+    def __init__(self, config: ZeroConfig, trainable_dtype: torch.dtype, pp: Optional[Comm] = None) -> None:
         self.mixed = config.mixed_precision is not None
         self.param_dtype: torch.dtype = _DTYPES[config.mixed_precision] if config.mixed_precision else trainable_dtype
         """The dtype the model computes in (the fp32 masters of mixed precision live in the units)."""
@@ -33,7 +33,7 @@ class Precision:
         self._scaled_pass = -1  # the backward pass scale_loss was called for
         self._checked_pass = -1  # the pass whose overflow flag is cached
         self._overflow = False
-        self.pp: Optional[Comm] = None
+        self.pp = pp
         """Pipeline parallelism: the other stages' ranks, which agree on overflow too; the last
         stage's loss_fn scales the loss, so passes are not checked for being scaled here."""
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
-from typing import Any, Optional, Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
@@ -94,6 +94,21 @@ class PartStore(Protocol):
         ...
 
 
+class StepWaiter(Protocol):
+    """The optimizer's step that may still be updating units in the background (``StepInFlight``,
+    Note [overlapped step] in zeroshard/optim/step_in_flight.py)."""
+
+    @property
+    def running(self) -> bool:
+        ...
+
+    def wait_unit(self, unit: "FlatUnit", whole: bool = False) -> None:
+        ...
+
+    def ready(self, unit: "FlatUnit", whole: bool = False) -> bool:
+        ...
+
+
 def free_storage(t: torch.Tensor) -> None:
     """Releases ``t``'s memory but keeps the storage object, so every view of it (model
     parameters, and tensors autograd saved from them) sees the data again once
@@ -125,7 +140,8 @@ def _part(numel: int, dtype: torch.dtype, device: torch.device, pin: bool, swapp
 class FlatUnit:
     def __init__(self, layout: UnitLayout, members: Sequence[NamedParam], policy: StagePolicy,
                  rank: int, param_dtype: torch.dtype, device: Optional[torch.device] = None,
-                 placement: Optional[Placement] = None, frozen: bool = False) -> None:
+                 placement: Optional[Placement] = None, frozen: bool = False,
+                 step_in_flight: Optional[StepWaiter] = None) -> None:
         self.layout = layout
         self.frozen = frozen
         self.writes = 0
@@ -135,7 +151,7 @@ class FlatUnit:
         self.members = list(members)
         self.swap: Optional[PartStore] = None
         """The swap file that holds some of this unit's parts between uses (NVMe offload)."""
-        self.step_in_flight: Optional[Any] = None
+        self.step_in_flight = step_in_flight
         """The optimizer's ``StepInFlight``: what reads this unit's parts outside the optimizer
         waits on it (Note [overlapped step] in zeroshard/optim/step_in_flight.py)."""
         self.policy = policy
