@@ -29,7 +29,7 @@ zeroshard/planner/auto_placement.py), each in a fresh process in the cgroup, sam
   cgroup of that budget plus the headroom; its step time is compared with the all-NVMe step.
 Peak RSS and the cgroup's peak usage are reported for each. Every placement runs with
 ``overlap_step`` as ``--overlap-step`` says (on by default: Note [overlapped step] in
-zeroshard/optim/step_in_flight.py); the medians leave out the first two steps (the first
+zeroshard/units/step_in_flight.py); the medians leave out the first two steps (the first
 reads no moments; the benchmark finishes it to start counting bytes, so the second has no
 step to overlap), and the bytes per step are counted over the later steps whole.
 """

@@ -44,7 +44,7 @@ def groups(model: torch.nn.Module, recipe: str, zero: bool) -> Any:
 
 
 def exact_clip(params: list[torch.Tensor], max_norm: float) -> float:
-    """Clipping by the norm summed in float64, as ZeroOptimizer sums its shards' (grad_norm.py),
+    """Clipping by the norm summed in float64, as ZeroOptimizer sums its shards' (grads/norm.py),
     then a float32 as torch's: the coefficient is the same float32 whatever the order of the sum. torch's
     ``clip_grad_norm_`` sums per-tensor float32 norms, whose last bit no sharded sum reproduces,
     and Muon's bf16 Newton-Schulz turns a last-bit difference into flipped roundings (the

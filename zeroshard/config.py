@@ -228,7 +228,7 @@ class ZeroConfig:
     """Stage 3 with the optimizer state streamed from NVMe: ``step()`` returns once what needs
     the whole model is decided, and the units are updated in the background while the next
     forward runs, each gather waiting for its own unit (Note [overlapped step] in
-    zeroshard/optim/step_in_flight.py; same bits). An error of the background step is
+    zeroshard/units/step_in_flight.py; same bits). An error of the background step is
     raised by the next call that needs the state. None: on under offload="auto", off
     otherwise; ignored where nothing streams."""
 

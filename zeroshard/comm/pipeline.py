@@ -10,13 +10,13 @@ spans the whole model, not one stage:
 - gradients: the schedule runs one backward per micro-batch. Reducing each would cost
   n_microbatches reductions per step, so ``PipelineStage`` (this file; torch's with one method
   changed) runs every backward but the last with the reducer deferred (Note [deferred
-  reduction] in zeroshard/optim/grad_sync.py): their gradients add into the unit buckets
+  reduction] in zeroshard/grads/reducer.py): their gradients add into the unit buckets
   locally, and the last micro-batch's backward reduces each unit once, as soon as it is
   complete, overlapped with the rest of that backward. torch's schedules call the method
   with ``last_backward`` (GPipe, 1F1B). torch's own
   ``PipelineStage`` still trains correctly, with one reduction per micro-batch;
 - clipping: the norm's partial sums (dp, then tp) are summed over pp as well, so every stage
-  clips by the norm of the whole model (zeroshard/optim/grad_norm.py);
+  clips by the norm of the whole model (zeroshard/grads/norm.py);
 - fp16: the overflow found on any rank of any stage skips the step on all of them, and the
   loss scale is the same on every stage (the last stage scales the loss, the others receive
   scaled gradients), so every stage's scaler moves alike;

@@ -227,7 +227,7 @@ class NvmeOptimizerState(MutableMapping):
 
     def prepare(self, param_groups: Sequence[dict], unit_order: Optional[Sequence[Any]] = None) -> list[tuple]:
         """What a step updates, taken in the caller's thread so that the step may run in
-        another (Note [overlapped step] in zeroshard/optim/step_in_flight.py): each run with a
+        another (Note [overlapped step] in zeroshard/units/step_in_flight.py): each run with a
         gradient, that gradient, and its group's hyperparameters as they are now; units in
         ``unit_order`` first, in that order (each run's update is independent of the others)."""
         todo = [r for r in self.runs if r.tensor.grad is not None and r.unit.grad_valid and r.tensor.numel()]

@@ -243,7 +243,7 @@ class SwapFile:
     def pread(self, tensor: torch.Tensor, offset: int, urgent: bool = False) -> _Checked:
         """``urgent``: through a second engine of its own, so the read does not queue behind
         the requests already in flight (a gather that forward waits on, behind a step in
-        flight: Note [overlapped step] in zeroshard/optim/step_in_flight.py)."""
+        flight: Note [overlapped step] in zeroshard/units/step_in_flight.py)."""
         self.check()
         engine = self.aio
         if urgent:

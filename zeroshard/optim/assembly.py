@@ -36,9 +36,9 @@ from zeroshard.ops import FusedAdam
 from zeroshard.optim import construction, ddp_check, kernel_choice, lifecycle, registry, reports
 from zeroshard.optim.zero_engine import Engine
 from zeroshard.units.flat_unit import FlatUnit
-from zeroshard.optim.grad_links import GradLinks
-from zeroshard.optim.grad_sync import GradientReducer
-from zeroshard.optim.gradients import GradientFlow
+from zeroshard.grads.links import GradLinks
+from zeroshard.grads.reducer import GradientReducer
+from zeroshard.grads.flow import GradientFlow
 from zeroshard.units.elementwise import update_kind
 from zeroshard.optim.inner import GroupedInner, step_without_hooks
 from zeroshard.optim.hyperparams import (check_inputs, check_optimizer_kwargs, nvme_kernel_refusal,

@@ -24,11 +24,13 @@ from zeroshard.config import ZeroConfig
 from zeroshard.offload.nvme_state import NvmeOptimizerState
 from zeroshard.offload.placement import StatePlacement
 from zeroshard.ops import FusedAdam
-from zeroshard.optim import clipping, grad_norm, kernel_choice, step_in_flight, untouched
+from zeroshard.grads import clipping, norm as grad_norm, untouched
+from zeroshard.optim import kernel_choice
+from zeroshard.units import step_in_flight
 from zeroshard.units.flat_unit import FlatUnit
-from zeroshard.optim.gradients import GradientFlow
+from zeroshard.grads.flow import GradientFlow
 from zeroshard.units.run import Run
-from zeroshard.optim.step_in_flight import StepInFlight
+from zeroshard.units.step_in_flight import StepInFlight
 from zeroshard.precision.precision_policy import Precision
 from zeroshard.stages.sharding import Sharding
 

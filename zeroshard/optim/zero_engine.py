@@ -23,13 +23,13 @@ from zeroshard.offload.nvme_state import NvmeOptimizerState
 from zeroshard.offload.placement import StatePlacement
 from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.units.flat_unit import FlatUnit
-from zeroshard.optim.grad_links import GradLinks
-from zeroshard.optim.grad_sync import GradientReducer
-from zeroshard.optim.gradients import GradientFlow
+from zeroshard.grads.links import GradLinks
+from zeroshard.grads.reducer import GradientReducer
+from zeroshard.grads.flow import GradientFlow
 from zeroshard.optim.lifecycle import Teardown
 from zeroshard.optim.module_guard import ModuleGuard
 from zeroshard.units.run import Run
-from zeroshard.optim.step_in_flight import StepInFlight
+from zeroshard.units.step_in_flight import StepInFlight
 from zeroshard.optim.stepper import Stepper
 from zeroshard.precision.loss_scaler import DynamicLossScaler
 from zeroshard.precision.precision_policy import Precision

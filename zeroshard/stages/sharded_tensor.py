@@ -2,7 +2,7 @@
 
 Two uses, one type:
 - ``param.grad`` when it cannot be a plain view of the gradient store (Note [visible
-  gradients] in zeroshard/optim/grad_links.py): this rank's fp32 piece at stages 2-3, or the
+  gradients] in zeroshard/grads/links.py): this rank's fp32 piece at stages 2-3, or the
   whole fp32 gradient behind a bf16/fp16 parameter or a swap file;
 - a stage-3 parameter outside the forward and backward of its unit (Note [sharded
   parameters] in zeroshard/stages/stage3/gatherer.py): the owned piece of the unit's shard.

@@ -96,7 +96,7 @@ class PartStore(Protocol):
 
 class StepWaiter(Protocol):
     """The optimizer's step that may still be updating units in the background (``StepInFlight``,
-    Note [overlapped step] in zeroshard/optim/step_in_flight.py)."""
+    Note [overlapped step] in zeroshard/units/step_in_flight.py)."""
 
     @property
     def running(self) -> bool:
@@ -153,7 +153,7 @@ class FlatUnit:
         """The swap file that holds some of this unit's parts between uses (NVMe offload)."""
         self.step_in_flight = step_in_flight
         """The optimizer's ``StepInFlight``: what reads this unit's parts outside the optimizer
-        waits on it (Note [overlapped step] in zeroshard/optim/step_in_flight.py)."""
+        waits on it (Note [overlapped step] in zeroshard/units/step_in_flight.py)."""
         self.policy = policy
         self.dtype = param_dtype
         self.device = device or self.members[0].param.device
@@ -272,7 +272,7 @@ class FlatUnit:
     def grad_spans_unit(self) -> bool:
         """The gradient store covers the whole padded unit (stages 0-1, or a shard group of one
         rank), so a backward's bucket can be the store itself (Note [in-place first pass] in
-        zeroshard/optim/grad_sync.py)."""
+        zeroshard/grads/reducer.py)."""
         return self.grad_base == 0 and self.grad_store.numel() == self.layout.padded_numel
 
     def owned_grad(self) -> torch.Tensor:
@@ -295,7 +295,7 @@ class FlatUnit:
 
     def reduced_in_place(self, factor: float) -> None:
         """The store itself was the bucket and holds the reduced sum (Note [in-place first pass]
-        in zeroshard/optim/grad_sync.py): scale it by ``factor``."""
+        in zeroshard/grads/reducer.py): scale it by ``factor``."""
         if factor != 1.0:
             self.grad_store.mul_(factor)
         self._grad_final()

@@ -1,7 +1,7 @@
 """The gradients of one ZeroOptimizer between backward and step, as torch code sees them.
 
 Lifecycle: built once by the assembly over the reducer (which moves each gradient into its
-unit's store as backward runs: grad_sync.py) and the ``.grad`` views (grad_links.py). Each
+unit's store as backward runs: grads/reducer.py) and the ``.grad`` views (grads/links.py). Each
 backward pass starts with ``begin_pass`` (what torch code did to ``.grad`` goes into the
 stores first); the step, clipping and ``zero_grad`` start with ``finalize``, which completes
 the reductions and takes in ``.grad`` again; ``zero_grad`` clears as torch does.
@@ -14,11 +14,11 @@ import torch
 
 from zeroshard.comm.process_group import Comm
 from zeroshard.ops.sqnorm import squared_norm_f64
-from zeroshard.optim import grad_norm
+from zeroshard.grads import norm as grad_norm
 from zeroshard.units.flat_unit import FlatUnit
-from zeroshard.optim.grad_links import GradLinks
-from zeroshard.optim.grad_sync import GradientReducer
-from zeroshard.optim.step_in_flight import StepInFlight
+from zeroshard.grads.links import GradLinks
+from zeroshard.grads.reducer import GradientReducer
+from zeroshard.units.step_in_flight import StepInFlight
 from zeroshard.precision.precision_policy import Precision
 
 

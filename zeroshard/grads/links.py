@@ -1,7 +1,7 @@
 """``GradLinks``: ``param.grad`` as torch code expects it, backed by zeroshard's gradient stores.
 
 Note [visible gradients]: gradients are reduced into each unit's fp32 gradient store during
-backward (zeroshard/optim/grad_sync.py). Once a backward pass has finished, every trainable
+backward (zeroshard/grads/reducer.py). Once a backward pass has finished, every trainable
 parameter's ``.grad`` is *published* as a view of its range of that store:
 
 - stages 0-1, fp32 model, store in memory on the model's device: a plain tensor view of the
@@ -20,7 +20,7 @@ used again (the next backward, ``step``, ``clip_grad_norm_``), with torch's mean
 
 At the start of each backward pass every ``p.grad`` is detached (set to None) before autograd
 accumulates into it, so autograd never adds a local, unreduced gradient into an averaged
-store; accumulation across micro-batches happens in the stores (grad_sync.py).
+store; accumulation across micro-batches happens in the stores (grads/reducer.py).
 """
 from __future__ import annotations
 

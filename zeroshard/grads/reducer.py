@@ -66,7 +66,7 @@ class GradientReducer:
         self._reset_pass()
         self.touched: list[list[bool]] = [[False] * len(u.layout.segments) for u in self.units]
         """Per unit and segment: a gradient arrived for it since the last clear (see
-        zeroshard/optim/untouched.py; parameters no rank saw a gradient for are not stepped)."""
+        zeroshard/grads/untouched.py; parameters no rank saw a gradient for are not stepped)."""
         self.grads_since_clear = False
         """Whether any backward reached the optimizer since the last zero_grad."""
         self.passes = 0
@@ -197,7 +197,7 @@ class GradientReducer:
             self._arrived = [set() for _ in self.units]
             return
         # Like DDP, the pass ends with every reduction complete, so .grad is final when
-        # backward returns (Note [visible gradients] in grad_links.py).
+        # backward returns (Note [visible gradients] in grads/links.py).
         self.flush()
         while self._inflight:
             self._retire(self._inflight.popleft())
