@@ -28,9 +28,11 @@ def missing() -> list[str]:
         dist = md.distribution("zeroshard")
     except md.PackageNotFoundError:
         return out + ["zeroshard (this checkout, editable)"]
-    import zeroshard  # noqa: PLC0415 (only once it is known to be installed)
-    if not os.path.abspath(zeroshard.__file__).startswith(os.path.join(ROOT, "")):
-        out.append(f"zeroshard from {ROOT} (this venv imports {zeroshard.__file__})")
+    import importlib.util
+    found = importlib.util.find_spec("zeroshard")  # (where it would import from; importing it costs seconds)
+    origin = found.origin if found is not None and found.origin else "nowhere"
+    if not os.path.abspath(origin).startswith(os.path.join(ROOT, "")):
+        out.append(f"zeroshard from {ROOT} (this venv imports {origin})")
     for text in dist.requires or []:
         req = Requirement(text)
         if req.marker is not None and not req.marker.evaluate({"extra": "test"}):

@@ -79,7 +79,6 @@ def _sent(report: dict, world: int) -> int:
 
 def rank_main(rank: int, world: int, out: str, args: argparse.Namespace) -> None:
     import torch
-    import torch.distributed as dist
     import zeroshard
     from zeroshard.comm.collective_names import all_gather_single, reduce_scatter_single
     from zeroshard.layout.bucketing import update_cost

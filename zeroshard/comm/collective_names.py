@@ -7,23 +7,28 @@ them (same arguments: output first, then input).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable, Optional, cast
 
+import torch
 import torch.distributed as dist
 
 
-def _pick(new: str, old: str) -> Callable[..., Any]:
+def _pick(new: str, old: str) -> Callable[..., Optional[dist.Work]]:
     return getattr(dist, new, None) or getattr(dist, old)
 
 
-def reduce_scatter_single(output: Any, input: Any, **kwargs: Any) -> Any:  # noqa: A002 (torch's name)
-    """``dist.reduce_scatter_single`` (torch >= 2.13) or ``dist.reduce_scatter_tensor``."""
-    return _pick("reduce_scatter_single", "reduce_scatter_tensor")(output, input, **kwargs)
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor,  # noqa: A002 (torch's name)
+                          **kwargs: object) -> dist.Work:
+    """``dist.reduce_scatter_single`` (torch >= 2.13) or ``dist.reduce_scatter_tensor``; pass
+    ``async_op=True`` for the Work handle."""
+    return cast(dist.Work, _pick("reduce_scatter_single", "reduce_scatter_tensor")(output, input, **kwargs))
 
 
-def all_gather_single(output: Any, input: Any, **kwargs: Any) -> Any:  # noqa: A002 (torch's name)
-    """``dist.all_gather_single`` (torch >= 2.13) or ``dist.all_gather_into_tensor``."""
-    return _pick("all_gather_single", "all_gather_into_tensor")(output, input, **kwargs)
+def all_gather_single(output: torch.Tensor, input: torch.Tensor,  # noqa: A002 (torch's name)
+                      **kwargs: object) -> dist.Work:
+    """``dist.all_gather_single`` (torch >= 2.13) or ``dist.all_gather_into_tensor``; pass
+    ``async_op=True`` for the Work handle."""
+    return cast(dist.Work, _pick("all_gather_single", "all_gather_into_tensor")(output, input, **kwargs))
 
 
 __all__ = ["reduce_scatter_single", "all_gather_single"]

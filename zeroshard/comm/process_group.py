@@ -208,6 +208,8 @@ class Comm:
         self._count("reduce_scatter", _nbytes(full))
         if self.result_in_full:
             return dist.all_reduce(full, group=self.group, async_op=True)
+        if shard_out is None:
+            raise RuntimeError("reduce_scatter: shard_out is None, but the result does not land in full here")
         return reduce_scatter_single(shard_out, full, group=self.group, async_op=True)
 
     @property

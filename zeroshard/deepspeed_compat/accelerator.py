@@ -13,7 +13,9 @@ graphs, Triton) raise an AttributeError that says so, rather than returning a gu
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Union
+import contextlib
+from types import ModuleType
+from typing import Callable, ContextManager, NoReturn, Optional, Union
 
 import torch
 
@@ -35,7 +37,7 @@ class Accelerator:
     def __repr__(self) -> str:
         return f"zeroshard Accelerator({self._name!r}, backend {self._communication_backend_name!r})"
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> NoReturn:
         if name in _NOT_PROVIDED:
             raise AttributeError(f"get_accelerator().{name} is not provided by zeroshard's DeepSpeed front "
                                  "(zeroshard builds its own kernels: python -m zeroshard.ops)")
@@ -99,7 +101,7 @@ class Accelerator:
     def initial_seed(self) -> int:
         return torch.cuda.initial_seed() if self.cuda else torch.initial_seed()
 
-    def random(self) -> Any:
+    def random(self) -> ModuleType:
         return torch.random
 
     def get_rng_state(self, device_index: Optional[int] = None) -> torch.Tensor:
@@ -118,21 +120,20 @@ class Accelerator:
 
     # -- streams and events (CPU: none, as DeepSpeed's CPU accelerator) ----------------------------
     @property
-    def Stream(self) -> Any:  # noqa: N802 (DeepSpeed's name)
+    def Stream(self) -> Optional[type]:  # noqa: N802 (DeepSpeed's name)
         return torch.cuda.Stream if self.cuda else None
 
     @property
-    def Event(self) -> Any:  # noqa: N802 (DeepSpeed's name)
+    def Event(self) -> Optional[type]:  # noqa: N802 (DeepSpeed's name)
         return torch.cuda.Event if self.cuda else None
 
-    def stream(self, stream: Any) -> Any:
-        import contextlib
+    def stream(self, stream: Optional[torch.cuda.Stream]) -> ContextManager[object]:
         return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
 
-    def current_stream(self, device_index: Optional[int] = None) -> Any:
+    def current_stream(self, device_index: Optional[int] = None) -> Optional[torch.cuda.Stream]:
         return torch.cuda.current_stream(device_index) if self.cuda else None
 
-    def default_stream(self, device_index: Optional[int] = None) -> Any:
+    def default_stream(self, device_index: Optional[int] = None) -> Optional[torch.cuda.Stream]:
         return torch.cuda.default_stream(device_index) if self.cuda else None
 
     def range_push(self, msg: str) -> None:
@@ -143,13 +144,13 @@ class Accelerator:
         if self.cuda:
             torch.cuda.nvtx.range_pop()
 
-    def lazy_call(self, callback: Any) -> None:
+    def lazy_call(self, callback: Callable[[], object]) -> None:
         if self.cuda:
             torch.cuda._lazy_call(callback)
         else:
             callback()
 
-    def amp(self) -> Any:
+    def amp(self) -> Optional[ModuleType]:
         return torch.amp if self.cuda else None
 
     # -- memory ------------------------------------------------------------------------------------
@@ -231,6 +232,7 @@ def _rss() -> int:
 
 
 _ACCELERATOR: Optional[Accelerator] = None
+_NAMES = {"cuda": True, "cpu": False}  # (set_accelerator's names: whether CUDA)
 
 
 def get_accelerator() -> Accelerator:
@@ -245,9 +247,9 @@ def set_accelerator(accel: Union[Accelerator, str]) -> None:
     """DeepSpeed's ``set_accelerator``: ``"cuda"``, ``"cpu"`` or an ``Accelerator``."""
     global _ACCELERATOR
     if isinstance(accel, str):
-        if accel not in ("cuda", "cpu"):
-            raise ValueError(f"set_accelerator({accel!r}): zeroshard's front knows 'cuda' and 'cpu'")
-        accel = Accelerator(accel == "cuda")
+        if accel not in _NAMES:
+            raise ValueError(f"set_accelerator({accel!r}): zeroshard's front knows {sorted(_NAMES)}")
+        accel = Accelerator(_NAMES[accel])
     if not isinstance(accel, Accelerator):
         raise TypeError(f"set_accelerator: expected 'cuda', 'cpu' or an Accelerator, got {type(accel).__name__}")
     _ACCELERATOR = accel

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from zeroshard.deepspeed_compat.engine import DeepSpeedEngine
 from zeroshard.optim.zero_optimizer import ZeroOptimizer
-from zeroshard.train.deepspeed_config import load_config, translate
+from zeroshard.train.deepspeed_config import PLACEHOLDER, load_config, translate
 from zeroshard.train.initialize_from_config import build_optimizer, check_model_parameters
 from zeroshard.train.initialize_from_config import initialize as zeroshard_initialize
 from zeroshard.train.schedules import build_schedule
@@ -98,7 +98,7 @@ def _refuse_auto_precision(raw: Mapping) -> None:
     ``deepspeed.initialize``, and reading it as "off" would silently train in fp32."""
     for section in ("fp16", "bf16", "bfloat16"):
         body = raw.get(section)
-        if isinstance(body, Mapping) and body.get("enabled") == "auto":
+        if isinstance(body, Mapping) and body.get("enabled") == PLACEHOLDER:
             raise ValueError(f"{section}.enabled is \"auto\" (a placeholder the Hugging Face Trainer fills in); "
                              "deepspeed.initialize has nothing to fill it from. Set it to true or false, or call "
                              "zeroshard.initialize(model, config, mixed_precision=\"fp16\"|\"bf16\"|None)")

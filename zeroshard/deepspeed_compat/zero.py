@@ -22,6 +22,8 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from zeroshard.optim import lifecycle, registry
+from zeroshard.layout.unit_layout import Segment
+from zeroshard.optim.flat_unit import FlatUnit
 from zeroshard.optim.sharded_tensor import ShardedTensor
 from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
@@ -78,7 +80,7 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self._opt: Optional[ZeroOptimizer] = None
         self._targets: list[tuple[Any, Any]] = []  # (unit, segment) per managed parameter
-        self._shown: list[tuple[ShardedTensor, Any, Any]] = []  # (sharded parameter, unit, segment)
+        self._shown: list[tuple[ShardedTensor, FlatUnit, Segment]] = []  # (sharded parameter, unit, segment)
         self._gathered: list[int] = []  # units this block gathered (released again on exit)
         if not self.enabled:
             return

@@ -161,14 +161,14 @@ class ShardedTensor(torch.Tensor):
             return _dispatch(func, args, kwargs, grads)
 
 
-def _on_gathered(func: Any, args: tuple, kwargs: dict) -> Any:
+def _on_gathered(func: Callable[..., object], args: tuple, kwargs: dict) -> object:
     """Note [gathered reads]: inside ``deepspeed.zero.GatheredParameters(params)`` the
     parameters named are whole, as under DeepSpeed: an op on one (``p.detach().float().cpu()``,
     the usual way a script saves stage-3 weights on rank 0) runs on the gathered tensor and
     gives ordinary tensors. An in-place write lands in the gathered copy, which the block
     broadcasts from its ``modifier_rank`` and writes into every shard on exit (without one,
     it is discarded, as DeepSpeed discards it)."""
-    def whole(x: Any) -> Any:
+    def whole(x: object) -> object:
         return x.gathered if isinstance(x, ShardedTensor) and x.gathered is not None else x
     out = func(*tree_map(whole, args), **tree_map(whole, kwargs))
     if _mutates(func) and args and isinstance(args[0], ShardedTensor):

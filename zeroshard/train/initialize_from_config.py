@@ -10,7 +10,7 @@ size) are on the result's ``.plan`` for your loop to use.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -79,7 +79,7 @@ def check_model_parameters(model: nn.Module, given: list) -> None:
                          "param groups of the model's own parameters)")
 
 
-def build_optimizer(model: nn.Module, model_parameters: Any, plan: DeepSpeedPlan,
+def build_optimizer(model: nn.Module, model_parameters: Optional[Iterable], plan: DeepSpeedPlan,
                     process_group: Optional[dist.ProcessGroup] = None) -> ZeroOptimizer:
     """The ZeroOptimizer a config's plan describes, for ``zeroshard.initialize`` and
     ``deepspeed.initialize`` alike (one path, so Muon's recipe and the checks hold in both)."""
