@@ -15,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from zeroshard.comm.collective_names import all_gather_single, reduce_scatter_single
 from zeroshard.launch import spawn
 
 
@@ -24,10 +25,10 @@ def _worker(rank: int, world: int, numel: int, rounds: int) -> None:
     own = x[rank * n:(rank + 1) * n].clone()
     ops = {
         "all_reduce": lambda: dist.all_reduce(x),
-        "reduce_scatter": lambda: dist.reduce_scatter_tensor(own, x),
+        "reduce_scatter": lambda: reduce_scatter_single(own, x),
         "reduce_to_owners": lambda: [w.wait() for w in [
             dist.reduce(x[i * n:(i + 1) * n], dst=i, async_op=True) for i in range(world)]],
-        "all_gather": lambda: dist.all_gather_into_tensor(x, own),
+        "all_gather": lambda: all_gather_single(x, own),
         "broadcast_per_owner": lambda: [w.wait() for w in [
             dist.broadcast(x[i * n:(i + 1) * n], src=i, async_op=True) for i in range(world)]],
     }

@@ -79,8 +79,8 @@ def _sent(report: dict, world: int) -> int:
 
 def rank_main(rank: int, world: int, out: str, args: argparse.Namespace) -> None:
     import torch
-    import torch.distributed as dist
     import zeroshard
+    from zeroshard.comm.collective_names import all_gather_single, reduce_scatter_single
     from zeroshard.layout.bucketing import update_cost
     res: dict[str, Any] = {}
     for mode in ("zeroshard", "adamw"):
@@ -127,10 +127,10 @@ def rank_main(rank: int, world: int, out: str, args: argparse.Namespace) -> None
         flat = torch.zeros(padded)
         torch.cat([p.grad.reshape(-1) for p in model.parameters()], out=flat[:flat_numel])
         part = torch.empty(padded // world)
-        dist.reduce_scatter_tensor(part, flat)  # (as its stage 2 does in backward: not timed)
+        reduce_scatter_single(part, flat)  # (as its stage 2 does in backward: not timed)
         t = time.perf_counter()
         full = torch.empty(padded)
-        dist.all_gather_into_tensor(full, part)  # every matrix's gradient, on every rank
+        all_gather_single(full, part)  # every matrix's gradient, on every rank
         offset = 0
         for p in model.parameters():
             p.grad.copy_(full[offset:offset + p.numel()].view_as(p)).div_(world)
@@ -140,7 +140,7 @@ def rank_main(rank: int, world: int, out: str, args: argparse.Namespace) -> None
             o.zero_grad()
         params = torch.cat([p.detach().reshape(-1) for p in model.parameters()] + [torch.zeros(padded - flat_numel)])
         gathered = torch.empty(padded)
-        dist.all_gather_into_tensor(gathered, params[rank * (padded // world):(rank + 1) * (padded // world)])
+        all_gather_single(gathered, params[rank * (padded // world):(rank + 1) * (padded // world)])
         times.append(time.perf_counter() - t)
     res["deepspeed"] = {"step": _median_steps(times)}
     with open(f"{out}.rank{rank}", "w") as f:

@@ -29,6 +29,26 @@ import sys
 import time
 
 MODES = ("plain", "stage 3", "auto, half the state", "all NVMe")
+SHORT = {"plain": "plain", "stage3": "stage 3", "auto-half": "auto, half the state", "nvme": "all NVMe"}
+
+
+def parse_modes(text: str) -> frozenset:
+    """``--modes``: placements by name or short name (plain, stage3, auto-half, nvme),
+    comma-separated. A name may itself hold a comma ("auto, half the state"), so whole names
+    are matched first, then the rest is split on commas."""
+    found, rest = set(), text
+    for name in sorted(MODES, key=len, reverse=True):
+        if name in rest:
+            found.add(name)
+            rest = rest.replace(name, ",")
+    for token in (t.strip() for t in rest.split(",")):
+        if not token:
+            continue
+        if token not in SHORT:
+            raise argparse.ArgumentTypeError(f"unknown placement {token!r}; choose from {list(MODES)} or their "
+                                             f"short names {list(SHORT)}")
+        found.add(SHORT[token])
+    return frozenset(found)
 
 
 def timed(m, o, batch, clip):
@@ -151,8 +171,9 @@ def main() -> None:
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--paired", action="store_true",
                     help="plain torch and stage 3 in memory alternating in one process (see the docstring)")
-    ap.add_argument("--modes", default=",".join(MODES),
-                    help="comma-separated placements to run (plain always runs: the ratios are to it)")
+    ap.add_argument("--modes", type=parse_modes, default=frozenset(MODES),
+                    help="comma-separated placements to run, by name or short name "
+                         f"({', '.join(SHORT)}; plain always runs: the ratios are to it)")
     ap.add_argument("--threads", type=int, default=0, help="--paired: torch threads (0: torch's default)")
     ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -167,9 +188,7 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump({"layers": args.layers, "d_model": args.d_model, **out}, f, indent=1)
         return
-    wanted = {m.strip() for m in args.modes.split(",")}
-    if wanted - set(MODES):
-        ap.error(f"--modes: unknown {sorted(wanted - set(MODES))}; choose from {list(MODES)}")
+    wanted = args.modes
     results = {}
     for mode in (m for m in MODES if m == "plain" or m in wanted):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--layers", str(args.layers),

@@ -22,7 +22,8 @@ os.environ.setdefault("ZEROSHARD_PG_TIMEOUT", "120")
 os.environ.setdefault("ZEROSHARD_START_METHOD", "forkserver")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-QUICK_TIER_FILE = os.path.join(_HERE, "quick_tier.txt")
+# (ZEROSHARD_QUICK_TIER: another list, for tests/test_ci_setup.py)
+QUICK_TIER_FILE = os.environ.get("ZEROSHARD_QUICK_TIER") or os.path.join(_HERE, "quick_tier.txt")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -47,15 +48,36 @@ def _selected(nodeid: str, entry: str) -> bool:
     return nodeid == entry or nodeid.startswith((entry + "[", entry + "::"))
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.getoption("quick"):
-        return
+def _whole_files(config: pytest.Config, items: list[pytest.Item]) -> set[str]:
+    """The collected test files that were collected whole (named as a file or a directory on
+    the command line, not through a node id), so every quick-tier entry in them must match."""
+    roots = [os.path.abspath(str(a)) for a in config.args if "::" not in str(a)]
+    out = set()
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        full = os.path.join(str(config.rootpath), path)
+        if any(full == r or full.startswith(os.path.join(r, "")) for r in roots):
+            out.add(path)
+    return out
+
+
+def _check_quick_tier(config: pytest.Config, items: list[pytest.Item], files: set[str]) -> None:
     entries = read_quick_tier()
-    files = {item.nodeid.split("::", 1)[0] for item in items}
     unused = [e for e in entries if e.split("::", 1)[0] in files and not any(_selected(i.nodeid, e) for i in items)]
     if unused:
         raise pytest.UsageError(f"tests/quick_tier.txt names tests that were not collected (renamed or removed?): "
                                 f"{unused}; update the list")
+
+
+@pytest.hookimpl(tryfirst=True)  # (before -k/-m/--deselect narrow the items)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("quick"):
+        # Every run (CI's full tier too) checks the entries of the files it collected whole, so
+        # a renamed test cannot leave `--quick` broken until someone runs it (issue 39).
+        _check_quick_tier(config, items, _whole_files(config, items))
+        return
+    entries = read_quick_tier()
+    _check_quick_tier(config, items, {item.nodeid.split("::", 1)[0] for item in items})
     keep: list[pytest.Item] = []
     represented: set[str] = set()
     first_of_file: dict[str, pytest.Item] = {}

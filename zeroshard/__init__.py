@@ -19,9 +19,10 @@ __all__ = ["ZeroOptimizer", "ZeroConfig", "CPUOffload", "NVMeOffload", "AutoOffl
 __all__ += ["save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint", "wait_checkpoint"]
 # initialize(model, config) -> (model, optimizer, scheduler); DeepSpeed's keyword form -> (engine, optimizer,
 # dataloader, scheduler), so `import zeroshard as deepspeed` runs DeepSpeed scripts (zeroshard/deepspeed_compat/)
-from zeroshard.deepspeed_compat import add_config_arguments, init_distributed, initialize, zero  # noqa: E402
+from zeroshard.deepspeed_compat import accelerator, add_config_arguments, init_distributed, initialize, zero  # noqa: E402
 import sys as _sys  # noqa: E402
 _sys.modules.setdefault("zeroshard.zero", zero)  # (`from zeroshard.zero import GatheredParameters`)
-__all__ += ["initialize", "add_config_arguments", "init_distributed", "zero"]
+_sys.modules.setdefault("zeroshard.accelerator", accelerator)  # (`from zeroshard.accelerator import get_accelerator`)
+__all__ += ["initialize", "add_config_arguments", "init_distributed", "zero", "accelerator"]
 from zeroshard.integrations.peft_export import export_merged, save_adapter  # noqa: E402 - PEFT (LoRA) exports
 __all__ += ["save_adapter", "export_merged"]

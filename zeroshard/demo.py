@@ -25,6 +25,12 @@ from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
 CONFIG = GPTConfig(vocab=256, d_model=128, n_layers=4, n_heads=4, seq_len=32)
 
 
+RESUME_INTRO = ("\nzeroshard demo: checkpoint and resume, a separate run: stage 2 on fresh ranks, 8 steps, a "
+                "checkpoint at step 4 in the temporary folder {root} (removed at the end). Its losses are this "
+                "run's, not the table's: the table ran each stage for --steps steps from the same start, this run "
+                "stops at step 8; \"uninterrupted\" below is this run's own loss at step 8, before the resume.")
+
+
 def _log(rank: int, msg: str) -> None:
     # One line per rank, printed in rank order so the output reads as a table.
     for r in range(dist.get_world_size()):
@@ -63,11 +69,20 @@ def _weights(model) -> dict:
     return {k: v.contiguous() for k, v in state.items()}
 
 
+def header(n_params: int, world: int, steps: int, global_batch: int) -> str:
+    """What the stage table shows, and the symbols of its formulas."""
+    return (f"TinyGPT {n_params / 1e6:.2f}M parameters, {world} gloo ranks, global batch {global_batch}, AdamW, "
+            f"fp32, {steps} steps per stage.\n"
+            f"Bytes of model states per rank, with Ψ = {n_params:,} parameters and N = {world} ranks: stage 0 16Ψ "
+            "(4 params + 4 grads + 8 Adam moments), 1 8Ψ+8Ψ/N, 2 4Ψ+12Ψ/N, 3 16Ψ/N.\n"
+            "\"master 0.00 MiB\": in fp32 the parameters are themselves the fp32 master weights, so there is no "
+            "separate copy (mixed_precision=\"bf16\" adds one, 4 bytes per owned element).")
+
+
 def _stages(rank: int, world: int, steps: int, global_batch: int) -> None:
     if rank == 0:
         n = sum(p.numel() for p in TinyGPT(CONFIG).parameters())
-        print(f"TinyGPT {n / 1e6:.2f}M parameters, {world} gloo ranks, global batch {global_batch}, AdamW. "
-              f"ZeRO per rank (fp32): stage 0 16Ψ, 1 8Ψ+8Ψ/N, 2 4Ψ+12Ψ/N, 3 16Ψ/N", flush=True)
+        print(header(n, world, steps, global_batch), flush=True)
     for stage in (0, 1, 2, 3):
         model, opt = _build(stage)
         losses = _steps(model, opt, rank, world, 0, steps, global_batch)
@@ -102,8 +117,9 @@ def _resume(rank: int, world: int, root: str, global_batch: int, stage: int) -> 
         same = all(torch.equal(weights[k], ref[k]) for k in ref)
         diff = max((weights[k] - ref[k]).abs().max().item() for k in ref)
         how = "bit-identical" if same else f"max |diff| {diff:.1e} (the sums run in another order)"
-        print(f"resumed from {zeroshard.latest_checkpoint(root)} at stage {stage} on {world} rank(s): final "
-              f"loss {losses[-1]:.4f} (uninterrupted {ref_loss:.4f}); weights vs uninterrupted: {how}", flush=True)
+        print(f"resumed from {zeroshard.latest_checkpoint(root)} at stage {stage} on {world} rank(s): loss at "
+              f"step 8 {losses[-1]:.4f} (the uninterrupted run's: {ref_loss:.4f}); weights vs uninterrupted: {how}",
+              flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,11 +134,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"zeroshard demo: starting {a.world_size} gloo ranks (each imports torch, a few seconds)", flush=True)
     spawn(_stages, a.world_size, a.steps, a.global_batch)
     with tempfile.TemporaryDirectory(prefix="zeroshard-demo-") as root:
-        print("\nzeroshard demo: stage 2 on fresh ranks, 8 steps, a checkpoint at step 4", flush=True)
+        print(RESUME_INTRO.format(root=root), flush=True)
         spawn(_train_and_save, a.world_size, root, a.global_batch, [])
         print("zeroshard demo: resuming in fresh processes, as after a crash", flush=True)
         spawn(_resume, a.world_size, root, a.global_batch, 2)   # fresh processes, as after a crash
         _resume_single(root, a.global_batch)                    # reshard: 1 process, stage 0
+    print(f"zeroshard demo: done; the temporary checkpoint folder {root} was removed", flush=True)
 
 
 def _prepare_kernels() -> None:

@@ -19,6 +19,7 @@ from typing import Optional, Protocol, Union
 import torch
 import torch.distributed as dist
 
+from zeroshard.comm.collective_names import all_gather_single, reduce_scatter_single
 from zeroshard.comm.clean_exit import watch  # (Note [clean exit]: groups destroyed at exit)
 
 
@@ -207,7 +208,9 @@ class Comm:
         self._count("reduce_scatter", _nbytes(full))
         if self.result_in_full:
             return dist.all_reduce(full, group=self.group, async_op=True)
-        return dist.reduce_scatter_tensor(shard_out, full, group=self.group, async_op=True)
+        if shard_out is None:
+            raise RuntimeError("reduce_scatter: shard_out is None, but the result does not land in full here")
+        return reduce_scatter_single(shard_out, full, group=self.group, async_op=True)
 
     @property
     def result_in_full(self) -> bool:
@@ -224,7 +227,7 @@ class Comm:
         if self.emulate_collectives:
             return _AllOf([dist.broadcast(full[i * n:(i + 1) * n], src=self._global_rank(i),
                                           group=self.group, async_op=True) for i in range(self.world_size)])
-        return dist.all_gather_into_tensor(full, full[lo:hi], group=self.group, async_op=True)
+        return all_gather_single(full, full[lo:hi], group=self.group, async_op=True)
 
 
 def _nbytes(t: torch.Tensor) -> int:

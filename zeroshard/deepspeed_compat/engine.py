@@ -256,10 +256,18 @@ class DeepSpeedEngine(nn.Module):
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn: object = None) -> tuple:
+                        load_module_only: bool = False, custom_load_fn: object = None, *,
+                        load_rng: bool = True) -> tuple:
         """Loads ``load_dir/tag`` (default: the tag ``load_dir/latest`` names) at any world
         size; returns ``(path, client_state)``, or ``(None, None)`` with a warning when there is
-        nothing to load (DeepSpeed's behaviour)."""
+        nothing to load (DeepSpeed's behaviour).
+
+        Unlike DeepSpeed it also restores each rank's Python, numpy and torch (CPU, CUDA) random
+        states as they were at the save, so a resumed run draws what the uninterrupted one
+        would. ``load_rng=False`` keeps DeepSpeed's behaviour: the generators are left as the
+        script seeded them."""
+        if not isinstance(load_rng, bool):
+            raise TypeError(f"load_checkpoint(load_rng={load_rng!r}) must be True or False")
         refused = [name for name, value, default in (
             ("load_module_strict", load_module_strict, True), ("load_optimizer_states", load_optimizer_states, True),
             ("load_lr_scheduler_states", load_lr_scheduler_states, True),
@@ -287,7 +295,7 @@ class DeepSpeedEngine(nn.Module):
             raise ValueError(f"{root} is a DeepSpeed checkpoint; convert it first: zeroshard convert-deepspeed "
                              f"{root} OUT, then engine.load_checkpoint(OUT)")
         info = load_checkpoint(root, model=self.module, optimizer=self.optimizer, scheduler=self.lr_scheduler,
-                               load_rng=not _converted(root))
+                               load_rng=load_rng and not _converted(root))
         extra = info["extra"] if isinstance(info["extra"], dict) else {}
         engine = extra.get(_EXTRA_ENGINE) or {}
         self.global_steps = int(engine.get("global_steps", info["step"]))

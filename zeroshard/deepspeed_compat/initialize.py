@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-from typing import Any, Callable, Iterable, Mapping, Optional, Union, cast
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,8 @@ from torch.utils.data import Dataset
 
 from zeroshard.deepspeed_compat.engine import DeepSpeedEngine
 from zeroshard.optim.zero_optimizer import ZeroOptimizer
-from zeroshard.train.deepspeed_config import load_config, translate
+from zeroshard.train.deepspeed_config import PLACEHOLDER, load_config, translate
+from zeroshard.train.initialize_from_config import build_optimizer, check_model_parameters
 from zeroshard.train.initialize_from_config import initialize as zeroshard_initialize
 from zeroshard.train.schedules import build_schedule
 
@@ -87,6 +88,22 @@ def _config_of(args: object, config: ConfigLike, config_params: ConfigLike) -> C
     return config
 
 
+def _launched() -> bool:
+    """Whether a launcher (torchrun, DeepSpeed's) describes this process as a rank of a job."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _refuse_auto_precision(raw: Mapping) -> None:
+    """``"enabled": "auto"`` is the Hugging Face Trainer's placeholder; nothing fills it in
+    ``deepspeed.initialize``, and reading it as "off" would silently train in fp32."""
+    for section in ("fp16", "bf16", "bfloat16"):
+        body = raw.get(section)
+        if isinstance(body, Mapping) and body.get("enabled") == PLACEHOLDER:
+            raise ValueError(f"{section}.enabled is \"auto\" (a placeholder the Hugging Face Trainer fills in); "
+                             "deepspeed.initialize has nothing to fill it from. Set it to true or false, or call "
+                             "zeroshard.initialize(model, config, mixed_precision=\"fp16\"|\"bf16\"|None)")
+
+
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -125,7 +142,10 @@ def deepspeed_initialize(args: object = None, model: Optional[nn.Module] = None,
         if value is not None:
             raise ValueError(f"initialize({name}=...) is not supported: zeroshard's DeepSpeed front is data "
                              "parallel only (use ZeroOptimizer(..., mesh=...) for tensor parallelism)")
+    if not dist.is_initialized() and dist_init_required is not False and _launched():
+        init_distributed(distributed_port=distributed_port)  # (as DeepSpeed's initialize does)
     raw = load_config(_config_of(args, config, config_params))
+    _refuse_auto_precision(raw)
     front = {k: raw.pop(k) for k in FRONT_KEYS if k in raw}
     drop_last = front.get("dataloader_drop_last", False)
     if not isinstance(drop_last, bool):
@@ -137,17 +157,9 @@ def deepspeed_initialize(args: object = None, model: Optional[nn.Module] = None,
     if optimizer is None and plan.optimizer_class is None:
         raise ValueError("initialize: no optimizer; add an 'optimizer' section to the config (e.g. {\"type\": "
                          "\"AdamW\", \"params\": {\"lr\": 1e-4}}) or pass optimizer=")
-    if optimizer is not None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"initialize(optimizer=...) must be a torch.optim.Optimizer instance, got "
-                            f"{type(optimizer).__name__} (a callable that builds one is not supported)")
-        opt_class, groups, opt_kwargs = _rebuild_optimizer(optimizer)
-        params: Union[nn.Module, list] = groups
-    else:
-        opt_class, opt_kwargs = cast(type, plan.optimizer_class), plan.optimizer_kwargs  # (checked above)
-        params = list(model_parameters) if model_parameters is not None else model
-        if isinstance(params, list) and not params:
-            raise ValueError("initialize(model_parameters=...) is empty; pass model.parameters() or param groups")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"initialize(optimizer=...) must be a torch.optim.Optimizer instance, got "
+                        f"{type(optimizer).__name__} (a callable that builds one is not supported)")
     if lr_scheduler is not None and not callable(lr_scheduler):
         raise TypeError(f"initialize(lr_scheduler=...) must be a callable optimizer -> scheduler, got "
                         f"{type(lr_scheduler).__name__}")
@@ -157,8 +169,13 @@ def deepspeed_initialize(args: object = None, model: Optional[nn.Module] = None,
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if not any(p.is_meta for p in model.parameters()) and plan.zero.get("offload_params") is None:
         model.to(device)  # (DeepSpeed moves the model to its device too)
-    # module=: stage 3 partitions by module even when param groups are given.
-    zero_opt = ZeroOptimizer(params, opt_class, module=model, **plan.zero, **opt_kwargs)
+    if optimizer is not None:
+        opt_class, groups, opt_kwargs = _rebuild_optimizer(optimizer)
+        check_model_parameters(model, groups)
+        # module=: stage 3 partitions by module even when param groups are given.
+        zero_opt = ZeroOptimizer(groups, opt_class, module=model, **plan.zero, **opt_kwargs)
+    else:  # the config's optimizer: the path zeroshard.initialize takes (Muon's recipe included)
+        zero_opt = build_optimizer(model, model_parameters, plan)
     if lr_scheduler is not None:
         scheduler = lr_scheduler(zero_opt)
     elif plan.scheduler:

@@ -5,7 +5,9 @@
             model.head.weight.data.normal_()
 
 Inside the block the units holding the parameters are gathered, so the model's modules hold
-the full tensors (read them through the module: ``model.head.weight``). With
+the full tensors, and the parameters named read as whole tensors too (``p.detach().cpu()``
+inside the block is the full weight, which rank 0 can ``torch.save``: Note [gathered reads]
+in zeroshard/optim/sharded_tensor.py). With
 ``modifier_rank`` set, what that rank wrote is broadcast to every rank when the block ends
 and written into each rank's shard and fp32 master, so the next step trains from it (with
 ``modifier_rank=None`` changes are discarded, as DeepSpeed discards them). At stages 0-2 every
@@ -20,6 +22,9 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from zeroshard.optim import lifecycle, registry
+from zeroshard.layout.unit_layout import Segment
+from zeroshard.optim.flat_unit import FlatUnit
+from zeroshard.optim.sharded_tensor import ShardedTensor
 from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
 # Names of deepspeed.zero this front does not provide, and what to do instead.
@@ -75,6 +80,7 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self._opt: Optional[ZeroOptimizer] = None
         self._targets: list[tuple[Any, Any]] = []  # (unit, segment) per managed parameter
+        self._shown: list[tuple[ShardedTensor, FlatUnit, Segment]] = []  # (sharded parameter, unit, segment)
         self._gathered: list[int] = []  # units this block gathered (released again on exit)
         if not self.enabled:
             return
@@ -89,6 +95,8 @@ class GatheredParameters:
         seen: set[tuple[int, int]] = set()
         for p in params:
             unit, seg = where[id(p)]
+            if isinstance(p, ShardedTensor) and p.sharded:
+                self._shown.append((p, unit, seg))
             if (id(unit), seg.offset) not in seen:
                 seen.add((id(unit), seg.offset))
                 self._targets.append((unit, seg))
@@ -107,12 +115,16 @@ class GatheredParameters:
                 if opt.engine.gatherer.state[ui].value == "released":
                     self._gathered.append(ui)
                 opt.engine.gatherer.ensure(ui)
+        for p, unit, seg in self._shown:  # the parameters read whole inside (Note [gathered reads])
+            p.gathered = unit.flat[seg.offset:seg.end].view(seg.shape)
         return self
 
     def __exit__(self, *exc: object) -> None:
         opt = self._opt
         if opt is None:
             return
+        for p, _, _ in self._shown:
+            p.gathered = None
         try:
             if self.modifier_rank is not None and exc[0] is None:
                 self._write_back(opt)

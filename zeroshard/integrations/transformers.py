@@ -4,6 +4,10 @@
     trainer = Trainer(model=model, args=args, train_dataset=ds, optimizers=(opt, scheduler),
                       callbacks=[ZeroCallback()])
 
+``optimizer_from_args(model, args, stage=2)`` builds that optimizer as the Trainer would from
+its ``TrainingArguments`` (lr, betas, eps, weight decay and the decay/no-decay split;
+``trainer_optimizer.py``).
+
 What the callback does, all through ``TrainerCallback`` events:
 
 - ``on_init_end``: keeps the model out of the ``DistributedDataParallel`` wrap the Trainer's
@@ -29,10 +33,19 @@ from typing import Any
 from transformers import TrainerCallback
 
 from zeroshard.integrations._common import SaveGuard, check_no_autocast, keep_out_of_ddp, optimizer_of
+from zeroshard.integrations.trainer_optimizer import optimizer_from_args
 
 FIX = ("Add the zeroshard Trainer callback, which makes the Trainer's checkpoint hold every rank's state: "
        "Trainer(..., callbacks=[zeroshard.integrations.transformers.ZeroCallback()]); or save with "
        "zeroshard.save_checkpoint(dir, step, model=model, optimizer=opt) on every rank")
+
+
+def _wraps(model: object, inner: object) -> bool:
+    """Whether ``model`` wraps ``inner`` (a PEFT model's base, or any module holding it)."""
+    get_base = getattr(model, "get_base_model", None)
+    if callable(get_base) and get_base() is inner:
+        return True
+    return any(m is inner for m in model.modules()) if hasattr(model, "modules") else False
 
 
 class ZeroCallback(TrainerCallback):
@@ -57,6 +70,14 @@ class ZeroCallback(TrainerCallback):
         if args.bf16 or args.fp16:
             check_no_autocast("bf16" if args.bf16 else "fp16", "TrainingArguments(bf16/fp16=True):")
         if opt.engine.module is not None and model is not None and opt.engine.module is not model:
+            if _wraps(model, opt.engine.module):  # (TRL's SFTTrainer(peft_config=...) applies the adapters itself)
+                raise ValueError(
+                    f"the Trainer's model is a {type(model).__name__} wrapped around the {type(opt.engine.module).__name__} "
+                    "the ZeroOptimizer was built over (SFTTrainer(peft_config=...) applies get_peft_model after "
+                    "the optimizer exists, so the adapters would never train). Apply the adapters first, then build "
+                    "the optimizer over the wrapped model, and pass no peft_config: model = peft.get_peft_model("
+                    "model, peft_config); opt = zeroshard.ZeroOptimizer(model, ...); SFTTrainer(model=model, "
+                    "optimizers=(opt, None), callbacks=[ZeroCallback()], ...)")
             raise ValueError(f"the Trainer's model ({type(model).__name__}) is not the model its ZeroOptimizer "
                              f"manages ({type(opt.engine.module).__name__})")
         # (the Trainer samples a 1/world_size share of the data per process: every process must be a rank
@@ -101,4 +122,4 @@ class ZeroCallback(TrainerCallback):
         self._arm(model, optimizer, weights_only=True)  # for trainer.save_model() after train()
 
 
-__all__ = ["ZeroCallback", "FIX"]
+__all__ = ["ZeroCallback", "FIX", "optimizer_from_args"]

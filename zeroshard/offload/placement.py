@@ -148,6 +148,12 @@ class StatePlacement:
         found room for one more (``max_live_units`` unset), else ``max_live_units`` or 2."""
         if self.auto:
             budget = MemoryBudget.parse(config.memory_budget)
+            if not self.accelerator and budget.device and budget.host:
+                raise ValueError(
+                    f"memory_budget={config.memory_budget!r} gives device and host budgets, but the model is on the "
+                    f"CPU: device and host are one memory here, so a host budget of its own ({budget.host} bytes) "
+                    f"could not be kept apart from the device's. Give one size, the whole memory this rank may use: "
+                    f"memory_budget={{'host': ...}} (or on a GPU machine, with the model on the GPU, both)")
             # (Note [freed memory goes back] in peak_memory.py: the largest block backward frees
             # and allocates again is a parameter's gradient, in the model dtype)
             return_freed_memory(torch.empty((), dtype=param_dtype).element_size()
@@ -155,8 +161,11 @@ class StatePlacement:
             # Measured: plus 2% of the budget for what start-up cannot see (the batch's
             # activations, I/O timing); step 1 then sizes the parameter cache (StepPeaks).
             host_budget = budget.host if self.accelerator else budget.device + budget.host
-            process = budget.reserve if budget.reserve is not None else outside_state(groups) + host_budget // 50
-            fixed = dataclasses.replace(fixed, host=fixed.host + process, process=process)
+            share = 0 if budget.reserve is not None else 50  # (the 2%: 1/50 of the budget)
+            margin = host_budget // share if share else 0
+            process = budget.reserve if budget.reserve is not None else outside_state(groups) + margin
+            fixed = dataclasses.replace(fixed, host=fixed.host + process, process=process, budget_share=share,
+                                        share_bytes=margin)
             group = fixed.group if config.max_live_units is None else 0
             self.plan: Plan = plan_auto(specs, budget, fixed, accelerator=self.accelerator,
                                         nvme=config.nvme_path is not None, deeper=group)

@@ -130,11 +130,15 @@ def _jit_build(spec: KernelSpec) -> ModuleType:
     if root is None:
         raise RuntimeError("kernel sources (csrc/) are not shipped with this installation")
     build_dir = os.path.join(cache_dir(), spec.jit_name)
+    sources = [os.path.join(root, s) for s in spec.sources]
     with _BuildProgress(spec, build_dir) as progress, build_lock(build_dir):
         progress.waiting = False
-        return cpp_extension.load(
+        cached = _load_cached(spec, build_dir, sources)
+        if cached is not None:
+            return cached
+        module = cpp_extension.load(
             name=spec.jit_name,
-            sources=[os.path.join(root, s) for s in spec.sources],
+            sources=sources,
             extra_cflags=list(spec.cflags),
             extra_ldflags=list(spec.ldflags),
             extra_cuda_cflags=list(spec.cuda_cflags) or None,
@@ -142,6 +146,65 @@ def _jit_build(spec: KernelSpec) -> ModuleType:
             with_cuda=spec.cuda,
             verbose=os.environ.get("ZEROSHARD_JIT_VERBOSE", "0") == "1",
         )
+        _write_stamp(spec, build_dir, sources)
+        return module
+
+
+# Note [reusing a cached build]: cpp_extension.load hands every load to ninja, which rebuilds
+# everything when its own log was written by another ninja version (a `pip install` of the test
+# extras brings the `ninja` wheel: `bash .ci/run` after the README's demo recompiled the kernel
+# the demo had just built, 42 s). A build is therefore recorded in a stamp next to it (what it
+# was built from), and a later process whose sources, flags and build are unchanged imports the
+# library directly, without ninja (sources edited since, or other flags: ninja runs as before).
+_STAMP = "zeroshard-build.json"
+
+
+def _fingerprint(spec: KernelSpec, sources: list[str]) -> dict:
+    import torch
+
+    src_dir = os.path.dirname(sources[0])
+    headers = sorted(f for f in os.listdir(src_dir) if f.endswith((".h", ".inc", ".cuh")))
+    files = sources + [os.path.join(src_dir, h) for h in headers]
+    return {"name": spec.jit_name, "sources": files, "mtimes": [os.path.getmtime(f) for f in files],
+            "cflags": list(spec.cflags), "ldflags": list(spec.ldflags), "cuda_cflags": list(spec.cuda_cflags),
+            "torch": torch.__version__, "python": sys.version}
+
+
+def _library(spec: KernelSpec, build_dir: str) -> str:
+    import sysconfig
+
+    return os.path.join(build_dir, spec.jit_name + (sysconfig.get_config_var("SHLIB_SUFFIX") or ".so"))
+
+
+def _write_stamp(spec: KernelSpec, build_dir: str, sources: list[str]) -> None:
+    import json
+
+    stamp = {**_fingerprint(spec, sources), "library_mtime": os.path.getmtime(_library(spec, build_dir))}
+    tmp = os.path.join(build_dir, _STAMP + f".tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(stamp, f)
+    os.replace(tmp, os.path.join(build_dir, _STAMP))
+
+
+def _load_cached(spec: KernelSpec, build_dir: str, sources: list[str]) -> ModuleType | None:
+    """The library a previous build left in ``build_dir``, when its stamp matches (Note
+    [reusing a cached build]); None sends the load to ninja."""
+    import json
+
+    lib = _library(spec, build_dir)
+    try:
+        with open(os.path.join(build_dir, _STAMP), encoding="utf-8") as f:
+            stamp = json.load(f)
+        if stamp != {**_fingerprint(spec, sources), "library_mtime": os.path.getmtime(lib)}:
+            return None
+    except (OSError, ValueError):
+        return None
+    loader_spec = importlib.util.spec_from_file_location(spec.jit_name, lib)
+    if loader_spec is None or loader_spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(loader_spec)
+    loader_spec.loader.exec_module(module)
+    return module
 
 
 def _stale_installed(spec: KernelSpec) -> str | None:

@@ -198,6 +198,13 @@ class Fixed:
     group: int = 0
     """Stage 3: bytes of the widest group of units gathered together (a block's trainable and
     frozen units), of which ``device`` counts ``max_live_units`` (and the root's)."""
+    budget_share: int = 0
+    """0, or n: ``host`` (one memory: ``host``) includes 1/n of the host budget itself (the
+    margin a measured reserve adds: Note [what the budget covers]), so the smallest budget
+    that fits must count 1/n of *itself*, not of the budget that was refused (and 1% more for
+    the measurement, which moves from one attempt to the next)."""
+    share_bytes: int = 0
+    """The bytes of that share in ``host``, for the budget being planned."""
 
 
 @dataclass(frozen=True)
@@ -382,17 +389,29 @@ def _minimum(units: list[UnitSpec], fixed: Fixed, accelerator: bool, nvme: bool,
     if not nvme:  # everything resident
         if accelerator:
             shards = sum(u.shard for u in units)
-            return {"device": fixed.device + shards, "host": fixed.host + state - shards}
-        return {"device": 0, "host": fixed.device + fixed.host + state}
-    staging = fixed.staging + fixed.pool + int(state * fixed.samples_per_byte)
-    if accelerator:
-        return {"device": fixed.device, "host": fixed.host + staging}
-    return {"device": 0, "host": fixed.device + fixed.host + staging}
+            need = {"device": fixed.device + shards, "host": fixed.host + state - shards}
+        else:
+            need = {"device": 0, "host": fixed.device + fixed.host + state}
+    else:
+        staging = fixed.staging + fixed.pool + int(state * fixed.samples_per_byte)
+        if accelerator:
+            need = {"device": fixed.device, "host": fixed.host + staging}
+        else:
+            need = {"device": 0, "host": fixed.device + fixed.host + staging}
+    if fixed.budget_share > 1:  # the smallest M with M >= rest + M // n: the named budget fits itself
+        n, rest = fixed.budget_share, need["host"] - fixed.share_bytes
+        need["host"] = -(-rest * n // (n - 1))
+        # ... plus 1%: the reserve is measured, and a process that retries (or a fresh one) holds a
+        # little more or less than this one did (a refused attempt's model, allocator state)
+        need["host"] += need["host"] // 100
+    return need
 
 
 def _fmt_min(m: dict[str, int], accelerator: bool) -> str:
+    """The minimum as a budget to pass, rounded *up* (a value rounded down would not fit)."""
     if accelerator:
-        return f"{{'device': '{m['device'] / 2**20:.1f}MiB', 'host': '{m['host'] / 2**20:.1f}MiB'}}"
+        up = {k: math.ceil(m[k] / 2**20 * 10) / 10 for k in ("device", "host")}
+        return f"{{'device': '{up['device']:.1f}MiB', 'host': '{up['host']:.1f}MiB'}}"
     return f"{{'host': '{-(-m['host'] // 2**20)}MiB'}} (device and host are one memory here)"
 
 

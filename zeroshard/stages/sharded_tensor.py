@@ -63,6 +63,8 @@ class ShardedTensor(torch.Tensor):
     unit: Optional[FlatUnit]
     part: str
     on_use: Optional[Callable[[object], None]]
+    gathered: Optional[torch.Tensor]
+    """The whole tensor while a ``GatheredParameters`` block holds it (Note [gathered reads])."""
 
     @staticmethod
     def __new__(cls, store: torch.Tensor, lo: int, n: int, shape: torch.Size, dtype: torch.dtype,
@@ -72,6 +74,7 @@ class ShardedTensor(torch.Tensor):
         r.store, r.lo, r.n, r.start, r.comm, r.unit, r.part = store, lo, n, start, comm, unit, part
         r.whole = comm is None if whole is None else whole
         r.on_use = None
+        r.gathered = None
         return r
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -90,6 +93,8 @@ class ShardedTensor(torch.Tensor):
         written from one rank (nanoGPT saves on ``master_process``) would hold only that
         rank's elements, which no plain ``torch.load`` can turn back into weights. In-memory
         copies (``copy.deepcopy(model.state_dict())``) keep pieces and load back."""
+        if self.gathered is not None:  # (inside GatheredParameters: the whole tensor, Note [gathered reads])
+            return self.gathered.detach().clone().__reduce_ex__(protocol)
         if self.sharded:
             raise RuntimeError(
                 f"torch.save of a sharded tensor ({self!r}): a stage-3 model.state_dict() (or a stage-2/3 "
@@ -142,6 +147,8 @@ class ShardedTensor(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),  # type: ignore[override]
                            kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        if any(isinstance(a, ShardedTensor) and a.gathered is not None for a in _flat(args, kwargs)):
+            return _on_gathered(func, args, kwargs)
         grads = [a for a in _flat(args, kwargs) if isinstance(a, ShardedTensor)]
         for g in grads:
             if g.on_use is not None and func not in _ALIASES:
@@ -152,6 +159,21 @@ class ShardedTensor(torch.Tensor):
             return _dispatch(func, args, kwargs, grads)
         with _resident(grads, _mutates(func)):
             return _dispatch(func, args, kwargs, grads)
+
+
+def _on_gathered(func: Callable[..., object], args: tuple, kwargs: dict) -> object:
+    """Note [gathered reads]: inside ``deepspeed.zero.GatheredParameters(params)`` the
+    parameters named are whole, as under DeepSpeed: an op on one (``p.detach().float().cpu()``,
+    the usual way a script saves stage-3 weights on rank 0) runs on the gathered tensor and
+    gives ordinary tensors. An in-place write lands in the gathered copy, which the block
+    broadcasts from its ``modifier_rank`` and writes into every shard on exit (without one,
+    it is discarded, as DeepSpeed discards it)."""
+    def whole(x: object) -> object:
+        return x.gathered if isinstance(x, ShardedTensor) and x.gathered is not None else x
+    out = func(*tree_map(whole, args), **tree_map(whole, kwargs))
+    if _mutates(func) and args and isinstance(args[0], ShardedTensor):
+        return args[0]
+    return out
 
 
 def local_part(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

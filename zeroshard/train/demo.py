@@ -12,6 +12,7 @@ parameters are equal bit for bit. Each phase prints its command and how long it 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 WORDS = ("the model learns to predict the next token from the text it has seen so far and each rank "
          "holds only its own shard of the optimizer state while gradients are reduced in buckets "
@@ -185,15 +186,30 @@ def bitwise_diff(a: dict, b: dict) -> list[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workdir", help="where to write (default: a new temporary directory)")
+    p.add_argument("--workdir", help="where to write, kept afterwards (default: a temporary directory, removed "
+                                     "at the end)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--no-compare", dest="compare", action="store_false",
                    help="skip the uninterrupted run that checks the resumed weights bit for bit")
     a = p.parse_args(argv)
-    run_demo(a.workdir or tempfile.mkdtemp(prefix="zeroshard-demo-"), a.nproc, a.steps, min(80, a.steps // 2),
-             a.compare)
+    with demo_dir(a.workdir) as where:
+        run_demo(where, a.nproc, a.steps, min(80, a.steps // 2), a.compare)
     return 0
+
+
+@contextlib.contextmanager
+def demo_dir(given: Optional[str]) -> Iterator[str]:
+    """``given``, kept; or a temporary directory, removed afterwards (also on failure)."""
+    if given:
+        yield given
+        return
+    where = tempfile.mkdtemp(prefix="zeroshard-demo-")
+    try:
+        yield where
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+        print(f"demo: removed its temporary directory {where} (--workdir DIR keeps the files)", flush=True)
 
 
 if __name__ == "__main__":

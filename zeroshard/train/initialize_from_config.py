@@ -10,7 +10,7 @@ size) are on the result's ``.plan`` for your loop to use.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,54 @@ def _world_size(process_group: Optional[dist.ProcessGroup]) -> int:
     return 1
 
 
+def _flat_params(given: list) -> list[torch.Tensor]:
+    """The tensors of ``model_parameters``: tensors, ``(name, tensor)`` pairs or group dicts."""
+    out: list[torch.Tensor] = []
+    for item in given:
+        if isinstance(item, dict):
+            inner = item.get("params", [])
+            out.extend(_flat_params([inner] if isinstance(inner, torch.Tensor) else list(inner)))
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
+            out.append(item[1])
+        elif isinstance(item, torch.Tensor):
+            out.append(item)
+    return out
+
+
+def check_model_parameters(model: nn.Module, given: list) -> None:
+    """Refuses ``model_parameters`` holding tensors that are not the model's: the optimizer
+    would step tensors no forward reads, and the model would silently never train."""
+    own = {id(p) for p in model.parameters()}
+    foreign = [p for p in _flat_params(given) if id(p) not in own]
+    if foreign:
+        shapes = [tuple(p.shape) for p in foreign[:4]]
+        raise ValueError(f"initialize(model_parameters=...): {len(foreign)} tensor(s) are not parameters of the "
+                         f"{type(model).__name__} passed as model= (shapes {shapes}{' ...' if len(foreign) > 4 else ''})"
+                         "; training would not change the model. Pass model_parameters=model.parameters() (or "
+                         "param groups of the model's own parameters)")
+
+
+def build_optimizer(model: nn.Module, model_parameters: Optional[Iterable], plan: DeepSpeedPlan,
+                    process_group: Optional[dist.ProcessGroup] = None) -> ZeroOptimizer:
+    """The ZeroOptimizer a config's plan describes, for ``zeroshard.initialize`` and
+    ``deepspeed.initialize`` alike (one path, so Muon's recipe and the checks hold in both)."""
+    if plan.optimizer_class is None:
+        raise ValueError("the config has no 'optimizer' section; add one (e.g. {\"type\": \"AdamW\", \"params\": "
+                         "{\"lr\": 1e-4}})")
+    given = None if model_parameters is None else list(model_parameters)
+    if given is not None:
+        if not given:
+            raise ValueError("initialize(model_parameters=...) is empty; pass model.parameters() or param groups")
+        check_model_parameters(model, given)
+    params: ParamsLike = model if given is None else given
+    cls, kwargs = plan.optimizer_class, plan.optimizer_kwargs
+    if cls is torch.optim.Muon:  # Muon's recipe (Note [Muon from a config] in zeroshard/optim/muon_recipe.py)
+        params, cls, kwargs = recipe_groups(model, given, kwargs)
+    # module=: stage 3 plans its units by module, also when param groups are given.
+    return ZeroOptimizer(params, cls, process_group=process_group,
+                         module=model if params is not model else None, **plan.zero, **kwargs)
+
+
 def initialize(model: nn.Module, config: Union[None, str, os.PathLike, Mapping] = None, *,
                model_parameters: Any = None, process_group: Optional[dist.ProcessGroup] = None,
                strict: bool = True, auto: Optional[Mapping[str, Any]] = None, **overrides: Any) -> Initialized:
@@ -74,12 +122,6 @@ def initialize(model: nn.Module, config: Union[None, str, os.PathLike, Mapping] 
     if plan.optimizer_class is None:
         raise ValueError("the config has no 'optimizer' section; add one (e.g. {\"type\": \"AdamW\", \"params\": "
                          "{\"lr\": 1e-4}}) or pass optimizer=torch.optim.AdamW, lr=... to initialize")
-    params: ParamsLike = model if model_parameters is None else model_parameters
-    cls, kwargs = plan.optimizer_class, plan.optimizer_kwargs
-    if cls is torch.optim.Muon:  # Muon's recipe (Note [Muon from a config] in zeroshard/optim/muon_recipe.py)
-        params, cls, kwargs = recipe_groups(model, model_parameters, kwargs)
-    # module=: stage 3 plans its units by module, also when param groups are given.
-    optimizer = ZeroOptimizer(params, cls, process_group=process_group,
-                              module=model if params is not model else None, **plan.zero, **kwargs)
+    optimizer = build_optimizer(model, model_parameters, plan, process_group)
     scheduler = build_schedule(plan.scheduler, optimizer, plan.scheduler_params) if plan.scheduler else None
     return Initialized(model, optimizer, scheduler, plan)

@@ -119,11 +119,13 @@ class WarmupDecayLR(WarmupLR):
 
     def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int,
                  warmup_min_lr: Union[Number, Sequence[Number]] = 0.0,
-                 warmup_max_lr: Union[None, Number, Sequence[Number]] = 0.001, warmup_num_steps: int = 1000,
+                 warmup_max_lr: Union[None, Number, Sequence[Number]] = 0.001, warmup_num_steps: Optional[int] = None,
                  warmup_type: str = "log", last_epoch: int = -1) -> None:
         if not isinstance(total_num_steps, int) or total_num_steps < 1:
             raise ValueError(f"total_num_steps={total_num_steps!r} must be a positive int (the run's "
                              "optimizer steps)")
+        check_warmup_within(total_num_steps, warmup_num_steps, "WarmupDecayLR: ")  # (given: DeepSpeed's 1000 is not)
+        warmup_num_steps = 1000 if warmup_num_steps is None else warmup_num_steps
         self.total_num_steps = total_num_steps
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_epoch)
 
@@ -177,6 +179,15 @@ _INT_PARAMS = ("total_num_steps", "warmup_num_steps")
 _REAL_PARAMS = ("warmup_min_lr", "warmup_max_lr", "warmup_min_ratio", "cos_min_ratio")
 
 
+def check_warmup_within(total: object, warmup: object, where: str) -> None:
+    """WarmupDecayLR's warmup must end by the run's last step (else the decay would end before
+    the warmup does, and the lr would jump from the warmup's value to the minimum)."""
+    if isinstance(total, int) and isinstance(warmup, int) and warmup > total:
+        raise ValueError(f"{where}warmup_num_steps={warmup} is more than {where}total_num_steps={total}: the decay "
+                         "would end before the warmup does. Raise total_num_steps (the run's optimizer steps, warmup "
+                         "included) or lower warmup_num_steps")
+
+
 def check_schedule_params(name: str, params: dict, where: str = "scheduler.params.") -> None:
     """Types and ranges of a schedule's parameters, checked before any state is built; errors
     name the key (``where`` + key) and the fix."""
@@ -197,6 +208,8 @@ def check_schedule_params(name: str, params: dict, where: str = "scheduler.param
             params["total_num_steps"] <= max(2, params.get("warmup_num_steps", 1000)):
         raise ValueError(f"{where}total_num_steps={params['total_num_steps']} must exceed warmup_num_steps="
                          f"{max(2, params.get('warmup_num_steps', 1000))} for a cosine decay")
+    if name == "WarmupDecayLR":
+        check_warmup_within(params.get("total_num_steps"), params.get("warmup_num_steps"), where)
     if name != "WarmupLR" and "total_num_steps" not in params:
         raise ValueError(f"{where}total_num_steps is missing: {name} needs the run's optimizer steps")
     if "warmup_type" in params and params["warmup_type"] not in WARMUP_TYPES:
