@@ -29,6 +29,7 @@ from zeroshard.checkpoint import frozen_base, jsontree, locate, stage_merge, tp_
 from zeroshard.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map
 from zeroshard.checkpoint.shard_file import DTYPES, ShardReader, reap
+from zeroshard.checkpoint.state_check import check_state_kinds
 from zeroshard.offload.unit_swap import resident_runs
 from zeroshard.optim.state_io import fill_run, normalize_loaded
 from zeroshard.stages.stage3.secondary import params_written
@@ -403,6 +404,7 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
         try:
             body = locate.check_step(step_dir)  # the checks latest_checkpoint makes, first
             check_compatible(body, model, optimizer, step_dir, held)
+            check_state_kinds(body, model, optimizer, step_dir)  # (Note [state kinds])
             # Offloaded state streams: verified blocks are kept a few at a time, not all,
             # and the apply phase reads (and verifies) them again as it fills each unit.
             src = _Source(step_dir, body, max_blocks=_STREAM_BLOCKS if _streamed(optimizer) else None)
