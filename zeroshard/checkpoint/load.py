@@ -25,10 +25,11 @@ import torch
 from torch import nn
 
 from zeroshard.optim.registry import optimizer_for
-from zeroshard.checkpoint import frozen_base, jsontree, locate, stage_merge, tp_layout, trainer_state
+from zeroshard.checkpoint import frozen_base, group_names, jsontree, locate, stage_merge, tp_layout, trainer_state
 from zeroshard.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map
 from zeroshard.checkpoint.shard_file import DTYPES, ShardReader, reap
+from zeroshard.checkpoint.state_check import check_state_kinds
 from zeroshard.offload.unit_swap import resident_runs
 from zeroshard.optim.state_io import fill_run, normalize_loaded
 from zeroshard.stages.stage3.secondary import params_written
@@ -162,8 +163,8 @@ def _held(model: Optional[nn.Module], opt: Optional["ZeroOptimizer"]) -> tuple[d
     if opt is not None:
         names = name_map(model, opt)
         groups = [[names[opt.engine.param_names[id(p)]] for p in g["params"] if p.requires_grad] for g in opt.param_groups]
-    pp = stage_merge.pipeline_of(opt)
-    return stage_merge.merge_expected(pp, expected, groups) if pp is not None else (expected, groups)
+    pp = stage_merge.pipeline_of(opt)  # (groups: this stage's own, matched by name: Note [param groups by name])
+    return (stage_merge.merge_expected(pp, expected) if pp is not None else expected), groups
 
 
 def check_compatible(body: dict, model: Optional[nn.Module], opt: Any, where: str,
@@ -196,16 +197,7 @@ def check_compatible(body: dict, model: Optional[nn.Module], opt: Any, where: st
     frozen_base.check_base(record, sorted(unsaved & set(expected)), model,
                            opt if opt is not None else optimizer_for(model) if model is not None else None, where)
     if opt is not None:
-        groups = body.get("param_groups", [])
-        names = name_map(model, opt)
-        # (frozen parameters train in no group; older checkpoints listed them)
-        frozen = {names[opt.engine.param_names[id(p)]] for g in opt.param_groups for p in g["params"] if not p.requires_grad}
-        saved = [[n for n in g.get("params", []) if n not in frozen] if isinstance(g, dict) else [] for g in groups]
-        if len(saved) != len(mine) or any(set(a) != set(b) for a, b in zip(saved, mine)):
-            raise CheckpointMismatchError(
-                f"{where} has {len(saved)} param group(s) of sizes {[len(g) for g in saved]}, the optimizer "
-                f"has {len(mine)} of sizes {[len(g) for g in mine]}; build the optimizer with the same "
-                "param groups (stage 3 takes the model: one group) to restore per-group hyperparameters")
+        group_names.resolve(jsontree.decode(body.get("param_groups", []), f"{where}: param_groups"), mine, where)
 
 
 def _target(opt: Optional["ZeroOptimizer"], own: str) -> tp_layout.Target:
@@ -406,12 +398,13 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
         try:
             body = locate.check_step(step_dir)  # the checks latest_checkpoint makes, first
             check_compatible(body, model, optimizer, step_dir, held)
+            check_state_kinds(body, model, optimizer, step_dir)  # (Note [state kinds])
             # Offloaded state streams: verified blocks are kept a few at a time, not all,
             # and the apply phase reads (and verifies) them again as it fills each unit.
             src = _Source(step_dir, body, max_blocks=_STREAM_BLOCKS if _streamed(optimizer) else None)
             read_phase(src, model, optimizer)
             plan = trainer_state.prepare(body, optimizer, scheduler, dataloader, step_dir, comm.rank,
-                                         comm.world_size, load_rng)
+                                         comm.world_size, load_rng, held[1])
         except CheckpointMismatchError as exc:
             error = ("mismatch", str(exc))
         except (CheckpointCorruptError, OSError) as exc:

@@ -4,12 +4,16 @@ Note [pipeline checkpoints]: under pipeline parallelism (Note [pipeline parallel
 zeroshard/comm/pipeline.py) each rank's optimizer knows its own stage's parameters only. A
 checkpoint describes the whole model, so what the manifest lists is merged over the pp group
 (one ``all_gather_object`` of names and shapes, no tensors): the tensor table is the union of
-the stages' entries, param group ``i`` lists every stage's group ``i`` (the stages build their
-groups alike: one group each when given the stage module), aliases are united, and a buffer
+the stages' entries, the param groups are every stage's groups in stage order, each with its
+own hyperparameters and the names it holds (a tensor's group index renumbered to match),
+aliases are united, and a buffer
 two stages share is written by the first of them. Each rank writes its own pieces as always,
 keyed by the full model's names, so a load at another layout (pp 1, another dp, one process)
 finds every piece by name and range; a load at a pp layout compares the checkpoint with the
-union of its stages' expectations in the same way.
+union of its stages' expectations in the same way. Groups are matched by the names they hold,
+never by index (Note [param groups by name] in group_names.py): stage 0 built with
+``[{embedding, lr=1e-5}, {rest}]`` and stage 1 with ``[{rest}]`` once merged group ``i`` across
+stages and resumed stage 1 at the embedding's learning rate.
 """
 from __future__ import annotations
 
@@ -35,18 +39,6 @@ def stages_of(opt: object) -> int:
     return pp.stages if pp is not None else 1
 
 
-def merged_groups(per_stage: list[list[dict]]) -> list[dict]:
-    """Param group ``i`` of every stage as one group (hyperparameters: the first stage's)."""
-    out: list[dict] = []
-    for groups in per_stage:
-        for i, g in enumerate(groups):
-            if i == len(out):
-                out.append({**g, "params": list(g["params"])})
-            else:
-                out[i]["params"] += [n for n in g["params"] if n not in out[i]["params"]]
-    return out
-
-
 def merge_save(pp: "PipelineParallel", snap: "Snapshot", shapes: dict[str, dict],
                full_names: list[str]) -> dict[str, dict]:
     """Every stage's shapes, param groups and aliases in ``snap``'s header and the returned
@@ -57,26 +49,26 @@ def merge_save(pp: "PipelineParallel", snap: "Snapshot", shapes: dict[str, dict]
     stages = pp.comm.all_gather_object(mine)
     merged: dict[str, dict] = {}
     written: set[str] = set()
-    for k, (stage_shapes, _, _, names) in enumerate(stages):
+    offset = 0  # (stage k's group i is the manifest's group offset + i)
+    for k, (stage_shapes, groups, _, names) in enumerate(stages):
         for name, meta in stage_shapes.items():
-            merged.setdefault(name, meta)
+            if name not in merged:
+                merged[name] = {**meta, "group": meta["group"] + offset} if meta.get("group") is not None else meta
+        offset += len(groups)
         if k == pp.stage:
             snap.full = {n: t for n, t in snap.full.items() if n not in written}
         written |= set(names)
     if header:
         header["pipeline_stages"] = pp.stages  # (a load at another pp count reports it resharded)
-        header["param_groups"] = merged_groups([groups for _, groups, _, _ in stages])
+        header["param_groups"] = [g for _, groups, _, _ in stages for g in groups]
         header["aliases"] = {a: t for _, _, aliases, _ in stages for a, t in aliases.items()}
     return merged
 
 
-def merge_expected(pp: "PipelineParallel", expected: dict[str, tuple[tuple[int, ...], bool]],
-                   groups: list[list[str]]) -> tuple[dict[str, tuple[tuple[int, ...], bool]], list[list[str]]]:
-    """(what every stage holds, every stage's param groups merged) for a load's checks (a
-    collective over pp: Note [pipeline checkpoints])."""
-    stages = pp.comm.all_gather_object((expected, groups))
+def merge_expected(pp: "PipelineParallel", expected: dict[str, tuple[tuple[int, ...], bool]]
+                   ) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """What every stage holds, for a load's checks (a collective over pp: Note [pipeline checkpoints])."""
     out: dict[str, tuple[tuple[int, ...], bool]] = {}
-    for stage_expected, _ in stages:
+    for stage_expected in pp.comm.all_gather_object(expected):
         out.update(stage_expected)
-    merged = merged_groups([[{"params": g} for g in stage_groups] for _, stage_groups in stages])
-    return out, [g["params"] for g in merged]
+    return out

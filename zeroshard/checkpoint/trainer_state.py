@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 import torch
 
-from zeroshard.checkpoint import jsontree, manifest, rng
+from zeroshard.checkpoint import group_names, jsontree, manifest, rng
 from zeroshard.checkpoint.errors import CheckpointMismatchError
 from zeroshard.checkpoint.shard_file import read_json
 from zeroshard.checkpoint.validate import compatible
@@ -43,15 +43,17 @@ class TrainerPlan:
 
 
 def prepare(body: dict, opt: Any, scheduler: Any, dataloader: Any, src_dir: str, rank: int, world: int,
-            load_rng: bool) -> TrainerPlan:
+            load_rng: bool, group_names_held: list[list[str]]) -> TrainerPlan:
     """Raises CheckpointCorruptError (malformed: the root falls back) or CheckpointMismatchError
-    (the caller passed an object the checkpoint holds no state for)."""
+    (the caller passed an object the checkpoint holds no state for). ``group_names_held``: the
+    checkpoint names each of the optimizer's groups trains (Note [param groups by name])."""
     trainer = body["trainer"]
     same_world = body["world_size"] == world
     where = os.path.join(src_dir, manifest.MANIFEST)
     groups = scaler = sched = loader = None
     if opt is not None:
-        groups = jsontree.decode(body.get("param_groups", []), f"{where}: param_groups")
+        saved_groups = jsontree.decode(body.get("param_groups", []), f"{where}: param_groups")
+        groups = [g or {} for g in group_names.resolve(saved_groups, group_names_held, where)]
         for i, (saved, mine) in enumerate(zip(groups, opt.param_groups)):
             for k, v in saved.items():
                 if k != "params" and k in mine:

@@ -35,6 +35,7 @@ from torch import nn
 from zeroshard.checkpoint import save_checkpoint
 from zeroshard.checkpoint.jsontree import encode
 from zeroshard.deepspeed_compat.engine import check_tag, read_latest_tag
+from zeroshard.deepspeed_compat.partitions import check_partitions
 from zeroshard.deepspeed_compat.restricted_unpickler import StandIn, load_pt
 from zeroshard.optim.zero_optimizer import ZeroOptimizer
 from zeroshard.train.deepspeed_config import translate
@@ -88,12 +89,31 @@ def _files(path: str) -> tuple[list[str], list[str]]:
     return [models[r] for r in sorted(models)], [optims[r] for r in sorted(optims)]
 
 
-def _stage_of(v: object) -> int:
-    """DeepSpeed's ZeroStageEnum (read as a StandIn) or a plain int."""
+def _stage_of(osd: object, path: str) -> int:
+    """DeepSpeed's ZeroStageEnum (read as a StandIn) or a plain int, from ``path``'s optimizer states."""
+    if not isinstance(osd, dict) or "zero_stage" not in osd:
+        raise ValueError(f"{path}: its optimizer_state_dict has no 'zero_stage' field; not a DeepSpeed ZeRO "
+                         "optimizer-states file, or a damaged one")
+    v = osd["zero_stage"]
     value = v.value if isinstance(v, StandIn) else v
     if isinstance(value, bool) or not isinstance(value, int) or value not in (0, 1, 2, 3):
-        raise ValueError(f"the optimizer states say zero_stage={value!r}; expected a ZeRO stage 0-3")
+        raise ValueError(f"{path}: zero_stage={value!r}; expected a ZeRO stage 0-3")
     return value
+
+
+def _optimizer_states(path: str) -> dict:
+    loaded = load_pt(path)
+    if not isinstance(loaded, dict) or not isinstance(loaded.get("optimizer_state_dict"), dict):
+        raise ValueError(f"{path} is not a DeepSpeed optimizer-states file (no 'optimizer_state_dict')")
+    return loaded["optimizer_state_dict"]
+
+
+def _int_field(ms: dict, key: str, path: str) -> int:
+    """A counter of the model states (``global_steps`` & co.): an int, or the file is refused."""
+    v = ms.get(key, 0)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"{path}: {key}={v!r} is not a non-negative integer")
+    return v
 
 
 def _full_tensors(stage: int, world: int, shapes: list[dict], flats: list[list[torch.Tensor]],
@@ -198,13 +218,14 @@ def convert_deepspeed(ckpt: str, out: str, tag: Optional[str] = None,
     module_sd = ms["module"]
     buffers = {n: module_sd[n] for n in ms["buffer_names"]}
     shapes = [{n: tuple(s) for n, s in g.items()} for g in (ms.get("param_shapes") or [])]
-    osds = [load_pt(f)["optimizer_state_dict"] for f in optim_files]
+    osds = [_optimizer_states(f) for f in optim_files]
+    counters = {k: _int_field(ms, k, model_files[0]) for k in ("global_steps", "global_samples", "skipped_steps")}
     if osds:
-        stage = _stage_of(osds[0]["zero_stage"])
-        counts = osds[0]["partition_count"]
-        world = max(counts) if isinstance(counts, list) else int(counts)
-        if world != len(osds):
-            raise ValueError(f"the checkpoint was written by {world} ranks but has {len(osds)} optimizer files")
+        stages = [_stage_of(o, f) for o, f in zip(osds, optim_files)]
+        stage, world = stages[0], len(osds)
+        if any(s != stage for s in stages):
+            raise ValueError(f"the optimizer files record ZeRO stages {stages} ({optim_files}): they are not "
+                             "of one checkpoint")
     else:
         stage, world = 0, 1
     # -- masters, moments and per-group scalars ---------------------------------------------------
@@ -223,24 +244,25 @@ def convert_deepspeed(ckpt: str, out: str, tag: Optional[str] = None,
         shapes = [{by_id[i]: tuple(module_sd[by_id[i]].shape) for i in g["params"]} for g in opt_sd["param_groups"]]
         masters = {n: module_sd[n].float().reshape(-1).clone() for n in names}
         for i, st in opt_sd["state"].items():
-            states[by_id[i]] = {k: v.reshape(-1) if isinstance(v, torch.Tensor) and v.dim() else v
-                                for k, v in st.items()}
+            states[by_id[i]] = dict(st)  # (torch.optim's format: shaped as the parameters)
         saved_groups = opt_sd["param_groups"]
     else:
         key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
         inner = "optimizer_state_dict" if stage == 3 else "base_optimizer_state"
         flats = [list(o[key]) for o in osds]
         paddings = osds[0].get("param_alignment_paddings") if stage <= 2 else None
+        check_partitions(stage, world, optim_files, osds, shapes, flats, paddings)
         masters = _full_tensors(stage, world, shapes, flats, paddings)
         base = [o[inner] for o in osds]
         saved_groups = base[0]["param_groups"]
         elementwise = sorted({k for b in base for st in b["state"].values() for k, v in st.items()
                               if isinstance(v, torch.Tensor) and v.dim() > 0})
+        shape_of = {n: s for group in shapes for n, s in group.items()}
         for k in elementwise:
             moment = _full_tensors(stage, world, shapes, [[b["state"][g][k] for g in range(len(shapes))]
                                                           for b in base], paddings)
             for n, v in moment.items():
-                states.setdefault(n, {})[k] = v
+                states.setdefault(n, {})[k] = v.view(shape_of[n])  # (torch.optim's format)
         for g, group in enumerate(shapes):
             scalars = {k: v for k, v in base[0]["state"].get(g, {}).items() if k not in elementwise}
             for n in group:
@@ -287,11 +309,10 @@ def convert_deepspeed(ckpt: str, out: str, tag: Optional[str] = None,
         cur_iter, last = int(scaler.state.get("cur_iter", 0)), int(scaler.state.get("last_overflow_iter", -1))
         opt.engine.scaler.load_state_dict({"scale": float(scaler.state.get("cur_scale", opt.engine.scaler.scale)),
                                     "good_steps": max(0, cur_iter - last - 1),
-                                    "skipped_steps": int(ms.get("skipped_steps", 0))})
+                                    "skipped_steps": counters["skipped_steps"]})
     client = {k: _plain(v, k) for k, v in ms.items() if k not in _DS_KEYS}
-    steps = int(ms.get("global_steps", 0))
-    extra = {"deepspeed_engine": {"global_steps": steps, "global_samples": int(ms.get("global_samples", 0)),
-                                  "skipped_steps": int(ms.get("skipped_steps", 0))},
+    steps = counters["global_steps"]
+    extra = {"deepspeed_engine": counters,
              "client_state": {k: v for k, v in client.items() if v is not None},
              "converted_from": {"deepspeed_version": str(ms.get("ds_version")), "stage": stage, "world_size": world}}
     sched = _Position(ms["lr_scheduler"]) if ms.get("lr_scheduler") is not None else None

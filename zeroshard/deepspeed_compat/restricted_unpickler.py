@@ -50,6 +50,11 @@ _DTYPES = {"float32", "float64", "float16", "bfloat16", "int64", "int32", "int16
            "float", "double", "half", "long", "int"}
 MAX_PICKLE_BYTES = 256 << 20
 """The pickle of a checkpoint file describes tensors; its data lives in the storage records."""
+MAX_NODES = 1 << 22
+"""Values a file's object may hold, counted as a walk meets them (a shared one each time): a
+pickle's memo lets a few hundred bytes name a list of 2**40 leaves, which every later walk
+(the converter's, JSON's) would expand; real checkpoints hold thousands."""
+MAX_DEPTH = 256
 
 
 class StandIn:
@@ -218,6 +223,7 @@ def load_pt(path: str, max_bytes: Optional[int] = None) -> Any:
         if order in names and zf.read(order).strip() not in (b"little",):
             raise ValueError(f"{path} was written on a big-endian machine; it is not read here")
         info = zf.getinfo(pickles[0])
+        _check_record(path, info)
         if info.file_size > MAX_PICKLE_BYTES:
             raise ValueError(f"{path}: its pickle is {info.file_size} bytes; a checkpoint's is far smaller")
         data = zf.read(pickles[0])
@@ -228,6 +234,7 @@ def load_pt(path: str, max_bytes: Optional[int] = None) -> Any:
                 entry = zf.getinfo(record)
             except KeyError:
                 raise pickle.UnpicklingError(f"{path}: storage record {record} is missing") from None
+            _check_record(path, entry)
             itemsize = torch.empty((), dtype=dtype).element_size()
             if entry.file_size != numel * itemsize or (max_bytes is not None and entry.file_size > max_bytes):
                 raise pickle.UnpicklingError(f"{path}: storage {key} has {entry.file_size} bytes, the pickle says "
@@ -236,4 +243,38 @@ def load_pt(path: str, max_bytes: Optional[int] = None) -> Any:
             untyped = torch.frombuffer(raw, dtype=torch.uint8).untyped_storage() if raw else torch.UntypedStorage(0)
             return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
 
-        return RestrictedUnpickler(io.BytesIO(data), storage).load()
+        loaded = RestrictedUnpickler(io.BytesIO(data), storage).load()
+    bound_walk(loaded, path)
+    return loaded
+
+
+def _check_record(path: str, entry: zipfile.ZipInfo) -> None:
+    """Before a record is read: stored as torch.save stores it (no compression, whose few bytes
+    can inflate to gigabytes), and no larger than the file that holds it."""
+    if entry.compress_type != zipfile.ZIP_STORED:
+        raise ValueError(f"{path}: record {entry.filename} is compressed (method {entry.compress_type}); "
+                         "torch.save stores records uncompressed, so this is not a file it wrote")
+    size = os.path.getsize(path)
+    if entry.file_size > size or entry.compress_size != entry.file_size:
+        raise ValueError(f"{path}: record {entry.filename} claims {entry.file_size} bytes in a file of {size}; "
+                         "the archive is damaged or forged")
+
+
+def bound_walk(obj: Any, path: str) -> None:
+    """Refuses an object whose walk (shared values counted each time they are met) exceeds
+    ``MAX_NODES`` values or ``MAX_DEPTH`` levels, before any consumer walks it."""
+    budget = MAX_NODES
+    stack: list[tuple[Any, int]] = [(obj, 0)]
+    while stack:
+        value, depth = stack.pop()
+        budget -= 1
+        if budget < 0 or depth > MAX_DEPTH:
+            raise ValueError(f"{path}: its pickle holds more than {MAX_NODES} values or nests deeper than "
+                             f"{MAX_DEPTH} (a memo bomb: a few bytes naming the same list again and again); "
+                             "not read")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for kv in value.items() for v in kv)
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            stack.extend((v, depth + 1) for v in value)
+        elif isinstance(value, StandIn):
+            stack.extend((v, depth + 1) for v in (value.args, value.state))

@@ -15,6 +15,18 @@ LoRA on embeddings and convolutions — comes out as ``merge_and_unload`` writes
 included. ``modules_to_save`` wrappers export their active copy under the original name (the
 module ``merge_and_unload`` keeps); trainable-token wrappers are refused by name.
 
+Note [tied weights in a merged export]: where the base ties its input and output embeddings
+(``tie_word_embeddings=True``) and an adapter sits on one of them (LoRA on ``embed_tokens`` or
+``lm_head``), the trained model is untied in effect: the adapter's delta applies in that
+module's forward only, the other reads the base weight. ``export_merged`` writes what was
+trained, the merged weight under the adapted name and the base weight under the other, and a
+``config.json`` that says ``tie_word_embeddings: false``, so ``from_pretrained`` loads two
+weights and the logits the adapter model gave. PEFT's ``merge_and_unload`` keeps the tie
+instead: it merges into the one shared tensor, so both embeddings take the delta (a model
+whose output head differs from the one trained, smaller on disk). A tie other than the word
+embeddings' that an adapter breaks has no config field to record it and is refused, naming
+the tied names.
+
 Note [all or nothing on disk]: a rank-0-only write must not leave the other ranks waiting in
 a collective, nor half a directory behind. Before the first collective rank 0 makes a
 staging directory inside ``out_dir`` (a read-only or missing-permission target fails there)
@@ -26,6 +38,7 @@ rank raises the same error.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -332,6 +345,7 @@ def export_merged(model: nn.Module, out_dir: str, max_shard_size: Union[int, str
     limit = parse_size(max_shard_size)
     rename = _renamed(model)
     targets = _merge_targets(model)
+    untie = _broken_tie(model, peft, rename, targets)  # (before the first collective: every rank refuses alike)
     comm, staging = _staged(model, out_dir, "export_merged")
     groups = _Groups(model)
     plan = _plan(model, groups, rename)
@@ -367,6 +381,9 @@ def export_merged(model: nn.Module, out_dir: str, max_shard_size: Union[int, str
         base = peft.get_base_model()
         try:
             config = getattr(base, "config", None)
+            if config is not None and untie:  # (Note [tied weights in a merged export]; the live config stays)
+                config = copy.deepcopy(config)
+                config.tie_word_embeddings = False
             if config is not None:
                 config.save_pretrained(staging.path)
         except OSError as exc:
@@ -376,6 +393,36 @@ def export_merged(model: nn.Module, out_dir: str, max_shard_size: Union[int, str
 
 
 _INDEX = "model.safetensors.index.json"
+
+
+def _broken_tie(model: nn.Module, peft: _PeftModel, rename: Callable[[str], Optional[str]],
+                targets: dict[str, tuple[_TunerLayer, str]]) -> bool:
+    """True where the export unties the base's word embeddings (an adapter on one of them);
+    ValueError naming any other tie an adapter breaks (Note [tied weights in a merged export])."""
+    live = model.state_dict(keep_vars=True)
+    by_tensor: dict[int, list[str]] = {}
+    for key, t in live.items():
+        if rename(key) is not None:
+            by_tensor.setdefault(id(t), []).append(key)
+    broken = [keys for keys in by_tensor.values() if len(keys) > 1 and any(k in targets for k in keys)]
+    if not broken:
+        return False
+    base = getattr(peft, "get_base_model")()  # (a PeftModel's; typed as a Module here)
+    config = getattr(base, "config", None)
+    words = set()
+    try:
+        inp, out = base.get_input_embeddings(), base.get_output_embeddings()
+        words = {id(getattr(inp, "weight", None)), id(getattr(out, "weight", None))}
+    except (AttributeError, NotImplementedError):
+        pass
+    for keys in broken:
+        if not (len(words) == 1 and id(live[keys[0]]) in words and getattr(config, "tie_word_embeddings", False)):
+            names = [_base_name(k) for k in keys]
+            raise ValueError(f"export_merged: {names} are one tied tensor and an adapter sits on "
+                             f"{[n for n, k in zip(names, keys) if k in targets]}: merged, they differ, and the "
+                             "config has no field to untie them; merge with PEFT's merge_and_unload (which merges "
+                             "into the shared tensor) on zeroshard.full_state_dict(model), or adapt neither")
+    return True
 
 
 class _ShardWriter:

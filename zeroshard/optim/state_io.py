@@ -18,6 +18,7 @@ from zeroshard.units.elementwise import update_kind
 from zeroshard.offload.unit_swap import resident_runs
 from zeroshard.optim.inner import normalize_state
 from zeroshard.units.run import Run, elementwise_state, flat, run_pieces as _run_pieces
+from zeroshard.optim.state_kinds import check_entry, expected_state
 
 if TYPE_CHECKING:
     from zeroshard.optim.zero_engine import EngineOwner
@@ -80,6 +81,33 @@ def _check_groups(opt: "EngineOwner", groups: list[dict], by_name: bool) -> None
         raise ValueError("state dict does not match this optimizer's parameters: " + "; ".join(problems))
 
 
+def check_kinds(opt: "EngineOwner", groups: list[dict], got: dict[str, tuple[dict, Optional[int]]],
+                where: str) -> set[str]:
+    """Refuses loaded state that is not what each parameter's class keeps, naming the parameter,
+    the key and the shape expected (Note [state kinds] in state_kinds.py). ``got``: name ->
+    (its state, key -> value or shape; the element count of a flat slice it may hold, or None).
+    Returns the names whose class could not be asked (their element counts are checked instead)."""
+    shapes = {seg.name: tuple(seg.shape) for u in opt.engine.units for seg in u.layout.segments}
+    problems, unknown = [], set()
+    for saved, mine in zip(groups, opt.param_groups):
+        cls = mine.get("optimizer_class", opt.engine.optimizer_class)
+        options = {**_hparams(mine), **_hparams(saved)}  # (the options in force after the load)
+        for p in mine["params"]:
+            name = opt.engine.param_names[id(p)]
+            if name not in got or name not in shapes:
+                continue
+            expected = expected_state(cls, options, shapes[name])
+            if expected is None:
+                unknown.add(name)
+            state, flat_numel = got[name]
+            problems += check_entry(name, cls, state, expected, shapes[name], flat_numel)
+    if problems:
+        raise ValueError(f"{where} holds optimizer state that is not this optimizer's: " +
+                         "; ".join(problems[:10]) + (f" (and {len(problems) - 10} more)" if len(problems) > 10 else "") +
+                         "; load state saved by the same optimizer class and param groups")
+    return unknown
+
+
 def apply_group_options(opt: "EngineOwner", groups: list[dict], replace: bool = False) -> None:
     """Saved param-group options (all but "params") take effect, in ``opt.param_groups`` and in the
     inner optimizer; ``replace``: options the saved groups lack are removed too (an undo)."""
@@ -125,6 +153,9 @@ def load_sharded(opt: "EngineOwner", sd: dict) -> None:
             f"saved by rank {meta['rank']} of {meta['world_size']} at stage {meta['stage']}, this is rank "
             f"{engine.comm.rank} of {engine.comm.world_size} at stage {engine.config.stage}. To change world size or "
             "stage, load a checkpoint (zeroshard.load_checkpoint) or a consolidated_state_dict().")
+    check_kinds(opt, sd["param_groups"], {n: (e["state"], e["stop"] - e["start"]) for n, e in pieces.items()
+                                          if isinstance(e, dict) and isinstance(e.get("state"), dict)},
+                "the state dict")
     apply_group_options(opt, sd["param_groups"])
     for run in resident_runs(engine.runs, write=True):
         names = [piece.segment.name for piece in _run_pieces(run)]
@@ -266,10 +297,13 @@ def load_consolidated(opt: "EngineOwner", sd: dict) -> None:
         saved = {i: {k: engine.tp.local_part(name, v) for k, v in saved.get(i, {}).items()}
                  for name, i in index.items()}
     numel = {seg.name: seg.numel for u in engine.units for seg in u.layout.segments}
+    unknown = check_kinds(opt, sd["param_groups"], {
+        name: ({k: v for k, v in saved.get(i, {}).items() if k != MASTER_KEY}, None) for name, i in index.items()},
+        "the state dict")
     wrong = []
-    for name, i in index.items():
-        for k, v in saved.get(i, {}).items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and name in numel and v.numel() != numel[name] \
+    for name in unknown:
+        for k, v in saved.get(index[name], {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() != numel[name] \
                     and v.numel() != 1:  # (one value per tensor, e.g. shape (1,), is a scalar)
                 wrong.append(f"{name}.{k}: {tuple(v.shape)} has {v.numel()} elements, parameter has {numel[name]}")
     if wrong:
