@@ -80,6 +80,17 @@ class Stepper:
                 kernel_choice.sync_fused_group(inner)
                 user["adamw_mode"] = inner["adamw_mode"]
 
+    def groups_back(self, user_groups: Sequence[dict]) -> None:
+        """What the inner optimizer's step wrote into its param groups (Prodigy's ``d``,
+        schedule-free's weight sums, keys it adds) into the groups torch code sees and
+        checkpoints keep, as ZeroRedundancyOptimizer copies its local groups back: the next
+        ``sync_hyperparameters`` would otherwise reset them. A key the step left alone is the
+        user's object still (``sync_hyperparameters`` put it there), so it is not touched."""
+        for user, inner in zip(user_groups, self.inner.param_groups):
+            for key, value in inner.items():
+                if key not in ("params", "optimizer_class") and (key not in user or user[key] is not value):
+                    user[key] = value
+
     def step(self, user_groups: Sequence[dict], kwargs: dict) -> None:
         overflow = self.grads.finalize()
         # (here, on the caller's thread: a step in flight overlaps the next forward, which may
@@ -115,6 +126,7 @@ class Stepper:
         finally:
             give_back()
         restore()
+        self.groups_back(user_groups)
         self.sharding.gather_params(self.units)
         self.placement.after_step()  # (offload="auto": the step's peak memory against the budget)
 
