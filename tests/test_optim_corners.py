@@ -52,3 +52,46 @@ def test_group_values_written_by_step_persist_and_show(stage, tmp_path):
     _train([(again, opt2), (ref, ropt)], steps=2, first=4)
     assert _maxdiff(again, ref) < 1e-5
     assert opt2.param_groups[0]["k"] == 6
+
+
+# -- 8. torch's refusals, with torch's types and messages (cases of torch's own test_errors) --------
+def _p() -> nn.Parameter:
+    return nn.Parameter(torch.randn(1, 1))
+
+
+_P1, _P2 = _p(), _p()
+_TORCH_ERRORS = [  # (class, params or None, kwargs, torch's error type, torch's regex): optim_db's error inputs
+    (torch.optim.AdamW, None, dict(lr=torch.tensor([0.001, 0.001])), ValueError, "Tensor lr must be 1-element"),
+    (torch.optim.SGD, None, dict(lr=torch.tensor([0.001, 0.001])), ValueError, "Tensor lr must be 1-element"),
+    (torch.optim.Adam, _P1, {}, TypeError, "params argument given to the optimizer should be an iterable of Tensors"),
+    (torch.optim.Adam, [{"params": _P1}, {"params": _P1}], {}, ValueError,
+     "some parameters appear in more than one parameter group"),
+    (torch.optim.Adam, [("weight", _P1), _P2], {}, ValueError,
+     "all optimizer params should be with/without names. Some param names are missing"),
+    (torch.optim.Adam, [{"params": [_P1], "lr": 1e-2}, {"params": [("weight", _P2)]}], {}, ValueError,
+     "all optimizer param groups should be with/without names. cannot add param group with names"),
+    (torch.optim.Adam, None, dict(lr=1e-2, betas=(1.0, 0.0)), ValueError, "Invalid beta parameter at index 0: 1.0"),
+    (torch.optim.AdamW, None, dict(lr=1e-2, weight_decay=-1), ValueError, "Invalid weight_decay value: -1"),
+    (torch.optim.SGD, None, dict(lr=1e-2, momentum=-0.5), ValueError, "Invalid momentum value: -0.5"),
+    (torch.optim.Adadelta, None, dict(lr=1e-2, rho=1.1), ValueError, "Invalid rho value: 1.1"),
+    (torch.optim.Adagrad, None, dict(lr=1e-2, lr_decay=-0.5), ValueError, "Invalid lr_decay value: -0.5"),
+    (torch.optim.NAdam, None, dict(lr=1e-2, momentum_decay=-0.2), ValueError, "Invalid momentum_decay value: -0.2"),
+    (torch.optim.Rprop, None, dict(lr=1e-2, etas=(1.0, 0.5)), ValueError, "Invalid eta values: 1.0, 0.5"),
+    (torch.optim.Adam, None, dict(lr=torch.tensor(0.01), foreach=True), ValueError,
+     "lr as a Tensor is not supported for capturable=False and foreach=True"),
+]
+
+
+@pytest.mark.parametrize("cls,params,kwargs,error,regex", _TORCH_ERRORS,
+                         ids=[f"{c[0].__name__}-{c[4][:24]}" for c in _TORCH_ERRORS])
+def test_refusals_are_torchs(cls, params, kwargs, error, regex):
+    params = [_p()] if params is None else params
+    with pytest.raises(error, match=regex):
+        cls(params, **kwargs)  # (the case is torch's: it holds there)
+    with pytest.raises(error, match=regex):
+        zeroshard.ZeroOptimizer(params, cls, **kwargs)
+
+
+def test_refusal_still_names_the_argument():
+    with pytest.raises(ValueError, match=r"Invalid weight_decay value: -1 \(weight_decay=-1 must be"):
+        zeroshard.ZeroOptimizer([_p()], torch.optim.AdamW, lr=1e-2, weight_decay=-1)

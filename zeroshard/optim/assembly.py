@@ -44,6 +44,7 @@ from zeroshard.optim.hyperparams import (check_inputs, check_optimizer_kwargs, n
 from zeroshard.optim.module_guard import ModuleGuard
 from zeroshard.optim.params import ParamsLike, module_of_groups, normalize_params
 from zeroshard.optim.stepper import Stepper
+from zeroshard.optim.torch_refusals import as_torch_refusal, torch_refusal
 from zeroshard.precision.precision_policy import Precision
 from zeroshard.stages import policy_for_stage
 from zeroshard.stages.sharding import Sharding, UnitPlan
@@ -63,7 +64,16 @@ def configure(optimizer_class: type, model_or_params: ParamsLike, module: Option
     config = ZeroConfig(**options, **config_kwargs)  # type: ignore[arg-type]  # (each field checks its value)
     update_kind(optimizer_class)
     check_optimizer_kwargs(optimizer_class, inner_kwargs)
-    checked = check_inputs(model_or_params, config.stage, inner_kwargs, module)
+    try:
+        checked = check_inputs(model_or_params, config.stage, inner_kwargs, module)
+    except (TypeError, ValueError) as ours:  # torch's refusal first, where torch has one
+        theirs = torch_refusal(optimizer_class, model_or_params, inner_kwargs)
+        if theirs is not None:
+            raise as_torch_refusal(theirs, ours) from None
+        raise
+    theirs = torch_refusal(optimizer_class, checked, inner_kwargs)
+    if theirs is not None:
+        raise as_torch_refusal(theirs) from None
     if not isinstance(checked, nn.Module):  # (a param group may name its own class: Note [whole-tensor units])
         for i, group in enumerate(g for g in checked if isinstance(g, dict)):
             if "optimizer_class" in group:
