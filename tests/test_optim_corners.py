@@ -95,3 +95,117 @@ def test_refusals_are_torchs(cls, params, kwargs, error, regex):
 def test_refusal_still_names_the_argument():
     with pytest.raises(ValueError, match=r"Invalid weight_decay value: -1 \(weight_decay=-1 must be"):
         zeroshard.ZeroOptimizer([_p()], torch.optim.AdamW, lr=1e-2, weight_decay=-1)
+
+
+# -- stage 3 corners ---------------------------------------------------------------------------
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.side = nn.Linear(4, 4)
+        self.empty = nn.Linear(4, 0)  # zero-element parameters (a head pruned to nothing)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) + self.side(x) + self.empty(x).sum()
+
+
+class _ReturnsBias(nn.Module):
+    """A Megatron-style layer: the bias goes back to the caller, who adds it (fused later)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4, bias=False)
+        self.bias = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lin(x), self.bias
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block() for _ in range(2)])
+        self.layers = nn.ModuleList([_ReturnsBias() for _ in range(2)])
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        for layer in self.layers:
+            out, bias = layer(x)
+            x = torch.tanh(out + bias)
+        return self.head(x).pow(2).mean()
+
+
+def _net_pair() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    model, ref = _Net(), _Net()
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+def _stage3_train(model, opt, ref, ropt, steps: int = 3, dtype=torch.float32) -> None:
+    for i in range(steps):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(i))
+        for m, o, d in ((model, opt, dtype), (ref, ropt, torch.float32)):
+            o.zero_grad()
+            m(x.to(d)).backward()
+            o.step()
+
+
+def _full_diff(model, opt, ref) -> float:
+    full = zeroshard.full_state_dict(model, opt)
+    return max((full[k].float() - v).abs().max().item() for k, v in ref.state_dict().items() if v.numel())
+
+
+def test_stage3_module_returning_its_parameter_trains_like_torch():
+    # (the caller's `out + bias` read released memory: SIGSEGV, no Python error)
+    model, ref = _net_pair()
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=3)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _stage3_train(model, opt, ref, ropt)
+    assert _full_diff(model, opt, ref) < 1e-6
+    assert not any(h for p in model.parameters() for h in getattr(p, "_backward_hooks", None) or {})
+
+
+def test_stage3_mixed_precision_casts_zero_element_parameters():
+    model, ref = _net_pair()  # (the forward failed: mat1 and mat2 must have the same dtype)
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=3, mixed_precision="bf16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _stage3_train(model, opt, ref, ropt, dtype=torch.bfloat16)
+    assert _full_diff(model, opt, ref) < 1e-2  # (bf16 compute; Adam moved each weight ~3e-2)
+
+
+def _left_out_groups(model: nn.Module) -> list[dict]:
+    """Groups that leave the blocks' ``side`` layers out (trainable, yet not trained)."""
+    kept = [p for n, p in model.named_parameters() if ".side." not in n and not n.startswith("head")]
+    return [{"params": kept}, {"params": list(model.head.parameters()), "lr": 1e-3}]
+
+
+@pytest.mark.parametrize("stage", (0, 2, 3))
+def test_param_groups_may_leave_trainable_parameters_out(stage, tmp_path):
+    model, ref = _net_pair()  # (stage 3 refused: "trainable parameter(s) ... are in no param group")
+    opt = zeroshard.ZeroOptimizer(_left_out_groups(model), torch.optim.AdamW, lr=1e-2, stage=stage, module=model)
+    ropt = torch.optim.AdamW(_left_out_groups(ref), lr=1e-2)
+    before = ref.blocks[0].side.weight.detach().clone()
+    _stage3_train(model, opt, ref, ropt)
+    assert torch.equal(ref.blocks[0].side.weight, before)  # (torch leaves them alone)
+    assert _full_diff(model, opt, ref) < 1e-6
+    zeroshard.save_checkpoint(str(tmp_path), 3, model=model, optimizer=opt)
+    torch.manual_seed(5)
+    again = _Net()
+    opt2 = zeroshard.ZeroOptimizer(_left_out_groups(again), torch.optim.AdamW, lr=1e-2, stage=stage, module=again)
+    zeroshard.load_checkpoint(str(tmp_path), model=again, optimizer=opt2)
+    assert _full_diff(again, opt2, ref) < 1e-6
+
+
+@pytest.mark.parametrize("stage", (0, 1, 2))
+def test_zero_element_parameters_leave_their_neighbours_alone(stage):
+    # (their segment starts where the next parameter's does: the next one's gradient was added to
+    # an unwritten bucket, or its update undone)
+    model, ref = _net_pair()
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=stage)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _stage3_train(model, opt, ref, ropt)
+    assert _full_diff(model, opt, ref) < 1e-6

@@ -125,10 +125,9 @@ def full_tensors(model: Optional[nn.Module], opt: Any, frozen: bool = True
     (Note [frozen weights in checkpoints] in frozen_base.py)."""
     if model is None:
         return {}, {}
-    trained = {id(p) for g in opt.param_groups for p in g["params"] if p.requires_grad} if opt else set()
-    managed = {id(m.param) for u in getattr(opt, "frozen_units", []) for m in u.members} if opt else set()
-    if opt is not None and opt.gatherer is not None:
-        managed |= {id(opt.gatherer.visible(m.param)) for u in opt.frozen_units for m in u.members}
+    # (what the units hold is pieces; a parameter in no unit, e.g. stage 3's zero-element ones,
+    # is written whole like a buffer)
+    managed = set(opt.segment_index()) if opt is not None else set()
     first: dict[int, str] = {}
     full, aliases = {}, {}
     for name, t in model.state_dict(keep_vars=True).items():
@@ -136,7 +135,7 @@ def full_tensors(model: Optional[nn.Module], opt: Any, frozen: bool = True
             aliases[name] = first[id(t)]
             continue
         first[id(t)] = name
-        if id(t) in trained or id(t) in managed:
+        if id(t) in managed:
             continue
         if not frozen and isinstance(t, nn.Parameter) and not t.requires_grad and t.is_floating_point():
             continue

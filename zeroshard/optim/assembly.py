@@ -110,7 +110,8 @@ def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: Para
     params = [t for g in groups for t in g["params"]]
     engine.mesh = mesh_info(process_group, mesh, config, params, names)  # Note [hybrid sharding], [hpZ slice order]
     engine.sharding = sharding = Sharding(policy_for_stage(config.stage), engine.mesh, config)
-    frozen = sharding.frozen(module, meta_shapes)  # (Note [frozen units] in stages/stage3/frozen.py)
+    trained = frozenset(id(t) for t in params if t.requires_grad)  # (left out of the groups: not trained)
+    frozen = sharding.frozen(module, meta_shapes, trained)  # (Note [frozen units] in stages/stage3/frozen.py)
     if engine.mesh.tp is not None and frozen:
         raise ValueError(f"stage 3 with tensor parallelism partitions trainable parameters only; {len(frozen)} are "
                          f"frozen (e.g. {frozen[0].name!r}): use stage 1-2, or train them")
@@ -124,7 +125,11 @@ def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: Para
     param_dtype = precision.param_dtype
     all_params = params + [m.param for m in frozen]
     # frozen weights compute in the model dtype too: cast once nothing can refuse (the last step)
-    casts = construction.frozen_casts(all_params, param_dtype) if precision.mixed else {}
+    casts = construction.frozen_casts(all_params, param_dtype, trained) if precision.mixed else {}
+    if precision.mixed and sharding.shard_parameters:  # (stage 3's empty parameters stay outside the units,
+        shapes = {**meta_shapes, **engine.mesh.local_shapes()}  # but compute in the model dtype all the same)
+        casts.update({id(p): param_dtype for p in params if p.requires_grad and p.is_floating_point()
+                      and p.dtype != param_dtype and shapes.get(id(p), p.shape).numel() == 0})
     snapshot.keep_data_only_of(lambda p: sharding.shard_parameters or local_of(p).dtype != param_dtype)
     whole = frozenset(i for i, g in enumerate(groups)
                       if update_kind(g.get("optimizer_class", engine.optimizer_class)) == "whole")

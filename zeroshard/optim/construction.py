@@ -145,11 +145,12 @@ def abandon(engine: "Engine", snapshot: ModelSnapshot, exc: BaseException) -> No
 
 
 # -- frozen weights under mixed precision ---------------------------------------------------------
-def frozen_casts(params: Iterable[torch.Tensor], dtype: torch.dtype) -> dict[int, torch.dtype]:
-    """id -> dtype of the frozen floating-point parameters mixed precision casts to ``dtype``
-    (they compute in the model dtype too)."""
+def frozen_casts(params: Iterable[torch.Tensor], dtype: torch.dtype, trained: frozenset[int]
+                 ) -> dict[int, torch.dtype]:
+    """id -> dtype of the untrained floating-point parameters (not in ``trained``) mixed
+    precision casts to ``dtype`` (they compute in the model dtype too)."""
     return {id(p): dtype for p in params
-            if not p.requires_grad and p.is_floating_point() and p.dtype != dtype}
+            if id(p) not in trained and p.is_floating_point() and p.dtype != dtype}
 
 
 def as_planned(groups: list[dict], casts: dict[int, torch.dtype]) -> list[dict]:
@@ -170,8 +171,9 @@ def as_planned(groups: list[dict], casts: dict[int, torch.dtype]) -> list[dict]:
 
 
 def cast_frozen(params: Iterable[torch.Tensor], casts: dict[int, torch.dtype]) -> None:
-    """The last change of a construction: frozen weights outside any unit take the model dtype
-    (those in stage-3 units already hold it there)."""
+    """The last change of a construction: frozen weights outside any unit, and stage 3's
+    zero-element parameters (in no unit either), take the model dtype (those in stage-3 units
+    already hold it there)."""
     with torch.no_grad():
         for p in params:
             dtype = casts.get(id(p))

@@ -54,9 +54,10 @@ def _untouched_pieces(units: Sequence[FlatUnit], runs: Sequence[Run], untouched:
     index = {id(u): ui for ui, u in enumerate(units)}
     for run in runs:
         ui = index[id(run.unit)]
-        seg_index = {seg.offset: si for si, seg in enumerate(run.unit.layout.segments)}
+        # (by segment, not offset: a zero-element parameter starts where the next one does)
+        seg_index = {id(seg): si for si, seg in enumerate(run.unit.layout.segments)}
         pieces = [p for p in run.unit.layout.pieces_in(run.a, run.b) if p.numel]
-        yield run, pieces, [p for p in pieces if (ui, seg_index[p.segment.offset]) in untouched]
+        yield run, pieces, [p for p in pieces if (ui, seg_index[id(p.segment)]) in untouched]
 
 
 def skip_whole_runs(units: Sequence[FlatUnit], runs: Sequence[Run], untouched: set[tuple[int, int]]
