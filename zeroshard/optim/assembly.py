@@ -219,7 +219,9 @@ def _build_optimizer_state(owner: torch.optim.Optimizer, engine: Engine, groups:
     """The inner optimizer over the owned ranges, and the NVMe stream of its state where the
     placement puts moments on disk."""
     config, cls = engine.config, engine.optimizer_class
-    engine.runs, engine.inner = kernel_choice.build_inner(cls, kwargs, groups, engine.units, config.fused_adam)
+    # (NVMe streams state run by run: there one run per unit and group, Note [one run per parameter])
+    engine.runs, engine.inner = kernel_choice.build_inner(cls, kwargs, groups, engine.units, config.fused_adam,
+                                                          per_parameter=not engine.placement.streams_optimizer)
     engine.swapper = None
     if engine.placement.streams_optimizer:
         fused = kernel_choice.choose_kernels(cls, kwargs, groups, config.fused_adam)

@@ -15,7 +15,7 @@ Then every rank's parameters are made current (``Sharding.gather_params``).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -105,9 +105,8 @@ class Stepper:
         self.sync_hyperparameters(user_groups)
         reducer = self.grads.reducer
         quiet = untouched.untouched_everywhere(reducer.touched, self.mesh.comm, self.mesh.replicas, self.units)
-        give_back = untouched.skip_whole_runs(self.units, self.runs, quiet)  # (runs none of whose params got a grad)
-        restore: Callable[[], None] = (untouched.freeze(self.units, self.runs, self.inner.state, quiet)
-                                       if self.swapper is None else lambda: None)  # (NVMe: stepped with a zero grad)
+        # (runs none of whose params got a grad: one run per parameter, Note [one run per parameter])
+        give_back = untouched.skip_whole_runs(self.units, self.runs, quiet)
         scale, self.clip_coef = self.clip_coef, 1.0
         updating = False
         try:
@@ -125,7 +124,6 @@ class Stepper:
             raise
         finally:
             give_back()
-        restore()
         self.groups_back(user_groups)
         self.sharding.gather_params(self.units)
         self.placement.after_step()  # (offload="auto": the step's peak memory against the budget)

@@ -192,7 +192,10 @@ class ParameterGatherer:
 
     def show(self, ui: int, sharded: bool) -> None:
         for module, name, p in self._regs[ui]:
-            module._parameters[name] = self.sharded[id(p)] if sharded else p
+            shown = self.sharded[id(p)]
+            if not sharded and p.requires_grad != shown.requires_grad:  # (frozen between steps by
+                p.requires_grad_(shown.requires_grad)  # torch code, on the parameter it sees)
+            module._parameters[name] = shown if sharded else p
 
     def visible(self, p: torch.Tensor) -> torch.Tensor:
         """What torch code sees of managed parameter ``p`` between uses."""
