@@ -27,7 +27,7 @@ from zeroshard.comm.process_group import check_launched_with_group
 from zeroshard.comm.tensor_parallel import is_dtensor, local_of
 from zeroshard.optim import ddp_check
 from zeroshard.optim.hyperparams import check_nvme_kernel
-from zeroshard.optim.lifecycle import _OWNER
+from zeroshard.optim.lifecycle import _OWNER, take_back_collected
 
 if TYPE_CHECKING:
     from zeroshard.optim.zero_engine import Engine
@@ -114,6 +114,8 @@ def check_and_record(config: Any, model_or_params: Any, module: Optional[nn.Modu
     ddp_check.refuse_wrapper(module, "module=")
     check_launched_with_group()
     root = module if module is not None else model_or_params if isinstance(model_or_params, nn.Module) else None
+    if root is not None:
+        take_back_collected(root)
     touched = tensors_of(model_or_params) + (list(root.parameters()) if root is not None else [])
     check_nvme_kernel(config, optimizer_class, kwargs, group_options(model_or_params), touched)
     return ModelSnapshot(root, touched)
