@@ -18,6 +18,7 @@ from zeroshard.optim.elementwise import update_kind
 
 from zeroshard.offload.unit_swap import resident_runs
 from zeroshard.optim.inner import normalize_state
+from zeroshard.optim.regroup import to_own_grouping
 
 if TYPE_CHECKING:
     from zeroshard.optim.flat_unit import FlatUnit
@@ -275,6 +276,7 @@ def load_consolidated(opt: "ZeroOptimizer", sd: dict) -> None:
     if "state" not in sd or "param_groups" not in sd:
         raise ValueError(f"not an optimizer state dict: keys {sorted(sd)[:8]}; expected 'state' and "
                          "'param_groups' (torch.optim format) or a ZeroOptimizer.state_dict()")
+    sd = to_own_grouping(opt, sd)  # (groups that name their parameters: Note [regrouped state])
     _check_groups(opt, sd["param_groups"], by_name=False)
     index = _param_index(opt)
     saved = sd["state"]
