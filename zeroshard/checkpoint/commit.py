@@ -129,25 +129,29 @@ def commit(snap: Snapshot, root: str, comm: Any, shapes: dict[str, dict], keep_l
         files, entries = _write_rank_files(snap, tmp, rank)
         result: Any = ([f.__dict__ for f in files], entries, snap.dataloader)
     except OSError as exc:
-        result = f"rank {rank}: {exc.strerror or exc} writing {exc.filename or tmp}"
+        result = f"!rank {rank}: {exc.strerror or exc} writing {exc.filename or tmp}"  # ("!": the disk's)
     except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised there
         result = f"rank {rank}: {type(exc).__name__}: {exc}"
     results = comm.all_gather_object(result)
     errors = [r for r in results if isinstance(r, str)]
+    disk = any(e.startswith("!") for e in errors)  # (only a write error is the disk's to fix)
+    errors = [e.lstrip("!") for e in errors]
     failure = None  # rank 0's commit error, if any
     if rank == 0:
         try:
             failure = _finish(snap, root, tmp, final, results, shapes, keep_last) if not errors else None
         except Exception as exc:  # noqa: BLE001 - the other ranks wait for the verdict below
-            failure = f"rank 0: {type(exc).__name__}: {exc}"
+            failure = f"{'!' if isinstance(exc, OSError) else ''}rank 0: {type(exc).__name__}: {exc}"
         if errors or failure:
             shutil.rmtree(tmp, ignore_errors=True)
     failure = comm.broadcast_object(failure)
+    if failure:
+        disk, failure = disk or failure.startswith("!"), failure.lstrip("!")
     if errors or failure:
         msg = "; ".join(errors) if errors else failure
+        fix = "free disk space or choose another root" if disk else "the cause above is not the disk's"
         raise CheckpointError(f"checkpoint of step {snap.step} was not saved ({msg}). Nothing was "
-                              "committed: the previous checkpoint is intact and training can go on; "
-                              "free disk space or choose another root")
+                              f"committed: the previous checkpoint is intact and training can go on; {fix}")
     return final
 
 

@@ -20,7 +20,6 @@ from torch import nn
 
 from zeroshard.checkpoint.shard_file import Deferred
 from zeroshard.units.run import elementwise_state, flat
-from zeroshard.optim.zero_optimizer import engine_of
 
 if TYPE_CHECKING:
     from zeroshard.optim.zero_optimizer import ZeroOptimizer
@@ -126,11 +125,9 @@ def full_tensors(model: Optional[nn.Module], opt: Any, frozen: bool = True
     (Note [frozen weights in checkpoints] in frozen_base.py)."""
     if model is None:
         return {}, {}
-    trained = {id(p) for g in opt.param_groups for p in g["params"] if p.requires_grad} if opt else set()
-    engine = engine_of(opt)
-    managed = {id(m.param) for u in engine.frozen_units for m in u.members} if engine is not None else set()
-    if opt is not None and opt.engine.gatherer is not None:
-        managed |= {id(opt.engine.gatherer.visible(m.param)) for u in opt.engine.frozen_units for m in u.members}
+    # (what the units hold is pieces; a parameter in no unit, e.g. stage 3's zero-element ones,
+    # is written whole like a buffer)
+    managed = set(opt.segment_index()) if opt is not None else set()
     first: dict[int, str] = {}
     full, aliases = {}, {}
     for name, t in model.state_dict(keep_vars=True).items():
@@ -138,7 +135,7 @@ def full_tensors(model: Optional[nn.Module], opt: Any, frozen: bool = True
             aliases[name] = first[id(t)]
             continue
         first[id(t)] = name
-        if id(t) in trained or id(t) in managed:
+        if id(t) in managed:
             continue
         if not frozen and isinstance(t, nn.Parameter) and not t.requires_grad and t.is_floating_point():
             continue

@@ -114,10 +114,10 @@ class GradientReducer:
     def _reset_pass(self) -> None:
         self._buckets: list[Optional[torch.Tensor]] = [None] * len(self.units)
         self._seen: list[set[int]] = [set() for _ in self.units]
-        """Per unit: offsets of the segments its bucket holds a gradient of (this pass and
+        """Per unit: indices of the segments its bucket holds a gradient of (this pass and
         deferred ones before it)."""
         self._arrived: list[set[int]] = [set() for _ in self.units]
-        """Per unit: offsets whose gradient this pass delivered (a unit is ready once all did)."""
+        """Per unit: segment indices whose gradient this pass delivered (a unit is ready once all did)."""
         self._next = 0
         self._in_backward = False
 
@@ -172,12 +172,12 @@ class GradientReducer:
                 "use_reentrant=False).")
         bucket = self._bucket(ui)
         dst = bucket[seg.offset:seg.end]
-        if seg.offset in self._seen[ui]:
+        if si in self._seen[ui]:  # (by segment index: a zero-element parameter shares its offset)
             dst.add_(grad.reshape(-1))
         else:
             dst.copy_(grad.reshape(-1))
-            self._seen[ui].add(seg.offset)
-        self._arrived[ui].add(seg.offset)
+            self._seen[ui].add(si)
+        self._arrived[ui].add(si)
         if self._pass_sync and len(self._arrived[ui]) == len(self.units[ui].layout.segments):
             self._launch_ready()
 
@@ -237,8 +237,8 @@ class GradientReducer:
         bucket = self._bucket(ui)
         # Parameters that got no gradient, and the padding, contribute zeros.
         seen = self._seen[ui]
-        for seg in unit.layout.segments:
-            if seg.offset not in seen:
+        for si, seg in enumerate(unit.layout.segments):
+            if si not in seen:
                 bucket[seg.offset:seg.end].zero_()
         for lo, hi in unit.layout.padding:  # (an owner layout pads between slots too)
             bucket[lo:hi].zero_()

@@ -1,24 +1,23 @@
 """Parameters that got no gradient on any rank are left alone by a step, as torch.optim leaves
 a parameter whose ``.grad`` is None (DDP gives such a parameter no gradient either).
 
-The inner optimizer updates whole runs (one tensor per unit and group), so it cannot skip
-one parameter inside a run; instead the step saves the values and elementwise state of the
-untouched parameters' pieces and puts them back afterwards. A parameter unused on only some
-ranks did get a gradient (the others' average with zeros), exactly as with DDP. A run none of
-whose parameters got a gradient is not stepped at all (``skip_whole_runs``), step count
-included. What cannot be kept per parameter in a run that is stepped: its scalar state
-(Adam's ``step``) counts the steps of the run.
+Runs are one per parameter's piece (Note [one run per parameter] in kernel_choice.py), so a
+run none of whose parameters got a gradient is not stepped at all (``skip_whole_runs``), step
+count included, as torch.optim. Under NVMe streaming a run spans a unit's group, and the untouched
+parameters of a run that is stepped step with a zero gradient (the documented limit). A
+parameter unused on only some ranks did get a gradient (the others' average with zeros),
+exactly as with DDP.
 
 The global view costs one small all-reduce per step (a byte per parameter) at world > 1.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from zeroshard.units.run import Run, elementwise_state, flat
+from zeroshard.units.run import Run
 
 if TYPE_CHECKING:
     from zeroshard.comm.process_group import Comm
@@ -54,18 +53,18 @@ def _untouched_pieces(units: Sequence[FlatUnit], runs: Sequence[Run], untouched:
     index = {id(u): ui for ui, u in enumerate(units)}
     for run in runs:
         ui = index[id(run.unit)]
-        seg_index = {seg.offset: si for si, seg in enumerate(run.unit.layout.segments)}
+        # (by segment, not offset: a zero-element parameter starts where the next one does)
+        seg_index = {id(seg): si for si, seg in enumerate(run.unit.layout.segments)}
         pieces = [p for p in run.unit.layout.pieces_in(run.a, run.b) if p.numel]
-        yield run, pieces, [p for p in pieces if (ui, seg_index[p.segment.offset]) in untouched]
+        yield run, pieces, [p for p in pieces if (ui, seg_index[id(p.segment)]) in untouched]
 
 
 def skip_whole_runs(units: Sequence[FlatUnit], runs: Sequence[Run], untouched: set[tuple[int, int]]
                     ) -> Callable[[], None]:
     """Runs all of whose parameters are untouched are left out of the step: their ``.grad`` is
     hidden, so the inner optimizer (and the NVMe step) skips them as torch.optim skips a
-    parameter whose ``.grad`` is None, their step count included. (A run some of whose
-    parameters got a gradient is stepped, and ``freeze`` puts the others back.) Returns the
-    function that gives the gradients back."""
+    parameter whose ``.grad`` is None, their step count included. Returns the function that
+    gives the gradients back."""
     if not untouched:
         return lambda: None
     hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -78,35 +77,3 @@ def skip_whole_runs(units: Sequence[FlatUnit], runs: Sequence[Run], untouched: s
         for t, g in hidden:
             t.grad = g
     return give_back
-
-
-def freeze(units: Sequence[FlatUnit], runs: Sequence[Run], states: Mapping[torch.Tensor, dict],
-           untouched: set[tuple[int, int]]) -> Callable[[], None]:
-    """Saves the untouched pieces of the runs the step updates (after ``skip_whole_runs``, those
-    with a gradient) and their elementwise state (``states``: the inner optimizer's); the
-    returned function restores them after the step."""
-    if not untouched:
-        return lambda: None
-    saved: list[tuple[Any, int, int, torch.Tensor, dict[str, torch.Tensor]]] = []
-    for run, _, quiet in _untouched_pieces(units, runs, untouched):
-        if run.tensor.grad is None:  # (not stepped: nothing to put back)
-            continue
-        state = states.get(run.tensor, {})
-        for piece in quiet:
-            lo = piece.unit_offset - run.a
-            hi = lo + piece.numel
-            moments = {k: flat(v)[lo:hi].clone() for k, v in state.items() if elementwise_state(v, run.tensor)}
-            saved.append((run, lo, hi, flat(run.tensor)[lo:hi].clone(), moments))
-
-    def restore() -> None:
-        units = {}
-        for run, lo, hi, values, moments in saved:
-            flat(run.tensor)[lo:hi].copy_(values)
-            state = states.get(run.tensor, {})
-            for k, v in moments.items():
-                if k in state:
-                    flat(state[k])[lo:hi].copy_(v)
-            units[id(run.unit)] = run.unit
-        for unit in units.values():  # the model-dtype copy was written from the master already
-            unit.write_back()
-    return restore

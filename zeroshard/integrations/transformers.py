@@ -17,8 +17,10 @@ What the callback does, all through ``TrainerCallback`` events:
 - before each checkpoint (``on_step_end`` / ``on_epoch_end`` with ``control.should_save``,
   ``on_evaluate`` under ``save_strategy="best"``; every rank runs these), arms the save guard
   (Note [rank-0 saves] in ``_common.py``): the ``optimizer.pt`` the Trainer writes from rank 0
-  holds every rank's state (consolidated, in ``torch.optim`` format) and at stage 3 the model
-  file holds full weights; ``resume_from_checkpoint`` then loads it on every rank as usual;
+  holds every rank's state (consolidated, in ``torch.optim`` format, grouped as a plain
+  Trainer groups its own optimizer: Note [regrouped state]) and at stage 3 the model file
+  holds full weights; ``resume_from_checkpoint`` then loads it on every rank as usual, and a
+  plain Trainer (no zeroshard) resumes it too;
 - ``on_train_end`` keeps the final full weights ready at stage 3, so ``trainer.save_model()``
   after ``train()`` writes whole tensors.
 
@@ -34,6 +36,7 @@ from transformers import TrainerCallback
 
 from zeroshard.integrations._common import SaveGuard, check_no_autocast, keep_out_of_ddp, optimizer_of
 from zeroshard.integrations.trainer_optimizer import optimizer_from_args
+from zeroshard.optim.regroup import scheduler_to_grouping, scheduler_to_own_grouping, to_grouping
 
 FIX = ("Add the zeroshard Trainer callback, which makes the Trainer's checkpoint hold every rank's state: "
        "Trainer(..., callbacks=[zeroshard.integrations.transformers.ZeroCallback()]); or save with "
@@ -46,6 +49,15 @@ def _wraps(model: object, inner: object) -> bool:
     if callable(get_base) and get_base() is inner:
         return True
     return any(m is inner for m in model.modules()) if hasattr(model, "modules") else False
+
+
+def trainer_grouping(model: Any) -> list[list[str]]:
+    """The names of the two param groups a plain ``Trainer`` builds its optimizer with (decay,
+    no decay; trainable parameters only), so its resume loads the callback's checkpoint."""
+    from transformers import Trainer
+    decay = set(Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]  # (reads no self)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [[n for n, _ in named if n in decay], [n for n, _ in named if n not in decay]]
 
 
 class ZeroCallback(TrainerCallback):
@@ -91,11 +103,36 @@ class ZeroCallback(TrainerCallback):
                 "initialized, e.g. after TrainingArguments(...), which initializes it under torchrun")
         keep_out_of_ddp(model)
         self._guard(model, opt)
+        if kwargs.get("lr_scheduler") is not None and model is not None:
+            self._regroup_scheduler(kwargs["lr_scheduler"], opt, model)
+
+    def _regroup_scheduler(self, scheduler: Any, opt: Any, model: Any) -> None:
+        """The scheduler's state is saved in the plain Trainer's grouping too (its per-group
+        lists would not fit the plain Trainer's two groups) while a save is armed, and read back
+        into the optimizer's grouping (Note [regrouped state]); instance attributes, so only
+        this scheduler is touched."""
+        cls = type(scheduler)
+        guard = self._guard(model, opt)
+
+        def state_dict() -> dict:
+            state = {k: v for k, v in cls.state_dict(scheduler).items()  # (torch's takes __dict__: not these)
+                     if k not in ("state_dict", "load_state_dict")}
+            if guard.optimizer_state is not None and "param_names" in guard.optimizer_state["param_groups"][0]:
+                state = scheduler_to_grouping(opt, state, trainer_grouping(model))
+            return state
+
+        def load_state_dict(state: dict) -> None:
+            cls.load_state_dict(scheduler, scheduler_to_own_grouping(opt, state))
+        scheduler.state_dict, scheduler.load_state_dict = state_dict, load_state_dict
 
     def _arm(self, model: Any, optimizer: Any, weights_only: bool = False) -> None:
         guard = self._guard(model, optimizer)
         guard.disarm()
         guard.arm(optimizer=not weights_only)
+        if guard.optimizer_state is not None and model is not None:  # (rank 0: Note [regrouped state])
+            regrouped = to_grouping(guard.optimizer, guard.optimizer_state, trainer_grouping(model))
+            if regrouped is not None:
+                guard.optimizer_state = regrouped
 
     def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                       **kwargs: Any) -> None:

@@ -11,14 +11,25 @@ compile at install is a minute of silence), and cpp_extension.load without verbo
 nothing while the compiler runs. So while a build runs, or while this process waits for another
 one's, a line goes to stderr every ``_PROGRESS_EVERY_S`` seconds (files compiled so far, time).
 A cache hit returns before ``_QUIET_FOR_S`` and prints nothing.
+
+Note [kernel cache key]: a build directory is named by a digest of everything the build
+depends on: the sources and every header beside them (by content), the flags, the include
+paths (torch's and Python's, which differ between environments with the same torch version),
+the compiler (``$CXX`` resolved, its size and mtime; nvcc for CUDA) and the environment
+variables compilers read (CFLAGS, CPATH, ...). Keyed by Python and torch versions only, a
+second environment sharing the cache rebuilt the one build in place, and ranks of a running
+job waited minutes on the lock for a build they did not need.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import importlib.util
 import os
+import shutil
 import sys
+import sysconfig
 import threading
 import time
 import warnings
@@ -59,6 +70,56 @@ def cache_dir() -> str:
     # One subdirectory per interpreter and torch build: their ABIs are not interchangeable.
     tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}".replace("+", "_")
     return os.path.join(base, tag)
+
+
+# Environment variables the compiler or torch's build reads (Note [kernel cache key]).
+_BUILD_ENV = ("CXX", "CC", "CFLAGS", "CXXFLAGS", "CPPFLAGS", "LDFLAGS", "CPATH", "C_INCLUDE_PATH",
+              "CPLUS_INCLUDE_PATH", "LIBRARY_PATH", "TORCH_CUDA_ARCH_LIST", "NVCC_FLAGS", "CUDA_HOME")
+_SOURCE_EXTS = (".cpp", ".cc", ".h", ".hpp", ".inc", ".cu", ".cuh")
+
+
+def _tool(name: str) -> str:
+    """A compiler as the build finds it: its real path, size and mtime (a changed compiler
+    changes the key without running it)."""
+    found = shutil.which(name)
+    if found is None:
+        return f"{name}:missing"
+    real = os.path.realpath(found)
+    st = os.stat(real)
+    return f"{name}:{real}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def build_key(spec: KernelSpec, root: str) -> str:
+    """The digest of everything ``spec``'s build from the sources under ``root`` depends on
+    (Note [kernel cache key])."""
+    import torch
+    from torch.utils import cpp_extension
+
+    h = hashlib.sha256()
+
+    def add(*parts: object) -> None:
+        for part in parts:
+            h.update(repr(part).encode())
+            h.update(b"\0")
+
+    add(sys.version, torch.__version__, torch.__file__, spec.sources, spec.cflags, spec.ldflags,
+        spec.cuda_cflags, spec.cuda)
+    add(cpp_extension.include_paths(), sysconfig.get_paths().get("include"))
+    add(_tool(os.environ.get("CXX", "c++")))
+    if spec.cuda:
+        add(_tool(os.path.join(cpp_extension.CUDA_HOME or "", "bin", "nvcc")))
+    add([(k, os.environ.get(k)) for k in _BUILD_ENV])
+    for directory in sorted({os.path.dirname(os.path.join(root, s)) for s in spec.sources}):
+        for name in sorted(os.listdir(directory)):  # (headers too: the sources include them)
+            if name.endswith(_SOURCE_EXTS):
+                with open(os.path.join(directory, name), "rb") as f:
+                    add(name, hashlib.sha256(f.read()).hexdigest())
+    return h.hexdigest()[:16]
+
+
+def build_dir(spec: KernelSpec, root: str) -> str:
+    """Where ``spec`` is built just in time: one directory per build key."""
+    return os.path.join(cache_dir(), f"{spec.jit_name}-{build_key(spec, root)}")
 
 
 @contextlib.contextmanager
@@ -129,11 +190,11 @@ def _jit_build(spec: KernelSpec) -> ModuleType:
     root = csrc_dir()
     if root is None:
         raise RuntimeError("kernel sources (csrc/) are not shipped with this installation")
-    build_dir = os.path.join(cache_dir(), spec.jit_name)
+    where = build_dir(spec, root)
     sources = [os.path.join(root, s) for s in spec.sources]
-    with _BuildProgress(spec, build_dir) as progress, build_lock(build_dir):
+    with _BuildProgress(spec, where) as progress, build_lock(where):
         progress.waiting = False
-        cached = _load_cached(spec, build_dir, sources)
+        cached = _load_cached(spec, where, sources)
         if cached is not None:
             return cached
         module = cpp_extension.load(
@@ -142,11 +203,11 @@ def _jit_build(spec: KernelSpec) -> ModuleType:
             extra_cflags=list(spec.cflags),
             extra_ldflags=list(spec.ldflags),
             extra_cuda_cflags=list(spec.cuda_cflags) or None,
-            build_directory=build_dir,
+            build_directory=where,
             with_cuda=spec.cuda,
             verbose=os.environ.get("ZEROSHARD_JIT_VERBOSE", "0") == "1",
         )
-        _write_stamp(spec, build_dir, sources)
+        _write_stamp(spec, where, sources)
         return module
 
 

@@ -46,6 +46,7 @@ from zeroshard.optim.hyperparams import (check_inputs, check_optimizer_kwargs, n
 from zeroshard.optim.module_guard import ModuleGuard
 from zeroshard.optim.params import ParamsLike, module_of_groups, normalize_params
 from zeroshard.optim.stepper import Stepper
+from zeroshard.optim.torch_refusals import as_torch_refusal, torch_refusal
 from zeroshard.precision.precision_policy import Precision
 from zeroshard.units.stage_policy import policy_for_stage
 from zeroshard.stages.sharding import Sharding, UnitPlan
@@ -80,7 +81,16 @@ def configure(optimizer_class: type, model_or_params: ParamsLike, module: Option
         config = ZeroConfig(**options, **config_kwargs)  # type: ignore[arg-type]  # (each field checks its value)
     update_kind(optimizer_class)
     check_optimizer_kwargs(optimizer_class, inner_kwargs)
-    checked = check_inputs(model_or_params, config.stage, inner_kwargs, module)
+    try:
+        checked = check_inputs(model_or_params, config.stage, inner_kwargs, module)
+    except (TypeError, ValueError) as ours:  # torch's refusal first, where torch has one
+        theirs = torch_refusal(optimizer_class, model_or_params, inner_kwargs)
+        if theirs is not None:
+            raise as_torch_refusal(theirs, ours) from None
+        raise
+    theirs = torch_refusal(optimizer_class, checked, inner_kwargs)
+    if theirs is not None:
+        raise as_torch_refusal(theirs) from None
     if not isinstance(checked, nn.Module):  # (a param group may name its own class: Note [whole-tensor units])
         for i, group in enumerate(g for g in checked if isinstance(g, dict)):
             if "optimizer_class" in group:
@@ -117,7 +127,8 @@ def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: Para
     params = [t for g in groups for t in g["params"]]
     engine.mesh = mesh_info(process_group, mesh, config, params, names)  # Note [hybrid sharding], [hpZ slice order]
     engine.sharding = sharding = Sharding(policy_for_stage(config.stage), engine.mesh, config)
-    frozen = sharding.frozen(module, meta_shapes)  # (Note [frozen units] in stages/stage3/frozen.py)
+    trained = frozenset(id(t) for t in params if t.requires_grad)  # (left out of the groups: not trained)
+    frozen = sharding.frozen(module, meta_shapes, trained)  # (Note [frozen units] in stages/stage3/frozen.py)
     whole = frozenset(i for i, g in enumerate(groups)
                       if update_kind(g.get("optimizer_class", engine.optimizer_class)) == "whole")
     check_composition(config, engine.mesh, [m.name for m in frozen], sorted(whole))
@@ -130,7 +141,11 @@ def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: Para
     param_dtype = precision.param_dtype
     all_params = params + [m.param for m in frozen]
     # frozen weights compute in the model dtype too: cast once nothing can refuse (the last step)
-    casts = construction.frozen_casts(all_params, param_dtype) if precision.mixed else {}
+    casts = construction.frozen_casts(all_params, param_dtype, trained) if precision.mixed else {}
+    if precision.mixed and sharding.shard_parameters:  # (stage 3's empty parameters stay outside the units,
+        shapes = {**meta_shapes, **engine.mesh.local_shapes()}  # but compute in the model dtype all the same)
+        casts.update({id(p): param_dtype for p in params if p.requires_grad and p.is_floating_point()
+                      and p.dtype != param_dtype and shapes.get(id(p), p.shape).numel() == 0})
     snapshot.keep_data_only_of(lambda p: sharding.shard_parameters or local_of(p).dtype != param_dtype)
     plan = sharding.lay_out(module, trainable, frozen, precision.bucket_numel(config.bucket_size_mb),
                             dtype_of=lambda m: casts.get(id(m.param), m.param.dtype), whole_groups=whole)
@@ -212,7 +227,9 @@ def _build_optimizer_state(owner: torch.optim.Optimizer, engine: Engine, groups:
     """The inner optimizer over the owned ranges, and the NVMe stream of its state where the
     placement puts moments on disk."""
     config, cls = engine.config, engine.optimizer_class
-    engine.runs, engine.inner = kernel_choice.build_inner(cls, kwargs, groups, engine.units, config.fused_adam)
+    # (NVMe streams state run by run: there one run per unit and group, Note [one run per parameter])
+    engine.runs, engine.inner = kernel_choice.build_inner(cls, kwargs, groups, engine.units, config.fused_adam,
+                                                          per_parameter=not engine.placement.streams_optimizer)
     engine.swapper = None
     if engine.placement.streams_optimizer:
         fused = kernel_choice.choose_kernels(cls, kwargs, groups, config.fused_adam)

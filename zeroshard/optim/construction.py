@@ -27,7 +27,7 @@ from zeroshard.comm.process_group import check_launched_with_group
 from zeroshard.comm.tensor_parallel import is_dtensor, local_of
 from zeroshard.optim import ddp_check
 from zeroshard.optim.hyperparams import check_nvme_kernel
-from zeroshard.optim.lifecycle import _OWNER
+from zeroshard.optim.lifecycle import _OWNER, take_back_collected
 
 if TYPE_CHECKING:
     from zeroshard.optim.zero_engine import Engine
@@ -114,6 +114,8 @@ def check_and_record(config: Any, model_or_params: Any, module: Optional[nn.Modu
     ddp_check.refuse_wrapper(module, "module=")
     check_launched_with_group()
     root = module if module is not None else model_or_params if isinstance(model_or_params, nn.Module) else None
+    if root is not None:
+        take_back_collected(root)
     touched = tensors_of(model_or_params) + (list(root.parameters()) if root is not None else [])
     check_nvme_kernel(config, optimizer_class, kwargs, group_options(model_or_params), touched)
     return ModelSnapshot(root, touched)
@@ -145,11 +147,12 @@ def abandon(engine: "Engine", snapshot: ModelSnapshot, exc: BaseException) -> No
 
 
 # -- frozen weights under mixed precision ---------------------------------------------------------
-def frozen_casts(params: Iterable[torch.Tensor], dtype: torch.dtype) -> dict[int, torch.dtype]:
-    """id -> dtype of the frozen floating-point parameters mixed precision casts to ``dtype``
-    (they compute in the model dtype too)."""
+def frozen_casts(params: Iterable[torch.Tensor], dtype: torch.dtype, trained: frozenset[int]
+                 ) -> dict[int, torch.dtype]:
+    """id -> dtype of the untrained floating-point parameters (not in ``trained``) mixed
+    precision casts to ``dtype`` (they compute in the model dtype too)."""
     return {id(p): dtype for p in params
-            if not p.requires_grad and p.is_floating_point() and p.dtype != dtype}
+            if id(p) not in trained and p.is_floating_point() and p.dtype != dtype}
 
 
 def as_planned(groups: list[dict], casts: dict[int, torch.dtype]) -> list[dict]:
@@ -170,8 +173,9 @@ def as_planned(groups: list[dict], casts: dict[int, torch.dtype]) -> list[dict]:
 
 
 def cast_frozen(params: Iterable[torch.Tensor], casts: dict[int, torch.dtype]) -> None:
-    """The last change of a construction: frozen weights outside any unit take the model dtype
-    (those in stage-3 units already hold it there)."""
+    """The last change of a construction: frozen weights outside any unit, and stage 3's
+    zero-element parameters (in no unit either), take the model dtype (those in stage-3 units
+    already hold it there)."""
     with torch.no_grad():
         for p in params:
             dtype = casts.get(id(p))

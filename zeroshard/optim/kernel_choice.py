@@ -7,6 +7,18 @@ constructor's, because torch reads every option per group (a group's ``amsgrad=T
 said otherwise). Groups the kernel cannot reproduce stay on the user's class; when both
 kinds exist the inner optimizer is a ``GroupedInner`` of one FusedAdam and one instance of
 the user's class, sharing one state mapping so state I/O sees a single ``inner.state``.
+
+Note [one run per parameter]: the inner optimizer gets one tensor (a run) per parameter's
+owned piece, a view of the flat master and gradient, as torch.optim gets one per parameter.
+torch skips a parameter whose ``.grad`` is None (frozen for some steps, unused this step):
+no update, no step count. With one run per unit and group, a run holding such a parameter
+beside others that got gradients was stepped whole, so the parameter's Adam ``step`` counted
+the step and its values had to be saved and put back around the step. Per parameter, the step
+simply leaves its run out (``untouched.skip_whole_runs``), exactly as torch. The fused kernel
+takes the runs as a list of tensors, so the flat buffers stay contiguous for the collectives.
+Under NVMe streaming (``offload_optimizer="nvme"``, or automatic placement that streams) state
+moves run by run in aligned regions, so runs stay one per unit and group there; that path
+keeps the older limit (the untouched parameters of a stepped run step with a zero gradient).
 """
 from __future__ import annotations
 
@@ -72,16 +84,18 @@ def sync_fused_group(group: dict) -> None:
         group["adamw_mode"] = bool(group["decoupled_weight_decay"])
 
 
-def _runs(units: list[FlatUnit], whole: list[bool]) -> list[Run]:
-    """This rank's runs: per unit, one per param group over the owned range, or one per
-    parameter, shaped as it, for a group whose optimizer reads whole tensors (Note
-    [whole-tensor units] in layout/bucketing.py: the owned range holds such parameters whole)."""
+def _runs(units: list[FlatUnit], whole: list[bool], per_parameter: bool) -> list[Run]:
+    """This rank's runs: per unit, one per parameter's owned piece (``per_parameter``: Note
+    [one run per parameter]) or one per param group over the owned range; for a group whose
+    optimizer reads whole tensors, one per parameter shaped as it (Note [whole-tensor units] in
+    layout/bucketing.py: the owned range holds such parameters whole)."""
     out = []
     for unit in units:
         with unit.swap.sized(unit) if unit.swap is not None else contextlib.nullcontext():
             for g, a, b in unit.layout.group_runs(*unit.owned):
-                spans = [(a, b, None)] if not whole[g] else [
-                    (p.unit_offset, p.unit_offset + p.numel, p) for p in unit.layout.pieces_in(a, b)]
+                spans = [(a, b, None)] if not (whole[g] or per_parameter) else [
+                    (p.unit_offset, p.unit_offset + p.numel, p if whole[g] else None)
+                    for p in unit.layout.pieces_in(a, b)]
                 for lo, hi, piece in spans:
                     t, grad = unit.master_range(lo, hi), unit.grad_range(lo, hi)
                     if piece is not None:
@@ -95,12 +109,13 @@ def _runs(units: list[FlatUnit], whole: list[bool]) -> list[Run]:
 
 
 def build_inner(optimizer_class: type, kwargs: dict, groups: list[dict], units: list[FlatUnit],
-                enabled: bool) -> tuple[list[Run], Any]:
-    """The inner optimizer(s) over this rank's runs: one instance per optimizer class and kernel
-    (a ``GroupedInner`` when there are several), each group on its own class."""
+                enabled: bool, per_parameter: bool = True) -> tuple[list[Run], Any]:
+    """The inner optimizer(s) over this rank's runs (``per_parameter``: one per parameter's
+    piece, Note [one run per parameter]): one instance per optimizer class and kernel (a
+    ``GroupedInner`` when there are several), each group on its own class."""
     classes = [group_class(g, optimizer_class) for g in groups]
     whole = [update_kind(c) == "whole" for c in classes]
-    all_runs = _runs(units, whole)
+    all_runs = _runs(units, whole, per_parameter)
     device, dtype = units[0].master.device, units[0].master.dtype
     # The kernel updates fp32 masters; float64 state stays on torch's own implementation.
     fused = choose_kernels(optimizer_class, kwargs, groups, enabled and dtype == torch.float32)

@@ -18,6 +18,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
+from torch import nn
 
 from zeroshard.comm.tensor_parallel import is_dtensor
 from zeroshard.io.host_pool import HOST_POOL
@@ -140,6 +141,25 @@ def hand_back_collected(gatherer: Any, units: Sequence[Any], world_size: int) ->
             store.load(unit, ("shard",))
         unit.swap = None  # (its files close with the optimizer)
     gatherer.keep_sharded = True
+
+
+def take_back_collected(module: nn.Module) -> None:
+    """A new optimizer over a model whose stage-3 optimizer was collected at world > 1
+    (``hand_back_collected`` left its parameters the sharded ones): each gets its full values
+    back as an ordinary parameter first, tied ones once (a collective, as every construction
+    is: all ranks build the optimizer, in the same module order). DeepSpeed's tests build a
+    fresh engine on the same model and load a checkpoint into it."""
+    from zeroshard.optim.sharded_tensor import ShardedTensor
+    full: dict[int, nn.Parameter] = {}
+    with torch.no_grad():
+        for sub in module.modules():
+            for name, p in list(sub._parameters.items()):
+                if not isinstance(p, ShardedTensor) or p.unit is None or any(
+                        live_owner(m.param) is not None for m in p.unit.members):
+                    continue  # (a live optimizer's: the construction refuses it, naming it)
+                if id(p) not in full:
+                    full[id(p)] = nn.Parameter(p.full().clone(), requires_grad=p.requires_grad)
+                sub._parameters[name] = full[id(p)]
 
 
 @contextlib.contextmanager

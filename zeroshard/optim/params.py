@@ -73,8 +73,9 @@ def module_of_groups(module: nn.Module, given: Optional[nn.Module], groups: list
                      names: dict[int, str], allow_outside: bool = False) -> nn.Module:
     """``module=`` with param groups (stage 3 plans units by module, as DeepSpeed's
     ``initialize(model=..., model_parameters=groups)``): every parameter of the groups must be
-    the module's, every trainable one of the module in a group (``allow_outside``: stages 0-2,
-    where units do not follow modules); names become the module's."""
+    the module's (``allow_outside``: stages 0-2, where units do not follow modules). A trainable
+    parameter of the module left out of every group is not trained, as with torch.optim (stage 3
+    holds it in a frozen unit: Note [frozen units]); names become the module's."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     if given is not None and given is not module:
@@ -86,10 +87,6 @@ def module_of_groups(module: nn.Module, given: Optional[nn.Module], groups: list
     if strangers and not allow_outside:
         raise ValueError(f"param groups hold {len(strangers)} tensor(s) that are not parameters of module= "
                          f"{type(module).__name__} (e.g. {strangers[:3]})")
-    left = [n for n, p in named.items() if p.requires_grad and id(p) not in in_groups]
-    if left and not allow_outside:
-        raise ValueError(f"{len(left)} trainable parameter(s) of {type(module).__name__} are in no param group "
-                         f"(e.g. {left[:3]}): add them to a group, or freeze them (requires_grad_(False))")
     if any(p.is_meta for g in groups for p in g["params"]):
         raise ValueError("a meta-device model takes ZeroOptimizer(model, ...) (its parameters are replaced "
                          "while being materialised, so groups built before would not see them)")

@@ -19,6 +19,7 @@ from zeroshard.offload.unit_swap import resident_runs
 from zeroshard.optim.inner import normalize_state
 from zeroshard.units.run import Run, elementwise_state, flat, run_pieces as _run_pieces
 from zeroshard.optim.state_kinds import check_entry, expected_state
+from zeroshard.optim.regroup import to_own_grouping
 
 if TYPE_CHECKING:
     from zeroshard.optim.zero_engine import EngineOwner
@@ -290,6 +291,7 @@ def load_consolidated(opt: "EngineOwner", sd: dict) -> None:
     if "state" not in sd or "param_groups" not in sd:
         raise ValueError(f"not an optimizer state dict: keys {sorted(sd)[:8]}; expected 'state' and "
                          "'param_groups' (torch.optim format) or a ZeroOptimizer.state_dict()")
+    sd = to_own_grouping(opt, sd)  # (groups that name their parameters: Note [regrouped state])
     _check_groups(opt, sd["param_groups"], by_name=False)
     index = _param_index(opt)
     saved = sd["state"]

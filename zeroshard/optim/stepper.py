@@ -15,7 +15,7 @@ Then every rank's parameters are made current (``Sharding.gather_params``).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -82,6 +82,17 @@ class Stepper:
                 kernel_choice.sync_fused_group(inner)
                 user["adamw_mode"] = inner["adamw_mode"]
 
+    def groups_back(self, user_groups: Sequence[dict]) -> None:
+        """What the inner optimizer's step wrote into its param groups (Prodigy's ``d``,
+        schedule-free's weight sums, keys it adds) into the groups torch code sees and
+        checkpoints keep, as ZeroRedundancyOptimizer copies its local groups back: the next
+        ``sync_hyperparameters`` would otherwise reset them. A key the step left alone is the
+        user's object still (``sync_hyperparameters`` put it there), so it is not touched."""
+        for user, inner in zip(user_groups, self.inner.param_groups):
+            for key, value in inner.items():
+                if key not in ("params", "optimizer_class") and (key not in user or user[key] is not value):
+                    user[key] = value
+
     def step(self, user_groups: Sequence[dict], kwargs: dict) -> None:
         overflow = self.grads.finalize()
         # (here, on the caller's thread: a step in flight overlaps the next forward, which may
@@ -96,9 +107,8 @@ class Stepper:
         self.sync_hyperparameters(user_groups)
         reducer = self.grads.reducer
         quiet = untouched.untouched_everywhere(reducer.touched, self.mesh.comm, self.mesh.replicas, self.units)
-        give_back = untouched.skip_whole_runs(self.units, self.runs, quiet)  # (runs none of whose params got a grad)
-        restore: Callable[[], None] = (untouched.freeze(self.units, self.runs, self.inner.state, quiet)
-                                       if self.swapper is None else lambda: None)  # (NVMe: stepped with a zero grad)
+        # (runs none of whose params got a grad: one run per parameter, Note [one run per parameter])
+        give_back = untouched.skip_whole_runs(self.units, self.runs, quiet)
         scale, self.clip_coef = self.clip_coef, 1.0
         updating = False
         try:
@@ -116,7 +126,7 @@ class Stepper:
             raise
         finally:
             give_back()
-        restore()
+        self.groups_back(user_groups)
         self.sharding.gather_params(self.units)
         self.placement.after_step()  # (offload="auto": the step's peak memory against the budget)
 

@@ -56,12 +56,13 @@ class Sharding:
     def shard_parameters(self) -> bool:
         return self.policy.shard_parameters
 
-    def frozen(self, module: Optional[nn.Module], meta_shapes: dict[int, torch.Size]) -> list[NamedParam]:
-        """The frozen weights the units hold: stage 3's (Note [frozen units] in
-        stages/stage3/frozen.py); none at stages 0-2, where they stay as they are."""
+    def frozen(self, module: Optional[nn.Module], meta_shapes: dict[int, torch.Size],
+               trained: frozenset[int]) -> list[NamedParam]:
+        """The weights the units hold untrained (those not in ``trained``): stage 3's (Note
+        [frozen units] in stages/stage3/frozen.py); none at stages 0-2, where they stay as they are."""
         if not self.policy.shard_parameters or module is None:
             return []
-        return frozen_params(module, meta_shapes)
+        return frozen_params(module, meta_shapes, trained)
 
     def lay_out(self, module: Optional[nn.Module], trainable: list[NamedParam], frozen: list[NamedParam],
                 bucket_numel: int, dtype_of: Callable[[NamedParam], torch.dtype],
@@ -77,7 +78,7 @@ class Sharding:
             return UnitPlan(flat + whole, [], [], [])
         groupings, modules, frozen_groupings, frozen_modules = split_frozen(
             *plan_units(module, trainable + frozen, self.config.stage3_unit_classes, self.config.stage3_unit_numel),
-            dtype_of=dtype_of)
+            trained=frozenset(id(m.param) for m in trainable), dtype_of=dtype_of)
         layouts = layouts_with_owners(groupings, world, whole_groups)
         return UnitPlan(layouts, modules, layouts_for(frozen_groupings, world, len(layouts)) if frozen else [],
                         frozen_modules if frozen else [])

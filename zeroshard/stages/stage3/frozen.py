@@ -33,11 +33,13 @@ from torch import nn
 from zeroshard.layout import NamedParam
 
 
-def frozen_params(module: nn.Module, shapes: dict[int, torch.Size]) -> list[NamedParam]:
-    """The module's frozen floating-point parameters with elements, once each (tied ones once)."""
+def frozen_params(module: nn.Module, shapes: dict[int, torch.Size], trained: frozenset[int]) -> list[NamedParam]:
+    """The module's floating-point parameters with elements that are not ``trained`` (ids of the
+    param groups' parameters that require grad), once each (tied ones once): frozen ones, and
+    trainable ones the param groups leave out (not trained, as with torch.optim)."""
     out: list[NamedParam] = []
     for name, p in module.named_parameters():
-        if p.requires_grad or not p.is_floating_point():
+        if id(p) in trained or not p.is_floating_point():
             continue
         if shapes.get(id(p), p.shape).numel() == 0:
             continue
@@ -46,21 +48,21 @@ def frozen_params(module: nn.Module, shapes: dict[int, torch.Size]) -> list[Name
 
 
 def split_frozen(groups: Sequence[Sequence[NamedParam]], modules: Sequence[Optional[nn.Module]],
-                 dtype_of: Callable[[NamedParam], torch.dtype] = lambda m: m.param.dtype
+                 trained: frozenset[int], dtype_of: Callable[[NamedParam], torch.dtype] = lambda m: m.param.dtype
                  ) -> tuple[list[list[NamedParam]], list[Optional[nn.Module]],
                             list[list[NamedParam]], list[Optional[nn.Module]]]:
     """Splits planned units (each mixing trainable and frozen parameters of one module) into
-    trainable units and frozen units (one per dtype: ``dtype_of``, the dtype a frozen weight will
+    trainable units (members whose ids are in ``trained``) and frozen units (one per dtype: ``dtype_of``, the dtype a frozen weight will
     have, e.g. cast by mixed precision), keeping each unit's module."""
     trainable, t_modules, frozen, f_modules = [], [], [], []
     for group, module in zip(groups, modules):
-        train = [m for m in group if m.param.requires_grad]
+        train = [m for m in group if id(m.param) in trained]
         if train:
             trainable.append(train)
             t_modules.append(module)
         by_dtype: dict[torch.dtype, list[NamedParam]] = {}
         for m in group:
-            if not m.param.requires_grad:
+            if id(m.param) not in trained:
                 by_dtype.setdefault(dtype_of(m), []).append(m)
         for members in by_dtype.values():
             frozen.append(members)

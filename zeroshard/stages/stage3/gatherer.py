@@ -86,7 +86,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from zeroshard.comm import Comm, Work
 from zeroshard.io.buffers import held_bytes
@@ -192,7 +192,10 @@ class ParameterGatherer:
 
     def show(self, ui: int, sharded: bool) -> None:
         for module, name, p in self._regs[ui]:
-            module._parameters[name] = self.sharded[id(p)] if sharded else p
+            shown = self.sharded[id(p)]
+            if not sharded and p.requires_grad != shown.requires_grad:  # (frozen between steps by
+                p.requires_grad_(shown.requires_grad)  # torch code, on the parameter it sees)
+            module._parameters[name] = shown if sharded else p
 
     def visible(self, p: torch.Tensor) -> torch.Tensor:
         """What torch code sees of managed parameter ``p`` between uses."""
@@ -432,10 +435,26 @@ class ParameterGatherer:
         self._check_shapes(gi)
         if _in_backward():  # activation recomputation: the recomputed graph needs the unit
             return output
+        output = self._returned_parameters(gi, output)
         if torch.is_grad_enabled():
             output = self._wrap(gi, output)
         self.release_group(gi)
         return output
+
+    def _returned_parameters(self, gi: int, output: Any) -> Any:
+        """A module that returns its own parameter (``return out, self.bias``, as Megatron-style
+        layers do) or a view of one hands its caller memory the release below frees, and the
+        caller's reads would touch freed memory (a SIGSEGV, no Python error). Such outputs are
+        given as copies (``clone``: autograd carries their gradient to the parameter as before)."""
+        storages = {self.units[ui].flat.untyped_storage().data_ptr() for ui in self.groups[gi]}
+        storages.discard(0)
+
+        def aliases(t: Any) -> bool:
+            return (type(t) in (torch.Tensor, nn.Parameter) and t.numel() > 0
+                    and t.untyped_storage().data_ptr() in storages)
+        if not any(aliases(t) for t in tree_flatten(output)[0]):  # (the usual case: nothing to copy)
+            return output
+        return tree_map(lambda t: t.clone() if aliases(t) else t, output)
 
     def _wrap(self, gi: int, output: Any) -> Any:
         """Gathers the group again before backward reaches the module: a hook on each output
