@@ -108,7 +108,13 @@ def detect(mesh: Optional["DeviceMesh"], config: "ZeroConfig") -> Optional[Pipel
 class PipelineStage(_TorchPipelineStage):
     """torch's ``PipelineStage`` whose micro-batches but the last add their gradients locally,
     so a stage module trained by a ZeroOptimizer reduces its gradients once per step (Note
-    [pipeline parallelism]). Same arguments as torch's."""
+    [pipeline parallelism]). Same arguments as torch's; the stage count is checked against the
+    pp group (and the ZeroOptimizer's mesh) as it is built: a count the ranks cannot hold makes
+    torch's schedule send to the wrong peer, and gloo aborts the process ("collective mismatch")."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]  # (torch's own arguments; no collective)
+        check_stage_count(self.submod, self.stage_index, self.num_stages, self.group_size)
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
                                    last_backward: bool = False) -> _BackwardResult:
@@ -127,3 +133,27 @@ class PipelineStage(_TorchPipelineStage):
         with opt.reducer.deferred(not last_backward):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
+
+
+def check_stage_count(submod: torch.nn.Module, stage_index: int, num_stages: int, group_size: int) -> None:
+    """Refuses a stage count that does not fit the pp group: torch's schedules hold stage ``s``
+    on group rank ``s % group_size``, so the count is a multiple of the group's size; and a
+    stage module a ZeroOptimizer trains is one stage per rank of its mesh's "pp" dimension."""
+    if num_stages % group_size != 0:
+        raise ValueError(f"PipelineStage(stage_index={stage_index}, num_stages={num_stages}) over a pp group of "
+                         f"{group_size} ranks: torch's schedules hold stage s on rank s % {group_size}, so "
+                         f"num_stages must be a multiple of {group_size} (with a ZeroOptimizer: num_stages="
+                         f"{group_size}, the mesh's 'pp' size)")
+    from zeroshard.optim.registry import optimizer_for  # (the optimizer package imports this one)
+    opt = optimizer_for(submod)
+    if opt is None:
+        return  # (torch's own use; a ZeroOptimizer built later is checked at the first backward)
+    pp = opt.engine.mesh.pp
+    stages = pp.stages if pp is not None else 1
+    if num_stages != group_size or num_stages != stages or (pp is not None and stage_index != pp.stage):
+        where = f"stage {pp.stage} of {pp.stages}" if pp is not None else "a mesh without a 'pp' dimension"
+        raise ValueError(f"PipelineStage(stage_index={stage_index}, num_stages={num_stages}) over a pp group of "
+                         f"{group_size} ranks, for a module whose ZeroOptimizer's mesh puts this rank at {where}: "
+                         "a ZeroOptimizer trains one stage module per rank (its norm and fp16 decisions span the "
+                         "pp group once); pass stage_index=mesh.get_local_rank('pp') and num_stages="
+                         "mesh['pp'].size() and use ScheduleGPipe or Schedule1F1B")

@@ -105,6 +105,7 @@ def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: Para
         raise ValueError(f"stage 3 with tensor parallelism partitions trainable parameters only; {len(frozen)} are "
                          f"frozen (e.g. {frozen[0].name!r}): use stage 1-2, or train them")
     _start_from_rank0(engine.mesh, params, frozen, module)
+    engine.collectives_done = True  # (from here a refusal is agreed by every rank: Note [agreed construction])
     trainable = trainable_params(groups, names, {**meta_shapes, **engine.mesh.local_shapes()},
                                  sharding.shard_parameters)
     lifecycle.check_unclaimed([m.param for m in trainable], names)

@@ -75,6 +75,8 @@ class Engine:
         self.closed = False
         self.ready = False
         """Construction finished (torch's constructor adds the first param groups before)."""
+        self.collectives_done = False
+        """The construction's own collectives are behind (Note [agreed construction])."""
 
     # -- read through to the policy objects -------------------------------------------------------
     @property

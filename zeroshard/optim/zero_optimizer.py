@@ -18,7 +18,7 @@ from torch import nn
 
 from zeroshard.layout import Segment
 from zeroshard.memory import MemoryReport
-from zeroshard.optim import assembly, construction, lifecycle, reports, state_io
+from zeroshard.optim import assembly, construction, lifecycle, rank_agreement, reports, state_io
 from zeroshard.optim.flat_unit import FlatUnit
 from zeroshard.optim.param_state import ParamStateView
 from zeroshard.optim.params import ParamsLike
@@ -51,10 +51,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # error (Note [refused construction] in zeroshard/optim/construction.py).
         snapshot = construction.check_and_record(config, model_or_params, module, optimizer_class, inner_kwargs)
         try:
-            finish = assembly.assemble(self, engine, model_or_params, module, process_group, mesh, inner_kwargs,
-                                       snapshot)
-            super().__init__(engine.user_groups, dict(engine.inner.defaults))
-            self.state = ParamStateView(self)  # type: ignore[assignment]  # (read-only)
+            failure: Optional[Exception] = None
+            try:
+                finish = assembly.assemble(self, engine, model_or_params, module, process_group, mesh,
+                                           inner_kwargs, snapshot)
+                super().__init__(engine.user_groups, dict(engine.inner.defaults))
+                self.state = ParamStateView(self)  # type: ignore[assignment]  # (read-only)
+            except Exception as exc:
+                if not engine.collectives_done:
+                    raise
+                failure = exc
+            # every rank refuses if one does (Note [agreed construction] in zeroshard/optim/rank_agreement.py)
+            if engine.collectives_done:
+                rank_agreement.agree(engine.mesh, failure)
             finish()
         except BaseException as exc:
             construction.abandon(engine, snapshot, exc)
