@@ -15,24 +15,27 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "exit_endings_worker.py")
 COMBOS = [(launcher, ending) for launcher in ("spawn", "torchrun") for ending in ("destroy", "plain")]
 
 
-def run_once(launcher: str, ending: str, timeout_s: float = 300.0) -> tuple[int, str]:
-    """One job: (exit status, its output)."""
+def run_once(launcher: str, ending: str, timeout_s: float = 300.0, root: Optional[str] = None) -> tuple[int, str]:
+    """One job (in ``root``, or a temporary directory): (exit status, its output)."""
+    if root is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            return run_once(launcher, ending, timeout_s, tmp)
     from zeroshard.launch import free_port
     env = {k: v for k, v in os.environ.items() if k != "ZEROSHARD_KEEP_PROCESS_GROUP"}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""))
-    with tempfile.TemporaryDirectory() as root:
-        if launcher == "torchrun":
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                   str(free_port()), WORKER, launcher, ending, root]
-        else:
-            cmd = [sys.executable, WORKER, launcher, ending, root]
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), WORKER, launcher, ending, root]
+    else:
+        cmd = [sys.executable, WORKER, launcher, ending, root]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -43,9 +46,10 @@ def aborted(rc: int, output: str) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=50, help="runs per combination")
+    parser.add_argument("--only", default=None, help="one combination, e.g. spawn/destroy (to run them in parallel)")
     args = parser.parse_args()
     failed_any = False
-    for launcher, ending in COMBOS:
+    for launcher, ending in [c for c in COMBOS if args.only in (None, "/".join(c))]:
         ok = failed = aborts = 0
         start = time.monotonic()
         for i in range(args.runs):

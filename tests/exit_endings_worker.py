@@ -9,10 +9,13 @@ Six steps, a ``save_checkpoint`` every two, then the script ends. Two launchers:
   ENDING ROOT``.
 
 ``ENDING`` is ``destroy`` (the script's last line is ``dist.destroy_process_group()``) or
-``plain`` (it just ends). benchmarks/check_exit_endings.py runs it many times and counts aborts.
+``plain`` (it just ends). Each rank writes ``ROOT/workers-at-exit.rank<r>``: the collective
+worker threads still alive once zeroshard's exit hook has run (0: none can abort the exit).
+benchmarks/check_exit_endings.py runs it many times and counts aborts.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 
@@ -28,7 +31,17 @@ import zeroshard  # noqa: E402
 from tests.models import TinyNet, batch  # noqa: E402
 
 
+def _report_workers(root: str, rank: int) -> None:
+    """At exit, after zeroshard's own exit hook (registered later, so run earlier): how many
+    collective worker threads are still alive, i.e. could still drop a work during
+    finalization (Note [clean exit])."""
+    from zeroshard.comm.clean_exit import _worker_threads
+    with open(os.path.join(root, f"workers-at-exit.rank{rank}"), "w") as f:
+        f.write(str(len(_worker_threads())))
+
+
 def train(root: str, destroy: bool) -> None:
+    atexit.register(_report_workers, root, dist.get_rank())
     torch.manual_seed(0)
     model = TinyNet()
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=1e-2)

@@ -6,8 +6,10 @@ it: every case ends with a collective that would fail or hang otherwise).
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -74,7 +76,70 @@ def pipeline_case() -> dict:
     return out
 
 
+def _trained(stage: int) -> tuple[nn.Module, zeroshard.ZeroOptimizer]:
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, stage=stage, lr=1e-2)
+    model(batch(dist.get_rank(), 4)).backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def _save_warns(obj: Any, path: str) -> list[str]:
+    """torch.save(obj, path): the ShardOnlySaveWarning messages it gave."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.save(obj, path)
+    return [str(w.message) for w in seen if issubclass(w.category, zeroshard.ShardOnlySaveWarning)]
+
+
+def save_case(root: str, stage: int) -> dict:
+    """nanoGPT's rank-0-only torch.save(opt.state_dict()) is told at save time; the legitimate
+    forms (every rank its own file, a consolidated dict on rank 0, an in-memory copy) say nothing
+    and load back."""
+    rank = dist.get_rank()
+    model, opt = _trained(stage)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        out["rank0_only_warned"] = _save_warns(opt.state_dict(), os.path.join(root, f"s{stage}-rank0-only.pt"))
+    dist.barrier()
+    own = os.path.join(root, f"s{stage}-own-{rank}.pt")
+    out["own_file_warned"] = _save_warns(opt.state_dict(), own)
+    out["own_file_loads"] = _outcome(lambda: opt.load_state_dict(torch.load(own, weights_only=True)))
+    full = opt.consolidated_state_dict()
+    if rank == 0:
+        out["consolidated_warned"] = _save_warns(full, os.path.join(root, f"s{stage}-full.pt"))
+    out["deepcopy_loads"] = _outcome(lambda: opt.load_state_dict(copy.deepcopy(opt.state_dict())))
+    out["in_step"] = _in_step()
+    opt.close()
+    return out
+
+
+def ddp_idiom_case(root: str, stage: int) -> dict:
+    """The DDP idiom: rank 0 torch.saves {model, optimizer}.state_dict(), a barrier, every rank
+    loads: both ranks must refuse the optimizer's state with the same clear error."""
+    model, opt = _trained(stage)
+    path = os.path.join(root, f"ddp-idiom-s{stage}.pt")
+    if dist.get_rank() == 0:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", zeroshard.ShardOnlySaveWarning)
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    dist.barrier()
+
+    def load() -> None:
+        ckpt = torch.load(path, weights_only=True)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+    out = _outcome(load)
+    out["in_step"] = _in_step()
+    opt.close()
+    return out
+
+
 def worker(rank: int, world: int, out_path: str, root: str) -> None:
-    out = {"construction": construction_case(root), "pipeline": pipeline_case()}
+    os.environ["ZEROSHARD_SAVE_AGREE_S"] = "2"  # (how long a save waits for its peers' saves)
+    out = {"construction": construction_case(root), "pipeline": pipeline_case(),
+           "save": {str(s): save_case(root, s) for s in (1, 2, 3)}, "ddp_idiom": ddp_idiom_case(root, 2)}
     with open(f"{out_path}.rank{rank}", "w") as f:
         json.dump(out, f)

@@ -7,6 +7,7 @@ See docs/design.md for the architecture and README.md for the quick start.
 from zeroshard.config import ZeroConfig
 from zeroshard.memory import MemoryReport, zero_formula
 from zeroshard.optim.zero_optimizer import ZeroOptimizer
+from zeroshard.optim.shard_marker import ShardOnlySaveWarning
 from zeroshard.stages.stage3.full_state import full_state_dict
 from zeroshard.stages.stage3.materialize import init_meta_weights
 from zeroshard.stages.stage3.safetensors_load import load_safetensors
@@ -15,7 +16,7 @@ from zeroshard.checkpoint import export_hf, latest_checkpoint, load_checkpoint, 
 __version__ = "0.1.0"
 
 __all__ = ["ZeroOptimizer", "ZeroConfig", "MemoryReport", "zero_formula", "full_state_dict",
-           "init_meta_weights", "load_safetensors", "__version__"]
+           "init_meta_weights", "load_safetensors", "ShardOnlySaveWarning", "__version__"]
 __all__ += ["save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint", "wait_checkpoint"]
 # initialize(model, config) -> (model, optimizer, scheduler); DeepSpeed's keyword form -> (engine, optimizer,
 # dataloader, scheduler), so `import zeroshard as deepspeed` runs DeepSpeed scripts (zeroshard/deepspeed_compat/)

@@ -20,9 +20,14 @@ process or a group of one. Cost: one small object all-gather per construction.
 from __future__ import annotations
 
 import builtins
-from typing import Optional
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
 from zeroshard.comm.mesh import MeshInfo
+
+if TYPE_CHECKING:
+    from zeroshard.optim.zero_engine import Engine
+
+T = TypeVar("T")
 
 _STANDARD = (ValueError, TypeError, RuntimeError, OSError, MemoryError, NotImplementedError)
 
@@ -53,3 +58,18 @@ def agree(mesh: MeshInfo, failure: Optional[BaseException]) -> None:
     if failure is not None:
         raise error from failure
     raise error
+
+
+def agreed(engine: "Engine", build: Callable[[], T]) -> T:
+    """``build()`` (the assembly of ``engine``), whose outcome every rank agrees on once the
+    construction's collectives are behind (``engine.collectives_done``)."""
+    failure: Optional[Exception] = None
+    try:
+        built = build()
+    except Exception as exc:
+        if not engine.collectives_done:
+            raise
+        failure = exc
+    if engine.collectives_done:
+        agree(engine.mesh, failure)
+    return built

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from zeroshard.optim import shard_marker
 from zeroshard.optim.elementwise import update_kind
 
 from zeroshard.offload.unit_swap import resident_runs
@@ -80,14 +81,14 @@ def sharded_state_dict(opt: "ZeroOptimizer") -> dict:
             if run.unit.separate_master:
                 entry["master"] = flat(run.tensor)[lo:hi].clone()
             pieces[piece.segment.name] = entry
-    return {
+    return shard_marker.marked(opt, {  # (a rank-0-only torch.save is told: Note [rank-only state dicts])
         "zeroshard": {"format": FORMAT, "stage": opt.stage, "world_size": opt.comm.world_size,
                       "rank": opt.comm.rank, "optimizer": type(opt.inner).__name__},
         "param_groups": [{**_hparams(g), "params": [opt.param_names[id(p)] for p in g["params"]]}
                          for g in opt.param_groups],
         "pieces": pieces,
         "loss_scaler": opt.scaler.state_dict() if opt.scaler else None,
-    }
+    })
 
 
 def _check_groups(opt: "ZeroOptimizer", groups: list[dict], by_name: bool) -> None:
@@ -127,6 +128,7 @@ def apply_loss_scaler(opt: "ZeroOptimizer", state: dict) -> None:
 
 
 def load_sharded(opt: "ZeroOptimizer", sd: dict) -> None:
+    shard_marker.refuse_lone(sd)  # (saved by one rank alone: refused on every rank alike)
     _check_groups(opt, sd["param_groups"], by_name=True)
     pieces = sd["pieces"]
     missing, wrong = [], []

@@ -28,6 +28,7 @@ from zeroshard.optim.lifecycle import Teardown
 from zeroshard.optim.module_guard import ModuleGuard
 from zeroshard.optim.state_io import Run
 from zeroshard.optim.step_in_flight import StepInFlight
+from zeroshard.optim import shard_marker
 from zeroshard.optim.stepper import Stepper
 from zeroshard.precision.loss_scaler import DynamicLossScaler
 from zeroshard.precision.precision_policy import Precision
@@ -75,6 +76,8 @@ class Engine:
         self.closed = False
         self.ready = False
         """Construction finished (torch's constructor adds the first param groups before)."""
+        self.save_instance = shard_marker.next_instance()
+        """This engine's number in the store keys of its saves (Note [rank-only state dicts])."""
         self.collectives_done = False
         """The construction's own collectives are behind (Note [agreed construction])."""
 

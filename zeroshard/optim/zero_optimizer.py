@@ -50,20 +50,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Everything checkable is checked before the model is touched; the rest is undone on an
         # error (Note [refused construction] in zeroshard/optim/construction.py).
         snapshot = construction.check_and_record(config, model_or_params, module, optimizer_class, inner_kwargs)
-        try:
-            failure: Optional[Exception] = None
-            try:
-                finish = assembly.assemble(self, engine, model_or_params, module, process_group, mesh,
-                                           inner_kwargs, snapshot)
-                super().__init__(engine.user_groups, dict(engine.inner.defaults))
-                self.state = ParamStateView(self)  # type: ignore[assignment]  # (read-only)
-            except Exception as exc:
-                if not engine.collectives_done:
-                    raise
-                failure = exc
-            # every rank refuses if one does (Note [agreed construction] in zeroshard/optim/rank_agreement.py)
-            if engine.collectives_done:
-                rank_agreement.agree(engine.mesh, failure)
+        try:  # (refused on one rank, refused on all: Note [agreed construction] in rank_agreement.py)
+            finish = rank_agreement.agreed(engine, lambda: assembly.assemble(
+                self, engine, model_or_params, module, process_group, mesh, inner_kwargs, snapshot))
+            super().__init__(engine.user_groups, dict(engine.inner.defaults))
+            self.state = ParamStateView(self)  # type: ignore[assignment]  # (read-only)
             finish()
         except BaseException as exc:
             construction.abandon(engine, snapshot, exc)
