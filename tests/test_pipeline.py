@@ -119,12 +119,12 @@ def test_fp16_overflow_on_one_stage_skips_the_step_everywhere(ranks):
 
 
 def test_what_does_not_compose_is_refused(ranks):
-    """Stage 3 at construction; several stages per rank and zero-bubble (split) backward at the
-    first backward, each naming why."""
+    """Stage 3 at construction; several stages per rank when the PipelineStage is built;
+    zero-bubble (split) backward at the first backward, each naming why."""
     for r in ranks[1]:
         refused = r["refused"]
         assert "stage=3 with pipeline parallelism" in refused["stage3"], refused
-        assert "4 pipeline stages over 2 ranks" in refused["interleaved"], refused
+        assert "num_stages=4) over a pp group of 2 ranks" in refused["interleaved"], refused
         assert "'input' backward" in refused["zero_bubble"], refused
 
 

@@ -25,6 +25,14 @@ default group already, nor after an uncaught exception (destroying waits for col
 flight, and a rank that failed mid-step must not wait for peers that will never match; its
 exit status is non-zero anyway). ``ZEROSHARD_KEEP_PROCESS_GROUP=1`` turns the hook off for
 code that still runs collectives from its own atexit handlers.
+
+A job that calls ``destroy_process_group()`` itself (torch's advice) needs the second half
+too: torch forgets its groups, but a ``Comm`` of an optimizer still alive, or one in a
+reference cycle not yet collected, keeps a ``ProcessGroupGloo`` (and its workers) alive until
+finalization collects it -- the abort again (4 of 10 runs of a 2-rank stage-2 job before this
+paragraph). So the hook also runs when the default group is gone: it drops those references,
+collects, and waits for the workers to be idle, with no collective (issue 43;
+benchmarks/check_exit_endings.py counts both endings under mp.spawn and torchrun).
 """
 from __future__ import annotations
 
@@ -68,10 +76,11 @@ def finish_process_groups(timeout_s: float = 60.0) -> None:
     process for the backend's 30-minute timeout, which is what a plain exit would not do."""
     if os.environ.get("ZEROSHARD_KEEP_PROCESS_GROUP", "0") == "1":
         return
-    if not (dist.is_available() and dist.is_initialized()):
-        return  # the user destroyed it (or never made one)
     if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None:
         return  # an uncaught exception ended the script: see the Note
+    if not (dist.is_available() and dist.is_initialized()):
+        _release()  # the user destroyed the groups: what zeroshard still holds must go now (see the Note)
+        return
     failed: list[BaseException] = []
     worker = threading.Thread(target=_finish, args=(failed,), name="zeroshard-exit", daemon=True)
     worker.start()
@@ -92,6 +101,12 @@ def _finish(failed: list) -> None:
     except Exception as exc:  # noqa: BLE001 - reported by the caller; exit goes on
         failed.append(exc)
         return
+    _release()
+
+
+def _release() -> None:
+    """Drops the references zeroshard's objects hold to process groups, so each group torch no
+    longer holds is destroyed now, its worker threads joined while Python is alive."""
     for holder in list(_holders):
         holder.group = None
     gc.collect()  # (an optimizer in a reference cycle holds a Comm)

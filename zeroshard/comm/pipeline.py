@@ -97,38 +97,51 @@ def detect(mesh: Optional["DeviceMesh"], config: "ZeroConfig") -> Optional[Pipel
 
 
 # Note [deferring a stage's reductions]: ``PipelineStage`` (below) must reach the gradient
-# reducer of the ZeroOptimizer that trains its ``submod``, but comm/ sits below the optimizer
-# (Note [the layers] in docs/design.md). So the engine's assembly registers, per module it
-# manages, how to defer its reductions (``defer_reductions``, held weakly: the entry never keeps
-# an optimizer alive) and the stage looks that up; a module no ZeroOptimizer trains has none.
-_DEFERRALS: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakMethod]" = weakref.WeakKeyDictionary()
+# reducer of the ZeroOptimizer that trains its ``submod``, and check its stage count against
+# that optimizer's mesh, but comm/ sits below the optimizer (Note [the layers] in
+# docs/design.md). So the engine's assembly registers, per module it manages, how to defer its
+# reductions and its pipeline stage (``defer_reductions``; the method held weakly: the entry
+# never keeps an optimizer alive) and the stage looks that up; a module no ZeroOptimizer trains
+# has none.
+_DEFERRALS: "weakref.WeakKeyDictionary[nn.Module, tuple[weakref.WeakMethod, Optional[PipelineParallel]]]" = \
+    weakref.WeakKeyDictionary()
 
 
-def defer_reductions(module: nn.Module, deferred: Callable[[bool], ContextManager[None]]) -> Callable[[], None]:
-    """Registers ``deferred`` (a bound method: ``GradientReducer.deferred``) for ``module``; returns
-    what removes the entry again (the optimizer's teardown runs it)."""
-    ref = weakref.WeakMethod(deferred)  # type: ignore[arg-type]
-    _DEFERRALS[module] = ref
+def defer_reductions(module: nn.Module, deferred: Callable[[bool], ContextManager[None]],
+                     pp: Optional[PipelineParallel]) -> Callable[[], None]:
+    """Registers ``deferred`` (a bound method: ``GradientReducer.deferred``) and the optimizer's
+    pipeline stage (None without a "pp" mesh dimension) for ``module``; returns what removes the
+    entry again (the optimizer's teardown runs it)."""
+    entry = (weakref.WeakMethod(deferred), pp)  # type: ignore[arg-type]
+    _DEFERRALS[module] = entry
 
     def remove() -> None:
-        if _DEFERRALS.get(module) is ref:
+        if _DEFERRALS.get(module) is entry:
             del _DEFERRALS[module]
     return remove
 
 
-def _deferral(module: nn.Module) -> Optional[Callable[[bool], ContextManager[None]]]:
-    ref = _DEFERRALS.get(module)
-    return ref() if ref is not None else None
+def _registered(module: nn.Module) -> tuple[Optional[Callable[[bool], ContextManager[None]]], Optional[PipelineParallel]]:
+    """(the reducer's ``deferred``, the pipeline stage) a live ZeroOptimizer registered for ``module``."""
+    entry = _DEFERRALS.get(module)
+    deferred = entry[0]() if entry is not None else None
+    return (deferred, entry[1]) if entry is not None and deferred is not None else (None, None)
 
 
 class PipelineStage(_TorchPipelineStage):
     """torch's ``PipelineStage`` whose micro-batches but the last add their gradients locally,
     so a stage module trained by a ZeroOptimizer reduces its gradients once per step (Note
-    [pipeline parallelism]). Same arguments as torch's."""
+    [pipeline parallelism]). Same arguments as torch's; the stage count is checked against the
+    pp group (and the ZeroOptimizer's mesh) as it is built: a count the ranks cannot hold makes
+    torch's schedule send to the wrong peer, and gloo aborts the process ("collective mismatch")."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]  # (torch's own arguments; no collective)
+        check_stage_count(self.submod, self.stage_index, self.num_stages, self.group_size)
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
                                    last_backward: bool = False) -> _BackwardResult:
-        deferred = _deferral(self.submod)
+        deferred, _ = _registered(self.submod)
         if deferred is None:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         if self.num_stages != self.group_size:  # (each stage's own clip would see half the model's norm)
@@ -141,3 +154,25 @@ class PipelineStage(_TorchPipelineStage):
                                "the hooks of a full backward: use ScheduleGPipe or Schedule1F1B")
         with deferred(not last_backward):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
+def check_stage_count(submod: torch.nn.Module, stage_index: int, num_stages: int, group_size: int) -> None:
+    """Refuses a stage count that does not fit the pp group: torch's schedules hold stage ``s``
+    on group rank ``s % group_size``, so the count is a multiple of the group's size; and a
+    stage module a ZeroOptimizer trains is one stage per rank of its mesh's "pp" dimension."""
+    if num_stages % group_size != 0:
+        raise ValueError(f"PipelineStage(stage_index={stage_index}, num_stages={num_stages}) over a pp group of "
+                         f"{group_size} ranks: torch's schedules hold stage s on rank s % {group_size}, so "
+                         f"num_stages must be a multiple of {group_size} (with a ZeroOptimizer: num_stages="
+                         f"{group_size}, the mesh's 'pp' size)")
+    deferred, pp = _registered(submod)  # (Note [deferring a stage's reductions])
+    if deferred is None:
+        return  # (torch's own use; a ZeroOptimizer built later is checked at the first backward)
+    stages = pp.stages if pp is not None else 1
+    if num_stages != group_size or num_stages != stages or (pp is not None and stage_index != pp.stage):
+        where = f"stage {pp.stage} of {pp.stages}" if pp is not None else "a mesh without a 'pp' dimension"
+        raise ValueError(f"PipelineStage(stage_index={stage_index}, num_stages={num_stages}) over a pp group of "
+                         f"{group_size} ranks, for a module whose ZeroOptimizer's mesh puts this rank at {where}: "
+                         "a ZeroOptimizer trains one stage module per rank (its norm and fp16 decisions span the "
+                         "pp group once); pass stage_index=mesh.get_local_rank('pp') and num_stages="
+                         "mesh['pp'].size() and use ScheduleGPipe or Schedule1F1B")

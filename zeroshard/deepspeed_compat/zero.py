@@ -7,7 +7,7 @@
 Inside the block the units holding the parameters are gathered, so the model's modules hold
 the full tensors, and the parameters named read as whole tensors too (``p.detach().cpu()``
 inside the block is the full weight, which rank 0 can ``torch.save``: Note [gathered reads]
-in zeroshard/optim/sharded_tensor.py). With
+in zeroshard/stages/sharded_tensor.py). With
 ``modifier_rank`` set, what that rank wrote is broadcast to every rank when the block ends
 and written into each rank's shard and fp32 master, so the next step trains from it (with
 ``modifier_rank=None`` changes are discarded, as DeepSpeed discards them). At stages 0-2 every
@@ -23,8 +23,8 @@ import torch
 
 from zeroshard.optim import lifecycle, registry
 from zeroshard.layout.unit_layout import Segment
-from zeroshard.optim.flat_unit import FlatUnit
-from zeroshard.optim.sharded_tensor import ShardedTensor
+from zeroshard.units.flat_unit import FlatUnit
+from zeroshard.stages.sharded_tensor import ShardedTensor
 from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
 # Names of deepspeed.zero this front does not provide, and what to do instead.

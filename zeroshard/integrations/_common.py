@@ -30,6 +30,7 @@ from torch import nn
 
 from zeroshard.optim import registry
 from zeroshard.optim.zero_optimizer import ZeroOptimizer
+from zeroshard.optim.shard_marker import REFUSED_KEY  # (the marker's key: Note [rank-only state dicts])
 
 _GUARDS: dict[int, "SaveGuard"] = {}
 
@@ -50,7 +51,6 @@ class _RefusedSave:
         return "<zeroshard: this rank's shard only; see Note [rank-0 saves]>"
 
 
-REFUSED_KEY = "zeroshard_rank_shard_only"
 
 
 class SaveGuard:
@@ -102,6 +102,8 @@ class SaveGuard:
                 f"refusing to save ZeroOptimizer.state_dict() of rank {self.optimizer.engine.comm.rank}: it holds only "
                 f"this rank's shard of {self.world_size}, so a file written from one rank would lose the others' "
                 f"optimizer state. {self.fix}")
+        elif self.armed:  # (other ranks while armed: rank 0 writes the whole state; nothing to agree on)
+            sd.pop(REFUSED_KEY, None)
         return sd
 
     def _model_state_dict(self, sd: dict, prefix: str) -> None:

@@ -133,6 +133,7 @@ def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: Para
                       if update_kind(g.get("optimizer_class", engine.optimizer_class)) == "whole")
     check_composition(config, engine.mesh, [m.name for m in frozen], sorted(whole))
     _start_from_rank0(engine.mesh, params, frozen, module)
+    engine.collectives_done = True  # (from here a refusal is agreed by every rank: Note [agreed construction])
     trainable = trainable_params(groups, names, {**meta_shapes, **engine.mesh.local_shapes()},
                                  sharding.shard_parameters)
     lifecycle.check_unclaimed([m.param for m in trainable], names)
@@ -276,7 +277,7 @@ def _attach(owner: torch.optim.Optimizer, engine: Engine) -> None:
     if module is not None:
         registry.register(module, owner)  # type: ignore[arg-type]  # (the ZeroOptimizer being built)
         engine.removers.append(functools.partial(registry.unregister, module))
-        engine.removers.append(pipeline.defer_reductions(module, engine.reducer.deferred))  # (Note [deferring a stage's reductions])
+        engine.removers.append(pipeline.defer_reductions(module, engine.reducer.deferred, engine.mesh.pp))  # (Note [deferring a stage's reductions])
         # (a function, not a bound method: torch marks public hooks with an attribute)
         load_hook = module.register_load_state_dict_post_hook(lambda mod, incompatible: sharding.weights_changed(units))
         engine.removers.append(load_hook.remove)

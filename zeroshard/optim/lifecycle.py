@@ -149,7 +149,7 @@ def take_back_collected(module: nn.Module) -> None:
     back as an ordinary parameter first, tied ones once (a collective, as every construction
     is: all ranks build the optimizer, in the same module order). DeepSpeed's tests build a
     fresh engine on the same model and load a checkpoint into it."""
-    from zeroshard.optim.sharded_tensor import ShardedTensor
+    from zeroshard.stages.sharded_tensor import ShardedTensor
     full: dict[int, nn.Parameter] = {}
     with torch.no_grad():
         for sub in module.modules():

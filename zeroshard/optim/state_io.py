@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from zeroshard.units.elementwise import update_kind
+from zeroshard.optim import shard_marker
 
 from zeroshard.offload.unit_swap import resident_runs
 from zeroshard.optim.inner import normalize_state
@@ -54,14 +55,14 @@ def sharded_state_dict(opt: "EngineOwner") -> dict:
             if run.unit.separate_master:
                 entry["master"] = flat(run.tensor)[lo:hi].clone()
             pieces[piece.segment.name] = entry
-    return {
+    return shard_marker.marked(opt, {  # (a rank-0-only torch.save is told: Note [rank-only state dicts])
         "zeroshard": {"format": FORMAT, "stage": engine.config.stage, "world_size": engine.comm.world_size,
                       "rank": engine.comm.rank, "optimizer": type(engine.inner).__name__},
         "param_groups": [{**_hparams(g), "params": [engine.param_names[id(p)] for p in g["params"]]}
                          for g in opt.param_groups],
         "pieces": pieces,
         "loss_scaler": engine.scaler.state_dict() if engine.scaler else None,
-    }
+    })
 
 
 def _check_groups(opt: "EngineOwner", groups: list[dict], by_name: bool) -> None:
@@ -135,6 +136,7 @@ def apply_loss_scaler(opt: "EngineOwner", state: dict) -> None:
 
 def load_sharded(opt: "EngineOwner", sd: dict) -> None:
     engine = opt.engine.joined()
+    shard_marker.refuse_lone(sd)  # (saved by one rank alone: refused on every rank alike)
     _check_groups(opt, sd["param_groups"], by_name=True)
     pieces = sd["pieces"]
     missing, wrong = [], []

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from zeroshard.optim.elementwise import update_kind
+from zeroshard.units.elementwise import update_kind
 
 
 def torch_refusal(optimizer_class: type, params: Any, kwargs: dict) -> Optional[Exception]:

@@ -9,6 +9,8 @@ needs one of them takes that object, not the optimizer.
 """
 from __future__ import annotations
 
+import itertools
+
 from typing import Any, Callable, Optional, Protocol
 
 from torch import nn
@@ -38,6 +40,9 @@ from zeroshard.stages.sharding import Sharding
 from zeroshard.stages.stage3.gatherer import ParameterGatherer
 
 import torch
+
+
+_INSTANCES = itertools.count()
 
 
 class Engine:
@@ -77,6 +82,12 @@ class Engine:
         self.closed = False
         self.ready = False
         """Construction finished (torch's constructor adds the first param groups before)."""
+        self.save_instance = next(_INSTANCES)
+        """A number for this engine, the same on every rank (each builds its optimizers in the same
+        order): the key its rank-only saves agree under (Note [rank-only state dicts])."""
+        """This engine's number in the store keys of its saves (Note [rank-only state dicts])."""
+        self.collectives_done = False
+        """The construction's own collectives are behind (Note [agreed construction])."""
 
     # -- read through to the policy objects -------------------------------------------------------
     @property

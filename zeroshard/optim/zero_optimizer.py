@@ -19,7 +19,7 @@ from torch import nn
 from zeroshard.config import ZeroConfig
 from zeroshard.layout import Segment
 from zeroshard.memory import MemoryReport
-from zeroshard.optim import assembly, construction, lifecycle, reports, state_io
+from zeroshard.optim import assembly, construction, lifecycle, rank_agreement, reports, state_io
 from zeroshard.units.flat_unit import FlatUnit
 from zeroshard.optim.param_state import ParamStateView
 from zeroshard.optim.params import ParamsLike
@@ -44,9 +44,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Everything checkable is checked before the model is touched; the rest is undone on an
         # error (Note [refused construction] in zeroshard/optim/construction.py).
         snapshot = construction.check_and_record(config, model_or_params, module, optimizer_class, inner_kwargs)
-        try:
-            finish = assembly.assemble(self, engine, model_or_params, module, process_group, mesh, inner_kwargs,
-                                       snapshot)
+        try:  # (refused on one rank, refused on all: Note [agreed construction] in rank_agreement.py)
+            finish = rank_agreement.agreed(engine, lambda: assembly.assemble(
+                self, engine, model_or_params, module, process_group, mesh, inner_kwargs, snapshot))
             super().__init__(engine.user_groups, dict(engine.inner.defaults))
             self.state = ParamStateView(self)  # type: ignore[assignment]  # (read-only)
             finish()
