@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
+    from zeroshard.config import ZeroConfig
+
 
 def is_dtensor(t: object) -> TypeGuard[DTensor]:
     try:
@@ -197,7 +199,7 @@ class TensorParallel:
         return value.narrow(info.split.dim, info.split.dim_offset(info.part), info.split.sizes[info.part])
 
 
-def detect(params: list[torch.Tensor], names: dict[int, str], dp: Comm, config: Any, hybrid: bool,
+def detect(params: list[torch.Tensor], names: dict[int, str], dp: Comm, config: "ZeroConfig", hybrid: bool,
            mesh: Optional["DeviceMesh"] = None) -> Optional[TensorParallel]:
     """The TensorParallel of these parameters, or None when none is a DTensor; refuses what
     is not supported (Note [tensor-parallel parameters]). ``mesh``: the one passed as ``mesh=``."""

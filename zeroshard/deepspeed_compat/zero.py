@@ -47,7 +47,7 @@ def __getattr__(name: str) -> Any:
 
 def _owner(p: torch.Tensor) -> Optional[ZeroOptimizer]:
     owner = lifecycle.live_owner(p)
-    if owner is not None:
+    if isinstance(owner, ZeroOptimizer):
         return owner
     for ref in list(registry._BY_MODEL.values()):  # a stage-3 parameter as torch code sees it
         opt = ref()

@@ -25,17 +25,19 @@ store; accumulation across micro-batches happens in the stores (grads/reducer.py
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from zeroshard.comm.tensor_parallel import as_param_grad, local_grad
+from zeroshard.comm.process_group import Comm
+from zeroshard.layout import Segment
 from zeroshard.units.flat_unit import FlatUnit
 from zeroshard.stages.sharded_tensor import ShardedTensor
 
 
 class GradLinks:
-    def __init__(self, units: Sequence[FlatUnit], comm: Any,
+    def __init__(self, units: Sequence[FlatUnit], comm: Comm,
                  visible: Callable[[torch.Tensor], torch.Tensor] = lambda p: p) -> None:
         self.units = list(units)
         self.comm = comm
@@ -45,7 +47,7 @@ class GradLinks:
         self._published: dict[int, torch.Tensor] = {}
 
     # -- publishing ---------------------------------------------------------------------------
-    def view(self, unit: FlatUnit, seg: Any, param: torch.Tensor) -> torch.Tensor:
+    def view(self, unit: FlatUnit, seg: Segment, param: torch.Tensor) -> torch.Tensor:
         """The tensor that stands for ``param``'s gradient in ``unit``'s store."""
         store = unit.grad_store
         if not unit.policy.shard_gradients:
@@ -122,7 +124,7 @@ class GradLinks:
                 unit.note_grad_stats()
 
     @staticmethod
-    def _range(unit: FlatUnit, seg: Any) -> torch.Tensor:
+    def _range(unit: FlatUnit, seg: Segment) -> torch.Tensor:
         """This rank's part of ``seg`` in the store (the whole segment at stages 0-1)."""
         if not unit.policy.shard_gradients:
             return unit.grad_store[seg.offset:seg.end]
@@ -131,7 +133,7 @@ class GradLinks:
         return unit.grad_range(a, b) if a < b else unit.grad_store[:0]
 
 
-def _piece(g: torch.Tensor, seg: Any, unit: FlatUnit, n: int) -> torch.Tensor:
+def _piece(g: torch.Tensor, seg: Segment, unit: FlatUnit, n: int) -> torch.Tensor:
     """The values of an assigned gradient ``g`` for this rank's part of ``seg`` (``n`` elements)."""
     start = max(unit.owned[0], seg.offset) - seg.offset if unit.policy.shard_gradients else 0
     if isinstance(g, ShardedTensor):
@@ -141,7 +143,7 @@ def _piece(g: torch.Tensor, seg: Any, unit: FlatUnit, n: int) -> torch.Tensor:
     return g.detach().reshape(-1)[start:start + n]
 
 
-def _check_assigned(seg: Any, p: torch.Tensor, g: torch.Tensor) -> None:
+def _check_assigned(seg: Segment, p: torch.Tensor, g: torch.Tensor) -> None:
     if tuple(g.shape) != tuple(seg.shape):
         raise RuntimeError(f"{seg.name}.grad was set to a tensor of shape {tuple(g.shape)}; the parameter "
                            f"has shape {tuple(seg.shape)}")

@@ -225,7 +225,7 @@ class NvmeOptimizerState(MutableMapping):
         """One Adam/AdamW step over every run with a gradient (``prepare``, then ``run``)."""
         self.run(self.prepare(param_groups), grad_scale)
 
-    def prepare(self, param_groups: Sequence[dict], unit_order: Optional[Sequence[Any]] = None) -> list[tuple]:
+    def prepare(self, param_groups: Sequence[dict], unit_order: Optional[Sequence["FlatUnit"]] = None) -> list[tuple]:
         """What a step updates, taken in the caller's thread so that the step may run in
         another (Note [overlapped step] in zeroshard/units/step_in_flight.py): each run with a
         gradient, that gradient, and its group's hyperparameters as they are now; units in
@@ -253,8 +253,9 @@ class NvmeOptimizerState(MutableMapping):
         last_run = {id(r.unit): i for i, (r, _, _) in enumerate(todo)}
         upcoming = iter(order)
 
-        def fetch(u: Any) -> None:  # a separate low-precision shard is rewritten whole: not read
-            u.swap.fetch(u, u.swap.parts_of(u), skip_read=("shard",) if u.separate_master else ())
+        def fetch(u: "FlatUnit") -> None:  # a separate low-precision shard is rewritten whole: not read
+            if u.swap is not None:  # (every unit in ``order`` has one)
+                u.swap.fetch(u, u.swap.parts_of(u), skip_read=("shard",) if u.separate_master else ())
 
         def fetch_next() -> None:
             u = next(upcoming, None)

@@ -185,7 +185,7 @@ class StatePlacement:
             self.plan = plan_explicit(specs, fixed, accelerator=self.accelerator,
                                       optimizer=config.offload_optimizer, params=config.offload_params)
         self._index: dict[int, int] = {}
-        self._units: list[Any] = []
+        self._units: list["FlatUnit"] = []
         self.peaks: Optional[StepPeaks] = None
         self._planned_cache = self.plan.cached
         if self.auto:
@@ -253,7 +253,7 @@ class StatePlacement:
         if isinstance(self.store.cache, _PendingCache) and i in self.store.cache.indices:
             self.store.cache.units.append(unit)
 
-    def adopt(self, unit: Any) -> None:
+    def adopt(self, unit: "FlatUnit") -> None:
         index = len(self._index)
         self._index[id(unit)] = index
         self._units.append(unit)
@@ -271,7 +271,7 @@ class StatePlacement:
         if self.store is not None and isinstance(self.store.cache, _PendingCache):
             self.store.cache = ParamCache(self.store.cache.units)
 
-    def state_options(self, runs: Sequence[Any], slots: int) -> dict:
+    def state_options(self, runs: Sequence["Run"], slots: int) -> dict:
         """``NvmeOptimizerState``'s placement options: the runs whose moments stay in memory, and
         whether its pool lives only during the step (auto: the parameter cache uses it in
         between). The swap file of the units gets the ``slots`` the staging memory allows."""
@@ -374,7 +374,7 @@ class _PendingCache:
 
     def __init__(self, indices: frozenset[int]) -> None:
         self.indices = indices
-        self.units: list[Any] = []
+        self.units: list["FlatUnit"] = []
 
-    def keep(self, unit: Any, backward: bool) -> bool:
+    def keep(self, unit: "FlatUnit", backward: bool) -> bool:
         return False

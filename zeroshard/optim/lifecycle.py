@@ -24,12 +24,14 @@ from zeroshard.comm.tensor_parallel import is_dtensor
 from zeroshard.io.host_pool import HOST_POOL
 
 if TYPE_CHECKING:
+    from zeroshard.stages.stage3.gatherer import ParameterGatherer
     from zeroshard.units.flat_unit import FlatUnit
+    from zeroshard.units.step_in_flight import StepInFlight
 
 _OWNER = "_zeroshard_owner"  # attribute on each managed parameter: weakref to its optimizer
 
 
-def live_owner(p: torch.Tensor) -> Optional[Any]:
+def live_owner(p: torch.Tensor) -> Optional[object]:
     ref = getattr(p, _OWNER, None)
     opt = ref() if ref is not None else None
     return opt if opt is not None and not getattr(opt, "closed", False) else None
@@ -52,7 +54,7 @@ def check_unclaimed(params: Sequence[torch.Tensor], names: dict[int, str]) -> No
             "another, or use param groups in one optimizer for different settings")
 
 
-def claim(params: Sequence[torch.Tensor], opt: Any) -> None:
+def claim(params: Sequence[torch.Tensor], opt: object) -> None:
     ref = weakref.ref(opt)
     for p in params:
         setattr(p, _OWNER, ref)
@@ -75,7 +77,7 @@ class Teardown:
     swap files close (they run it first: ``before_close``)."""
 
     def __init__(self, removers: Sequence[Callable[[], None]], params: Sequence[torch.Tensor],
-                 inflight: Optional[Any] = None, hand_back: Optional[Callable[[], None]] = None) -> None:
+                 inflight: Optional["StepInFlight"] = None, hand_back: Optional[Callable[[], None]] = None) -> None:
         self._removers = list(removers)
         self._params = [weakref.ref(p) for p in params]
         self._inflight = inflight
@@ -109,7 +111,7 @@ class Teardown:
         HOST_POOL.trim()  # (its buffers outlive steps, not the optimizer: Note [reused host buffers])
 
 
-def hand_back_stage3(gatherer: Any, units: Sequence[Any]) -> None:
+def hand_back_stage3(gatherer: "ParameterGatherer", units: Sequence["FlatUnit"]) -> None:
     """Stage 3 closing: every unit gathered once more and each parameter given its own full
     tensor, so the model works without the optimizer (a collective: all ranks call it)."""
     for ui in range(len(units)):
@@ -125,7 +127,7 @@ def hand_back_stage3(gatherer: Any, units: Sequence[Any]) -> None:
     gatherer.release_all()
 
 
-def hand_back_collected(gatherer: Any, units: Sequence[Any], world_size: int) -> None:
+def hand_back_collected(gatherer: "ParameterGatherer", units: Sequence["FlatUnit"], world_size: int) -> None:
     """Stage 3, the optimizer collected without ``close()``: no collective can run from a
     finalizer (other ranks collect theirs at other times). One rank holds everything, so it
     gets its full parameters as ``close()`` gives them; with more, every parameter stays the

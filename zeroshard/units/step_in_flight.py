@@ -35,7 +35,7 @@ never both held. Off with ``overlap_step=False``; on by default under ``offload=
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
 
 if TYPE_CHECKING:  # (types only: these modules build on this one)
@@ -65,7 +65,7 @@ class StepInFlight:
         """A step was started and not joined yet (it may have finished its work)."""
         return self._thread is not None
 
-    def start(self, units: Iterable[Any], work: Callable[[Callable[[Any], None]], None],
+    def start(self, units: Iterable["FlatUnit"], work: Callable[[Callable[["FlatUnit"], None]], None],
               after: Callable[[], None]) -> None:
         """Runs ``work(unit_done)`` in a worker thread; ``work`` calls ``unit_done(u)`` once unit
         ``u``'s new weights are in place. ``units``: those it will update (any other unit is
@@ -88,18 +88,18 @@ class StepInFlight:
         self._thread = threading.Thread(target=run, name="zeroshard-step", daemon=False)
         self._thread.start()
 
-    def _unit_done(self, unit: Any) -> None:
+    def _unit_done(self, unit: "FlatUnit") -> None:
         ev = self._done.get(id(unit))
         if ev is not None:
             ev.set()
 
-    def ready(self, unit: Any, whole: bool = False) -> bool:
+    def ready(self, unit: "FlatUnit", whole: bool = False) -> bool:
         if whole:
             return self._finished.is_set()
         ev = self._done.get(id(unit))
         return ev is None or ev.is_set()
 
-    def wait_unit(self, unit: Any, whole: bool = False) -> None:
+    def wait_unit(self, unit: "FlatUnit", whole: bool = False) -> None:
         """Returns once ``unit`` is updated (``whole``: once the step's work is done)."""
         if self._thread is None or threading.current_thread() is self._thread:
             return
@@ -170,7 +170,7 @@ def start_swapped_step(inflight: StepInFlight, units: Sequence[FlatUnit], gather
     order = [units[i] for i in gatherer.forward_unit_order()]
     todo = swapper.prepare(param_groups, unit_order=order)
 
-    def work(unit_done: Callable[[Any], None]) -> None:
+    def work(unit_done: Callable[["FlatUnit"], None]) -> None:
         swapper.run(todo, grad_scale=scale, unit_done=unit_done)
 
     def after() -> None:
