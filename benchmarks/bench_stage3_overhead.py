@@ -175,6 +175,8 @@ def main() -> None:
                     help="comma-separated placements to run, by name or short name "
                          f"({', '.join(SHORT)}; plain always runs: the ratios are to it)")
     ap.add_argument("--threads", type=int, default=0, help="--paired: torch threads (0: torch's default)")
+    ap.add_argument("--dry-run", action="store_true", help="print the runs the options select (one process per "
+                                                           "placement) and exit without measuring")
     ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -193,6 +195,9 @@ def main() -> None:
     for mode in (m for m in MODES if m == "plain" or m in wanted):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--layers", str(args.layers),
                "--d-model", str(args.d_model), "--steps", str(args.steps), "--dir", args.dir]
+        if args.dry_run:
+            print(f"{mode}: {' '.join(cmd[1:])}")
+            continue
         out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
         rows = json.loads(out.stdout.strip().splitlines()[-1])
         counted = rows["phases"][1:]
@@ -201,6 +206,8 @@ def main() -> None:
         cpu_med = {k: statistics.median(r[k] for r in rows["cpu"][1:]) for k in counted[0]}
         results[mode] = {"median_s": med, "median_cpu_s": cpu_med, "steps": rows["phases"], "cpu_steps": rows["cpu"],
                          "params": rows["params"]}
+    if args.dry_run:
+        return
     plain = results["plain"]["median_s"]
     print(f"{results['plain']['params'] / 1e9:.3f} B parameters, {args.layers} blocks, medians of steps 2-{args.steps}")
     for mode, r in results.items():
