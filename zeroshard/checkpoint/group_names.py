@@ -13,7 +13,7 @@ holds none either, as before groups were matched by name.
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Optional
 
 from zeroshard.checkpoint import jsontree
 from zeroshard.checkpoint.errors import CheckpointMismatchError
@@ -27,11 +27,12 @@ def _key(group: dict) -> str:
     return json.dumps(jsontree.encode(_options(group), "param_groups"), sort_keys=True, default=repr)
 
 
-def resolve(saved: list[Any], mine: list[list[str]], where: str) -> list[Optional[dict]]:
+def resolve(saved_groups: list[object], mine: list[list[str]], where: str) -> list[Optional[dict]]:
     """For each of the optimizer's groups (its parameters' checkpoint names), the saved options
     it takes (None: none saved for it); CheckpointMismatchError where its parameters were saved
     with different options (Note [param groups by name])."""
-    saved = [g if isinstance(g, dict) and isinstance(g.get("params"), list) else {"params": []} for g in saved]
+    saved: list[dict] = [g if isinstance(g, dict) and isinstance(g.get("params"), list) else {"params": []}
+                         for g in saved_groups]
     owner = {n: i for i, g in enumerate(saved) for n in g["params"]}
     out: list[Optional[dict]] = []
     taken: dict[int, int] = {}  # saved group -> the first of this optimizer's groups holding its parameters

@@ -9,7 +9,7 @@ anything is applied.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -19,8 +19,11 @@ from zeroshard.checkpoint.errors import CheckpointMismatchError
 from zeroshard.checkpoint.pieces import name_map
 from zeroshard.optim.state_io import check_kinds
 
+if TYPE_CHECKING:
+    from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
-def check_state_kinds(body: dict, model: Optional[nn.Module], opt: Any, where: str) -> None:
+
+def check_state_kinds(body: dict, model: Optional[nn.Module], opt: Optional["ZeroOptimizer"], where: str) -> None:
     """Raises CheckpointMismatchError naming the parameter, the key and the shape its class
     keeps, for the first parameters whose saved state is not that class's."""
     if opt is None or not hasattr(opt, "engine"):
@@ -28,12 +31,12 @@ def check_state_kinds(body: dict, model: Optional[nn.Module], opt: Any, where: s
     names = name_map(model, opt)
     local = {seg.name: tuple(seg.shape) for u in opt.engine.units for seg in u.layout.segments}
     tp = getattr(opt.engine, "tp", None)
-    got: dict[str, tuple[dict, Optional[int]]] = {}
+    got: dict[str, tuple[dict[str, object], Optional[int]]] = {}
     for own, ckpt in names.items():
         meta = body["tensors"].get(ckpt)
         if own not in local or not isinstance(meta, dict) or meta.get("kind") != "sharded":
             continue
-        state: dict[str, Any] = {}
+        state: dict[str, object] = {}
         for p in meta["pieces"]:
             # (stored sliced: state of the parameter's own shape)
             state.update({k[6:]: local[own] for k in p["keys"] if k.startswith("state.")})

@@ -14,14 +14,14 @@ non-zero partition (at stage 3 nothing in a file names its rank).
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from zeroshard.deepspeed_compat.restricted_unpickler import StandIn
 
 
-def _count(v: Any) -> Optional[int]:
+def _count(v: object) -> Optional[int]:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 

@@ -260,11 +260,11 @@ def _check_record(path: str, entry: zipfile.ZipInfo) -> None:
                          "the archive is damaged or forged")
 
 
-def bound_walk(obj: Any, path: str) -> None:
+def bound_walk(obj: object, path: str) -> None:
     """Refuses an object whose walk (shared values counted each time they are met) exceeds
     ``MAX_NODES`` values or ``MAX_DEPTH`` levels, before any consumer walks it."""
     budget = MAX_NODES
-    stack: list[tuple[Any, int]] = [(obj, 0)]
+    stack: list[tuple[object, int]] = [(obj, 0)]
     while stack:
         value, depth = stack.pop()
         budget -= 1

@@ -411,10 +411,10 @@ def _broken_tie(model: nn.Module, peft: _PeftModel, rename: Callable[[str], Opti
     config = getattr(base, "config", None)
     words = set()
     try:
-        inp, out = base.get_input_embeddings(), base.get_output_embeddings()
+        inp, out = getattr(base, "get_input_embeddings")(), getattr(base, "get_output_embeddings")()
         words = {id(getattr(inp, "weight", None)), id(getattr(out, "weight", None))}
-    except (AttributeError, NotImplementedError):
-        pass
+    except (AttributeError, NotImplementedError, TypeError):
+        pass  # (not a transformers model: it has no word embeddings to untie)
     for keys in broken:
         if not (len(words) == 1 and id(live[keys[0]]) in words and getattr(config, "tie_word_embeddings", False)):
             names = [_base_name(k) for k in keys]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 
@@ -31,7 +31,7 @@ _cache: dict[tuple, Optional[dict[str, Template]]] = {}
 
 
 def _option_key(hparams: dict) -> tuple:
-    def kind(v: Any) -> Any:
+    def kind(v: object) -> object:
         if isinstance(v, bool) or v is None or isinstance(v, str):
             return v
         if isinstance(v, (int, float)):
@@ -94,7 +94,7 @@ def expected_state(cls: type, hparams: dict, shape: tuple[int, ...]) -> Optional
             for k, t in templates.items()}
 
 
-def check_entry(param: str, cls: type, got: dict[str, Any], expected: Optional[dict[str, tuple[int, ...]]],
+def check_entry(param: str, cls: type, got: dict[str, object], expected: Optional[dict[str, tuple[int, ...]]],
                 param_shape: tuple[int, ...], flat_numel: Optional[int] = None) -> list[str]:
     """Problems of one parameter's loaded state ``got`` (key -> value, or key -> shape as a
     tuple, or ``...``: the key alone) against ``expected``: keys the class does not keep, keys it keeps that are missing
