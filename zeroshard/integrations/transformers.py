@@ -32,8 +32,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 from transformers import TrainerCallback
 
+from zeroshard.optim.zero_optimizer import ZeroOptimizer
 from zeroshard.integrations._common import SaveGuard, check_no_autocast, keep_out_of_ddp, optimizer_of
 from zeroshard.integrations.trainer_optimizer import optimizer_from_args
 from zeroshard.optim.regroup import scheduler_to_grouping, scheduler_to_own_grouping, to_grouping
@@ -51,7 +54,7 @@ def _wraps(model: object, inner: object) -> bool:
     return any(m is inner for m in model.modules()) if hasattr(model, "modules") else False
 
 
-def trainer_grouping(model: Any) -> list[list[str]]:
+def trainer_grouping(model: nn.Module) -> list[list[str]]:
     """The names of the two param groups a plain ``Trainer`` builds its optimizer with (decay,
     no decay; trainable parameters only), so its resume loads the callback's checkpoint."""
     from transformers import Trainer
@@ -106,7 +109,7 @@ class ZeroCallback(TrainerCallback):
         if kwargs.get("lr_scheduler") is not None and model is not None:
             self._regroup_scheduler(kwargs["lr_scheduler"], opt, model)
 
-    def _regroup_scheduler(self, scheduler: Any, opt: Any, model: Any) -> None:
+    def _regroup_scheduler(self, scheduler: LRScheduler, opt: ZeroOptimizer, model: nn.Module) -> None:
         """The scheduler's state is saved in the plain Trainer's grouping too (its per-group
         lists would not fit the plain Trainer's two groups) while a save is armed, and read back
         into the optimizer's grouping (Note [regrouped state]); instance attributes, so only
@@ -123,7 +126,7 @@ class ZeroCallback(TrainerCallback):
 
         def load_state_dict(state: dict) -> None:
             cls.load_state_dict(scheduler, scheduler_to_own_grouping(opt, state))
-        scheduler.state_dict, scheduler.load_state_dict = state_dict, load_state_dict
+        scheduler.state_dict, scheduler.load_state_dict = state_dict, load_state_dict  # type: ignore[method-assign,assignment]
 
     def _arm(self, model: Any, optimizer: Any, weights_only: bool = False) -> None:
         guard = self._guard(model, optimizer)

@@ -14,7 +14,7 @@ optimizer's own grouping).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 if TYPE_CHECKING:
     from zeroshard.optim.zero_engine import EngineOwner
@@ -67,7 +67,7 @@ def to_own_grouping(opt: "EngineOwner", sd: dict) -> dict:
     saved = [list(g["param_names"]) for g in groups]
     if saved == [[n for n, _ in members] for members in own]:
         return sd
-    at: dict[str, tuple[int, Any]] = {}
+    at: dict[str, tuple[int, int]] = {}
     for gi, g in enumerate(groups):
         for name, index in zip(g["param_names"], g["params"]):
             at[name] = (gi, index)
@@ -77,7 +77,7 @@ def to_own_grouping(opt: "EngineOwner", sd: dict) -> dict:
     for g, members in zip(opt.param_groups, own):
         options = [_options(groups[at[n][0]]) for n, trained in members if trained]
         same = bool(options) and all(o == options[0] for o in options)
-        regrouped: dict[str, Any] = {**(options[0] if same else _options(g)), "params": list(range(j, j + len(members)))}
+        regrouped: dict[str, object] = {**(options[0] if same else _options(g)), "params": list(range(j, j + len(members)))}
         if "param_names" in g:
             regrouped["param_names"] = [n for n, _ in members]
         out_groups.append(regrouped)

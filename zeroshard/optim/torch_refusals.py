@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from torch import nn
 from zeroshard.units.elementwise import update_kind
 
 
-def torch_refusal(optimizer_class: type, params: Any, kwargs: dict) -> Optional[Exception]:
+def torch_refusal(optimizer_class: type, params: object, kwargs: dict) -> Optional[Exception]:
     """What ``optimizer_class(params, **kwargs)`` raises (None: it builds, or the class is not
     one of torch's elementwise optimizers). ``params`` None checks the keyword arguments alone;
     a module gives its parameters; an iterator is never read (the caller reads it once)."""

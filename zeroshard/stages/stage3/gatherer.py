@@ -441,7 +441,7 @@ class ParameterGatherer:
         self.release_group(gi)
         return output
 
-    def _returned_parameters(self, gi: int, output: Any) -> Any:
+    def _returned_parameters(self, gi: int, output: object) -> object:
         """A module that returns its own parameter (``return out, self.bias``, as Megatron-style
         layers do) or a view of one hands its caller memory the release below frees, and the
         caller's reads would touch freed memory (a SIGSEGV, no Python error). Such outputs are
@@ -449,8 +449,8 @@ class ParameterGatherer:
         storages = {self.units[ui].flat.untyped_storage().data_ptr() for ui in self.groups[gi]}
         storages.discard(0)
 
-        def aliases(t: Any) -> bool:
-            return (type(t) in (torch.Tensor, nn.Parameter) and t.numel() > 0
+        def aliases(t: object) -> bool:
+            return (isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, nn.Parameter) and t.numel() > 0
                     and t.untyped_storage().data_ptr() in storages)
         if not any(aliases(t) for t in tree_flatten(output)[0]):  # (the usual case: nothing to copy)
             return output
