@@ -35,7 +35,10 @@ def run_once(launcher: str, ending: str, timeout_s: float = 300.0, root: Optiona
                str(free_port()), WORKER, launcher, ending, root]
     else:
         cmd = [sys.executable, WORKER, launcher, ending, root]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:  # (a hang is a failed run, counted, not the end of the count)
+        return 124, f"timed out after {timeout_s:g} s\n{exc.stdout or ''}{exc.stderr or ''}"
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -59,6 +62,7 @@ def main() -> int:
             aborts += aborted(rc, out)
             if rc != 0:
                 print(f"  {launcher}/{ending} run {i}: exit {rc}\n" + out[-1500:], flush=True)
+            print(f"  {launcher}/{ending} after {i + 1} runs: exit0={ok} failed={failed} aborts={aborts}", flush=True)
         failed_any |= failed > 0
         print(f"{launcher:8s} {ending:7s} runs={args.runs} exit0={ok} failed={failed} aborts={aborts} "
               f"({time.monotonic() - start:.0f} s)", flush=True)
