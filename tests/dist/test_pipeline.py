@@ -12,6 +12,7 @@ import torch
 import zeroshard
 from tests.support import pipeline_worker as w
 from tests.support.dist_results import run_ranks
+from tests.support.models import TINY_GPT
 
 CASES = [f"stage{s}-{k}" for s in (1, 2) for k in ("gpipe", "1f1b")] + ["stage1-1f1b-buckets", "stage2-1f1b-buckets"]
 
@@ -197,7 +198,7 @@ def test_deferred_passes_add_up_like_accumulation(stage):
     import copy
 
     from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
-    cfg = GPTConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, seq_len=8)
+    cfg = TINY_GPT
     torch.manual_seed(0)
     ref = TinyGPT(cfg)
     model = copy.deepcopy(ref)

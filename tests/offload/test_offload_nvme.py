@@ -14,8 +14,9 @@ from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
 
 from tests.support.io_helpers import mount_tmpfs
 from tests.support.asserts import assert_same
+from tests.support.models import TINY_GPT
 
-CFG = GPTConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, seq_len=8)
+CFG = TINY_GPT
 
 
 def _train(stage: int, nvme: str | None, steps: int = 4, model=None, opt=None, start: int = 0):

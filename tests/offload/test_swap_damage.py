@@ -16,11 +16,12 @@ import torch
 import zeroshard
 from zeroshard.io import AIOError
 from zeroshard.offload.swap_file import remove_stale_swap
-from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+from zeroshard.toy import TinyGPT, synthetic_batch
 
 from tests.support.asserts import assert_same
+from tests.support.models import TINY_GPT
 
-CFG = GPTConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, seq_len=8)
+CFG = TINY_GPT
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # (stage, offload_params): the moments' file plus the grads file, or (ZeRO-Infinity) the params file.

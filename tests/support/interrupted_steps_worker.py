@@ -14,7 +14,9 @@ import torch.distributed as dist
 import zeroshard
 from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
 
-CFG = GPTConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, seq_len=8)
+from tests.support.models import TINY_GPT
+
+CFG = TINY_GPT
 
 
 def _rank_world() -> tuple[int, int]:

@@ -5,7 +5,11 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from zeroshard.toy import GPTConfig
+
 VOCAB, SEQ = 32, 5
+# The two-layer TinyGPT most tests train (frozen: share it, replace fields with dataclasses.replace).
+TINY_GPT = GPTConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, seq_len=8)
 
 
 class TinyNet(nn.Module):

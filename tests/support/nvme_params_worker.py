@@ -11,7 +11,9 @@ import torch.distributed as dist
 import zeroshard
 from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
 
-CFG = GPTConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, seq_len=8)
+from tests.support.models import TINY_GPT
+
+CFG = TINY_GPT
 
 
 def make(nvme: str | None, mixed_precision: str | None = None, seed: int = 0, stage: int = 3,

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import zeroshard
-from tests.support.models import TinyNet, batch, param_groups
+from tests.support.models import TINY_GPT, TinyNet, batch, param_groups
 
 
 def _train(model, opt, steps, rank, world, start=0, scale_loss=False):
@@ -180,8 +180,8 @@ def run(rank: int, world: int, out_path: str, checks: list[str]) -> None:
 def check_offload(rank: int, world: int) -> dict:
     """CPU offload must not change a single bit (on a CPU-only machine it moves nothing; on
     a GPU it moves master, moments and gradients to host memory)."""
-    from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
-    cfg = GPTConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, seq_len=8)
+    from zeroshard.toy import TinyGPT, synthetic_batch
+    cfg = TINY_GPT
     out = {}
     for stage, params in ((1, None), (2, None), (3, None), (3, "cpu")):
         finals = []

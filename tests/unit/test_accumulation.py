@@ -12,9 +12,11 @@ import pytest
 import torch
 
 import zeroshard
-from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+from zeroshard.toy import TinyGPT, synthetic_batch
 
-CFG = GPTConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, seq_len=8)
+from tests.support.models import TINY_GPT
+
+CFG = TINY_GPT
 
 
 @pytest.mark.parametrize("stage", (0, 1, 2, 3))
