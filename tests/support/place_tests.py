@@ -206,7 +206,8 @@ def _rewrite(text: str, table: dict[str, str]) -> str:
         old_leaf, new_leaf = old_mod.rsplit(".", 1)[1], new_mod.rsplit(".", 1)[1]
         new_pkg = new_mod.rsplit(".", 1)[0]
         # paths: tests/test_api.py, tests/conformance/ ; and os.path.join(..., "tests", "exit_worker.py")
-        text = re.sub(rf"(?<![\w/.-])tests/{re.escape(old)}(?![\w])", f"tests/{new}", text)
+        # (also after a "\n" escape inside a string: "...\ntests/test_api.py::x")
+        text = re.sub(rf"(?:(?<![\w/.-])|(?<=\\n))tests/{re.escape(old)}(?![\w])", f"tests/{new}", text)
         parts = ", ".join(f'"{p}"' for p in new.split("/"))
         text = text.replace(f'"tests", "{old}"', f'"tests", {parts}')
         # dotted module names: tests.models, -m tests.hostile_consumers, tests.conformance.common
