@@ -93,12 +93,12 @@ setup(
         # transformers: the stage-3 and checkpoint tests use a small GPT-2 built from a config
         # (no download); it does not depend on torch, so it never pulls a CUDA build.
         # matplotlib: the memory chart of `zeroshard bench memory` is tested too.
-        # peft: tests/test_lora.py (LoRA on a frozen, stage-3-partitioned base; accepts torch>=1.13).
-        # accelerate, lightning: tests/test_integrations.py (both accept torch>=2.1, so the pinned
+        # peft: tests/integrations/test_lora.py (LoRA on a frozen, stage-3-partitioned base; accepts torch>=1.13).
+        # accelerate, lightning: tests/integrations/test_integrations.py (both accept torch>=2.1, so the pinned
         # torch stays).
-        # ruff, mypy: tests/test_structure.py (static checks: undefined and unused names, syntax,
+        # ruff, mypy: tests/unit/test_structure.py (static checks: undefined and unused names, syntax,
         # types over zeroshard/ with .ci/mypy.ini).
-        # deepspeed: tests/test_deepspeed_front.py runs the same script under the real DeepSpeed (CPU,
+        # deepspeed: tests/train/test_deepspeed_front.py runs the same script under the real DeepSpeed (CPU,
         # gloo, torch_adam; its ops build just in time, so no CUDA toolkit; it accepts torch>=2.0).
         "test": ["pytest>=7", "pytest-benchmark>=4", "transformers>=4.40", "matplotlib>=3.7",
                  "accelerate>=1.0,<2", "lightning>=2.2,<3", "peft>=0.13,<1", "deepspeed>=0.19,<0.20",

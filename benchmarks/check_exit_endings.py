@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/check_exit_endings.py --runs 50
 
-runs tests/exit_endings_worker.py ``--runs`` times for each of (mp.spawn, torchrun) x (the
+runs tests/support/exit_endings_worker.py ``--runs`` times for each of (mp.spawn, torchrun) x (the
 user's own ``destroy_process_group()``, none) and prints, per combination, the runs that exited
 0, the failed runs and the aborts ("terminate called" in the output, or a signal). Exit status
 1 when any run failed. Note [clean exit] in zeroshard/comm/clean_exit.py.
@@ -18,7 +18,7 @@ import time
 from typing import Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(REPO, "tests", "exit_endings_worker.py")
+WORKER = os.path.join(REPO, "tests", "support", "exit_endings_worker.py")
 COMBOS = [(launcher, ending) for launcher in ("spawn", "torchrun") for ending in ("destroy", "plain")]
 
 

@@ -1,9 +1,9 @@
 """pp 2 x dp 2 x tp 2 on 8 gloo ranks (about 2 minutes on 2 cores; too slow for the test suite,
-which runs pp 2 x dp 1 x tp 2 in tests/test_pipeline.py):
+which runs pp 2 x dp 1 x tp 2 in tests/dist/test_pipeline.py):
 
     PYTHONPATH=. python benchmarks/check_pipeline_3d.py
 
-The Llama of tests/pipeline_worker.py in 2 stages (1F1B, 4 micro-batches), each stage's linear
+The Llama of tests/support/pipeline_worker.py in 2 stages (1F1B, 4 micro-batches), each stage's linear
 layers parallelised over "tp" and sharded by ZeroOptimizer (stage 2) over "dp", 8 steps with
 clipping against single-process torch.optim.AdamW on the same global batch. Prints, per rank,
 the weights' largest difference (relative to each tensor's largest weight, absolute, and
@@ -20,8 +20,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests import pipeline_worker as w  # noqa: E402
-from tests.dist_results import run_ranks  # noqa: E402
+from tests.support import pipeline_worker as w  # noqa: E402
+from tests.support.dist_results import run_ranks  # noqa: E402
 
 
 def worker(rank: int, world: int, out_path: str) -> None:

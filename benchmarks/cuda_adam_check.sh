@@ -24,7 +24,7 @@ time "$PY" -m zeroshard.ops 2>&1 | tee "$out_dir/cuda_adam_status.txt"
 grep -q "cuda_adam  ACTIVE" "$out_dir/cuda_adam_status.txt" || { echo "CUDA kernel did not build"; exit 1; }
 
 echo "== tests"
-"$PY" -m pytest -q -p no:cacheprovider tests/test_ops_cuda.py tests/test_ops_adam.py 2>&1 \
+"$PY" -m pytest -q -p no:cacheprovider tests/ops/test_ops_cuda.py tests/ops/test_ops_adam.py 2>&1 \
   | tee "$out_dir/cuda_adam_tests.txt" | tail -5
 
 echo "== bandwidth"

@@ -2,8 +2,8 @@
 
     python benchmarks/multinode_nccl_check.py [--out DIR] [--backend auto|nccl|gloo]
 
-4 local ranks act as 2 nodes x 2 (a (node, local) DeviceMesh), as tests/test_hpz.py and the
-hybrid case of tests/test_dropin.py do on gloo:
+4 local ranks act as 2 nodes x 2 (a (node, local) DeviceMesh), as tests/dist/test_hpz.py and the
+hybrid case of tests/dist/test_dropin.py do on gloo:
 
 - parity: hpZ at stage 3 and hybrid at stages 1-3, 8 steps of a tiny GPT-2 with clipping,
   against single-process torch.optim.AdamW on the same global batch (fp32, max weight
@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import zeroshard  # noqa: E402
-from tests.dropin_worker import GLOBAL_BATCH, MAX_NORM, STEPS, gpt2, tokens  # noqa: E402
+from tests.support.dropin_worker import GLOBAL_BATCH, MAX_NORM, STEPS, gpt2, tokens  # noqa: E402
 from zeroshard.launch import free_port  # noqa: E402
 from zeroshard.planner.traffic import Topology, measured_links, step_traffic  # noqa: E402
 

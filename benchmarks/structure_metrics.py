@@ -1,7 +1,7 @@
 """The structure figures issue 26 tracks, measured from the source (``python benchmarks/structure_metrics.py``).
 
 Each figure is counted from the syntax tree, not from text, so comments and strings do not
-count. ``--json`` prints them as JSON (tests/test_structure.py reads them as a ratchet).
+count. ``--json`` prints them as JSON (tests/unit/test_structure.py reads them as a ratchet).
 
 - facade_lines, facade_constructor_lines, facade_longest_function: ``optim/zero_optimizer.py``;
 - functions_taking_opt_any: functions outside the facade whose first parameter is the

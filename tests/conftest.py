@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
 
 import pytest
 
@@ -22,8 +23,18 @@ os.environ.setdefault("ZEROSHARD_PG_TIMEOUT", "120")
 os.environ.setdefault("ZEROSHARD_START_METHOD", "forkserver")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-# (ZEROSHARD_QUICK_TIER: another list, for tests/test_ci_setup.py)
+# (ZEROSHARD_QUICK_TIER: another list, for tests/unit/test_ci_setup.py)
 QUICK_TIER_FILE = os.environ.get("ZEROSHARD_QUICK_TIER") or os.path.join(_HERE, "quick_tier.txt")
+_DIST = pathlib.Path(_HERE, "dist").resolve()
+
+
+def pytest_ignore_collect(collection_path: pathlib.Path, config: pytest.Config) -> bool | None:
+    """tests/dist/ (the multi-rank tests) is collected: pytest's default ``norecursedirs`` skips any
+    folder named ``dist`` (a build output). ``--ignore tests/dist`` still skips it."""
+    if collection_path == _DIST and not any(pathlib.Path(p).resolve() == _DIST
+                                            for p in config.getoption("ignore") or []):
+        return False
+    return None
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -34,7 +45,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def read_quick_tier(path: str = QUICK_TIER_FILE) -> list[str]:
     """The node ids of the quick tier (``#`` starts a comment). An id without ``[...]`` selects
-    every parametrization of that test; ``tests/test_x.py`` alone selects the whole file."""
+    every parametrization of that test; ``tests/unit/test_x.py`` alone selects the whole file."""
     entries = []
     with open(path, encoding="utf-8") as f:
         for line in f:

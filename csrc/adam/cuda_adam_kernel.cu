@@ -59,7 +59,7 @@ __host__ __device__ __forceinline__ bool is_aligned(const void* ptr) {
 }
 
 // One thread's share of one block's chunk. __host__ too, so that a host program can replay
-// the whole grid thread by thread and check it without a GPU (tests/test_ops_cuda_plan.py).
+// the whole grid thread by thread and check it without a GPU (tests/ops/test_ops_cuda_plan.py).
 template <typename GT, typename OT, bool HAS_OUT, bool ADAMW>
 __host__ __device__ __forceinline__ void adam_thread(const TensorListMeta& meta,
                                                      const cpu::AdamScalars& s, int block,

@@ -1,6 +1,6 @@
 // Host-side planning of multi-tensor launches (see Note [multi-tensor launch] in
 // cuda_adam_kernel.cu). Plain C++ without CUDA headers so it is unit-tested on any machine
-// (tests/test_ops_cuda.py compiles a checker against it with g++).
+// (tests/ops/test_ops_cuda.py compiles a checker against it with g++).
 #pragma once
 
 #include <stdint.h>

@@ -10,7 +10,7 @@ the gradient reducer and the ``.grad`` views, the step. Nothing reads a half-bui
 optimizer: the facade (zero_optimizer.py) only receives the engine, and each object is
 recorded on the engine as soon as it exists, so a construction refused part way is undone
 from what was built (Note [refused construction] in construction.py). A new policy of an
-existing axis is one file that implements the axis' interface (tests/placement_example.py
+existing axis is one file that implements the axis' interface (tests/support/placement_example.py
 adds a placement this way); a new axis adds its object here.
 """
 from __future__ import annotations
@@ -178,7 +178,7 @@ def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: Para
 
 def _placement_class(config: ZeroConfig) -> type[StatePlacement]:
     """The state placement policy: ``config.placement_policy`` (a class in one file, e.g.
-    tests/placement_example.py) or the built-in one (explicit options, or offload="auto")."""
+    tests/support/placement_example.py) or the built-in one (explicit options, or offload="auto")."""
     cls = config.placement_policy
     if cls is None:
         return StatePlacement

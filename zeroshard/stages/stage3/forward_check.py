@@ -15,7 +15,7 @@ evaluation) and waits for its peers' keys for the group's collective timeout. A 
 evaluates alone gets a RuntimeError saying so before it gathers anything; the others, which
 were elsewhere, get the process group's own timeout error from their pending collective
 (never a silent mismatch). Cost: one store write and one wait per evaluation, about 1-2 ms
-on one host of 2 loaded cores (tests/test_edges_interrupts.py measures it), none per further
+on one host of 2 loaded cores (tests/dist/test_interrupted_steps.py measures it), none per further
 evaluation forward and none in training. (An evaluation that all ranks start but one rank
 makes longer than the others is not caught: its gathers meet the others' next collectives.)
 """
