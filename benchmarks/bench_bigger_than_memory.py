@@ -52,7 +52,7 @@ CGROUP_ROOT = "/sys/fs/cgroup/memory"
 
 # -- children (run inside the cgroup) ------------------------------------------------------------
 def _config(args: argparse.Namespace):
-    from zeroshard.toy import GPTConfig
+    from zeroshard.testing.toy import GPTConfig
     return GPTConfig(**{**MODEL, "n_layers": args.layers})
 
 
@@ -82,7 +82,7 @@ def _peak_rss() -> int:
 
 def child_plain(args: argparse.Namespace) -> None:
     import torch
-    from zeroshard.toy import TinyGPT, synthetic_batch
+    from zeroshard.testing.toy import TinyGPT, synthetic_batch
     cfg = _config(args)
     model = TinyGPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -94,7 +94,7 @@ def child_plain(args: argparse.Namespace) -> None:
 def _zero(args: argparse.Namespace, swap: str):
     import torch
     import zeroshard
-    from zeroshard.toy import TinyGPT
+    from zeroshard.testing.toy import TinyGPT
     cfg = _config(args)
     with torch.device("meta"):
         model = TinyGPT(cfg)
@@ -104,7 +104,7 @@ def _zero(args: argparse.Namespace, swap: str):
 
 
 def _steps(cfg, model, opt, start: int, n: int) -> tuple[list[float], list[float]]:
-    from zeroshard.toy import synthetic_batch
+    from zeroshard.testing.toy import synthetic_batch
     losses, times = [], []
     for step in range(start, start + n):
         t0 = time.perf_counter()
@@ -146,7 +146,7 @@ def child_placed(args: argparse.Namespace) -> None:
     import torch
     import zeroshard
     from zeroshard.planner.auto_placement import PlacementError
-    from zeroshard.toy import TinyGPT
+    from zeroshard.testing.toy import TinyGPT
     swap = os.path.join(args.dir, "swap")
     os.makedirs(swap, exist_ok=True)
     cfg = _config(args)
@@ -167,7 +167,7 @@ def child_placed(args: argparse.Namespace) -> None:
     zeroshard.init_meta_weights(model, seed=0)
     init_s = time.perf_counter() - t0
     steps, phases = [], []
-    from zeroshard.toy import synthetic_batch
+    from zeroshard.testing.toy import synthetic_batch
     from zeroshard.bench.phases import timed_step
     for step in range(args.steps):
         loss, phase = timed_step(model, opt, synthetic_batch(step, 1, cfg), lambda: opt.clip_grad_norm_(1.0))

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm.collective_names import all_gather_single, reduce_scatter_single
-from zeroshard.launch import spawn
+from zeroshard.testing.launch import spawn
 
 
 def _worker(rank: int, world: int, numel: int, rounds: int) -> None:

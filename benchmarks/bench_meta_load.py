@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import save_file
 
 import zeroshard
-from zeroshard.launch import spawn
-from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+from zeroshard.testing.launch import spawn
+from zeroshard.testing.toy import GPTConfig, TinyGPT, synthetic_batch
 
 
 def _maxrss() -> int:

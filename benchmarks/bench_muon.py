@@ -155,7 +155,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--json", help="write the figures here too")
     args = ap.parse_args()
-    from zeroshard.launch import spawn
+    from zeroshard.testing.launch import spawn
     single = one_process(args)
     out = os.path.join(tempfile.mkdtemp(), "res")
     spawn(rank_main, args.world_size, out, args)

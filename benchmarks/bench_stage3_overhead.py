@@ -73,7 +73,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
     import zeroshard
     from zeroshard.planner.auto_placement import PlacementError
-    from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+    from zeroshard.testing.toy import GPTConfig, TinyGPT, synthetic_batch
     cfg = GPTConfig(vocab=4096, d_model=args.d_model, n_layers=args.layers, n_heads=12, seq_len=64)
     swap = os.path.join(args.dir, "swap")
     os.makedirs(swap, exist_ok=True)
@@ -118,7 +118,7 @@ def paired(args: argparse.Namespace) -> dict:
     """Plain torch and stage 3 (in memory) in one process, a step of each in turn."""
     import torch
     import zeroshard
-    from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+    from zeroshard.testing.toy import GPTConfig, TinyGPT, synthetic_batch
     cfg = GPTConfig(vocab=4096, d_model=args.d_model, n_layers=args.layers, n_heads=12, seq_len=64)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -27,7 +27,7 @@ def run_once(launcher: str, ending: str, timeout_s: float = 300.0, root: Optiona
     if root is None:
         with tempfile.TemporaryDirectory() as tmp:
             return run_once(launcher, ending, timeout_s, tmp)
-    from zeroshard.launch import free_port
+    from zeroshard.testing.launch import free_port
     env = {k: v for k, v in os.environ.items() if k != "ZEROSHARD_KEEP_PROCESS_GROUP"}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""))
     if launcher == "torchrun":

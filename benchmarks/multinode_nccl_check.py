@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import zeroshard  # noqa: E402
 from tests.support.dropin_worker import GLOBAL_BATCH, MAX_NORM, STEPS, gpt2, tokens  # noqa: E402
-from zeroshard.launch import free_port  # noqa: E402
+from zeroshard.testing.launch import free_port  # noqa: E402
 from zeroshard.planner.traffic import Topology, measured_links, step_traffic  # noqa: E402
 
 NODES, PER_NODE = 2, 2

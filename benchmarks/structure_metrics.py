@@ -44,7 +44,7 @@ ENGINE_NAMES = frozenset(
 OPT_HOLDERS = OPT_NAMES + ("zopt", "_opt", "optim")
 # The layers above the facade: they take the optimizer from the user (and may name it).
 CONSUMERS = ("checkpoint", "integrations", "deepspeed_compat", "train", "bench", "model", "cli.py", "demo.py", "__init__.py",
-             "toy.py", "launch.py")
+             "testing")
 
 
 def files() -> Iterator[tuple[str, ast.Module]]:

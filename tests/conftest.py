@@ -19,7 +19,7 @@ import pytest
 
 # Each test rank gets its share of the cores; collectives time out instead of hanging CI.
 os.environ.setdefault("ZEROSHARD_PG_TIMEOUT", "120")
-# Ranks fork from one server that imported torch once (Note [start method] in zeroshard/launch.py).
+# Ranks fork from one server that imported torch once (Note [start method] in zeroshard/testing/launch.py).
 os.environ.setdefault("ZEROSHARD_START_METHOD", "forkserver")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))

@@ -19,8 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import zeroshard
-from zeroshard.launch import spawn
-from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+from zeroshard.testing.launch import spawn
+from zeroshard.testing.toy import GPTConfig, TinyGPT, synthetic_batch
 
 CONFIG = GPTConfig(vocab=256, d_model=128, n_layers=4, n_heads=4, seq_len=32)
 

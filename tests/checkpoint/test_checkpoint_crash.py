@@ -34,7 +34,7 @@ def killed(tmp_path_factory):
     """The children, two at a time (they are independent; two cores): {point: (root, expect
     path, process)}."""
     from tests.support.ckpt_crash_child import main
-    from zeroshard.launch import start_process
+    from zeroshard.testing.launch import start_process
     base = tmp_path_factory.mktemp("crash")
     runs = {}
     for k, (point, occurrence, _) in enumerate(POINTS):

@@ -10,7 +10,7 @@ import torch
 
 from tests.support import ckpt_worker
 from tests.support.asserts import assert_same
-from zeroshard.launch import spawn
+from zeroshard.testing.launch import spawn
 
 STAGES = [0, 1, 2, 3]
 SAVE_AT, TOTAL = 7, 12  # the save is mid-epoch (5 steps per epoch) and training crosses epochs

@@ -20,7 +20,7 @@ from tests.support import ds_convert_worker as worker
 from zeroshard.cli import main
 from zeroshard.deepspeed_compat.convert import convert_deepspeed
 from zeroshard.deepspeed_compat.restricted_unpickler import load_pt
-from zeroshard.launch import spawn
+from zeroshard.testing.launch import spawn
 
 OPTIM = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
 

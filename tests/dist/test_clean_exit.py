@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from zeroshard.launch import free_port
+from zeroshard.testing.launch import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(REPO, "tests", "support", "exit_worker.py")

@@ -219,7 +219,7 @@ def test_bf16_resume_through_weights_and_consolidated_state_is_bit_identical(sta
 
     import zeroshard
     from tests.support.nvme_params_worker import AUTO_CFG, make
-    from zeroshard.toy import synthetic_batch
+    from zeroshard.testing.toy import synthetic_batch
 
     def train(model, opt, start: int, stop: int) -> None:
         for step in range(start, stop):

@@ -38,7 +38,7 @@ def _overlapped(tmp_path, sub: str, seed: int = 0, **options):
 
 def _steps(model, opt, start: int, stop: int) -> None:
     from tests.support.nvme_params_worker import AUTO_CFG
-    from zeroshard.toy import synthetic_batch
+    from zeroshard.testing.toy import synthetic_batch
     for step in range(start, stop):
         model(*synthetic_batch(step, 2, AUTO_CFG)).backward()
         opt.clip_grad_norm_(0.5)
@@ -55,7 +55,7 @@ def test_collecting_the_optimizer_mid_step_leaves_the_full_trained_parameters(tm
 
     import zeroshard
     from tests.support.nvme_params_worker import AUTO_CFG, make
-    from zeroshard.toy import synthetic_batch
+    from zeroshard.testing.toy import synthetic_batch
     ref, ref_opt = make(None, cfg=AUTO_CFG)
     _steps(ref, ref_opt, 0, 2)
     want = zeroshard.full_state_dict(ref)
@@ -87,7 +87,7 @@ def _second_step_fails(tmp_path, damage):
     import zeroshard
     from tests.support.nvme_params_worker import AUTO_CFG
     from zeroshard.io import AIOError
-    from zeroshard.toy import synthetic_batch
+    from zeroshard.testing.toy import synthetic_batch
     model, opt = _overlapped(tmp_path, "swap")
     _steps(model, opt, 0, 1)
     root = str(tmp_path / "ck")
@@ -210,7 +210,7 @@ def test_save_on_ctrl_c_with_the_overlapped_nvme_step_commits_and_resumes_bit_fo
 
     import zeroshard
     from tests.support.nvme_params_worker import AUTO_CFG, make
-    from zeroshard.toy import synthetic_batch
+    from zeroshard.testing.toy import synthetic_batch
     root, nvme = tmp_path / "ck", tmp_path / "nvme"
     nvme.mkdir()
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -317,7 +317,7 @@ def test_a_backward_abandoned_by_ctrl_c_trains_on_as_torch(tmp_path, stage, over
 
     import zeroshard
     from tests.support.nvme_params_worker import AUTO_CFG, make
-    from zeroshard.toy import synthetic_batch
+    from zeroshard.testing.toy import synthetic_batch
 
     def run(abandon: bool) -> tuple:
         d = tmp_path / f"{stage}{overlap}{abandon}"

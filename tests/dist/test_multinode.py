@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from tests.support import finetune_helpers as fh
-from zeroshard.launch import free_port
+from zeroshard.testing.launch import free_port
 
 
 def two_nodes(ws: fh.Workspace, output: str, fault: str | None = None) -> list[subprocess.CompletedProcess]:

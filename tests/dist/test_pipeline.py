@@ -197,7 +197,7 @@ def test_deferred_passes_add_up_like_accumulation(stage):
     refuses to defer."""
     import copy
 
-    from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+    from zeroshard.testing.toy import GPTConfig, TinyGPT, synthetic_batch
     cfg = TINY_GPT
     torch.manual_seed(0)
     ref = TinyGPT(cfg)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tests.support import stage3_worker
-from zeroshard.launch import spawn
+from zeroshard.testing.launch import spawn
 
 pytest.importorskip("transformers")
 

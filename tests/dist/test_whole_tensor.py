@@ -108,7 +108,7 @@ def test_resumes_bit_for_bit_and_reshards_2_to_1(tmp_path, recipe, stage, offloa
     """(with NVMe the state written comes from the swap file, and loads into one in memory)"""
     root = str(tmp_path / "ckpt")
     out = str(tmp_path / "res")
-    from zeroshard.launch import spawn
+    from zeroshard.testing.launch import spawn
     spawn(w.resume_worker, 2, out, root, recipe, stage, offload)
     import json
     for r in range(2):
@@ -181,7 +181,7 @@ def test_reshards_4_to_2_to_1_and_loads_into_torch_muon(tmp_path):
     ranks and at 1 with equal weights and state, and its consolidated state dict loads into
     torch.optim.Muon + AdamW, whose next step equals zeroshard's."""
     import json
-    from zeroshard.launch import spawn
+    from zeroshard.testing.launch import spawn
     root, out = str(tmp_path / "ckpt"), str(tmp_path / "res")
     spawn(w.resume_worker, 4, out, root, "muon", 2)
     assert all(json.load(open(f"{out}.rank{r}"))["resume_equal"] for r in range(4))

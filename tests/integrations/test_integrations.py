@@ -34,7 +34,7 @@ def _launch(world: int, directory: str) -> list[dict]:
     out = os.path.join(directory, "res")
     args = [WORKER, out, directory, ",".join(LIBS), ",".join(map(str, STAGES[world]))]
     if world > 1:
-        from zeroshard.launch import free_port
+        from zeroshard.testing.launch import free_port
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
     else:

@@ -194,7 +194,7 @@ def test_export_hf_refuses_a_checkpoint_without_its_base_and_close_hands_the_bas
     import torch.distributed as dist
 
     import zeroshard
-    from zeroshard.launch import free_port
+    from zeroshard.testing.launch import free_port
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
@@ -219,7 +219,7 @@ def test_planner_counts_lora_exactly_and_predicts_what_the_run_holds(tmp_path):
     import torch.distributed as dist
 
     import zeroshard
-    from zeroshard.launch import free_port
+    from zeroshard.testing.launch import free_port
     from zeroshard.planner.estimate import Choice, Hardware, Workload, estimate
     from zeroshard.planner.model_shape import ModelShape
     from zeroshard.planner.peft_shape import lora_counts

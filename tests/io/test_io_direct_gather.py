@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zeroshard
-from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+from zeroshard.testing.toy import GPTConfig, TinyGPT, synthetic_batch
 
 from tests.support.io_helpers import refuse_o_direct
 

@@ -9,7 +9,7 @@ import torch
 
 import zeroshard
 from zeroshard.planner.auto_placement import Fixed, MemoryBudget, PlacementError, UnitSpec, plan_auto
-from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+from zeroshard.testing.toy import GPTConfig, TinyGPT, synthetic_batch
 
 from tests.support.asserts import assert_same
 

@@ -13,7 +13,7 @@ import torch
 from zeroshard.io import buffers
 from zeroshard.io.host_pool import HOST_POOL, MIN_BYTES, HostBufferPool
 from zeroshard.units.flat_unit import alloc_storage, free_storage
-from zeroshard.toy import GPTConfig, TinyGPT
+from zeroshard.testing.toy import GPTConfig, TinyGPT
 
 from tests.support.host_pool_run import train_stage3_nvme
 

@@ -11,7 +11,7 @@ import torch
 
 from tests.support.nvme_params_worker import make
 from tests.support.asserts import assert_same
-from zeroshard.toy import GPTConfig, synthetic_batch
+from zeroshard.testing.toy import GPTConfig, synthetic_batch
 
 CFG = GPTConfig(vocab=64, d_model=32, n_layers=4, n_heads=4, seq_len=8)
 

@@ -10,7 +10,7 @@ import zeroshard
 from tests.support.dist_results import run_ranks
 from tests.support.nvme_params_worker import AUTO_CFG, CFG, auto_budgets, make, make_auto, run_auto_matrix, small_units
 from zeroshard.planner.auto_placement import PlacementError
-from zeroshard.toy import TinyGPT, synthetic_batch
+from zeroshard.testing.toy import TinyGPT, synthetic_batch
 
 # Budgets here are for the state alone (reserve 0), so the process is over them: that warning
 # is tested on its own below.

@@ -11,7 +11,7 @@ import torch
 
 import zeroshard
 from zeroshard.planner.auto_placement import Fixed, MemoryBudget, PlacementError, UnitSpec, plan_auto
-from zeroshard.toy import GPTConfig, TinyGPT
+from zeroshard.testing.toy import GPTConfig, TinyGPT
 
 NAMED = re.compile(r"the smallest budget that fits is (\{[^}]*\})")
 

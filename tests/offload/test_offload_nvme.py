@@ -10,7 +10,7 @@ import torch
 
 import zeroshard
 from zeroshard.io import AIOError, DiskFullError, TruncatedFileError
-from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+from zeroshard.testing.toy import GPTConfig, TinyGPT, synthetic_batch
 
 from tests.support.io_helpers import mount_tmpfs
 from tests.support.asserts import assert_same

@@ -12,7 +12,7 @@ from tests.support.dist_results import run_ranks
 from tests.support.nvme_params_worker import CFG, make, run
 from tests.support.asserts import assert_same
 from zeroshard.io import DiskFullError, TruncatedFileError
-from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+from zeroshard.testing.toy import GPTConfig, TinyGPT, synthetic_batch
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=lambda w: f"world{w}")
@@ -87,7 +87,7 @@ def test_async_save_streams_while_training_goes_on(tmp_path):
     backward run; the next step waits for it, so the checkpoint holds the saved step exactly."""
     from tests.support.nvme_params_worker import train
     import torch.distributed as dist
-    from zeroshard.launch import free_port
+    from zeroshard.testing.launch import free_port
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
@@ -130,7 +130,7 @@ def test_files_of_a_killed_run_are_removed_by_the_next(tmp_path):
     import sys
     code = ("import os, signal, torch, zeroshard\n"
             "from tests.support.nvme_params_worker import make, CFG\n"
-            "from zeroshard.toy import synthetic_batch\n"
+            "from zeroshard.testing.toy import synthetic_batch\n"
             f"model, opt = make({str(tmp_path)!r})\n"
             "model(*synthetic_batch(0, 2, CFG)).backward(); opt.step()\n"
             "os.kill(os.getpid(), signal.SIGKILL)\n")

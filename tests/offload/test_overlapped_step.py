@@ -14,7 +14,7 @@ from tests.support.dist_results import run_ranks
 from tests.support.nvme_params_worker import AUTO_CFG, make, make_auto, run_overlap
 from tests.support.asserts import assert_same
 from zeroshard.io import TruncatedFileError
-from zeroshard.toy import synthetic_batch
+from zeroshard.testing.toy import synthetic_batch
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=lambda w: f"world{w}")

@@ -13,7 +13,7 @@ from tests.support.nvme_params_worker import CFG
 from zeroshard.io import ALIGN
 from zeroshard.io.buffers import MAPPED_BYTES, held_bytes, resizable_aligned, storage_bytes
 from zeroshard.units.flat_unit import alloc_storage, free_storage
-from zeroshard.toy import TinyGPT, synthetic_batch
+from zeroshard.testing.toy import TinyGPT, synthetic_batch
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the alignment after re-allocation is glibc's")
 

@@ -16,7 +16,7 @@ import torch
 import zeroshard
 from zeroshard.io import AIOError
 from zeroshard.offload.swap_file import remove_stale_swap
-from zeroshard.toy import TinyGPT, synthetic_batch
+from zeroshard.testing.toy import TinyGPT, synthetic_batch
 
 from tests.support.asserts import assert_same
 from tests.support.models import TINY_GPT

@@ -1,4 +1,4 @@
-"""Run in a child process (zeroshard.launch.start_process, or `python -m` as below): saves step 1 cleanly, then SIGKILLs itself at a named point inside
+"""Run in a child process (zeroshard.testing.launch.start_process, or `python -m` as below): saves step 1 cleanly, then SIGKILLs itself at a named point inside
 the save of step 2 (``commit.fault_hook``). Writes both steps' parameters first, so the
 parent can check that whichever step survives loads exactly.
 

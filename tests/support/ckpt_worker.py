@@ -1,6 +1,6 @@
 """Rank-side training loops for the checkpoint tests: train, save, SIGKILL, resume, reshard.
 
-Each function runs inside ``zeroshard.launch.spawn`` and writes JSON results (losses, final
+Each function runs inside ``zeroshard.testing.launch.spawn`` and writes JSON results (losses, final
 parameters as hex of their bytes) that the pytest side compares bit for bit.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ import json
 import os
 from typing import Any, Callable
 
-from zeroshard.launch import spawn
+from zeroshard.testing.launch import spawn
 
 
 def run_ranks(fn: Callable, world: int, directory: str, *args: Any) -> list[dict]:

@@ -70,7 +70,7 @@ def main() -> None:
         dist.init_process_group("gloo")
         train(root, destroy)
     elif launcher == "spawn":
-        from zeroshard.launch import free_port
+        from zeroshard.testing.launch import free_port
         mp.spawn(spawned, args=(2, free_port(), root, destroy), nprocs=2)
     else:
         raise ValueError(f"launcher={launcher!r}; use 'spawn' or 'torchrun'")

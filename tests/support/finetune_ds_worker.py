@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 
 import zeroshard
-from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+from zeroshard.testing.toy import GPTConfig, TinyGPT, synthetic_batch
 from zeroshard.train.schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 STEPS = 8

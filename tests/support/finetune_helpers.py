@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from zeroshard.launch import free_port
+from zeroshard.testing.launch import free_port
 from zeroshard.train.demo import bitwise_diff, load_exported, write_corpus, write_tiny_gpt2  # noqa: F401 (tests use fh.bitwise_diff)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -6,7 +6,7 @@ import torch
 
 import zeroshard
 from zeroshard.io.host_pool import HOST_POOL
-from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+from zeroshard.testing.toy import GPTConfig, TinyGPT, synthetic_batch
 
 
 def train_stage3_nvme(path: str, steps: int = 4) -> tuple[list[float], list[int], int, int]:

@@ -272,7 +272,7 @@ def max_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-# -- ranks (zeroshard.launch.spawn) -----------------------------------------------------------
+# -- ranks (zeroshard.testing.launch.spawn) -----------------------------------------------------------
 def save_fixture(rank: int, world: int, out: str, roots: dict) -> None:
     """Steps 1 and 2 of a short run for each stage in ``roots`` ({stage: root})."""
     for stage, root in roots.items():
@@ -321,7 +321,7 @@ def save_refused_on_one_rank(rank: int, world: int, out: str, root: str) -> None
 
 
 if __name__ == "__main__":  # python -m tests.support.hostile_consumers SPEC OUT: the world-2 load catalogue
-    from zeroshard.launch import spawn
+    from zeroshard.testing.launch import spawn
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     spawn(load_catalogue, 2, sys.argv[2], spec)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
-from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+from zeroshard.testing.toy import GPTConfig, TinyGPT, synthetic_batch
 
 from tests.support.models import TINY_GPT
 

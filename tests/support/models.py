@@ -5,7 +5,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from zeroshard.toy import GPTConfig
+from zeroshard.testing.toy import GPTConfig
 
 VOCAB, SEQ = 32, 5
 # The two-layer TinyGPT most tests train (frozen: share it, replace fields with dataclasses.replace).

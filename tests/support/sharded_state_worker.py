@@ -180,7 +180,7 @@ def run(rank: int, world: int, out_path: str, checks: list[str]) -> None:
 def check_offload(rank: int, world: int) -> dict:
     """CPU offload must not change a single bit (on a CPU-only machine it moves nothing; on
     a GPU it moves master, moments and gradients to host memory)."""
-    from zeroshard.toy import TinyGPT, synthetic_batch
+    from zeroshard.testing.toy import TinyGPT, synthetic_batch
     cfg = TINY_GPT
     out = {}
     for stage, params in ((1, None), (2, None), (3, None), (3, "cpu")):

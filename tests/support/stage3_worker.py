@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import zeroshard
-from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+from zeroshard.testing.toy import GPTConfig, TinyGPT, synthetic_batch
 
 STEPS = 10
 GLOBAL = 8

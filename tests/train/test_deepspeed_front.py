@@ -19,7 +19,7 @@ import torch
 import zeroshard
 import zeroshard as deepspeed
 from tests.support import ds_front_worker as worker
-from zeroshard.launch import spawn
+from zeroshard.testing.launch import spawn
 from zeroshard.train.schedules import WarmupLR
 
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None

@@ -37,7 +37,7 @@ def _model() -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def torchrun(tmp_path_factory) -> tuple[str, list[dict]]:
-    from zeroshard.launch import free_port
+    from zeroshard.testing.launch import free_port
     out = str(tmp_path_factory.mktemp("ds_torchrun"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), SCRIPT, out]

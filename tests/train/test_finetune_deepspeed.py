@@ -10,7 +10,7 @@ import torch
 
 import zeroshard
 from tests.support import finetune_ds_worker
-from zeroshard.launch import spawn
+from zeroshard.testing.launch import spawn
 
 
 def test_deepspeed_config_matches_zeroshard_arguments(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from zeroshard.bench.configs import MemConfig
 from zeroshard.bench.memory_worker import measure
 from zeroshard.bench.models import ModelSource
-from zeroshard.launch import spawn
+from zeroshard.testing.launch import spawn
 from zeroshard.planner import Hardware, Workload, estimate
 
 SOURCES = [ModelSource.parse("tiny"), ModelSource.parse("small"), ModelSource.parse("tiny", d_model=192, n_layers=3)]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zeroshard
-from zeroshard.toy import TinyGPT, synthetic_batch
+from zeroshard.testing.toy import TinyGPT, synthetic_batch
 
 from tests.support.models import TINY_GPT
 

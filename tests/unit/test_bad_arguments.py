@@ -113,7 +113,7 @@ def test_constructor_refuses(case, tmp_path):
 
 
 def test_stage3_meta_model_still_works():
-    from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+    from zeroshard.testing.toy import GPTConfig, TinyGPT, synthetic_batch
     cfg = GPTConfig(vocab=32, d_model=16, n_layers=2, n_heads=2, seq_len=8)
     with torch.device("meta"):
         model = TinyGPT(cfg)

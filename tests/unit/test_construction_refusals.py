@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import zeroshard
-from zeroshard.launch import spawn
+from zeroshard.testing.launch import spawn
 from zeroshard.optim import registry
 from zeroshard.planner.auto_placement import MemoryBudget
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import zeroshard
-from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+from zeroshard.testing.toy import GPTConfig, TinyGPT, synthetic_batch
 
 CFG = GPTConfig(vocab=64, d_model=32, n_layers=3, n_heads=4, seq_len=8)
 

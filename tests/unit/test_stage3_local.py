@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import zeroshard
-from zeroshard.toy import GPTConfig, TinyGPT, synthetic_batch
+from zeroshard.testing.toy import GPTConfig, TinyGPT, synthetic_batch
 
 from tests.support.asserts import assert_same
 

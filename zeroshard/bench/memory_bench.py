@@ -19,7 +19,7 @@ from zeroshard.bench import tables
 from zeroshard.bench.configs import MemConfig
 from zeroshard.bench.memory_worker import worker
 from zeroshard.bench.models import ModelSource
-from zeroshard.launch import spawn
+from zeroshard.testing.launch import spawn
 from zeroshard.memory import zero_formula
 from zeroshard.planner.estimate import Hardware, Workload, estimate
 from zeroshard.planner.model_shape import ModelShape

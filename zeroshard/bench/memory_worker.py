@@ -93,7 +93,7 @@ def measure(source: ModelSource, cfg: MemConfig, steps: int, global_batch: int, 
 
 def worker(rank: int, world: int, source: ModelSource, configs: list[MemConfig], steps: int,
            global_batch: int, mixed_precision: str | None, out_dir: str) -> None:
-    """Entry point for ``zeroshard.launch.spawn``: writes ``out_dir/rank-R.json``."""
+    """Entry point for ``zeroshard.testing.launch.spawn``: writes ``out_dir/rank-R.json``."""
     results = {}
     with tempfile.TemporaryDirectory(prefix=f"zeroshard-nvme-r{rank}-") as nvme_dir:
         # One unrecorded step first: thread pools, kernel workspaces and gloo's buffers are

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from zeroshard.planner.model_shape import ModelShape, load_hf_config
-from zeroshard.toy import GPTConfig, TinyGPT
+from zeroshard.testing.toy import GPTConfig, TinyGPT
 
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(vocab=256, d_model=128, n_layers=2, n_heads=4, seq_len=64),

@@ -20,7 +20,7 @@ from zeroshard.bench.memory_bench import machine
 from zeroshard.bench.models import ModelSource
 from zeroshard.bench.peers import PEERS
 from zeroshard.bench.step_worker import worker
-from zeroshard.launch import spawn
+from zeroshard.testing.launch import spawn
 
 DEFAULT_KINDS = ("single", "zeroshard_stage1", "zeroshard_stage2", "zeroshard_stage3", "ddp", "ddp_zero1",
                  "fsdp2", "fsdp2_reshard", "deepspeed_stage2")

@@ -37,12 +37,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             mixed_precision=mixed_precision, process_group=process_group, mesh=mesh,
             optimizer_kwargs=optimizer_kwargs, config=config, **kwargs))
         config, inner_kwargs, model_or_params = assembly.configure(
-            optimizer_class, model_or_params, module, kwargs, optimizer_kwargs, config, stage=stage,
-            nvme_path=nvme_path, offload_optimizer=offload_optimizer, offload_params=offload_params,
-            mixed_precision=mixed_precision)
+            optimizer_class, model_or_params, module, kwargs, optimizer_kwargs, config, stage=stage, nvme_path=nvme_path,
+            offload_optimizer=offload_optimizer, offload_params=offload_params, mixed_precision=mixed_precision)
         self.engine = engine = Engine(config, optimizer_class)
-        # Everything checkable is checked before the model is touched; the rest is undone on an
-        # error (Note [refused construction] in zeroshard/optim/construction.py).
+        # (checked before the model is touched, undone on an error: Note [refused construction] in construction.py)
         snapshot = construction.check_and_record(config, model_or_params, module, optimizer_class, inner_kwargs)
         try:  # (refused on one rank, refused on all: Note [agreed construction] in rank_agreement.py)
             finish = rank_agreement.agreed(engine, lambda: assembly.assemble(

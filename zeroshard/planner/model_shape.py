@@ -73,7 +73,7 @@ class ModelShape:
 
     @classmethod
     def from_gpt(cls, config: Any, n_params: int, name: str = "") -> "ModelShape":
-        """From a ``zeroshard.toy.GPTConfig`` and the model's counted parameters."""
+        """From a ``zeroshard.testing.toy.GPTConfig`` and the model's counted parameters."""
         return cls(n_params=n_params, n_layers=config.n_layers, d_model=config.d_model,
                    n_heads=config.n_heads, vocab=config.vocab,
                    name=name or f"TinyGPT d={config.d_model} L={config.n_layers}")

@@ -58,7 +58,7 @@ def finetune_command(nproc: int, model_config: str, data: str, output_dir: str, 
 
 
 def _free_port() -> int:
-    from zeroshard.launch import free_port
+    from zeroshard.testing.launch import free_port
     return free_port()
 
 
