@@ -233,6 +233,9 @@ def test_parameter_frozen_for_some_steps_is_not_stepped(options):
             fc1 = dict(model.named_parameters())["fc1.weight"]
             assert float(opt.state[fc1]["step"]) == float(ropt.state[ref.fc1.weight]["step"]) == 1
     assert _maxdiff(model, ref) < 1e-5  # (was ~1e-3: the skipped steps counted in the bias correction)
+    got, want = opt.consolidated_state_dict(), ropt.state_dict()  # per parameter, as torch's
+    assert sorted(float(s["step"]) for s in got["state"].values()) == \
+        sorted(float(s["step"]) for s in want["state"].values())
 
 
 # -- at 2 gloo ranks (tests/support/corners_worker.py; one spawn for all) ----------------------------------

@@ -226,8 +226,11 @@ def check_tensors(body: dict, path: str) -> None:
         # matrix than for a vector, e.g. Adafactor's factored moments)
         kind_key = (meta["group"], len(meta["shape"]))
         for p in meta["pieces"]:
-            kinds = (frozenset(p["keys"]), frozenset(p["scalars"]))
-            if not p["scalars"] and not any(k.startswith("state.") for k in p["keys"]):
+            # (a state key by name, stored per element or whole: a one-element parameter's (1,)
+            # state is both, e.g. a per-tensor scale beside other parameters' elementwise moments)
+            names = frozenset(k[6:] for k in p["keys"] if k.startswith("state.")) | frozenset(p["scalars"])
+            kinds = (frozenset(k for k in p["keys"] if not k.startswith("state.")), names)
+            if not names:
                 continue  # (no optimizer state yet: a parameter that never got a gradient, as torch saves it)
             if sharded and kinds_of.setdefault(kind_key, kinds) != kinds:
                 raise fail(path, f"tensor {name!r}[{p['start']}:{p['stop']}] stores {sorted(kinds[0])} and "

@@ -205,18 +205,36 @@ def consolidated_state_dict(opt: "EngineOwner", to_rank: Optional[int]) -> Optio
                                for k, v in engine.inner.state.get(run.tensor, {}).items()}
     for other in engine.comm.all_gather_object(owned) if whole else ():
         owned.update(other)
-    local: dict[int, dict[str, Any]] = {}
+    # Per group and key: elementwise or not, decided by a run of more than one element where
+    # there is one (a one-element run's (1,) state is both); per parameter: the scalars of its
+    # run (one run per parameter: Note [one run per parameter], so step counts may differ).
+    local: dict[int, dict[str, tuple[bool, bool]]] = {}
+    scalars: dict[str, dict[str, Any]] = {}
     for run in engine.runs:
         if run.group in whole:
             continue
+        if engine.inner.state.get(run.tensor):  # (its parameters have state: an entry each)
+            for piece in _run_pieces(run):
+                scalars.setdefault(piece.segment.name, {})
         for k, v in engine.inner.state.get(run.tensor, {}).items():
-            is_scalar = not elementwise_state(v, run.tensor)
-            local.setdefault(run.group, {})[k] = (v.clone() if isinstance(v, torch.Tensor) else v) if is_scalar else None
-    merged: dict[int, dict[str, Any]] = {}
-    for other in engine.comm.all_gather_object(local):
-        for g, keys in other.items():
-            for k, v in keys.items():
-                merged.setdefault(g, {}).setdefault(k, v)
+            elementwise, decisive = elementwise_state(v, run.tensor), run.tensor.numel() > 1
+            if decisive or k not in local.get(run.group, {}):
+                local.setdefault(run.group, {})[k] = (elementwise, decisive)
+            if not elementwise or not decisive:
+                for piece in _run_pieces(run):
+                    scalars.setdefault(piece.segment.name, {})[k] = v.clone() if isinstance(v, torch.Tensor) else v
+    kinds: dict[int, dict[str, tuple[bool, bool]]] = {}
+    for other_kinds, other_scalars in engine.comm.all_gather_object((local, scalars)):
+        for g, keys in other_kinds.items():
+            for k, kind in keys.items():
+                if kind[1] or k not in kinds.get(g, {}):
+                    if not kinds.get(g, {}).get(k, (False, False))[1]:
+                        kinds.setdefault(g, {})[k] = kind
+        for name, values in other_scalars.items():
+            for k, v in values.items():
+                scalars.setdefault(name, {}).setdefault(k, v)
+    merged: dict[int, dict[str, Any]] = {g: {k: None if kind[0] else True for k, kind in keys.items()}
+                                         for g, keys in kinds.items()}
     index = _param_index(opt)
     masters = _full_masters(opt)
     state: dict[int, dict[str, Any]] = {}
@@ -234,9 +252,11 @@ def consolidated_state_dict(opt: "EngineOwner", to_rank: Optional[int]) -> Optio
             fulls[key] = full
         for seg in unit.layout.segments:
             entry = dict(owned.get(seg.name, {})) if seg.group in whole else {}
-            for k, v in merged.get(seg.group, {}).items():
-                entry[k] = (v.clone() if isinstance(v, torch.Tensor) else v) if v is not None else \
-                    _global(opt, seg.name, fulls[k][seg.offset:seg.end].view(seg.shape).clone())
+            for k, v in merged.get(seg.group, {}).items() if seg.name in scalars else ():
+                if v is None:
+                    entry[k] = _global(opt, seg.name, fulls[k][seg.offset:seg.end].view(seg.shape).clone())
+                elif k in scalars.get(seg.name, {}):  # (a parameter with no state has no entry)
+                    entry[k] = scalars[seg.name][k]
             if entry and id(unit) in masters:
                 entry[MASTER_KEY] = _global(opt, seg.name, masters[id(unit)][seg.offset:seg.end].view(seg.shape).clone())
             if entry:
