@@ -187,14 +187,18 @@ class ParameterGatherer:
             for name, p in module._parameters.items():
                 if p is not None and id(p) in where:
                     self._regs[where[id(p)]].append((module, name, p))
+        self._seen_requires_grad: dict[int, bool] = {}
         for ui in range(len(self.units)):
             self.show(ui, sharded=True)
 
     def show(self, ui: int, sharded: bool) -> None:
         for module, name, p in self._regs[ui]:
             shown = self.sharded[id(p)]
-            if not sharded and p.requires_grad != shown.requires_grad:  # (frozen between steps by
-                p.requires_grad_(shown.requires_grad)  # torch code, on the parameter it sees)
+            # (frozen or unfrozen between steps by torch code on the sharded parameter it sees:
+            # the gathered one follows; a change made on the gathered object itself stays)
+            if not sharded and shown.requires_grad != self._seen_requires_grad.get(id(p), shown.requires_grad):
+                p.requires_grad_(shown.requires_grad)
+            self._seen_requires_grad[id(p)] = shown.requires_grad
             module._parameters[name] = shown if sharded else p
 
     def visible(self, p: torch.Tensor) -> torch.Tensor:
