@@ -42,6 +42,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from zeroshard.comm.process_group import Work
+
 _INSTANCES = itertools.count()  # (every rank builds its optimizers in the same order)
 
 
@@ -130,7 +132,7 @@ class ForwardAgreement:
     def _stuck_key(self, rank: int) -> str:
         return f"{self.prefix}/stuck/{rank}"
 
-    def wait(self, work: Any, model: torch.nn.Module) -> None:
+    def wait(self, work: Work, model: torch.nn.Module) -> None:
         """``work.wait()`` for a gather of ``model``'s parameters, bounded: past ``self.bound`` it
         checks, in slices, whether a peer started an evaluation this rank did not (Note
         [bounded divergence])."""
