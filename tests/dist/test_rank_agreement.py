@@ -60,3 +60,16 @@ def test_ddp_idiom_load_is_refused_on_every_rank_alike(ranks):
         assert s["raised"] == "ValueError" and "saved with torch.save by rank 0 alone" in s["message"], s
         assert s["in_step"], s
     assert seen[0]["message"] == seen[1]["message"]
+
+
+def test_rank0_only_evaluation_at_stage3_fails_every_rank_within_the_bound(tmp_path):
+    """nanoGPT's estimate_loss under master_process at stage 3, ZEROSHARD_DIVERGENCE_S=2: rank 0
+    (evaluating) and rank 1 (blocked in its training forward's gather) raise the same error
+    within seconds (Note [bounded divergence]); before, both waited for the group's timeout
+    (120 s in the tests, 30 minutes by default)."""
+    seen = run_ranks(w.divergence_worker, 2, tmp_path, str(tmp_path))
+    for s in seen:
+        assert s["raised"] == "RuntimeError" and "evaluate on all ranks" in s["message"], s
+        assert "rank(s) [0] started evaluation number 1" in s["message"], s
+        assert s["seconds"] < 30, s
+    assert seen[0]["message"] == seen[1]["message"]

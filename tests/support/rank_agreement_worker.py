@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 import warnings
 from typing import Any, Callable
 
@@ -143,3 +144,29 @@ def worker(rank: int, world: int, out_path: str, root: str) -> None:
            "save": {str(s): save_case(root, s) for s in (1, 2, 3)}, "ddp_idiom": ddp_idiom_case(root, 2)}
     with open(f"{out_path}.rank{rank}", "w") as f:
         json.dump(out, f)
+
+
+def divergence_worker(rank: int, world: int, out_path: str, root: str) -> None:
+    """Stage 3, nanoGPT's estimate_loss under master_process: rank 0 evaluates alone while rank 1
+    trains on. With a 2 s bound both ranks raise the same error within seconds, whatever the
+    group's timeout. The ranks have diverged for good (rank 1's gather is still in flight), so
+    the process ends without finalization once its result is written."""
+    os.environ["ZEROSHARD_DIVERGENCE_S"] = "2"
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, stage=3, lr=1e-2)
+    model(batch(rank, 4)).backward()
+    opt.step()
+    opt.zero_grad()
+    start = time.monotonic()
+    if rank == 0:
+        def evaluate() -> None:
+            with torch.no_grad():
+                model(batch(100, 4))
+        out = _outcome(evaluate)
+    else:
+        out = _outcome(lambda: model(batch(1, 4)).backward())
+    out["seconds"] = time.monotonic() - start
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump(out, f)
+    os._exit(0)

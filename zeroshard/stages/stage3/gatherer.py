@@ -346,7 +346,7 @@ class ParameterGatherer:
             work = self._work[ui]
             if work is None:
                 work = self._launch(ui)
-            work.wait()
+            self.forward_check.wait(work, self.model)  # (bounded: Note [bounded divergence])
             self._work[ui] = None
             self.state[ui] = UnitState.GATHERED
             self.show(ui, sharded=False)
@@ -358,7 +358,7 @@ class ParameterGatherer:
         if self.state[ui] is UnitState.GATHERING:  # the collective must complete on every rank
             work, swap = self._work[ui], unit.swap_holding("shard")
             if work is not None:
-                work.wait()
+                self.forward_check.wait(work, self.model)
             elif swap is not None:  # never launched (the same on every rank): drop the read
                 swap.evict(unit, ("shard",))
             self._work[ui] = None
