@@ -65,6 +65,9 @@ def check_offload(stage: int, offload_optimizer: Optional[str], offload_params: 
     for name, value in (("offload_optimizer", offload_optimizer), ("offload_params", offload_params)):
         if not _member(value, _OFFLOAD):
             raise ValueError(f"{name}={value!r} is not supported; use one of {_OFFLOAD}")
+    if offload_optimizer is not None and stage == 0:  # (the planner's rule, and DeepSpeed's)
+        raise ValueError(f"offload_optimizer={offload_optimizer!r} needs stage >= 1 (each rank offloads the slice "
+                         "of the optimizer state it owns; stage 0 keeps every rank's state whole): use stage=1")
     if offload_params is not None and stage != 3:
         raise ValueError(
             f"offload_params={offload_params!r} needs stage=3 (parameters are only "

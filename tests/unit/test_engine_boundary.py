@@ -97,6 +97,9 @@ def test_typed_and_string_offload_together_are_refused(tmp_path):
         NVMeOffload(path=None)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         ZeroConfig(2)  # type: ignore[misc]  # (keyword-only: a positional value names no field)
+    for form in (dict(offload_optimizer="cpu"), dict(offload=CPUOffload())):  # (one rule with the planner's)
+        with pytest.raises(ValueError, match="stage >= 1"):
+            ZeroConfig(stage=0, **form)
 
 
 def test_config_object_beside_the_same_options_is_refused_naming_them():

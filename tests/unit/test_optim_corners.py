@@ -248,3 +248,14 @@ def test_two_ranks_unused_module_fresh_optimizer_and_frozen_steps(tmp_path):
     from tests.support.corners_worker import run
     out = run_ranks(run, 2, str(tmp_path), str(tmp_path))
     assert out == [{}, {}]
+
+
+def test_torchs_refusal_check_leaves_the_users_groups_alone():
+    """Asking torch's constructor whether it refuses the arguments must not fill its defaults into
+    the user's group dicts (a Muon group would get AdamW's weight_decay: every Muon parity case
+    drifted by 6% when it did)."""
+    from zeroshard.optim.torch_refusals import torch_refusal
+    w = torch.nn.Parameter(torch.zeros(4, 4))
+    groups = [{"params": [w], "optimizer_class": torch.optim.Muon, "lr": 0.02}]
+    assert torch_refusal(torch.optim.AdamW, groups, {"lr": 1e-3}) is None
+    assert groups == [{"params": [w], "optimizer_class": torch.optim.Muon, "lr": 0.02}]

@@ -36,6 +36,10 @@ def torch_refusal(optimizer_class: type, params: object, kwargs: dict) -> Option
         params = [nn.Parameter(torch.zeros(1))]
     elif isinstance(params, nn.Module):
         params = list(params.parameters())
+    elif isinstance(params, (list, tuple)):
+        # (copies: torch's constructor fills its defaults into each group dict in place, which
+        # would give a group on another class, e.g. Muon's, this class's weight_decay)
+        params = [dict(g) if isinstance(g, dict) else g for g in params]
     try:
         with warnings.catch_warnings():  # (torch warns of duplicates in a group; the real build warns once)
             warnings.simplefilter("ignore")
