@@ -97,7 +97,7 @@ def test_adopted_state_trains_on_bit_for_bit(tmp_path, monkeypatch):
     fresh, fresh_opt = _build(seed=5)
     live = {id(v) for s in fresh_opt.inner.state.values() for v in s.values()}
     zeroshard.load_checkpoint(root, model=fresh, optimizer=fresh_opt)
-    for run, mine in zip(opt.engine.joined().runs, fresh_opt.runs):
+    for run, mine in zip(opt.engine.joined().runs, fresh_opt.engine.runs):
         for key in ("exp_avg", "exp_avg_sq"):
             got = fresh_opt.inner.state[mine.tensor][key]
             assert id(got) not in live, f"{key} was copied into the live tensor, not adopted"

@@ -192,7 +192,7 @@ def test_estimate_with_pp_shards_each_stage_over_its_dp_ranks(capsys):
 
 @pytest.mark.parametrize("stage", (0, 1, 2))
 def test_deferred_passes_add_up_like_accumulation(stage):
-    """One process: micro-batches under ``opt.reducer.deferred()`` but the last give the
+    """One process: micro-batches under ``opt.engine.reducer.deferred()`` but the last give the
     accumulated gradient and step of plain accumulation (Note [deferred reduction]); stage 3
     refuses to defer."""
     import copy
