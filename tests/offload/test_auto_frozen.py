@@ -106,7 +106,7 @@ def test_the_memory_the_state_leaves_takes_one_more_prefetched_group(tmp_path):
     # the memory it leaves holds a block group: stage 3 keeps three groups live, unless told.
     state = _auto(tmp_path, 2**40, freeze="root")[1]
     total = sum(b for kind in state.placement_report()["bytes"].values() for b in kind.values())
-    root = max(u.shard.numel() * u.shard.element_size() for u in state.frozen_units)
+    root = max(u.shard.numel() * u.shard.element_size() for u in state.engine.frozen_units)
     state.close()
     budget = _minimum(tmp_path, "root") + total - root + root // 4  # (all but the root, and a quarter of it)
     model, opt = _auto(tmp_path, budget, freeze="root")

@@ -88,7 +88,7 @@ def test_damaged_swap_file_is_an_error_naming_it(stage, params, precision, tmp_p
             nvme.mkdir()
             model, opt = _make(stage, params, precision, str(nvme))
             _step(model, opt, 0)
-            path = getattr(opt, which).path
+            path = getattr(opt.engine.joined(), which).path
             model(*synthetic_batch(1, 4, CFG)).backward()
             opt.engine.reducer.finalize()  # every gradient reduced and written out: all state is on disk
             opt.engine.unit_store.settle()

@@ -54,7 +54,13 @@ def agree(mesh: MeshInfo, failure: Optional[BaseException]) -> None:
     if not (isinstance(cls, type) and issubclass(cls, _STANDARD)):
         cls = RuntimeError
     others = f" (also refused on rank(s) {sorted(refused)[1:]})" if len(refused) > 1 else ""
-    error = cls(f"ZeroOptimizer refused on rank {first[0]}{others}, so on every rank: {first[1]}: {first[2]}")
+    message = f"ZeroOptimizer refused on rank {first[0]}{others}, so on every rank: {first[1]}: {first[2]}"
+    if failure is not None and type(failure).__name__ == first[1]:
+        # (a rank refused like the first keeps its own error -- its type and attributes, e.g.
+        # PlacementError.minimum, which callers read -- with the agreed message)
+        failure.args = (message,)
+        raise failure
+    error = cls(message)
     if failure is not None:
         raise error from failure
     raise error
