@@ -32,9 +32,12 @@ from zeroshard.layout import NamedParam
 from zeroshard.offload import NvmeOptimizerState
 from zeroshard.offload.nvme_generic_state import probe_layouts
 from zeroshard.offload.placement import StatePlacement
+from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.ops import FusedAdam
 from zeroshard.optim import construction, ddp_check, kernel_choice, lifecycle, registry, reports
 from zeroshard.optim.zero_engine import Engine
+from zeroshard.units.run import Run
+from zeroshard.units.step_in_flight import StepInFlight
 from zeroshard.units.flat_unit import FlatUnit
 from zeroshard.grads.links import GradLinks
 from zeroshard.grads.reducer import GradientReducer
@@ -101,13 +104,13 @@ def configure(optimizer_class: type, model_or_params: ParamsLike, module: Option
     return config, inner_kwargs, checked
 
 
-def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: ParamsLike, module: Optional[nn.Module],
-             process_group: Optional[dist.ProcessGroup], mesh: object, kwargs: dict,
-             snapshot: construction.ModelSnapshot) -> Callable[[], None]:
-    """Builds ``engine`` for ``owner`` (the facade: registered, never read); returns what ends
-    the construction once the facade's param groups exist (the model's record dropped, frozen
-    weights cast)."""
-    config = engine.config
+def assemble(owner: torch.optim.Optimizer, config: ZeroConfig, optimizer_class: type,
+             attached: construction.ConstructionRecord, model_or_params: ParamsLike, module: Optional[nn.Module],
+             process_group: Optional[dist.ProcessGroup], mesh: object, kwargs: dict
+             ) -> tuple[Engine, Callable[[], None]]:
+    """The engine for ``owner`` (the facade: registered, never read), built complete, and what
+    ends the construction once the facade's param groups exist (the model's record dropped,
+    frozen weights cast). What is attached on the way is recorded in ``attached``."""
     placement_class = _placement_class(config)
     device, meta_shapes = None, {}
     if isinstance(model_or_params, nn.Module):
@@ -123,57 +126,63 @@ def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: Para
     given, groups, names = normalize_params(model_or_params)
     module = given if module is None else module_of_groups(module, given, groups, names,
                                                            allow_outside=config.stage < 3)
-    engine.module = module
     params = [t for g in groups for t in g["params"]]
-    engine.mesh = mesh_info(process_group, mesh, config, params, names)  # Note [hybrid sharding], [hpZ slice order]
-    engine.sharding = sharding = Sharding(policy_for_stage(config.stage), engine.mesh, config)
+    attached.mesh = mesh_ = mesh_info(process_group, mesh, config, params, names)  # Note [hybrid sharding], [hpZ slice order]
+    sharding = Sharding(policy_for_stage(config.stage), mesh_, config)
     trained = frozenset(id(t) for t in params if t.requires_grad)  # (left out of the groups: not trained)
     frozen = sharding.frozen(module, meta_shapes, trained)  # (Note [frozen units] in stages/stage3/frozen.py)
     whole = frozenset(i for i, g in enumerate(groups)
-                      if update_kind(g.get("optimizer_class", engine.optimizer_class)) == "whole")
-    check_composition(config, engine.mesh, [m.name for m in frozen], sorted(whole))
-    _start_from_rank0(engine.mesh, params, frozen, module)
-    engine.collectives_done = True  # (from here a refusal is agreed by every rank: Note [agreed construction])
-    trainable = trainable_params(groups, names, {**meta_shapes, **engine.mesh.local_shapes()},
-                                 sharding.shard_parameters)
+                      if update_kind(g.get("optimizer_class", optimizer_class)) == "whole")
+    check_composition(config, mesh_, [m.name for m in frozen], sorted(whole))
+    _start_from_rank0(mesh_, params, frozen, module)
+    attached.collectives_done = True  # (from here a refusal is agreed by every rank: Note [agreed construction])
+    trainable = trainable_params(groups, names, {**meta_shapes, **mesh_.local_shapes()}, sharding.shard_parameters)
     lifecycle.check_unclaimed([m.param for m in trainable], names)
-    engine.precision = precision = Precision(config, single_dtype(trainable) if not config.mixed_precision
-                                             else torch.float32, pp=engine.mesh.pp.comm if engine.mesh.pp else None)
+    precision = Precision(config, single_dtype(trainable) if not config.mixed_precision else torch.float32,
+                          pp=mesh_.pp.comm if mesh_.pp else None)
     param_dtype = precision.param_dtype
     all_params = params + [m.param for m in frozen]
     # frozen weights compute in the model dtype too: cast once nothing can refuse (the last step)
     casts = construction.frozen_casts(all_params, param_dtype, trained) if precision.mixed else {}
     if precision.mixed and sharding.shard_parameters:  # (stage 3's empty parameters stay outside the units,
-        shapes = {**meta_shapes, **engine.mesh.local_shapes()}  # but compute in the model dtype all the same)
+        shapes = {**meta_shapes, **mesh_.local_shapes()}  # but compute in the model dtype all the same)
         casts.update({id(p): param_dtype for p in params if p.requires_grad and p.is_floating_point()
                       and p.dtype != param_dtype and shapes.get(id(p), p.shape).numel() == 0})
-    snapshot.keep_data_only_of(lambda p: sharding.shard_parameters or local_of(p).dtype != param_dtype)
+    attached.snapshot.keep_data_only_of(lambda p: sharding.shard_parameters or local_of(p).dtype != param_dtype)
     plan = sharding.lay_out(module, trainable, frozen, precision.bucket_numel(config.bucket_size_mb),
                             dtype_of=lambda m: casts.get(id(m.param), m.param.dtype), whole_groups=whole)
-    engine.placement = placement_class(config, sharding.policy, engine.mesh.comm.rank, engine.optimizer_class,
-                                      plan.layouts, plan.modules, param_dtype, construction.as_planned(groups, casts),
-                                      device if meta_shapes else None,  # (Note [automatic placement])
-                                      frozen_units=[(layout, members, casts.get(id(members[0].param),
-                                                                                members[0].param.dtype), m)
-                                                    for (layout, members), m in zip(plan.frozen_layouts,
-                                                                                    plan.frozen_modules)])
-    _build_units(owner, engine, plan, casts, device if meta_shapes else None)
-    _build_optimizer_state(owner, engine, groups, kwargs)
-    sharding.start(engine.all_units, plan, module, engine.placement.live_units)  # (stage 3: torch code sees sharded parameters from here)
+    placement = placement_class(config, sharding.policy, mesh_.comm.rank, optimizer_class, plan.layouts, plan.modules,
+                                param_dtype, construction.as_planned(groups, casts),
+                                device if meta_shapes else None,  # (Note [automatic placement])
+                                frozen_units=[(layout, members, casts.get(id(members[0].param), members[0].param.dtype),
+                                               m) for (layout, members), m in zip(plan.frozen_layouts, plan.frozen_modules)])
+    inflight = StepInFlight()
+    units, frozen_units = _build_units(owner, attached, placement, sharding, mesh_, precision, plan, casts,
+                                       device if meta_shapes else None, inflight)
+    runs, inner, swapper = _build_optimizer_state(owner, attached, config, optimizer_class, placement, mesh_, units,
+                                                  groups, kwargs)
+    all_units = units + frozen_units
+    sharding.start(all_units, plan, module, placement.live_units)  # (stage 3: torch code sees sharded parameters from here)
     show = sharding.visible
-    engine.user_groups = [{**{k: v for k, v in ig.items() if k != "params"}, "params": [show(p) for p in g["params"]],
-                           **{k: g[k] for k in ("param_names", "optimizer_class") if k in g}}
-                          for g, ig in zip(groups, engine.inner.param_groups)]
-    engine.param_names = {**names, **{id(show(p)): names[id(p)] for p in params}}
-    _build_gradients(engine, params)
-    _attach(owner, engine)
-    engine.stepper = Stepper(config, sharding, engine.placement, engine.mesh, precision, engine.grads, engine.units,
-                             engine.frozen_units, engine.runs, engine.inner, engine.swapper, engine.inflight)
+    user_groups = [{**{k: v for k, v in ig.items() if k != "params"}, "params": [show(p) for p in g["params"]],
+                    **{k: g[k] for k in ("param_names", "optimizer_class") if k in g}}
+                   for g, ig in zip(groups, inner.param_groups)]
+    reducer, grad_links, grads = _build_gradients(attached, config, mesh_, sharding, precision, placement, units,
+                                                  module, params, inflight)
+    module_guard, teardown = _attach(owner, attached, module, mesh_, sharding, reducer, units, all_units, inflight,
+                                     (placement.store, swapper))
+    engine = Engine(config=config, optimizer_class=optimizer_class, mesh=mesh_, sharding=sharding, placement=placement,
+                    precision=precision, module=module, param_names={**names, **{id(show(p)): names[id(p)] for p in params}},
+                    units=units, frozen_units=frozen_units, runs=runs, inner=inner, swapper=swapper,
+                    unit_store=placement.store, inflight=inflight, reducer=reducer, grad_links=grad_links, grads=grads,
+                    stepper=Stepper(config, sharding, placement, mesh_, precision, grads, units, frozen_units, runs, inner,
+                                    swapper, inflight),
+                    module_guard=module_guard, teardown=teardown, attachments=attached, user_groups=user_groups)
 
     def finish() -> None:
-        snapshot.commit()
+        attached.snapshot.commit()
         construction.cast_frozen(all_params, casts)
-    return finish
+    return engine, finish
 
 
 def _placement_class(config: ZeroConfig) -> type[StatePlacement]:
@@ -202,98 +211,111 @@ def _start_from_rank0(mesh: MeshInfo, params: list[torch.Tensor], frozen: list[N
     mesh.comm.broadcast_tensors(values)
 
 
-def _build_units(owner: torch.optim.Optimizer, engine: Engine, plan: UnitPlan, casts: dict[int, torch.dtype],
-                 device: Optional[torch.device]) -> None:
-    """The flat units, one at a time (a swapped unit leaves memory at once), each placed where
-    the placement decides (frozen units too: offload_params, or offload="auto"'s plan)."""
-    placement, policy = engine.placement, engine.sharding.policy
-    shard_rank = engine.mesh.comm.shard_rank
-    engine.unit_store = store = placement.store  # gradients, masters (and shards) on NVMe
-    if store is not None:
-        engine.files_closers.append(weakref.finalize(owner, store.close))
-    engine.units, engine.frozen_units = [], []
+def _build_units(owner: torch.optim.Optimizer, attached: construction.ConstructionRecord, placement: StatePlacement,
+                 sharding: Sharding, mesh: MeshInfo, precision: Precision, plan: UnitPlan,
+                 casts: dict[int, torch.dtype], device: Optional[torch.device], inflight: StepInFlight
+                 ) -> tuple[list[FlatUnit], list[FlatUnit]]:
+    """The flat units, trainable then frozen, one at a time (a swapped unit leaves memory at
+    once), each placed where the placement decides (frozen units too: offload_params, or
+    offload="auto"'s plan)."""
+    policy, shard_rank = sharding.policy, mesh.comm.shard_rank
+    if placement.store is not None:  # gradients, masters (and shards) on NVMe
+        attached.files_closers.append(weakref.finalize(owner, placement.store.close))
+    units: list[FlatUnit] = []
+    frozen_units: list[FlatUnit] = []
     for layout, members in plan.layouts:
-        unit = FlatUnit(layout, members, policy, shard_rank, engine.precision.param_dtype, device,
-                        placement.of_unit(len(engine.units)), step_in_flight=engine.inflight)
+        unit = FlatUnit(layout, members, policy, shard_rank, precision.param_dtype, device,
+                        placement.of_unit(len(units)), step_in_flight=inflight)
         placement.adopt(unit)
-        engine.units.append(unit)
+        units.append(unit)
     for layout, members in plan.frozen_layouts:
         unit = FlatUnit(layout, members, policy, shard_rank, casts.get(id(members[0].param), members[0].param.dtype),
-                        device, placement.of_frozen(len(engine.frozen_units)), frozen=True)
+                        device, placement.of_frozen(len(frozen_units)), frozen=True)
         placement.adopt_frozen(unit)
-        engine.frozen_units.append(unit)
+        frozen_units.append(unit)
+    return units, frozen_units
 
 
-def _build_optimizer_state(owner: torch.optim.Optimizer, engine: Engine, groups: list[dict], kwargs: dict) -> None:
-    """The inner optimizer over the owned ranges, and the NVMe stream of its state where the
-    placement puts moments on disk."""
-    config, cls = engine.config, engine.optimizer_class
+def _build_optimizer_state(owner: torch.optim.Optimizer, attached: construction.ConstructionRecord, config: ZeroConfig,
+                           cls: type, placement: StatePlacement, mesh: MeshInfo, units: list[FlatUnit],
+                           groups: list[dict], kwargs: dict
+                           ) -> tuple[list[Run], torch.optim.Optimizer, Optional[NvmeOptimizerState]]:
+    """The inner optimizer over the owned ranges (its runs), and the NVMe stream of its state
+    where the placement puts moments on disk."""
     # (NVMe streams state run by run: there one run per unit and group, Note [one run per parameter])
-    engine.runs, engine.inner = kernel_choice.build_inner(cls, kwargs, groups, engine.units, config.fused_adam,
-                                                          per_parameter=not engine.placement.streams_optimizer)
-    engine.swapper = None
-    if engine.placement.streams_optimizer:
-        fused = kernel_choice.choose_kernels(cls, kwargs, groups, config.fused_adam)
-        if not all(f or update_kind(kernel_choice.group_class(g, cls)) == "whole" for g, f in zip(groups, fused)):
-            raise nvme_kernel_refusal(cls, kwargs, groups, fused)
-        parts = engine.inner.parts if isinstance(engine.inner, GroupedInner) else [(engine.inner, list(range(len(groups))))]
-        generic = probe_layouts(parts, engine.runs, lambda part: not isinstance(part, FusedAdam))
-        slots = reports.staging_slots(config.offload_buffer_mb, engine.runs, engine.units)
-        engine.swapper = NvmeOptimizerState(engine.runs, config.nvme_path, engine.mesh.comm.rank, max_slots=slots,
-                                            generic=generic, step_fn=step_without_hooks,
-                                            **engine.placement.state_options(engine.runs, slots))
-        engine.inner.state = engine.swapper  # type: ignore[assignment]  # (a mapping of the same keys)
-        engine.files_closers.append(weakref.finalize(owner, engine.swapper.close))
+    runs, inner = kernel_choice.build_inner(cls, kwargs, groups, units, config.fused_adam,
+                                            per_parameter=not placement.streams_optimizer)
+    if not placement.streams_optimizer:
+        return runs, inner, None
+    fused = kernel_choice.choose_kernels(cls, kwargs, groups, config.fused_adam)
+    if not all(f or update_kind(kernel_choice.group_class(g, cls)) == "whole" for g, f in zip(groups, fused)):
+        raise nvme_kernel_refusal(cls, kwargs, groups, fused)
+    parts = inner.parts if isinstance(inner, GroupedInner) else [(inner, list(range(len(groups))))]
+    generic = probe_layouts(parts, runs, lambda part: not isinstance(part, FusedAdam))
+    slots = reports.staging_slots(config.offload_buffer_mb, runs, units)
+    swapper = NvmeOptimizerState(runs, config.nvme_path, mesh.comm.rank, max_slots=slots, generic=generic,
+                                 step_fn=step_without_hooks, **placement.state_options(runs, slots))
+    attached.files_closers.append(weakref.finalize(owner, swapper.close))
+    inner.state = swapper  # type: ignore[assignment]  # (a mapping of the same keys: the state streams through it)
+    return runs, inner, swapper
 
 
-def _build_gradients(engine: Engine, params: list[torch.Tensor]) -> None:
-    """The reducer (gradients into the units as backward runs) and the ``.grad`` views torch code sees."""
-    config, mesh, units = engine.config, engine.mesh, engine.units
-    engine.reducer = reducer = GradientReducer(units, mesh.comm, engine.precision.reduce_dtype,
-                                               config.max_inflight_buckets, replicas=mesh.replicas)
-    engine.grad_links = GradLinks(units, mesh.comm, engine.sharding.visible)
-    engine.grads = GradientFlow(units, reducer, engine.grad_links, engine.sharding.visible, engine.precision,
-                                mesh.comm, mesh.data_parallel_size, engine.inflight)
-    reducer.on_pass_start.append(engine.grads.begin_pass)
-    if engine.module is None:  # (with a module, the module guard sees DDP's forward)
+def _build_gradients(attached: construction.ConstructionRecord, config: ZeroConfig, mesh: MeshInfo, sharding: Sharding,
+                     precision: Precision, placement: StatePlacement, units: list[FlatUnit], module: Optional[nn.Module],
+                     params: list[torch.Tensor], inflight: StepInFlight
+                     ) -> tuple[GradientReducer, GradLinks, GradientFlow]:
+    """The reducer (gradients into the units as backward runs) and the ``.grad`` views torch code
+    sees; their hooks attached (the reducer's subscribers are how the objects hear of a pass)."""
+    reducer = GradientReducer(units, mesh.comm, precision.reduce_dtype, config.max_inflight_buckets,
+                              replicas=mesh.replicas)
+    grad_links = GradLinks(units, mesh.comm, sharding.visible)
+    grads = GradientFlow(units, reducer, grad_links, sharding.visible, precision, mesh.comm,
+                         mesh.data_parallel_size, inflight)
+    reducer.on_pass_start.append(grads.begin_pass)
+    if module is None:  # (with a module, the module guard sees DDP's forward)
         reducer.on_pass_start.append(ddp_check.at_first_backward(params))
-    reducer.on_pass_end.append(engine.grad_links.publish)
-    engine.placement.watch(reducer)
+    reducer.on_pass_end.append(grad_links.publish)
+    placement.watch(reducer)
     reducer.register_hooks()
-    engine.removers.append(reducer.remove_hooks)
-    gatherer = engine.sharding.gatherer
+    attached.removers.append(reducer.remove_hooks)
+    gatherer = sharding.gatherer
     if gatherer is not None:
         gatherer.register()
-        engine.removers.append(gatherer.remove)
+        attached.removers.append(gatherer.remove)
         reducer.on_launch.append(gatherer.on_unit_reduced)
+    return reducer, grad_links, grads
 
 
-def _attach(owner: torch.optim.Optimizer, engine: Engine) -> None:
+def _attach(owner: torch.optim.Optimizer, attached: construction.ConstructionRecord, module: Optional[nn.Module],
+            mesh: MeshInfo, sharding: Sharding, reducer: GradientReducer, units: list[FlatUnit],
+            all_units: list[FlatUnit], inflight: StepInFlight,
+            files: tuple[Optional[NvmeUnitStore], Optional[NvmeOptimizerState]]
+            ) -> tuple[Optional[ModuleGuard], lifecycle.Teardown]:
     """Ties the engine to the model and to ``owner``: the model's registry entry, a load hook,
     the module guard, the parameters' claim, and the teardown when ``owner`` is closed or
     collected (which must not reference it: lifecycle.Teardown)."""
-    module, sharding, units = engine.module, engine.sharding, engine.units
-    engine.module_guard = None
+    module_guard = None
     if module is not None:
         registry.register(module, owner)  # type: ignore[arg-type]  # (the ZeroOptimizer being built)
-        engine.removers.append(functools.partial(registry.unregister, module))
-        engine.removers.append(pipeline.defer_reductions(module, engine.reducer.deferred, engine.mesh.pp))  # (Note [deferring a stage's reductions])
+        attached.removers.append(functools.partial(registry.unregister, module))
+        attached.removers.append(pipeline.defer_reductions(module, reducer.deferred, mesh.pp))  # (Note [deferring a stage's reductions])
         # (a function, not a bound method: torch marks public hooks with an attribute)
         load_hook = module.register_load_state_dict_post_hook(lambda mod, incompatible: sharding.weights_changed(units))
-        engine.removers.append(load_hook.remove)
-        members = [m.param for u in engine.all_units for m in u.members]
-        engine.module_guard = ModuleGuard(module, members + [sharding.visible(p) for p in members], "ZeroOptimizer",
-                                          [u.flat for u in units] if not sharding.policy.shard_parameters else [])
-        engine.removers.append(engine.module_guard.remove)
-    managed = [m.param for u in engine.all_units for m in u.members]
+        attached.removers.append(load_hook.remove)
+        members = [m.param for u in all_units for m in u.members]
+        module_guard = ModuleGuard(module, members + [sharding.visible(p) for p in members], "ZeroOptimizer",
+                                   [u.flat for u in units] if not sharding.policy.shard_parameters else [])
+        attached.removers.append(module_guard.remove)
+    managed = [m.param for u in all_units for m in u.members]
     lifecycle.claim(managed, owner)
     # (collected mid-step or with units gathered: the step is joined and stage-3 parameters
     # given back first, before the swap files close: their closers run the teardown first)
     gatherer = sharding.gatherer
-    hand_back = (functools.partial(lifecycle.hand_back_collected, gatherer, engine.all_units,
-                                   engine.mesh.comm.world_size) if gatherer is not None else None)
-    engine.teardown = lifecycle.Teardown(engine.removers, managed, engine.inflight, hand_back)
-    weakref.finalize(owner, engine.teardown)
-    for files in (engine.unit_store, engine.swapper):
-        if files is not None:
-            files.before_close.append(engine.teardown)
+    hand_back = (functools.partial(lifecycle.hand_back_collected, gatherer, all_units, mesh.comm.world_size)
+                 if gatherer is not None else None)
+    attached.teardown = teardown = lifecycle.Teardown(attached.removers, managed, inflight, hand_back)
+    weakref.finalize(owner, teardown)
+    for f in files:
+        if f is not None:
+            f.before_close.append(teardown)
+    return module_guard, teardown

@@ -30,7 +30,8 @@ from zeroshard.optim.hyperparams import check_nvme_kernel
 from zeroshard.optim.lifecycle import _OWNER, take_back_collected
 
 if TYPE_CHECKING:
-    from zeroshard.optim.zero_engine import Engine
+    from zeroshard.comm.mesh import MeshInfo
+    from zeroshard.optim.lifecycle import Teardown
 
 
 def _set_local(p: torch.Tensor, data: torch.Tensor) -> None:
@@ -108,8 +109,9 @@ class ModelSnapshot:
 
 
 def check_and_record(config: Any, model_or_params: Any, module: Optional[nn.Module], optimizer_class: type,
-                     kwargs: dict) -> ModelSnapshot:
-    """The checks that need no state built (after ``check_inputs``), then the record of the model."""
+                     kwargs: dict) -> "ConstructionRecord":
+    """The checks that need no state built (after ``check_inputs``), then the record of the
+    construction, starting with the model as it is."""
     ddp_check.refuse_wrapper(model_or_params, "the model")
     ddp_check.refuse_wrapper(module, "module=")
     check_launched_with_group()
@@ -118,14 +120,37 @@ def check_and_record(config: Any, model_or_params: Any, module: Optional[nn.Modu
         take_back_collected(root)
     touched = tensors_of(model_or_params) + (list(root.parameters()) if root is not None else [])
     check_nvme_kernel(config, optimizer_class, kwargs, group_options(model_or_params), touched)
-    return ModelSnapshot(root, touched)
+    return ConstructionRecord(ModelSnapshot(root, touched))
 
 
-def abandon(engine: "Engine", snapshot: ModelSnapshot, exc: BaseException) -> None:
-    """Undoes a construction that raised ``exc`` from what the assembly had built (``engine``):
-    hooks, forward wrappers and the module guard removed, swap files closed, the model's
-    parameters put back. What fails on the way is added to ``exc`` as a note (the caller
-    re-raises ``exc``)."""
+class ConstructionRecord:
+    """The one mutable record of a construction (the engine itself is built complete at its
+    end, Note [assembly]): the model as it was (``snapshot``) and what was attached to it and
+    opened since, in order. A refused construction is undone from it (``abandon``); a built
+    engine keeps it to close its swap files (a rebuild) and its teardown removes the hooks."""
+
+    def __init__(self, snapshot: ModelSnapshot) -> None:
+        self.snapshot = snapshot
+        self.removers: list[Callable[[], None]] = []
+        """What undoes each hook on the model, in the order attached."""
+        self.files_closers: list[Callable[[], None]] = []
+        """Closers of the swap files (a rebuild, an undone construction)."""
+        self.mesh: Optional["MeshInfo"] = None
+        """The groups the construction uses, once known (the agreement's: Note [agreed construction])."""
+        self.collectives_done = False
+        """The construction's own collectives are behind (Note [agreed construction])."""
+        self.teardown: Optional["Teardown"] = None
+        """Once the hooks are all attached: what removes them (and more) in one go."""
+
+    def close_files(self) -> None:
+        for closer in self.files_closers:
+            closer()
+
+
+def abandon(attached: ConstructionRecord, exc: BaseException) -> None:
+    """Undoes a construction that raised ``exc`` from what it had attached: hooks, forward
+    wrappers and the module guard removed, swap files closed, the model's parameters put back.
+    What fails on the way is added to ``exc`` as a note (the caller re-raises ``exc``)."""
     problems: list[str] = []
 
     def attempt(fn: Callable[[], Any]) -> None:
@@ -134,14 +159,13 @@ def abandon(engine: "Engine", snapshot: ModelSnapshot, exc: BaseException) -> No
         except Exception as e:  # (the refusal is what the user needs to see: it is re-raised)
             problems.append(f"{type(e).__name__}: {e}")
 
-    engine.closed = True  # (the registry forgets a closed optimizer only)
-    if "teardown" in engine.__dict__:
-        attempt(engine.teardown)
+    if attached.teardown is not None:
+        attempt(attached.teardown)
     else:
-        for remove in engine.removers:
+        for remove in attached.removers:
             attempt(remove)
-    attempt(engine.close_files)
-    attempt(snapshot.restore)
+    attempt(attached.close_files)
+    attempt(attached.snapshot.restore)
     for p in problems:
         exc.add_note(f"zeroshard: while putting the model back after this error: {p}")
 

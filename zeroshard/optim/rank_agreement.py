@@ -12,7 +12,7 @@ construction back (Note [refused construction]) and every rank raises the same e
 the refused rank(s) and the refusal, whose message names the argument.
 
 The exchange runs only once the construction's own collectives are behind the rank (the
-broadcast of rank 0's values: ``Engine.collectives_done``), so it never meets another
+broadcast of rank 0's values: ``ConstructionRecord.collectives_done``), so it never meets another
 collective: a rank refused before that point (an argument checked before any state is built,
 the same on every rank of a script) raises alone, as before. Nothing is exchanged in one
 process or a group of one. Cost: one small object all-gather per construction.
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 from zeroshard.comm.mesh import MeshInfo
 
 if TYPE_CHECKING:
-    from zeroshard.optim.zero_engine import Engine
+    from zeroshard.optim.construction import ConstructionRecord
 
 T = TypeVar("T")
 
@@ -66,16 +66,16 @@ def agree(mesh: MeshInfo, failure: Optional[BaseException]) -> None:
     raise error
 
 
-def agreed(engine: "Engine", build: Callable[[], T]) -> T:
-    """``build()`` (the assembly of ``engine``), whose outcome every rank agrees on once the
-    construction's collectives are behind (``engine.collectives_done``)."""
+def agreed(attached: "ConstructionRecord", build: Callable[[], T]) -> T:
+    """``build()`` (an assembly recording into ``attached``), whose outcome every rank agrees on
+    once the construction's collectives are behind (``attached.collectives_done``)."""
     failure: Optional[Exception] = None
     try:
         built = build()
     except Exception as exc:
-        if not engine.collectives_done:
+        if not attached.collectives_done:
             raise
         failure = exc
-    if engine.collectives_done:
-        agree(engine.mesh, failure)
+    if attached.collectives_done and attached.mesh is not None:
+        agree(attached.mesh, failure)
     return built

@@ -1,8 +1,9 @@
 """The engine under one ZeroOptimizer: every object the assembly built, typed, in one place.
 
-Lifecycle: created empty by the facade (``Engine(config, optimizer_class)``) and filled by the
-assembly (zeroshard/optim/assembly.py) in build order, so a construction that fails part way
-can be undone from what exists (Note [refused construction] in construction.py). Once built,
+Lifecycle: built once, complete, at the end of the assembly (zeroshard/optim/assembly.py), from
+objects each constructed with what it needs; until then what a construction attached is recorded
+in ``construction.ConstructionRecord``, from which a construction refused part way is undone (Note
+[refused construction] in construction.py). Once built,
 the facade (zero_optimizer.py) delegates to it: the policy objects (``mesh``, ``sharding``,
 ``placement``, ``precision``) and the per-step objects (``grads``, ``stepper``). Code that
 needs one of them takes that object, not the optimizer.
@@ -10,8 +11,9 @@ needs one of them takes that object, not the optimizer.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass, field
 
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 from torch import nn
 
@@ -28,6 +30,7 @@ from zeroshard.units.flat_unit import FlatUnit
 from zeroshard.grads.links import GradLinks
 from zeroshard.grads.reducer import GradientReducer
 from zeroshard.grads.flow import GradientFlow
+from zeroshard.optim.construction import ConstructionRecord
 from zeroshard.optim.lifecycle import Teardown
 from zeroshard.optim.module_guard import ModuleGuard
 from zeroshard.units.run import Run
@@ -45,7 +48,12 @@ import torch
 _INSTANCES = itertools.count()
 
 
+@dataclass(kw_only=True, eq=False)
 class Engine:
+    """Built once, complete, by the assembly (Note [assembly]); afterwards only the documented
+    state below the objects changes (``closed``, ``ready``)."""
+    config: ZeroConfig
+    optimizer_class: type
     # the policy objects, one per axis
     mesh: MeshInfo
     sharding: Sharding
@@ -61,6 +69,7 @@ class Engine:
     swapper: Optional[NvmeOptimizerState]
     unit_store: Optional[NvmeUnitStore]
     # what moves gradients and steps
+    inflight: StepInFlight
     reducer: GradientReducer
     grad_links: GradLinks
     grads: GradientFlow
@@ -68,26 +77,17 @@ class Engine:
     # what ties it to the model
     module_guard: Optional[ModuleGuard]
     teardown: Teardown
+    attachments: ConstructionRecord
+    """The hooks attached and the files opened, in order (``close_files``; the teardown removes the hooks)."""
     user_groups: list[dict]
     """The param groups torch code sees (the facade's ``param_groups``), as built."""
-
-    def __init__(self, config: ZeroConfig, optimizer_class: type) -> None:
-        self.config = config
-        self.optimizer_class = optimizer_class
-        self.inflight = StepInFlight()
-        self.files_closers: list[Callable[[], None]] = []
-        """Closers of the swap files (run by ``close_files``: a rebuild, an undone construction)."""
-        self.removers: list[Callable[[], None]] = []
-        """What undoes each hook on the model, in the order attached."""
-        self.closed = False
-        self.ready = False
-        """Construction finished (torch's constructor adds the first param groups before)."""
-        self.save_instance = next(_INSTANCES)
-        """A number for this engine, the same on every rank (each builds its optimizers in the same
-        order): the key its rank-only saves agree under (Note [rank-only state dicts])."""
-        """This engine's number in the store keys of its saves (Note [rank-only state dicts])."""
-        self.collectives_done = False
-        """The construction's own collectives are behind (Note [agreed construction])."""
+    # state
+    closed: bool = False
+    ready: bool = False
+    """Construction finished (torch's constructor adds the first param groups before)."""
+    save_instance: int = field(default_factory=lambda: next(_INSTANCES))
+    """A number for this engine, the same on every rank (each builds its optimizers in the same
+    order): the key its rank-only saves agree under (Note [rank-only state dicts])."""
 
     # -- read through to the policy objects -------------------------------------------------------
     @property
@@ -118,7 +118,7 @@ class Engine:
 
     @property
     def gatherer(self) -> Optional[ParameterGatherer]:
-        return self.sharding.gatherer if "sharding" in self.__dict__ else None
+        return self.sharding.gatherer
 
     @property
     def scaler(self) -> Optional[DynamicLossScaler]:
@@ -127,7 +127,7 @@ class Engine:
     @property
     def all_units(self) -> list[FlatUnit]:
         """Trainable units, then frozen ones (stage 3: Note [frozen units])."""
-        return self.units + self.__dict__.get("frozen_units", [])
+        return self.units + self.frozen_units
 
     def joined(self) -> "Engine":
         """This engine once a step in flight has finished (Note [overlapped step]): code that
@@ -149,8 +149,7 @@ class Engine:
         self.sharding.weights_changed(self.joined().units)
 
     def close_files(self) -> None:
-        for closer in self.files_closers:
-            closer()
+        self.attachments.close_files()
 
 
 class EngineOwner(Protocol):

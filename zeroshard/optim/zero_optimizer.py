@@ -39,19 +39,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         config, inner_kwargs, model_or_params = assembly.configure(
             optimizer_class, model_or_params, module, kwargs, optimizer_kwargs, config, stage=stage, nvme_path=nvme_path,
             offload_optimizer=offload_optimizer, offload_params=offload_params, mixed_precision=mixed_precision)
-        self.engine = engine = Engine(config, optimizer_class)
         # (checked before the model is touched, undone on an error: Note [refused construction] in construction.py)
-        snapshot = construction.check_and_record(config, model_or_params, module, optimizer_class, inner_kwargs)
+        attached = construction.check_and_record(config, model_or_params, module, optimizer_class, inner_kwargs)
         try:  # (refused on one rank, refused on all: Note [agreed construction] in rank_agreement.py)
-            finish = rank_agreement.agreed(engine, lambda: assembly.assemble(
-                self, engine, model_or_params, module, process_group, mesh, inner_kwargs, snapshot))
-            super().__init__(engine.user_groups, dict(engine.inner.defaults))
+            self.engine, finish = rank_agreement.agreed(attached, lambda: assembly.assemble(
+                self, config, optimizer_class, attached, model_or_params, module, process_group, mesh, inner_kwargs))
+            super().__init__(self.engine.user_groups, dict(self.engine.inner.defaults))
             self.state = ParamStateView(self)  # type: ignore[assignment]  # (read-only)
             finish()
         except BaseException as exc:
-            construction.abandon(engine, snapshot, exc)
+            construction.abandon(attached, exc)
             raise
-        engine.ready = True
+        self.engine.ready = True
 
     # -- properties users read -----------------------------------------------------------------
     @property
@@ -60,7 +59,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @property
     def closed(self) -> bool:
-        return self.engine.closed
+        """Not live: closed, or not (yet) built (being built, or refused)."""
+        return (e := self.__dict__.get("engine")) is None or e.closed or not e.ready
 
     @property
     def steps_done(self) -> int:
@@ -247,11 +247,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Where each managed parameter lives (frozen ones too): id(param) -> (unit, segment)."""
         return self.engine.segment_index()
 
-    def __repr__(self) -> str:  # (also while being built: what exists)
-        built = self.engine.__dict__
-        return (f"ZeroOptimizer(stage={self.stage}, world_size={built['mesh'].comm.world_size if 'mesh' in built else '?'}, "
-                f"units={len(built.get('units', []))}, optimizer={self.engine.optimizer_class.__name__}, "
-                f"runs_on={type(built['inner']).__name__ if 'inner' in built else None})")
+    def __repr__(self) -> str:  # (also while being built)
+        if (e := self.__dict__.get("engine")) is None:
+            return "ZeroOptimizer(being built)"
+        return (f"ZeroOptimizer(stage={self.stage}, world_size={e.mesh.comm.world_size}, units={len(e.units)}, "
+                f"optimizer={e.optimizer_class.__name__}, runs_on={type(e.inner).__name__})")
 
 
 def engine_of(optimizer: object) -> Optional[Engine]:
