@@ -6,10 +6,14 @@ comm/mesh.py), then the sharding policy (stages/sharding.py) and the precision p
 (precision/precision_policy.py), which lay the units out; the state placement (offload/placement.py)
 decides where each unit's parts live before the units exist; then the units, the inner
 optimizer over their owned ranges (and the NVMe stream of its state), stage 3's gatherer,
-the gradient reducer and the ``.grad`` views, the step. Nothing reads a half-built
-optimizer: the facade (zero_optimizer.py) only receives the engine, and each object is
-recorded on the engine as soon as it exists, so a construction refused part way is undone
-from what was built (Note [refused construction] in construction.py). A new policy of an
+the gradient reducer and the ``.grad`` views, the step. Each object is constructed complete,
+with what it uses passed in, and the ``Engine`` last, from all of them: nothing reads or
+patches a half-built one, and the facade (zero_optimizer.py) receives it whole. What the
+construction attaches to the model or opens on the way (hooks, swap files) is recorded in a
+``ConstructionRecord``, from which a construction refused part way is undone (Note [refused
+construction] in construction.py). The one object changed after its constructor is the inner
+optimizer under NVMe offload: its ``state`` becomes the NVMe stream (torch's own
+``load_state_dict`` replaces ``state`` the same way; the stream needs the inner optimizer's runs). A new policy of an
 existing axis is one file that implements the axis' interface (tests/support/placement_example.py
 adds a placement this way); a new axis adds its object here.
 """
@@ -177,7 +181,7 @@ def assemble(owner: torch.optim.Optimizer, config: ZeroConfig, optimizer_class: 
                     unit_store=placement.store, inflight=inflight, reducer=reducer, grad_links=grad_links, grads=grads,
                     stepper=Stepper(config, sharding, placement, mesh_, precision, grads, units, frozen_units, runs, inner,
                                     swapper, inflight),
-                    module_guard=module_guard, teardown=teardown, attachments=attached, user_groups=user_groups)
+                    module_guard=module_guard, teardown=teardown, record=attached, user_groups=user_groups)
 
     def finish() -> None:
         attached.snapshot.commit()

@@ -18,6 +18,7 @@ refuse any more (``cast_frozen``); until then the planner sees them as they will
 """
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
@@ -123,6 +124,9 @@ def check_and_record(config: Any, model_or_params: Any, module: Optional[nn.Modu
     return ConstructionRecord(ModelSnapshot(root, touched))
 
 
+_INSTANCES = itertools.count()
+
+
 class ConstructionRecord:
     """The one mutable record of a construction (the engine itself is built complete at its
     end, Note [assembly]): the model as it was (``snapshot``) and what was attached to it and
@@ -131,6 +135,10 @@ class ConstructionRecord:
 
     def __init__(self, snapshot: ModelSnapshot) -> None:
         self.snapshot = snapshot
+        self.instance = next(_INSTANCES)
+        """This construction's number, the same on every rank: each rank starts its constructions
+        in the same order, and one refused part way on one rank only is refused on all (Note
+        [agreed construction]), so the numbers stay in step (the built engine's ``save_instance``)."""
         self.removers: list[Callable[[], None]] = []
         """What undoes each hook on the model, in the order attached."""
         self.files_closers: list[Callable[[], None]] = []

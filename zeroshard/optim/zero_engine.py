@@ -10,8 +10,7 @@ needs one of them takes that object, not the optimizer.
 """
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from typing import Any, Optional, Protocol
 
@@ -45,8 +44,6 @@ from zeroshard.stages.stage3.gatherer import ParameterGatherer
 import torch
 
 
-_INSTANCES = itertools.count()
-
 
 @dataclass(kw_only=True, eq=False)
 class Engine:
@@ -77,17 +74,21 @@ class Engine:
     # what ties it to the model
     module_guard: Optional[ModuleGuard]
     teardown: Teardown
-    attachments: ConstructionRecord
-    """The hooks attached and the files opened, in order (``close_files``; the teardown removes the hooks)."""
+    record: ConstructionRecord
+    """The construction's record: the hooks attached and the files opened, in order (``close_files``;
+    the teardown removes the hooks)."""
     user_groups: list[dict]
     """The param groups torch code sees (the facade's ``param_groups``), as built."""
     # state
     closed: bool = False
     ready: bool = False
     """Construction finished (torch's constructor adds the first param groups before)."""
-    save_instance: int = field(default_factory=lambda: next(_INSTANCES))
-    """A number for this engine, the same on every rank (each builds its optimizers in the same
-    order): the key its rank-only saves agree under (Note [rank-only state dicts])."""
+
+    @property
+    def save_instance(self) -> int:
+        """The construction's number, the same on every rank: the key this engine's rank-only
+        saves agree under (Note [rank-only state dicts])."""
+        return self.record.instance
 
     # -- read through to the policy objects -------------------------------------------------------
     @property
@@ -149,7 +150,7 @@ class Engine:
         self.sharding.weights_changed(self.joined().units)
 
     def close_files(self) -> None:
-        self.attachments.close_files()
+        self.record.close_files()
 
 
 class EngineOwner(Protocol):
