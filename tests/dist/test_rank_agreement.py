@@ -62,6 +62,18 @@ def test_ddp_idiom_load_is_refused_on_every_rank_alike(ranks):
     assert seen[0]["message"] == seen[1]["message"]
 
 
+def test_ddp_idiom_at_stage3_is_refused_on_every_rank_alike(ranks):
+    """The same at stage 3, where model.state_dict() holds pieces: rank 0's torch.save used to
+    raise, leaving rank 1 in the script's barrier to die with "Connection closed by peer"; now the
+    save warns and both ranks refuse the file's model weights with one ValueError naming the fix
+    (Note [saving pieces]), still in step."""
+    seen = [r["ddp_idiom_stage3"] for r in ranks]
+    for s in seen:
+        assert s["raised"] == "ValueError" and "zeroshard.full_state_dict(model)" in s["message"], s
+        assert "by rank 0" in s["message"] and s["in_step"], s
+    assert seen[0]["message"] == seen[1]["message"]
+
+
 def test_rank0_only_evaluation_at_stage3_fails_every_rank_within_the_bound(tmp_path):
     """nanoGPT's estimate_loss under master_process at stage 3, ZEROSHARD_DIVERGENCE_S=2: rank 0
     (evaluating) and rank 1 (blocked in its training forward's gather) raise the same error

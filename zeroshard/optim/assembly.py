@@ -56,6 +56,7 @@ from zeroshard.optim.stepper import Stepper
 from zeroshard.optim.torch_refusals import as_torch_refusal, torch_refusal
 from zeroshard.precision.precision_policy import Precision
 from zeroshard.units.stage_policy import policy_for_stage
+from zeroshard.stages.sharded_tensor import refuse_saved_pieces
 from zeroshard.stages.sharding import Sharding, UnitPlan
 from zeroshard.stages.stage3.materialize import follow_replacements, swap_meta_parameters
 
@@ -306,6 +307,8 @@ def _attach(owner: torch.optim.Optimizer, attached: construction.ConstructionRec
         # (a function, not a bound method: torch marks public hooks with an attribute)
         load_hook = module.register_load_state_dict_post_hook(lambda mod, incompatible: sharding.weights_changed(units))
         attached.removers.append(load_hook.remove)
+        refuse_hook = module.register_load_state_dict_pre_hook(lambda mod, sd, *rest: refuse_saved_pieces(sd))
+        attached.removers.append(refuse_hook.remove)  # (pieces a torch.save wrote: Note [saving pieces])
         members = [m.param for u in all_units for m in u.members]
         module_guard = ModuleGuard(module, members + [sharding.visible(p) for p in members], "ZeroOptimizer",
                                    [u.flat for u in units] if not sharding.policy.shard_parameters else [])

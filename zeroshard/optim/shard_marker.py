@@ -38,11 +38,9 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from zeroshard.optim.zero_engine import EngineOwner
 
+from zeroshard.stages.sharded_tensor import ShardOnlySaveWarning  # (pieces of stage-3 tensors warn alike)
+
 REFUSED_KEY = "zeroshard_rank_shard_only"
-
-
-class ShardOnlySaveWarning(RuntimeWarning):
-    """A ZeroOptimizer's sharded state dict was saved (torch.save) by one rank alone."""
 
 
 def save_agree_seconds() -> float:

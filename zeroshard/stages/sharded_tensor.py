@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Optional, SupportsIndex
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, SupportsIndex, cast
 
 import torch
 import torch.distributed as dist
@@ -89,19 +89,28 @@ class ShardedTensor(torch.Tensor):
     def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         """Note [saving pieces]: a whole tensor pickles as a plain one, so ``torch.save`` of a
         one-rank stage-3 ``model.state_dict()`` loads in a process that never imports zeroshard
-        (nanoGPT's ``sample.py``). A piece of a tensor sharded over ranks is refused: a file
-        written from one rank (nanoGPT saves on ``master_process``) would hold only that
-        rank's elements, which no plain ``torch.load`` can turn back into weights. In-memory
-        copies (``copy.deepcopy(model.state_dict())``) keep pieces and load back."""
+        (nanoGPT's ``sample.py``). A piece of a tensor sharded over ranks cannot become weights
+        in any file: a file written from one rank (nanoGPT saves on ``master_process``; the DDP
+        idiom "rank 0 saves, every rank loads") would hold only that rank's elements. Refusing
+        the save on the saving rank left the others waiting in the script's next barrier, to die
+        with "Connection closed by peer" (issue 43). So the save warns (``ShardOnlySaveWarning``,
+        the fix) and the piece pickles as a record of where it sat (``_saved_piece``); every rank
+        that loads the file into a model a ZeroOptimizer manages refuses it with one error
+        (``refuse_saved_pieces``, a load pre-hook), before anything is copied, so all stay in
+        step. In-memory copies (``copy.deepcopy(model.state_dict())``) keep pieces and load back."""
         if self.gathered is not None:  # (inside GatheredParameters: the whole tensor, Note [gathered reads])
             return self.gathered.detach().clone().__reduce_ex__(protocol)
         if self.sharded:
-            raise RuntimeError(
-                f"torch.save of a sharded tensor ({self!r}): a stage-3 model.state_dict() (or a stage-2/3 "
-                "gradient) holds only this rank's piece of each tensor, so the file could not be loaded as "
-                "weights. Save the full weights with sd = zeroshard.full_state_dict(model) on every rank (a "
-                "collective; rank 0 gets them) and torch.save(sd, path) on rank 0, or the whole training state "
-                "with zeroshard.save_checkpoint(...); copy.deepcopy(model.state_dict()) keeps an in-memory copy")
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            world = self.comm.world_size if self.comm is not None else -1
+            warnings.warn(
+                f"torch.save of pieces of sharded tensors (e.g. {self!r}) on rank {rank}: a stage-3 "
+                "model.state_dict() (or a stage-2/3 gradient) holds only this rank's piece of each tensor, so "
+                "the file cannot be loaded as weights (loading it into the model is refused on every rank). "
+                "Save the full weights with sd = zeroshard.full_state_dict(model) on every rank (a collective; "
+                "rank 0 gets them) and torch.save(sd, path) on rank 0, or the whole training state with "
+                "zeroshard.save_checkpoint(...) (Note [saving pieces])", ShardOnlySaveWarning, stacklevel=2)
+            return (_saved_piece, (list(self.shape), rank, world))
         with _resident([self], False):
             local = self.local.detach().clone()
         return local.view(self.shape).__reduce_ex__(protocol)
@@ -190,6 +199,37 @@ def _rebuild_piece(local: torch.Tensor, shape: tuple, dtype: torch.dtype, start:
 
 
 torch.serialization.add_safe_globals([_rebuild_piece])  # torch.load(weights_only=True) may build pieces
+
+PIECE_KEY = "zeroshard_piece_of_sharded_tensor"
+
+
+class ShardOnlySaveWarning(RuntimeWarning):
+    """torch.save wrote state one rank holds only a shard of (a ZeroOptimizer's sharded state
+    dict saved by one rank alone, or pieces of stage-3 parameters): the file cannot resume."""
+
+
+def _saved_piece(shape: list[int], rank: int, world_size: int) -> dict:
+    """What a pickled piece loads as (plain data: torch.load(weights_only=True) builds it; Note
+    [saving pieces])."""
+    return {PIECE_KEY: True, "shape": [int(n) for n in shape], "rank": int(rank), "world_size": int(world_size)}
+
+
+torch.serialization.add_safe_globals([_saved_piece])
+
+
+def refuse_saved_pieces(state_dict: Mapping[str, object]) -> None:
+    """Refuses a state dict holding pickled pieces of sharded tensors, naming them and the fix
+    (the same words on every rank that loads the same file: Note [saving pieces])."""
+    pieces = [k for k, v in state_dict.items() if isinstance(v, dict) and v.get(PIECE_KEY) is True]
+    if not pieces:
+        return
+    first = cast("dict[str, object]", state_dict[pieces[0]])
+    raise ValueError(
+        f"this state dict was saved with torch.save from a stage-3 model.state_dict() over {first['world_size']} "
+        f"ranks, by rank {first['rank']}: its {len(pieces)} entries (e.g. {pieces[0]!r}, shape {first['shape']}) hold "
+        "no values, since each rank held only a piece of each tensor. Save the full weights with "
+        "sd = zeroshard.full_state_dict(model) on every rank (a collective; rank 0 gets them) and torch.save(sd, "
+        "path) on rank 0, or the whole training state with zeroshard.save_checkpoint(...) (Note [saving pieces])")
 
 
 def _need_comm(t: ShardedTensor) -> Comm:
