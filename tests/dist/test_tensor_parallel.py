@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.support import tp_worker as w
+from tests.support.asserts import assert_same
 from tests.support.dist_results import run_ranks
 from zeroshard.checkpoint import tp_layout
 from zeroshard.comm.tensor_parallel import Split
@@ -75,12 +76,26 @@ def test_dp2_tp2_checkpoint_loads_at_other_layouts(trained, layout, tmp_path):
     mesh, one process, dp 1 x tp 4 (other chunks) and dp 2 x tp 2 at the other stage; weights
     and Adam moments equal the source's full state."""
     stage, ckpt, _ = trained
-    if stage == 3 and layout == "dp4":  # (a known regression, reported in the closing note of 2026-12-05)
-        pytest.xfail("issue 39's one run per parameter (Note [one run per parameter]): a stage-3 dp2 x tp2 "
-                     "checkpoint loaded at dp 4 differs by 2.7e-3 (passes with one run per unit and group)")
     target_stage = {1: 2, 2: 3, 3: 1}[stage] if layout == "dp2tp2" else stage
     for r in run_ranks(w.load_worker, 1 if layout == "dp1" else 4, tmp_path, layout, target_stage, ckpt):
         assert r["diff"] <= 1e-6 and r["resharded"], r
+
+
+def test_rowwise_moments_load_in_global_order_at_plain_dp(tmp_path):
+    """A stage-3 dp 1 x tp 2 checkpoint loaded at plain dp 2: each rank's run of the rowwise
+    weight (one run per parameter) lies inside one tp chunk saved in chunk order (Note [stored
+    order]); its Adam moments are read in the global order, not adopted as the saved bytes
+    (Note [adopting verified state]). Weights, moments and step counts equal the source's."""
+    ckpt = str(tmp_path / "ckpt")
+    run_ranks(w.small_tp_save_worker, 2, tmp_path, ckpt)
+    (tmp_path / "load").mkdir()
+    ranks = run_ranks(w.small_dp_load_worker, 2, tmp_path / "load", ckpt)
+    assert all(r["resharded"] for r in ranks), ranks
+    assert [r["runs"] for r in ranks] == [[[0, 64], [0, 64]], [[64, 128], [64, 128]]], ranks  # (one per parameter)
+    want = torch.load(f"{ckpt}.source.pt", weights_only=True)
+    got = torch.load(str(tmp_path / "load" / "res.loaded.pt"), weights_only=True)
+    assert set(got) == set(want) and "exp_avg:2.weight" in want, sorted(got)
+    assert_same(got, want, "state loaded at dp 2 vs saved at dp 1 x tp 2")
 
 
 def test_dp2_tp2_checkpoint_exports_to_one_hugging_face_directory(trained, tmp_path):

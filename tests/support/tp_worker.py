@@ -200,3 +200,57 @@ def grads_worker(rank: int, world: int, out_path: str, stage: int) -> None:
         json.dump({"kind": type(p.grad).__name__, "norm": norm, "before": before, "after": after, "want": want,
                    "closed_equal": closed_equal,
                    "want_param": float(ref.model.layers[0].self_attn.o_proj.weight.grad.norm())}, f)
+
+
+def small_mlp(tp_mesh_: Any = None) -> torch.nn.Module:
+    """Two bias-free linears (colwise then rowwise under tp): a stage-3 unit per layer, so a
+    plain-dp rank's one run per parameter (Note [one run per parameter]) lies inside one saved
+    tp chunk of the rowwise weight, whose stored order is not the global one (Note [stored order])."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.ReLU(), torch.nn.Linear(16, 8, bias=False))
+    if tp_mesh_ is not None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        model = parallelize_module(model, tp_mesh_, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return model
+
+
+def named_moments(model: torch.nn.Module, opt: Any) -> dict[str, torch.Tensor]:
+    """Every parameter's global weight and optimizer state tensors, keyed "key:name"."""
+    out = {f"w:{n}": t for n, t in full_weights(model).items()}
+    sd = opt.consolidated_state_dict(to_rank=None)
+    names = [opt.engine.param_names[id(p)] for g in opt.param_groups for p in g["params"]]
+    for i, n in enumerate(names):
+        for k, v in sd["state"].get(i, {}).items():
+            out[f"{k}:{n}"] = torch.as_tensor(v).clone()
+    return out
+
+
+def small_tp_save_worker(rank: int, world: int, out_path: str, ckpt: str) -> None:
+    """dp 1 x tp 2 at stage 3: 3 AdamW steps, a checkpoint, and the full state it holds."""
+    mesh = tp_mesh(1, 2)
+    model = small_mlp(mesh["tp"])
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, stage=3, mesh=mesh)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    zeroshard.save_checkpoint(ckpt, 3, model=model, optimizer=opt)
+    state = named_moments(model, opt)
+    if rank == 0:
+        torch.save(state, f"{ckpt}.source.pt")
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump({"saved": sorted(state)}, f)
+
+
+def small_dp_load_worker(rank: int, world: int, out_path: str, ckpt: str) -> None:
+    """Loads the dp 1 x tp 2 checkpoint at plain dp ``world`` (no tp), stage 3; writes its full state."""
+    model = small_mlp()
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, stage=3)
+    info = zeroshard.load_checkpoint(ckpt, model=model, optimizer=opt)
+    state = named_moments(model, opt)
+    if rank == 0:
+        torch.save(state, f"{out_path}.loaded.pt")
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump({"resharded": info["resharded"],
+                   "runs": [[r.a, r.b] for r in opt.engine.joined().runs]}, f)

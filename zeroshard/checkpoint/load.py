@@ -323,9 +323,13 @@ def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
 # copying load's did. Peak memory is unchanged (the buffers are the bytes read, once, as
 # before) and the view lives until the next load replaces it. The state is adopted only where
 # that is invisible: a plain (not pinned) CPU tensor of the run's dtype, no tensor
-# parallelism, no state in swap files, each piece from one saved piece, the view aligned to
-# the dtype; anything else (including checkpoints written in the older piece-by-piece order)
-# is copied as before. The alternative the issue named, reading into per-tensor buffers and
+# parallelism, no state in swap files, each piece from one saved piece stored in the global
+# order (not a tensor saved under tp in chunks along a dimension > 0, whose bytes are a
+# permutation of the run's: Note [stored order] in tp_layout.py), the view aligned to the
+# dtype; anything else (including checkpoints written in the older piece-by-piece order) is
+# copied as before. (With one run per unit and group a run rarely lay in one saved piece, so
+# the permuted case was copied by chance; one run per parameter, Note [one run per
+# parameter], adopts it wherever a parameter's owned piece lies in one tp rank's chunk.) The alternative the issue named, reading into per-tensor buffers and
 # copying into them on the reader threads while the disk works, would cost a second
 # in-memory pass over every byte (on 2 cores shared with the crc32s) to save the same copy.
 def _adopter(src: _Source, opt: Any, run: Any, ckpt_name: dict[str, str]):
@@ -344,6 +348,8 @@ def _adopter(src: _Source, opt: Any, run: Any, ckpt_name: dict[str, str]):
         ranges, readers = [], set()
         for piece in run.unit.layout.pieces_in(run.a, run.b):
             name = ckpt_name[piece.segment.name]
+            if not tp_layout.global_order(tp_layout.split_of(src.body["tensors"][name])):
+                return None  # (saved under tp in another order: the bytes are not the run's, Note [stored order])
             saved = list(src.overlapping(name, piece.start, piece.stop))
             if len(saved) != 1 or f"state.{key}" not in saved[0]["keys"]:
                 return None

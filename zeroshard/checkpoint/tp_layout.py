@@ -38,6 +38,13 @@ def split_of(meta: dict) -> Optional[Split]:
     return None if s is None else Split(int(s["dim"]), tuple(int(x) for x in s["sizes"]))
 
 
+def global_order(saved: Optional[Split]) -> bool:
+    """The stored order of a tensor saved with split ``saved`` is its global row-major order
+    (no split, or dim-0 chunks back to back): a whole-tensor reader's range ``[a, b)`` is the
+    stored range ``[a, b)``."""
+    return saved is None or saved.dim == 0
+
+
 def _local_shape(shape: tuple[int, ...], target: Target) -> tuple[int, ...]:
     if target is None:
         return shape
