@@ -109,6 +109,18 @@ def configure(optimizer_class: type, model_or_params: ParamsLike, module: Option
     return config, inner_kwargs, checked
 
 
+def configure_from(optimizer_class: type, model_or_params: ParamsLike, module: Optional[nn.Module], args: dict
+                   ) -> tuple[ZeroConfig, dict, ParamsLike, Optional[dist.ProcessGroup], object]:
+    """``configure`` over the facade's arguments as recorded (its ``build_args``, which a rebuild
+    configures from again), with the process group and mesh they name."""
+    rest = dict(args)
+    options = {k: rest.pop(k) for k in _FACADE_DEFAULTS}
+    group, mesh, optimizer_kwargs, given = (rest.pop(k) for k in ("process_group", "mesh", "optimizer_kwargs", "config"))
+    config, inner_kwargs, checked = configure(optimizer_class, model_or_params, module, rest, optimizer_kwargs, given,
+                                              **options)
+    return config, inner_kwargs, checked, group, mesh
+
+
 def assemble(owner: torch.optim.Optimizer, config: ZeroConfig, optimizer_class: type,
              attached: construction.ConstructionRecord, model_or_params: ParamsLike, module: Optional[nn.Module],
              process_group: Optional[dist.ProcessGroup], mesh: object, kwargs: dict

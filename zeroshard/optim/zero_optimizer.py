@@ -1,16 +1,12 @@
 """ZeroOptimizer: a torch.optim.Optimizer that partitions training state across ranks.
 
-The facade over an engine (engine.py) assembled in one place (Note [assembly] in assembly.py)
-from a typed policy per axis: the mesh, the sharding (stages 0-3), the state placement
-(memory, host, NVMe, auto) and the precision. Per step: backward hooks reduce gradients into
-the units as backward runs (``GradientReducer``; ``GradientFlow`` is what torch code sees as
-``.grad``); ``clip_grad_norm_`` sees the global norm; ``step`` (``Stepper``) copies the user's
-hyperparameters in (LR schedulers work), updates this rank's owned ranges on the path the
-placement calls for, and makes every rank's parameters current.
+The facade over one ``Engine`` (zero_engine.py), built complete by the assembly (Note [assembly]
+in assembly.py) from a typed policy per axis; each call goes to the engine's object that does it
+(docs/design.md, Note [the layers]).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, cast
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,15 +32,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
             stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params, nvme_path=nvme_path,
             mixed_precision=mixed_precision, process_group=process_group, mesh=mesh,
             optimizer_kwargs=optimizer_kwargs, config=config, **kwargs))
-        config, inner_kwargs, model_or_params = assembly.configure(
-            optimizer_class, model_or_params, module, kwargs, optimizer_kwargs, config, stage=stage, nvme_path=nvme_path,
-            offload_optimizer=offload_optimizer, offload_params=offload_params, mixed_precision=mixed_precision)
+        self._build(model_or_params, module, first=True)
+
+    def _build(self, model_or_params: ParamsLike, module: Optional[nn.Module], first: bool) -> None:
+        """Builds the engine from ``build_args`` (Note [assembly]); torch's constructor gives torch its param
+        groups the first time, a rebuild replaces them in place (Note [rebuild on add_param_group])."""
+        optimizer_class, args = self.build_args
+        config, inner_kwargs, model_or_params, group, mesh = assembly.configure_from(
+            optimizer_class, model_or_params, module, args)
         # (checked before the model is touched, undone on an error: Note [refused construction] in construction.py)
         attached = construction.check_and_record(config, model_or_params, module, optimizer_class, inner_kwargs)
         try:  # (refused on one rank, refused on all: Note [agreed construction] in rank_agreement.py)
             self.engine, finish = rank_agreement.agreed(attached, lambda: assembly.assemble(
-                self, config, optimizer_class, attached, model_or_params, module, process_group, mesh, inner_kwargs))
-            super().__init__(self.engine.user_groups, dict(self.engine.inner.defaults))
+                self, config, optimizer_class, attached, model_or_params, module, group, mesh, inner_kwargs))
+            if first:
+                super().__init__(self.engine.user_groups, dict(self.engine.inner.defaults))
+            else:
+                self.defaults, self.param_groups = dict(self.engine.inner.defaults), []
+                for g in self.engine.user_groups:
+                    self.add_param_group(g)  # (torch's, while the engine is not ready)
             self.state = ParamStateView(self)  # type: ignore[assignment]  # (read-only)
             finish()
         except BaseException as exc:
@@ -64,10 +70,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @property
     def steps_done(self) -> int:
-        """Optimizer steps completed (skipped ones too: fp16 overflow, no gradient), counted from
-        construction or from the step of the checkpoint ``load_checkpoint`` loaded. A step is
-        whole or not begun even under Ctrl-C, so this is the step to save after an interrupt
-        (README: "Save on interrupt")."""
+        """Optimizer steps completed (skipped ones too), from construction or the loaded checkpoint's
+        step; whole or not begun even under Ctrl-C: the step to save (README: "Save on interrupt")."""
         return self.engine.inflight.steps
 
     @property
@@ -104,9 +108,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # -- gradients and the step ------------------------------------------------------------------
     def model_weights_changed(self) -> None:
-        """The model's parameters were written from outside (``model.load_state_dict``, a
-        weights-only ``load_checkpoint``): the fp32 masters of stages 0-2 take the new values, or
-        the next step would write the old ones back."""
+        """The model's parameters were written from outside (``model.load_state_dict``, a weights-only
+        ``load_checkpoint``): the masters take the new values (the next step would write the old ones)."""
         self.engine.weights_changed()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
@@ -151,7 +154,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         is kept. Note [rebuild on add_param_group]: units are laid out at construction, so this
         consolidates the state on every rank (a collective costing one copy of the optimizer state
         per rank for a moment), closes, builds again over the old groups plus the new one and
-        loads the state back; torch's state-dict hooks registered on this optimizer are kept."""
+        loads the state back; torch's own state on this optimizer (its hooks) is kept: the rebuild
+        replaces the param groups in place, not through torch's constructor."""
         if not self.engine.ready:
             return super().add_param_group(param_group)  # (torch's constructor adds the first groups)
         if not isinstance(param_group, dict) or "params" not in param_group:
@@ -161,12 +165,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise RuntimeError("add_param_group: the consolidated state did not reach this rank")
         e = self.engine
         groups = lifecycle.groups_with(e.sharding.visible, e.joined().all_units, self.param_groups, param_group)
-        hooks = {k: v for k, v in self.__dict__.items() if k.startswith("_optimizer_") and k.endswith("_hooks")}
-        (optimizer_class, args), module = self.build_args, e.module
         self.close()
         e.close_files()  # swap files are made anew by the rebuild
-        type(self).__init__(self, groups, optimizer_class, module=module, **cast("dict[str, Any]", args))
-        self.__dict__.update(hooks)
+        self._build(groups, e.module, first=False)
         n = sum(len(g["params"]) for g in state["param_groups"])
         added = {k: v for k, v in self.param_groups[-1].items() if k != "params"}
         state["param_groups"].append({**added, "params": list(range(n, n + len(groups[-1]["params"])))})
@@ -191,10 +192,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __deepcopy__(self, memo: dict) -> "ZeroOptimizer":
         raise TypeError(
-            "a ZeroOptimizer cannot be deep-copied (nor copied): it owns the model's parameter storage (every "
-            "parameter is a view of its flat buffers), hooks on those parameters and a process group, "
-            "none of which a copy could share or duplicate. Save opt.state_dict() (or "
-            "consolidated_state_dict()) and load it into a new ZeroOptimizer instead")
+            "a ZeroOptimizer cannot be deep-copied (nor copied): it owns the model's parameter storage (every parameter "
+            "is a view of its flat buffers), hooks on those parameters and a process group, none of which a copy could "
+            "share or duplicate. Save opt.state_dict() (or consolidated_state_dict()) and load it into a new ZeroOptimizer")
 
     def __copy__(self) -> "ZeroOptimizer":
         return self.__deepcopy__({})
