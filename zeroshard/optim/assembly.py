@@ -31,7 +31,7 @@ from zeroshard.config import ZeroConfig
 from zeroshard.layout import NamedParam
 from zeroshard.offload import NvmeOptimizerState
 from zeroshard.offload.nvme_generic_state import probe_layouts
-from zeroshard.offload.placement import StatePlacement
+from zeroshard.offload.placement_choice import placement_class
 from zeroshard.ops import FusedAdam
 from zeroshard.optim import construction, ddp_check, kernel_choice, lifecycle, registry, reports
 from zeroshard.optim.zero_engine import Engine
@@ -108,7 +108,7 @@ def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: Para
     the construction once the facade's param groups exist (the model's record dropped, frozen
     weights cast)."""
     config = engine.config
-    placement_class = _placement_class(config)
+    chosen_placement = placement_class(config)  # (chosen once: explicit, auto, or a policy over one)
     device, meta_shapes = None, {}
     if isinstance(model_or_params, nn.Module):
         device = torch.device(_DEVICE)
@@ -150,7 +150,7 @@ def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: Para
     snapshot.keep_data_only_of(lambda p: sharding.shard_parameters or local_of(p).dtype != param_dtype)
     plan = sharding.lay_out(module, trainable, frozen, precision.bucket_numel(config.bucket_size_mb),
                             dtype_of=lambda m: casts.get(id(m.param), m.param.dtype), whole_groups=whole)
-    engine.placement = placement_class(config, sharding.policy, engine.mesh.comm.rank, engine.optimizer_class,
+    engine.placement = chosen_placement(config, sharding.policy, engine.mesh.comm.rank, engine.optimizer_class,
                                       plan.layouts, plan.modules, param_dtype, construction.as_planned(groups, casts),
                                       device if meta_shapes else None,  # (Note [automatic placement])
                                       frozen_units=[(layout, members, casts.get(id(members[0].param),
@@ -174,18 +174,6 @@ def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: Para
         snapshot.commit()
         construction.cast_frozen(all_params, casts)
     return finish
-
-
-def _placement_class(config: ZeroConfig) -> type[StatePlacement]:
-    """The state placement policy: ``config.placement_policy`` (a class in one file, e.g.
-    tests/support/placement_example.py) or the built-in one (explicit options, or offload="auto")."""
-    cls = config.placement_policy
-    if cls is None:
-        return StatePlacement
-    if not issubclass(cls, StatePlacement):
-        raise TypeError(f"placement_policy={cls.__name__} must subclass zeroshard.offload.placement.StatePlacement "
-                        "(it is built with the same arguments and overrides what it decides, e.g. of_unit)")
-    return cls
 
 
 def _start_from_rank0(mesh: MeshInfo, params: list[torch.Tensor], frozen: list[NamedParam],
