@@ -10,8 +10,8 @@ count. ``--json`` prints them as JSON (tests/unit/test_structure.py reads them a
 - import_cycles: strongly connected groups of files that import each other, counting the
   imports inside functions (a lazy import hides a circle, it does not remove it); a package's
   ``__init__`` re-exporting its files is left out;
-- offload_kind_compares: comparisons with "nvme"/"cpu"/"auto" outside ``config.py`` and the
-  placement policy (``offload/placement.py``), not counting a device's type (``x.device.type == "cpu"``);
+- offload_kind_compares: comparisons with "nvme"/"cpu"/"auto" outside ``config.py`` (the
+  placement policies in ``offload/`` too, since issue 44), not counting a device's type (``x.device.type == "cpu"``);
 - any_annotations: annotations that are or contain ``Any``;
 - import_cycles_with_annotations (issue 44): the same circles, counting the imports under
   ``if TYPE_CHECKING:`` too (an annotation-only import is still a dependency a reader follows);
@@ -21,7 +21,13 @@ count. ``--json`` prints them as JSON (tests/unit/test_structure.py reads them a
   (ENGINE_NAMES, what ``ZeroOptimizer.__getattr__`` used to serve) through a variable that
   holds the optimizer; plus facade_proxy_names, how many names a ``__getattr__`` on the facade serves;
 - sibling_folders_both_ways: pairs of top-level folders under zeroshard/ that import each other
-  at run time (module level or inside functions), in both directions.
+  at run time (module level or inside functions), in both directions;
+- placement_auto_branches (issue 44): reads of ``.auto``/``.automatic`` and comparisons with
+  "auto" in ``offload/`` (the placement is chosen once, by its type, not re-asked per method);
+- offload_string_compares (issue 44): comparisons of an offload option or tier with a string
+  ("nvme", "cpu", "auto", "host", "device") below ``config.py`` (every module but the config and
+  the consumers in CONSUMERS, which read formats of their own), not counting a device's type:
+  the config parses the strings once into a ``Tier``.
 """
 from __future__ import annotations
 
@@ -35,7 +41,8 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 FACADE = os.path.join("optim", "zero_optimizer.py")
 OPT_NAMES = ("opt", "optimizer", "zero")
 KINDS = ("nvme", "cpu", "auto")
-KIND_HOMES = ("config.py", os.path.join("offload", "placement.py"))
+KIND_HOMES = ("config.py",)
+TIER_NAMES = KINDS + ("host", "device")  # (the offload strings and Tier's values)
 # What the facade's proxy served until issue 44 (``opt.units``, ``opt.comm``, ...).
 ENGINE_NAMES = frozenset(
     "units runs inner swapper comm replicas tp shard_group_ranks gatherer placement reducer scaler policy "
@@ -140,6 +147,7 @@ def measure() -> dict:
     with open(os.path.join(ROOT, FACADE), encoding="utf-8") as f:
         facade_lines = len(f.read().splitlines())
     taking_any, private_reads, kind_compares, any_count = [], [], [], 0
+    auto_branches, string_compares = [], []
     naming_facade, facade_reads = [], []
     graph: dict[str, set[str]] = {}
     graph_all: dict[str, set[str]] = {}
@@ -195,6 +203,18 @@ def measure() -> dict:
                                   "device" in ast.unparse(v) for v in values)  # (a device's type, not an offload kind)
                 if consts and not device_type:
                     kind_compares.append(f"{rel}:{node.lineno}")
+            if rel.startswith("offload" + os.sep) and (
+                    isinstance(node, ast.Attribute) and node.attr in ("auto", "automatic") or isinstance(node, ast.Compare)
+                    and any(isinstance(v, ast.Constant) and v.value == "auto" for v in [node.left, *node.comparators])):
+                auto_branches.append(f"{rel}:{node.lineno}")
+            if isinstance(node, ast.Compare) and rel != "config.py" and not rel.startswith(CONSUMERS):
+                values = [node.left, *node.comparators]
+                named = [v for v in values if isinstance(v, ast.Constant) and v.value in TIER_NAMES]
+                named += [e for v in values if isinstance(v, (ast.Tuple, ast.List, ast.Set))
+                          for e in v.elts if isinstance(e, ast.Constant) and e.value in TIER_NAMES]
+                if named and not any(isinstance(v, ast.Attribute) and v.attr == "type" or "device" in ast.unparse(v)
+                                     for v in values):
+                    string_compares.append(f"{rel}:{node.lineno}")
     getattr_fn = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__getattr__"), None)
     proxied = 0
     if getattr_fn is not None:
@@ -216,11 +236,14 @@ def measure() -> dict:
         "reads_through_facade": len(facade_reads),
         "facade_proxy_names": proxied,
         "sibling_folders_both_ways": len(both_ways),
+        "placement_auto_branches": len(auto_branches),
+        "offload_string_compares": len(string_compares),
         "where": {"functions_taking_opt_any": taking_any, "private_reads_of_opt": private_reads,
                   "import_cycles": _cycles(graph), "offload_kind_compares": kind_compares,
                   "import_cycles_with_annotations": _cycles(graph_all),
                   "below_facade_naming_facade": naming_facade, "reads_through_facade": facade_reads,
-                  "sibling_folders_both_ways": [f"{a} <-> {b}" for a, b in both_ways]},
+                  "sibling_folders_both_ways": [f"{a} <-> {b}" for a, b in both_ways],
+                  "placement_auto_branches": auto_branches, "offload_string_compares": string_compares},
     }
 
 

@@ -13,6 +13,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from zeroshard.units.tier import Tier
+
 _STAGES = (0, 1, 2, 3)
 _OFFLOAD = (None, "cpu", "nvme")
 _PRECISIONS = (None, "bf16", "fp16")
@@ -79,41 +81,63 @@ def check_offload(stage: int, offload_optimizer: Optional[str], offload_params: 
             "shard, and its optimizer states are streamed beside it")
 
 
-@dataclass(frozen=True)
+_TIER_OF = {None: Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}
+"""The offload strings' tiers (None: beside the model, on its device)."""
+
+
+def offload_tier(name: str, value: Union[Tier, str, None]) -> Tier:
+    """The tier an offload option names: a ``Tier`` as it is, or one of the strings None, "cpu", "nvme"."""
+    if isinstance(value, Tier):
+        return value
+    if not _member(value, _OFFLOAD):
+        raise ValueError(f"{name}={value!r} is not supported; use one of {_OFFLOAD}")
+    return _TIER_OF[value]
+
+
+@dataclass(frozen=True, init=False)
 class Placement:
     """Where a unit's pieces live (``offload_optimizer`` / ``offload_params``, or one unit's
-    share of ``offload="auto"``'s plan): "cpu" puts them in (pinned, when the model is on an
-    accelerator) host memory, "nvme" in a swap file with host memory as the staging place. On
-    a CPU-only machine the model already lives on the host, so "cpu" changes nothing. The
-    offload kinds are read here and in ``ZeroConfig``, nowhere else."""
+    share of ``offload="auto"``'s plan): "cpu" (``Tier.HOST``) puts them in (pinned, when the
+    model is on an accelerator) host memory, "nvme" (``Tier.NVME``) in a swap file with host
+    memory as the staging place; None (``Tier.DEVICE``) beside the model. On a CPU-only
+    machine the model already lives on the host, so "cpu" changes nothing. Given as the
+    strings or as tiers, kept as tiers; the offload kinds are read here and in ``ZeroConfig``,
+    nowhere else."""
 
-    optimizer: Optional[str] = None
-    params: Optional[str] = None
-    pin: bool = True
+    optimizer: Tier
+    params: Tier
+    pin: bool
+
+    def __init__(self, optimizer: Union[Tier, str, None] = None, params: Union[Tier, str, None] = None,
+                 pin: bool = True) -> None:
+        object.__setattr__(self, "optimizer", offload_tier("offload_optimizer", optimizer))
+        object.__setattr__(self, "params", offload_tier("offload_params", params))
+        object.__setattr__(self, "pin", pin)
 
     @property
     def state_swapped(self) -> bool:
         """Optimizer moments (and, with parameters swapped, master and gradient) in a swap file."""
-        return self.optimizer == "nvme"
+        return self.optimizer is Tier.NVME
 
     @property
     def params_swapped(self) -> bool:
-        return self.params == "nvme"
+        return self.params is Tier.NVME
 
     def optimizer_device(self, model_device: torch.device) -> torch.device:
-        # "nvme": the moments go to the swap file; master and gradients wait in host memory.
-        return torch.device("cpu") if self.optimizer in ("cpu", "nvme") else model_device
+        # NVME: the moments go to the swap file; master and gradients wait in host memory.
+        return model_device if self.optimizer is Tier.DEVICE else torch.device("cpu")
 
     def param_device(self, model_device: torch.device) -> torch.device:
-        # "nvme": the shard is read into host memory for the gather, then dropped.
-        return torch.device("cpu") if self.params in ("cpu", "nvme") else model_device
+        # NVME: the shard is read into host memory for the gather, then dropped.
+        return model_device if self.params is Tier.DEVICE else torch.device("cpu")
 
 
 # Note [typed offload options]: ``offload=`` takes one of the three classes below (the strings
 # ``offload_optimizer="cpu"|"nvme"``, ``offload_params=``, ``nvme_path=``, ``offload="auto"``
 # with ``memory_budget=`` stay as sugar for them). ``ZeroConfig`` turns either form into the
 # same fields once, here, and ``ZeroConfig.offload_options`` gives the typed form back, so the
-# rest of zeroshard reads one vocabulary whichever the user wrote.
+# rest of zeroshard reads one vocabulary whichever the user wrote: ``Tier`` (``optimizer_tier``,
+# ``params_tier``, ``Placement``'s fields), never the strings.
 @dataclass(frozen=True, kw_only=True)
 class CPUOffload:
     """fp32 master pieces and optimizer moments in host memory (the strings' ``offload_optimizer="cpu"``);
@@ -242,7 +266,9 @@ class ZeroConfig:
     placement_policy: Optional[type] = None
     """A placement policy of your own: a subclass of ``zeroshard.offload.placement.StatePlacement``
     (one file; Note [assembly] in zeroshard/optim/assembly.py), built in its place with the same
-    arguments. It decides each unit's ``Placement`` (``of_unit``) and may override what follows."""
+    arguments. It decides each unit's ``Placement`` (``of_unit``) and may override what follows;
+    the rest comes from the placement the offload options name (``ExplicitPlacement`` or
+    ``AutoPlacement``, zeroshard/offload/placement_choice.py)."""
 
     def __post_init__(self) -> None:
         self._take_typed_offload()
@@ -357,19 +383,30 @@ class ZeroConfig:
         MemoryBudget.parse(self.memory_budget)
 
     @property
+    def optimizer_tier(self) -> Tier:
+        """Where ``offload_optimizer`` puts every unit's master, gradient and moments (DEVICE under
+        ``offload="auto"``, whose plan places each unit: ``AutoPlacement``)."""
+        return offload_tier("offload_optimizer", self.offload_optimizer)
+
+    @property
+    def params_tier(self) -> Tier:
+        """Where ``offload_params`` puts every stage-3 shard between gathers."""
+        return offload_tier("offload_params", self.offload_params)
+
+    @property
     def optimizer_swapped(self) -> bool:
         """``offload_optimizer="nvme"``: moments streamed through a swap file each step."""
-        return self.offload_optimizer == "nvme"
+        return self.optimizer_tier is Tier.NVME
 
     @property
     def optimizer_on_host(self) -> bool:
         """``offload_optimizer="cpu"``: master and moments in host memory."""
-        return self.offload_optimizer == "cpu"
+        return self.optimizer_tier is Tier.HOST
 
     @property
     def params_swapped(self) -> bool:
         """``offload_params="nvme"``: stage-3 shards (with their masters, gradients) in a swap file."""
-        return self.offload_params == "nvme"
+        return self.params_tier is Tier.NVME
 
     @property
     def automatic(self) -> bool:
@@ -380,7 +417,7 @@ class ZeroConfig:
     def placement(self) -> Placement:
         """The placement every unit gets when it is chosen by hand (``offload="auto"`` gives each
         unit its own, from the plan)."""
-        return Placement(self.offload_optimizer, self.offload_params, self.pin_memory)
+        return Placement(self.optimizer_tier, self.params_tier, self.pin_memory)
 
     @classmethod
     def field_names(cls) -> frozenset[str]:

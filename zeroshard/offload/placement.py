@@ -1,31 +1,29 @@
-"""Where each unit's state lives, for one ZeroOptimizer: the explicit options' single choice, or
-the per-unit plan of ``offload="auto"`` (Note [automatic placement] in
-zeroshard/planner/auto_placement.py), and what it took to apply it.
+"""Where each unit's state lives, for one ZeroOptimizer: what the two placements share
+(``StatePlacement``), and the sizes they place (``describe_units``). ``ExplicitPlacement``
+(offload/placement_explicit.py) gives every unit the explicit options' single choice,
+``AutoPlacement`` (offload/placement_auto.py) the per-unit plan of ``offload="auto"`` (Note
+[automatic placement] in zeroshard/planner/auto_placement.py); ``placement_class``
+(offload/placement_choice.py) picks one from the config, once.
 
 Lifecycle: built from the layouts before any unit exists (``StatePlacement(config, policy, ...)``);
 while the units are built it gives each its ``Placement`` (``of_unit``) and hands it to the
 swap file with the parts the plan puts there (``adopt``); the optimizer state then learns
-which runs keep their moments in memory (``resident_moments``); afterwards it reports
+which runs keep their moments in memory (``state_options``); afterwards it reports
 (``report``) what was decided, why, and the bytes the swap files moved.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
-from zeroshard.units.elementwise import update_kind
-
 from zeroshard.io.host_pool import HOST_POOL
 from zeroshard.offload.param_cache import ParamCache
-from zeroshard.offload.peak_memory import (StepPeaks, cache_within, resident_bytes, return_freed_memory,
-                                           trim_freed_memory)
+from zeroshard.offload.peak_memory import StepPeaks, trim_freed_memory
 from zeroshard.offload.swap_file import aligned
 from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.config import Placement, ZeroConfig
-from zeroshard.planner.auto_placement import (KINDS, Fixed, MemoryBudget, Plan, Tier, UnitSpec, plan_auto,
-                                              plan_explicit, report_text)
+from zeroshard.planner.auto_placement import KINDS, Fixed, Plan, UnitSpec, report_text
 
 if TYPE_CHECKING:  # (types only: the optimizer state and runs are built after the placement)
     from torch import nn
@@ -40,8 +38,11 @@ if TYPE_CHECKING:  # (types only: the optimizer state and runs are built after t
 FrozenUnit = tuple["UnitLayout", Sequence["NamedParam"], torch.dtype, Optional["nn.Module"]]
 """A stage-3 frozen unit before it is built: layout, members, dtype, module (None: the root)."""
 
+UnitLayouts = Sequence[tuple["UnitLayout", Sequence["NamedParam"]]]
+"""The trainable units' layouts with their members, in unit order."""
 
-def describe_units(config: ZeroConfig, policy: StagePolicy, rank: int, layouts: Sequence[tuple[Any, Any]],
+
+def describe_units(config: ZeroConfig, policy: StagePolicy, rank: int, layouts: UnitLayouts,
                    unit_modules: Sequence[Any], param_dtype: torch.dtype, groups: Sequence[dict],
                    accelerator: bool, frozen_units: Sequence[FrozenUnit] = ()) -> tuple[list[UnitSpec], Fixed]:
     """Each unit's bytes per kind of state on ``rank``, and the memory placement cannot move
@@ -114,155 +115,104 @@ def largest_parts(specs: Sequence[UnitSpec]) -> int:
     return max((u.shard + u.master + u.grad for u in specs if not u.frozen), default=0)
 
 
-def outside_state(groups: Sequence[dict]) -> int:
-    """The process's resident memory now, less its parameters in host memory: what it holds
-    outside the training state (Note [what the budget covers])."""
-    params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for g in groups for p in g["params"]
-              if p.device.type == "cpu" and not p.is_meta}
-    return max(0, resident_bytes() - sum(params.values())) + _FIRST_BACKWARD
-
-
-_FIRST_BACKWARD = 16 << 20
-"""Resident memory the first forward and backward add to the process whatever the model
-(autograd's engine and its thread, kernels loaded on first use): 14 MiB measured here with
-torch 2.13 on a 2-layer model, counted as memory outside the state."""
-
-
 class StatePlacement:
+    """What both placements share: the units' sizes (``specs``), the plan (``plan``), the swap
+    file of the units (``store``) and what it moved, the step's peak memory (``peaks``, under a
+    budget) and the report. A subclass decides: its plan (``_decide``), each unit's
+    ``Placement`` (``of_unit``, ``of_frozen``), the parts it hands to the swap file (``adopt``,
+    ``adopt_frozen``) and the optimizer state's options. A ``placement_policy`` given by a
+    user subclasses this class (or one of the two) and overrides what it decides; it is built
+    over the placement the config names (``placement_class``)."""
+
     def __init__(self, config: ZeroConfig, policy: StagePolicy, rank: int, optimizer_class: type,
-                 layouts: Sequence[tuple[Any, Any]], unit_modules: Sequence[Any], param_dtype: torch.dtype,
+                 layouts: UnitLayouts, unit_modules: Sequence[Any], param_dtype: torch.dtype,
                  groups: Sequence[dict], device: Optional[torch.device],
                  frozen_units: Sequence[FrozenUnit] = ()) -> None:
         self.config = config
         first = next((m.param for _, members in layouts for m in members), None)
         model_device = device or (first.device if first is not None else torch.device("cpu"))
         self.accelerator = model_device.type != "cpu"
-        self.auto = config.offload == "auto"
-        # (offload="auto" places the frozen units too, after the trainable ones: a LoRA base past
-        # memory streams like any shard; explicit options give them offload_params)
         specs, fixed = describe_units(config, policy, rank, layouts, unit_modules, param_dtype, groups,
-                                      self.accelerator, frozen_units if self.auto else ())
+                                      self.accelerator, self._placed_frozen(frozen_units))
         self.specs = specs
         self.live_units = live_units(config)
         """Stage 3's groups gathered at once (Note [prefetch depth]): 3 where offload="auto"
         found room for one more (``max_live_units`` unset), else ``max_live_units`` or 2."""
-        if self.auto:
-            budget = MemoryBudget.parse(config.memory_budget)
-            if not self.accelerator and budget.device and budget.host:
-                raise ValueError(
-                    f"memory_budget={config.memory_budget!r} gives device and host budgets, but the model is on the "
-                    f"CPU: device and host are one memory here, so a host budget of its own ({budget.host} bytes) "
-                    f"could not be kept apart from the device's. Give one size, the whole memory this rank may use: "
-                    f"memory_budget={{'host': ...}} (or on a GPU machine, with the model on the GPU, both)")
-            # (Note [freed memory goes back] in peak_memory.py: the largest block backward frees
-            # and allocates again is a parameter's gradient, in the model dtype)
-            return_freed_memory(torch.empty((), dtype=param_dtype).element_size()
-                                * max((seg.numel for layout, _ in layouts for seg in layout.segments), default=0))
-            # Measured: plus 2% of the budget for what start-up cannot see (the batch's
-            # activations, I/O timing); step 1 then sizes the parameter cache (StepPeaks).
-            host_budget = budget.host if self.accelerator else budget.device + budget.host
-            share = 0 if budget.reserve is not None else 50  # (the 2%: 1/50 of the budget)
-            margin = host_budget // share if share else 0
-            process = budget.reserve if budget.reserve is not None else outside_state(groups) + margin
-            fixed = dataclasses.replace(fixed, host=fixed.host + process, process=process, budget_share=share,
-                                        share_bytes=margin)
-            group = fixed.group if config.max_live_units is None else 0
-            self.plan: Plan = plan_auto(specs, budget, fixed, accelerator=self.accelerator,
-                                        nvme=config.nvme_path is not None, deeper=group)
-            self.live_units = live_units(config, 3 if self.plan.deeper else None)
-            # (whole-tensor classes stream state of their own: Note [generic state on NVMe])
-            streamable = [c for c in {g.get("optimizer_class", optimizer_class) for g in groups}
-                          if not (isinstance(c, type) and issubclass(c, (torch.optim.Adam, torch.optim.AdamW)))
-                          and update_kind(c) != "whole"]
-            cls = streamable[0] if streamable else optimizer_class
-            if self.plan.offloads and streamable:
-                raise ValueError(
-                    f"offload='auto' must offload part of the state to fit memory_budget ({budget}), and offloaded "
-                    f"state is stepped by the fused Adam/AdamW kernel, which {getattr(cls, '__name__', cls)} does not "
-                    f"run on; use torch.optim.Adam/AdamW, or a budget that holds everything (at least "
-                    f"{fixed.device + fixed.host + sum(u.size(k) for u in specs for k in KINDS)} bytes here)")
-        else:
-            self.plan = plan_explicit(specs, fixed, accelerator=self.accelerator,
-                                      optimizer=config.offload_optimizer, params=config.offload_params)
         self._index: dict[int, int] = {}
         self._units: list["FlatUnit"] = []
         self.peaks: Optional[StepPeaks] = None
-        self._planned_cache = self.plan.cached
-        if self.auto:
-            self.peaks = StepPeaks(host_budget, calibrate=budget.reserve is None, fit_cache=self._fit_cache,
-                                   margin=host_budget // 50 + largest_parts(specs))
-            if self.peaks.calibrate and self.peaks.works and self.plan.cached:  # sized after step 1
-                self.plan = cache_within(self.plan, self._planned_cache, 0,
-                                         "parameter cache: empty until step 1, whose measured peak sizes it")
+        self.plan: Plan = self._decide(fixed, optimizer_class, layouts, param_dtype, groups)
         self.store: Optional[NvmeUnitStore] = None
-        self._explicit_nvme = not self.auto and config.offload_optimizer == "nvme"
-        if self._explicit_nvme or (self.auto and any(self.plan.swapped(i) for i in range(len(specs)))):
-            swap_shards = (config.offload_params == "nvme" if not self.auto else
-                           any("shard" in self.plan.swapped(i) for i in range(len(specs))))
+        if self._swap_file_needed():
             if config.nvme_path is None:  # (ZeroConfig requires it for "nvme"; the planner swaps only with it)
                 raise RuntimeError("state placed on NVMe without nvme_path: pass nvme_path= a directory")
-            self.store = NvmeUnitStore(config.nvme_path, rank, swap_shards=swap_shards)  # (its owner closes it)
+            self.store = NvmeUnitStore(config.nvme_path, rank,  # (its owner closes it)
+                                       swap_shards=self._shards_swapped())
             if self.plan.cached:
                 self.store.cache = _PendingCache(self.plan.cached)
 
-    # -- while the units are built ------------------------------------------------------------
+    # -- what a placement decides ---------------------------------------------------------------
+    def _placed_frozen(self, frozen_units: Sequence[FrozenUnit]) -> Sequence[FrozenUnit]:
+        """The frozen units this placement places itself (described after the trainable ones)."""
+        raise self._undecided()
+
+    def _decide(self, fixed: Fixed, optimizer_class: type, layouts: UnitLayouts,
+                param_dtype: torch.dtype, groups: Sequence[dict]) -> Plan:
+        """The plan over ``self.specs`` (run once, in the constructor)."""
+        raise self._undecided()
+
+    def _swap_file_needed(self) -> bool:
+        """Some unit's parts live in the units' swap file."""
+        raise self._undecided()
+
+    def _shards_swapped(self) -> bool:
+        """Some unit's stage-3 shard lives in the units' swap file."""
+        raise self._undecided()
+
     @property
     def streams_optimizer(self) -> bool:
-        """The host-side step of ``NvmeOptimizerState`` runs (explicit NVMe offload, or a plan
-        that offloads anything)."""
-        return self._explicit_nvme or (self.auto and self.plan.offloads)
+        """The host-side step of ``NvmeOptimizerState`` runs."""
+        raise self._undecided()
+
+    @property
+    def optimizer_on_host(self) -> bool:
+        """Every unit's master and moments live in host memory, stepped there one unit at a
+        time (``offload_optimizer="cpu"``: the stepper's choice)."""
+        raise self._undecided()
 
     def of_unit(self, index: int) -> Placement:
-        if not self.auto:
-            return self.config.placement
-        if not self.plan.offloads:
-            return Placement()
-        shard = {"device": None, "host": "cpu", "nvme": "nvme"}[self.plan.tier(index, "shard")]
-        return Placement(optimizer="nvme", params=shard if self.specs[index].shard else None)
+        """The trainable unit ``index``'s placement."""
+        raise self._undecided()
 
     def of_frozen(self, index: int) -> Placement:
-        """A frozen unit's placement (``index`` counts frozen units from 0): ``offload_params``
-        under the explicit options, the plan's tier for its shard under offload="auto"."""
-        if not self.auto:
-            return self.config.placement
-        i = self._frozen_index(index)
-        if i is None or not self.plan.offloads:
-            return Placement()
-        return Placement(params={"device": None, "host": "cpu", "nvme": "nvme"}[self.plan.tier(i, "shard")])
-
-    def _frozen_index(self, index: int) -> Optional[int]:
-        i = sum(1 for u in self.specs if not u.frozen) + index
-        return i if i < len(self.specs) and self.specs[i].frozen else None
+        """A frozen unit's placement (``index`` counts frozen units from 0)."""
+        raise self._undecided()
 
     def adopt_frozen(self, unit: FlatUnit) -> None:
-        """Hands a frozen unit's shard to the swap file where it streams (the explicit options:
-        ``offload_params="nvme"``; auto: the plan's tier)."""
-        if not self.auto:
-            if self.store is not None and self.config.params_swapped:
-                self.store.adopt(unit)
-            return
-        i = self._frozen_index(sum(1 for u in self._units if u.frozen))
-        if i is None:
-            return
-        self._index[id(unit)] = i
-        self._units.append(unit)
-        if self.store is None:
-            return
-        if self.plan.tier(i, "shard") == Tier.NVME:
-            self.store.adopt(unit, ("shard",))
-        if isinstance(self.store.cache, _PendingCache) and i in self.store.cache.indices:
-            self.store.cache.units.append(unit)
+        """Hands a frozen unit's shard to the swap file where it streams."""
+        raise self._undecided()
 
+    def _hand_over(self, store: NvmeUnitStore, unit: FlatUnit, index: int) -> None:
+        """Hands the trainable unit ``index`` to the units' swap file with the parts it streams."""
+        raise self._undecided()
+
+    def _state_options(self, runs: Sequence[Run]) -> dict:
+        """``NvmeOptimizerState``'s placement options (see ``state_options``)."""
+        raise self._undecided()
+
+    def _undecided(self) -> NotImplementedError:
+        return NotImplementedError(
+            f"{type(self).__name__} decides nothing of its own here: subclass ExplicitPlacement or AutoPlacement, "
+            "or give it as placement_policy= (built over the placement the config names: placement_class)")
+
+    # -- while the units are built ------------------------------------------------------------
     def adopt(self, unit: "FlatUnit") -> None:
         index = len(self._index)
         self._index[id(unit)] = index
         self._units.append(unit)
         if self.store is None:
             return
-        if not self.auto:
-            self.store.adopt(unit)
-        elif self.plan.swapped(index):
-            self.store.adopt(unit, [p for p in self.plan.swapped(index) if p != "master" or unit.separate_master])
+        self._hand_over(self.store, unit, index)
         if isinstance(self.store.cache, _PendingCache) and index in self.store.cache.indices:
             self.store.cache.units.append(unit)
 
@@ -278,11 +228,7 @@ class StatePlacement:
         self.finish()
         if self.store is not None:
             self.store.max_in_flight = slots
-        if not self.auto:
-            return {}
-        tier = self.plan.tier
-        return {"resident": {id(r.tensor) for r in runs if tier(self._index[id(r.unit)], "moments") != "nvme"},
-                "release_pool": True}
+        return self._state_options(runs)
 
     # -- afterwards -----------------------------------------------------------------------------
     def watch(self, reducer: Any) -> None:
@@ -302,13 +248,6 @@ class StatePlacement:
         if self.peaks is not None:
             self.peaks.after_step()
             trim_freed_memory()
-
-    def _fit_cache(self, room: int) -> int:
-        if self.store is None or not self._planned_cache:
-            return 0
-        self.plan = cache_within(self.plan, self._planned_cache, room)
-        self.store.cache = ParamCache([self._units[i] for i in sorted(self.plan.cached)])
-        return sum(self.plan.units[i].shard for i in self.plan.cached)
 
     def applied(self, runs: Sequence[Run], swapper: Optional[NvmeOptimizerState]) -> dict[str, dict[str, int]]:
         """Bytes per kind in memory and in the swap files as the units and the optimizer state

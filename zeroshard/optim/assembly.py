@@ -36,6 +36,7 @@ from zeroshard.layout import NamedParam
 from zeroshard.offload import NvmeOptimizerState
 from zeroshard.offload.nvme_generic_state import probe_layouts
 from zeroshard.offload.placement import StatePlacement
+from zeroshard.offload.placement_choice import placement_class
 from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.ops import FusedAdam
 from zeroshard.optim import construction, ddp_check, kernel_choice, lifecycle, registry, reports
@@ -128,7 +129,7 @@ def assemble(owner: torch.optim.Optimizer, config: ZeroConfig, optimizer_class: 
     """The engine for ``owner`` (the facade: registered, never read), built complete, and what
     ends the construction once the facade's param groups exist (the model's record dropped,
     frozen weights cast). What is attached on the way is recorded in ``attached``."""
-    placement_class = _placement_class(config)
+    chosen_placement = placement_class(config)  # (chosen once: explicit, auto, or a policy over one)
     device, meta_shapes = None, {}
     if isinstance(model_or_params, nn.Module):
         device = torch.device(_DEVICE)
@@ -168,11 +169,11 @@ def assemble(owner: torch.optim.Optimizer, config: ZeroConfig, optimizer_class: 
     attached.snapshot.keep_data_only_of(lambda p: sharding.shard_parameters or local_of(p).dtype != param_dtype)
     plan = sharding.lay_out(module, trainable, frozen, precision.bucket_numel(config.bucket_size_mb),
                             dtype_of=lambda m: casts.get(id(m.param), m.param.dtype), whole_groups=whole)
-    placement = placement_class(config, sharding.policy, mesh_.comm.rank, optimizer_class, plan.layouts, plan.modules,
-                                param_dtype, construction.as_planned(groups, casts),
-                                device if meta_shapes else None,  # (Note [automatic placement])
-                                frozen_units=[(layout, members, casts.get(id(members[0].param), members[0].param.dtype),
-                                               m) for (layout, members), m in zip(plan.frozen_layouts, plan.frozen_modules)])
+    placement = chosen_placement(config, sharding.policy, mesh_.comm.rank, optimizer_class, plan.layouts, plan.modules,
+                                 param_dtype, construction.as_planned(groups, casts),
+                                 device if meta_shapes else None,  # (Note [automatic placement])
+                                 frozen_units=[(layout, members, casts.get(id(members[0].param), members[0].param.dtype),
+                                                m) for (layout, members), m in zip(plan.frozen_layouts, plan.frozen_modules)])
     inflight = StepInFlight()
     units, frozen_units = _build_units(owner, attached, placement, sharding, mesh_, precision, plan, casts,
                                        device if meta_shapes else None, inflight)
@@ -200,18 +201,6 @@ def assemble(owner: torch.optim.Optimizer, config: ZeroConfig, optimizer_class: 
         attached.snapshot.commit()
         construction.cast_frozen(all_params, casts)
     return engine, finish
-
-
-def _placement_class(config: ZeroConfig) -> type[StatePlacement]:
-    """The state placement policy: ``config.placement_policy`` (a class in one file, e.g.
-    tests/support/placement_example.py) or the built-in one (explicit options, or offload="auto")."""
-    cls = config.placement_policy
-    if cls is None:
-        return StatePlacement
-    if not issubclass(cls, StatePlacement):
-        raise TypeError(f"placement_policy={cls.__name__} must subclass zeroshard.offload.placement.StatePlacement "
-                        "(it is built with the same arguments and overrides what it decides, e.g. of_unit)")
-    return cls
 
 
 def _start_from_rank0(mesh: MeshInfo, params: list[torch.Tensor], frozen: list[NamedParam],

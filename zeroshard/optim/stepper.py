@@ -133,7 +133,7 @@ class Stepper:
     def _update(self, scale: float, kwargs: dict) -> None:
         if self.swapper is not None:  # (writes swapped units back inside its pass)
             self.swapper.step(self.inner.param_groups, grad_scale=scale)
-        elif self.fused and self.config.optimizer_on_host:
+        elif self.fused and self.placement.optimizer_on_host:
             self._step_unit_by_unit(scale)
         else:
             if self.fused:  # the bf16/fp16 model copy is written in the same pass

@@ -59,31 +59,12 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Mapping, Optional
 
+from zeroshard.units.tier import Tier
 from zeroshard.planner.sizes import fmt_bytes, parse_bytes
 
 KINDS = ("shard", "master", "grad", "moments")
-
-
-class Tier(str, Enum):
-    """Where one kind of a unit's state lives (Note [automatic placement]): the model's device,
-    host memory, or an NVMe swap file. A str equal to its name ("device", "host", "nvme"), so
-    reports, JSON and lookups by name see the plain string."""
-
-    DEVICE = "device"
-    HOST = "host"
-    NVME = "nvme"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __repr__(self) -> str:
-        return repr(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 TIERS = tuple(t.value for t in Tier)
@@ -415,15 +396,15 @@ def _fmt_min(m: dict[str, int], accelerator: bool) -> str:
     return f"{{'host': '{-(-m['host'] // 2**20)}MiB'}} (device and host are one memory here)"
 
 
-def plan_explicit(units: list[UnitSpec], fixed: Fixed, *, accelerator: bool, optimizer: Optional[str],
-                  params: Optional[str]) -> Plan:
-    """The placement ``offload_optimizer`` / ``offload_params`` give every unit, as a ``Plan``
-    (for ``placement_report``)."""
-    def where(choice: Optional[str]) -> Tier:
-        return {None: Tier.DEVICE if accelerator else Tier.HOST, "cpu": Tier.HOST, "nvme": Tier.NVME}[choice]
+def plan_explicit(units: list[UnitSpec], fixed: Fixed, *, accelerator: bool, optimizer: Tier, params: Tier,
+                  options: str) -> Plan:
+    """The placement ``offload_optimizer`` / ``offload_params`` (``options``, as the user gave
+    them) give every unit, as a ``Plan`` (for ``placement_report``)."""
+    def where(tier: Tier) -> Tier:  # (on a CPU-only machine the model's device is host memory)
+        return Tier.HOST if tier is Tier.DEVICE and not accelerator else tier
     tiers = tuple((where(params), where(optimizer), where(optimizer), where(optimizer)) for _ in units)
     return Plan(tuple(units), tiers, frozenset(), None, fixed, accelerator, "explicit",
-                (f"explicit: offload_optimizer={optimizer!r}, offload_params={params!r} for every unit",))
+                (f"explicit: {options} for every unit",))
 
 
 def report_text(plan: Plan, measured: Optional[dict[str, float]] = None) -> str:

@@ -1,0 +1,157 @@
+"""``offload="auto"``'s placement: each unit's state placed in memory or on NVMe by the
+planner's plan under ``memory_budget`` (Note [automatic placement] in
+zeroshard/planner/auto_placement.py), the step's peak memory measured against it (``StepPeaks``)
+and the parameter cache sized from what step 1 left free.
+
+Lifecycle: as ``StatePlacement`` (zeroshard/offload/placement.py), which it extends with the plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
+
+from zeroshard.config import Placement
+from zeroshard.offload.param_cache import ParamCache
+from zeroshard.offload.peak_memory import StepPeaks, cache_within, resident_bytes, return_freed_memory
+from zeroshard.offload.placement import FrozenUnit, StatePlacement, UnitLayouts, _PendingCache, largest_parts, live_units
+from zeroshard.planner.auto_placement import KINDS, Fixed, MemoryBudget, Plan, plan_auto
+from zeroshard.units.elementwise import update_kind
+from zeroshard.units.tier import Tier
+
+if TYPE_CHECKING:  # (types only: the runs and units are built after the placement)
+    from zeroshard.offload.unit_swap import NvmeUnitStore
+    from zeroshard.units.flat_unit import FlatUnit
+    from zeroshard.units.run import Run
+
+
+class AutoPlacement(StatePlacement):
+    def _placed_frozen(self, frozen_units: Sequence[FrozenUnit]) -> Sequence[FrozenUnit]:
+        # (offload="auto" places the frozen units too, after the trainable ones: a LoRA base past
+        # memory streams like any shard)
+        return frozen_units
+
+    def _decide(self, fixed: Fixed, optimizer_class: type, layouts: UnitLayouts,
+                param_dtype: torch.dtype, groups: Sequence[dict]) -> Plan:
+        config, specs = self.config, self.specs
+        budget = MemoryBudget.parse(config.memory_budget)
+        if not self.accelerator and budget.device and budget.host:
+            raise ValueError(
+                f"memory_budget={config.memory_budget!r} gives device and host budgets, but the model is on the "
+                f"CPU: device and host are one memory here, so a host budget of its own ({budget.host} bytes) "
+                f"could not be kept apart from the device's. Give one size, the whole memory this rank may use: "
+                f"memory_budget={{'host': ...}} (or on a GPU machine, with the model on the GPU, both)")
+        # (Note [freed memory goes back] in peak_memory.py: the largest block backward frees
+        # and allocates again is a parameter's gradient, in the model dtype)
+        return_freed_memory(torch.empty((), dtype=param_dtype).element_size()
+                            * max((seg.numel for layout, _ in layouts for seg in layout.segments), default=0))
+        # Measured: plus 2% of the budget for what start-up cannot see (the batch's
+        # activations, I/O timing); step 1 then sizes the parameter cache (StepPeaks).
+        host_budget = budget.host if self.accelerator else budget.device + budget.host
+        share = 0 if budget.reserve is not None else 50  # (the 2%: 1/50 of the budget)
+        margin = host_budget // share if share else 0
+        process = budget.reserve if budget.reserve is not None else outside_state(groups) + margin
+        fixed = dataclasses.replace(fixed, host=fixed.host + process, process=process, budget_share=share,
+                                    share_bytes=margin)
+        group = fixed.group if config.max_live_units is None else 0
+        plan = plan_auto(specs, budget, fixed, accelerator=self.accelerator,
+                         nvme=config.nvme_path is not None, deeper=group)
+        self.live_units = live_units(config, 3 if plan.deeper else None)
+        # (whole-tensor classes stream state of their own: Note [generic state on NVMe])
+        streamable = [c for c in {g.get("optimizer_class", optimizer_class) for g in groups}
+                      if not (isinstance(c, type) and issubclass(c, (torch.optim.Adam, torch.optim.AdamW)))
+                      and update_kind(c) != "whole"]
+        cls = streamable[0] if streamable else optimizer_class
+        if plan.offloads and streamable:
+            raise ValueError(
+                f"offload='auto' must offload part of the state to fit memory_budget ({budget}), and offloaded "
+                f"state is stepped by the fused Adam/AdamW kernel, which {getattr(cls, '__name__', cls)} does not "
+                f"run on; use torch.optim.Adam/AdamW, or a budget that holds everything (at least "
+                f"{fixed.device + fixed.host + sum(u.size(k) for u in specs for k in KINDS)} bytes here)")
+        self._planned_cache = plan.cached
+        self.peaks = StepPeaks(host_budget, calibrate=budget.reserve is None, fit_cache=self._fit_cache,
+                               margin=host_budget // 50 + largest_parts(specs))
+        if self.peaks.calibrate and self.peaks.works and plan.cached:  # sized after step 1
+            plan = cache_within(plan, self._planned_cache, 0,
+                                "parameter cache: empty until step 1, whose measured peak sizes it")
+        return plan
+
+    def _swap_file_needed(self) -> bool:
+        return any(self.plan.swapped(i) for i in range(len(self.specs)))
+
+    def _shards_swapped(self) -> bool:
+        return any("shard" in self.plan.swapped(i) for i in range(len(self.specs)))
+
+    @property
+    def streams_optimizer(self) -> bool:
+        """A plan that offloads anything streams the moments (as ``offload_optimizer="nvme"``)."""
+        return self.plan.offloads
+
+    @property
+    def optimizer_on_host(self) -> bool:
+        return False  # (what the plan offloads, it streams: ``streams_optimizer``)
+
+    def of_unit(self, index: int) -> Placement:
+        if not self.plan.offloads:
+            return Placement()
+        return Placement(optimizer=Tier.NVME, params=self.plan.tier(index, "shard") if self.specs[index].shard
+                         else Tier.DEVICE)
+
+    def of_frozen(self, index: int) -> Placement:
+        """The plan's tier for the frozen unit's shard."""
+        i = self._frozen_index(index)
+        if i is None or not self.plan.offloads:
+            return Placement()
+        return Placement(params=self.plan.tier(i, "shard"))
+
+    def _frozen_index(self, index: int) -> Optional[int]:
+        i = sum(1 for u in self.specs if not u.frozen) + index
+        return i if i < len(self.specs) and self.specs[i].frozen else None
+
+    def adopt_frozen(self, unit: FlatUnit) -> None:
+        """Hands a frozen unit's shard to the swap file where the plan streams it."""
+        i = self._frozen_index(sum(1 for u in self._units if u.frozen))
+        if i is None:
+            return
+        self._index[id(unit)] = i
+        self._units.append(unit)
+        if self.store is None:
+            return
+        if self.plan.tier(i, "shard") == Tier.NVME:
+            self.store.adopt(unit, ("shard",))
+        if isinstance(self.store.cache, _PendingCache) and i in self.store.cache.indices:
+            self.store.cache.units.append(unit)
+
+    def _hand_over(self, store: NvmeUnitStore, unit: FlatUnit, index: int) -> None:
+        if self.plan.swapped(index):
+            store.adopt(unit, [p for p in self.plan.swapped(index) if p != "master" or unit.separate_master])
+
+    def _state_options(self, runs: Sequence[Run]) -> dict:
+        """The runs whose moments the plan keeps in memory; the pool lives only during the step
+        (the parameter cache uses that memory in between)."""
+        tier = self.plan.tier
+        return {"resident": {id(r.tensor) for r in runs if tier(self._index[id(r.unit)], "moments") != Tier.NVME},
+                "release_pool": True}
+
+    def _fit_cache(self, room: int) -> int:
+        if self.store is None or not self._planned_cache:
+            return 0
+        self.plan = cache_within(self.plan, self._planned_cache, room)
+        self.store.cache = ParamCache([self._units[i] for i in sorted(self.plan.cached)])
+        return sum(self.plan.units[i].shard for i in self.plan.cached)
+
+
+def outside_state(groups: Sequence[dict]) -> int:
+    """The process's resident memory now, less its parameters in host memory: what it holds
+    outside the training state (Note [what the budget covers])."""
+    params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for g in groups for p in g["params"]
+              if p.device.type == "cpu" and not p.is_meta}
+    return max(0, resident_bytes() - sum(params.values())) + _FIRST_BACKWARD
+
+
+_FIRST_BACKWARD = 16 << 20
+"""Resident memory the first forward and backward add to the process whatever the model
+(autograd's engine and its thread, kernels loaded on first use): 14 MiB measured here with
+torch 2.13 on a 2-layer model, counted as memory outside the state."""
+
