@@ -21,7 +21,11 @@ count. ``--json`` prints them as JSON (tests/unit/test_structure.py reads them a
   (ENGINE_NAMES, what ``ZeroOptimizer.__getattr__`` used to serve) through a variable that
   holds the optimizer; plus facade_proxy_names, how many names a ``__getattr__`` on the facade serves;
 - sibling_folders_both_ways: pairs of top-level folders under zeroshard/ that import each other
-  at run time (module level or inside functions), in both directions.
+  at run time (module level or inside functions), in both directions;
+- mesh_parsers (issue 44): modules that read a DeviceMesh (call ``get_group``, ``get_local_rank``,
+  ``get_coordinate`` or ``get_all_groups``, read ``mesh_dim_names``, or take the ``size()`` or
+  ``ndim`` of something named ``*mesh*``): the mesh is parsed in one place, comm/mesh.py
+  (Note [the mesh variant is the type]).
 """
 from __future__ import annotations
 
@@ -43,6 +47,8 @@ ENGINE_NAMES = frozenset(
     "precision".split())
 OPT_HOLDERS = OPT_NAMES + ("zopt", "_opt", "optim")
 # The layers above the facade: they take the optimizer from the user (and may name it).
+# What reading a DeviceMesh calls (mesh_parsers).
+MESH_METHODS = frozenset({"get_group", "get_local_rank", "get_coordinate", "get_all_groups"})
 CONSUMERS = ("checkpoint", "integrations", "deepspeed_compat", "train", "bench", "model", "cli.py", "demo.py", "__init__.py",
              "testing")
 
@@ -97,6 +103,23 @@ def _module_imports(tree: ast.Module, package: str, annotations: bool = False) -
     return out
 
 
+def _reads_a_mesh(tree: ast.Module) -> bool:
+    """The file calls a DeviceMesh's methods or reads its names, size or dimensions (mesh_parsers)."""
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and n.attr == "mesh_dim_names":
+            return True
+        if isinstance(n, ast.Constant) and n.value == "mesh_dim_names" and any(
+                isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == "getattr" and n in c.args
+                for c in ast.walk(tree)):
+            return True
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            if n.func.attr in MESH_METHODS or n.func.attr == "size" and "mesh" in ast.unparse(n.func.value):
+                return True
+        if isinstance(n, ast.Attribute) and n.attr == "ndim" and "mesh" in ast.unparse(n.value):
+            return True
+    return False
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
@@ -140,7 +163,7 @@ def measure() -> dict:
     with open(os.path.join(ROOT, FACADE), encoding="utf-8") as f:
         facade_lines = len(f.read().splitlines())
     taking_any, private_reads, kind_compares, any_count = [], [], [], 0
-    naming_facade, facade_reads = [], []
+    naming_facade, facade_reads, mesh_parsers = [], [], []
     graph: dict[str, set[str]] = {}
     graph_all: dict[str, set[str]] = {}
     folder_edges: set[tuple[str, str]] = set()
@@ -164,6 +187,8 @@ def measure() -> dict:
                 for n in ast.walk(tree)) or any(isinstance(n, ast.Constant) and "ZeroOptimizer" in str(n.value)
                                                 for a in annotations for n in ast.walk(a))):
             naming_facade.append(rel)
+        if _reads_a_mesh(tree):
+            mesh_parsers.append(rel)
         if rel != FACADE:
             for n in ast.walk(tree):
                 if isinstance(n, ast.Attribute) and n.attr in ENGINE_NAMES:
@@ -216,11 +241,13 @@ def measure() -> dict:
         "reads_through_facade": len(facade_reads),
         "facade_proxy_names": proxied,
         "sibling_folders_both_ways": len(both_ways),
+        "mesh_parsers": len(mesh_parsers),
         "where": {"functions_taking_opt_any": taking_any, "private_reads_of_opt": private_reads,
                   "import_cycles": _cycles(graph), "offload_kind_compares": kind_compares,
                   "import_cycles_with_annotations": _cycles(graph_all),
                   "below_facade_naming_facade": naming_facade, "reads_through_facade": facade_reads,
-                  "sibling_folders_both_ways": [f"{a} <-> {b}" for a, b in both_ways]},
+                  "sibling_folders_both_ways": [f"{a} <-> {b}" for a, b in both_ways],
+                  "mesh_parsers": mesh_parsers},
     }
 
 
