@@ -28,6 +28,10 @@ count. ``--json`` prints them as JSON (tests/unit/test_structure.py reads them a
   ("nvme", "cpu", "auto", "host", "device") below ``config.py`` (every module but the config and
   the consumers in CONSUMERS, which read formats of their own), not counting a device's type:
   the config parses the strings once into a ``Tier``.
+- mesh_parsers (issue 44): modules that read a DeviceMesh (call ``get_group``, ``get_local_rank``,
+  ``get_coordinate`` or ``get_all_groups``, read ``mesh_dim_names``, or take the ``size()`` or
+  ``ndim`` of something named ``*mesh*``): the mesh is parsed in one place, comm/mesh.py
+  (Note [the mesh variant is the type]).
 """
 from __future__ import annotations
 
@@ -50,6 +54,8 @@ ENGINE_NAMES = frozenset(
     "precision".split())
 OPT_HOLDERS = OPT_NAMES + ("zopt", "_opt", "optim")
 # The layers above the facade: they take the optimizer from the user (and may name it).
+# What reading a DeviceMesh calls (mesh_parsers).
+MESH_METHODS = frozenset({"get_group", "get_local_rank", "get_coordinate", "get_all_groups"})
 CONSUMERS = ("checkpoint", "integrations", "deepspeed_compat", "train", "bench", "model", "cli.py", "demo.py", "__init__.py",
              "testing")
 
@@ -104,6 +110,23 @@ def _module_imports(tree: ast.Module, package: str, annotations: bool = False) -
     return out
 
 
+def _reads_a_mesh(tree: ast.Module) -> bool:
+    """The file calls a DeviceMesh's methods or reads its names, size or dimensions (mesh_parsers)."""
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and n.attr == "mesh_dim_names":
+            return True
+        if isinstance(n, ast.Constant) and n.value == "mesh_dim_names" and any(
+                isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == "getattr" and n in c.args
+                for c in ast.walk(tree)):
+            return True
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            if n.func.attr in MESH_METHODS or n.func.attr == "size" and "mesh" in ast.unparse(n.func.value):
+                return True
+        if isinstance(n, ast.Attribute) and n.attr == "ndim" and "mesh" in ast.unparse(n.value):
+            return True
+    return False
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
@@ -148,7 +171,7 @@ def measure() -> dict:
         facade_lines = len(f.read().splitlines())
     taking_any, private_reads, kind_compares, any_count = [], [], [], 0
     auto_branches, string_compares = [], []
-    naming_facade, facade_reads = [], []
+    naming_facade, facade_reads, mesh_parsers = [], [], []
     graph: dict[str, set[str]] = {}
     graph_all: dict[str, set[str]] = {}
     folder_edges: set[tuple[str, str]] = set()
@@ -172,6 +195,8 @@ def measure() -> dict:
                 for n in ast.walk(tree)) or any(isinstance(n, ast.Constant) and "ZeroOptimizer" in str(n.value)
                                                 for a in annotations for n in ast.walk(a))):
             naming_facade.append(rel)
+        if _reads_a_mesh(tree):
+            mesh_parsers.append(rel)
         if rel != FACADE:
             for n in ast.walk(tree):
                 if isinstance(n, ast.Attribute) and n.attr in ENGINE_NAMES:
@@ -238,12 +263,14 @@ def measure() -> dict:
         "sibling_folders_both_ways": len(both_ways),
         "placement_auto_branches": len(auto_branches),
         "offload_string_compares": len(string_compares),
+        "mesh_parsers": len(mesh_parsers),
         "where": {"functions_taking_opt_any": taking_any, "private_reads_of_opt": private_reads,
                   "import_cycles": _cycles(graph), "offload_kind_compares": kind_compares,
                   "import_cycles_with_annotations": _cycles(graph_all),
                   "below_facade_naming_facade": naming_facade, "reads_through_facade": facade_reads,
                   "sibling_folders_both_ways": [f"{a} <-> {b}" for a, b in both_ways],
-                  "placement_auto_branches": auto_branches, "offload_string_compares": string_compares},
+                  "placement_auto_branches": auto_branches, "offload_string_compares": string_compares,
+                  "mesh_parsers": mesh_parsers},
     }
 
 

@@ -135,16 +135,16 @@ def test_add_param_group_rebuilds_from_a_config_object():
 
 
 def test_cross_axis_refusals_live_in_check_composition(tmp_path):
-    from zeroshard.comm.mesh import MeshInfo
+    from zeroshard.comm.mesh import FlatMesh
     from zeroshard.comm.pipeline import PipelineParallel
     from zeroshard.comm.process_group import Comm
     from zeroshard.optim.composition import check_composition
 
-    pp = MeshInfo(Comm(None), pp=PipelineParallel(Comm(None), 0, 2, (0, 1), True))
+    pp = FlatMesh(Comm(None), pp=PipelineParallel(Comm(None), 0, 2, (0, 1), True))
     check_composition(ZeroConfig(stage=2), pp)
     for config, says in ((ZeroConfig(stage=3), "stage=3 with pipeline parallelism"),
                          (ZeroConfig(stage=2, offload=NVMeOffload(path=str(tmp_path))), "NVMe offload with pipeline"),
                          (ZeroConfig(stage=3, hpz=True), "stage=3 with pipeline")):
         with pytest.raises(ValueError, match=says):
             check_composition(config, pp)
-    check_composition(ZeroConfig(stage=3), MeshInfo(Comm(None)))  # (no pp, no tp: nothing to refuse)
+    check_composition(ZeroConfig(stage=3), FlatMesh(Comm(None)))  # (no pp, no tp: nothing to refuse)

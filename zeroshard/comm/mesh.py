@@ -27,17 +27,17 @@ zeroshard shards over "dp" and records the pp group (Note [pipeline parallelism]
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, ClassVar, Optional, Sequence, Union, cast
 
 import torch
 import torch.distributed as dist
 
-from zeroshard.comm import pipeline, tensor_parallel
+from zeroshard.comm import tensor_parallel
 from zeroshard.comm.hierarchical import HierarchicalComm
 from zeroshard.comm.pipeline import PipelineParallel
 from zeroshard.comm.process_group import Comm
-from zeroshard.comm.tensor_parallel import TensorParallel
+from zeroshard.comm.tensor_parallel import TensorParallel, is_dtensor
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -45,46 +45,121 @@ if TYPE_CHECKING:
     from zeroshard.config import ZeroConfig
 
 
+# Note [the mesh variant is the type]: how the data-parallel ranks are arranged decides what
+# shards, reduces, gathers and saves, so each arrangement is its own class (as FSDP2's
+# ``FSDPMeshInfo`` / ``HSDPMeshInfo``): ``FlatMesh`` (one group), ``HybridMesh`` (a shard group
+# and its replicas, Note [hybrid sharding]) and ``HpzMesh`` (hpZ's hierarchical group, Note [hpZ
+# slice order]). ``MeshInfo`` is their union: code that does something only for one variant asks
+# ``isinstance(mesh, HybridMesh)``, and code that only passes a group on reads ``mesh.replicas``
+# (None on the variants without replicas). Tensor and pipeline parallelism compose with the
+# data-parallel variants, so they are optional parts of each (``tp``, ``pp``). ``mesh_info``
+# below is the one place a DeviceMesh (or process group) is read; tensor_parallel.py and
+# pipeline.py build their parts from what it read.
 @dataclass(frozen=True)
-class MeshInfo:
-    """Where one ZeroOptimizer's ranks sit, built once by the assembly (zeroshard/optim/assembly.py)
-    and handed to what shards, reduces, gathers and saves (FSDP2's ``FSDPMeshInfo`` plays this part).
-
-    ``comm`` is the group state is sharded over (a ``HierarchicalComm`` under hpZ);
-    ``replicas`` the replicate group of a hybrid mesh (Note [hybrid sharding]), whose rows
-    ``shard_group_ranks`` lists so every rank can make each shard group's side groups;
-    ``tp`` the tensor-parallel layout of DTensor parameters (Note [tensor-parallel parameters]);
-    ``pp`` this rank's pipeline stage and its peers in the others (Note [pipeline parallelism])."""
+class _MeshParts:
+    """What every variant holds: ``comm``, the group state is sharded over; ``tp``, the
+    tensor-parallel layout of DTensor parameters (Note [tensor-parallel parameters]); ``pp``,
+    this rank's pipeline stage and its peers in the others (Note [pipeline parallelism])."""
     comm: Comm
-    replicas: Optional[Comm] = None
-    shard_group_ranks: Optional[tuple[tuple[int, ...], ...]] = None
-    tp: Optional[TensorParallel] = None
-    hpz: bool = False
-    pp: Optional[PipelineParallel] = None
+    tp: Optional[TensorParallel] = field(default=None, kw_only=True)
+    pp: Optional[PipelineParallel] = field(default=None, kw_only=True)
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks whose gradients are averaged: the shard group times its replicas."""
-        return self.comm.world_size * (self.replicas.world_size if self.replicas is not None else 1)
-
-    @property
-    def hybrid(self) -> bool:
-        return self.replicas is not None
+        """Ranks whose gradients are averaged (a hybrid mesh: the shard group times its replicas)."""
+        return self.comm.world_size
 
     def local_shapes(self) -> dict[int, torch.Size]:
         """This rank's shapes of the tensor-parallel parameters (none without TP)."""
         return self.tp.local_shapes() if self.tp is not None else {}
 
 
+@dataclass(frozen=True)
+class FlatMesh(_MeshParts):
+    """One data-parallel group (``process_group=`` or a 1-D mesh): shards over all of it."""
+    replicas: ClassVar[None] = None
+    shard_group_ranks: ClassVar[None] = None
+
+
+@dataclass(frozen=True)
+class HybridMesh(_MeshParts):
+    """A 2-D (replicate, shard) mesh (Note [hybrid sharding]): ``comm`` is this rank's shard
+    group, ``replicas`` its replicate group, ``shard_group_ranks`` every shard group's ranks
+    (one row per shard group) so every rank can make each shard group's side groups."""
+    replicas: Comm
+    shard_group_ranks: tuple[tuple[int, ...], ...]
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.comm.world_size * self.replicas.world_size
+
+
+@dataclass(frozen=True)
+class HpzMesh(_MeshParts):
+    """hpZ (``hpz=True``) on a (nodes, ranks per node) mesh: ``comm`` spans every rank, its
+    collectives split into the node and inter-node levels (Note [hpZ slice order])."""
+    comm: HierarchicalComm
+    replicas: ClassVar[None] = None
+    shard_group_ranks: ClassVar[None] = None
+
+
+MeshInfo = Union[FlatMesh, HybridMesh, HpzMesh]
+"""Where one ZeroOptimizer's ranks sit, built once by the assembly (zeroshard/optim/assembly.py)
+and handed to what shards, reduces, gathers and saves (Note [the mesh variant is the type])."""
+
+
 def mesh_info(process_group: Optional[dist.ProcessGroup], mesh: object, config: "ZeroConfig",
               params: Sequence[torch.Tensor], names: dict[int, str]) -> MeshInfo:
     """The MeshInfo of ``process_group=`` or ``mesh=`` over these parameters (their DTensors
-    decide tensor parallelism)."""
-    pp = pipeline.detect(_checked(mesh), config) if "pp" in pipeline.mesh_dims(mesh) else None
-    comm, replicas, rows = comms_from(process_group, mesh, config.hpz)
-    tp = tensor_parallel.detect(list(params), names, comm, config, replicas is not None,
-                                mesh)  # type: ignore[arg-type]  # (detect refuses what is not a DeviceMesh)
-    return MeshInfo(comm, replicas, tuple(tuple(r) for r in rows) if rows is not None else None, tp, config.hpz, pp)
+    decide tensor parallelism): the one place a mesh is read (Note [the mesh variant is the type])."""
+    pp = _pipeline(_checked(mesh)) if "pp" in _dim_names(mesh) else None
+    dp = data_parallel(process_group, mesh, config.hpz)
+    # (data_parallel refused a mesh that is not a DeviceMesh holding this rank)
+    tp = _tensor_parallel(list(params), names, dp.comm, isinstance(dp, HybridMesh),
+                          cast(Optional["DeviceMesh"], mesh))
+    return replace(dp, tp=tp, pp=pp)
+
+
+def _dim_names(mesh: object) -> tuple[str, ...]:
+    return tuple(getattr(mesh, "mesh_dim_names", None) or ())
+
+
+def _pipeline(mesh: "DeviceMesh") -> PipelineParallel:
+    """The PipelineParallel of a mesh with a "pp" dimension; refuses a mesh of another shape.
+    What pp does not compose with (stage 3, hpZ, NVMe) is refused by ``check_composition``
+    (zeroshard/optim/composition.py; Note [pipeline parallelism])."""
+    dims = _dim_names(mesh)
+    rest = [n for n in dims if n not in ("pp", "tp")]
+    if rest != ["dp"]:
+        raise ValueError(f"mesh_dim_names={dims}: a pipeline-parallel mesh is ('pp', 'dp') or ('pp', 'dp', 'tp'); "
+                         "a hybrid (replicate, shard) data-parallel dimension with pp is not supported yet")
+    pp_mesh = mesh["pp"]
+    coord = list(mesh.get_coordinate() or ())
+    others = [c for n, c in zip(dims, coord) if n != "pp"]
+    return PipelineParallel(Comm(pp_mesh.get_group(), dimension="pp"), pp_mesh.get_local_rank(), pp_mesh.size(),
+                            tuple(sorted(mesh.mesh.flatten().tolist())), all(c == 0 for c in others))
+
+
+def _tensor_parallel(params: list[torch.Tensor], names: dict[int, str], dp: Comm, hybrid: bool,
+                     mesh: Optional["DeviceMesh"]) -> Optional[TensorParallel]:
+    """The TensorParallel of these parameters, or None when none is a DTensor; refuses what
+    is not supported (Note [tensor-parallel parameters]). ``mesh``: the one passed as ``mesh=``."""
+    dts = [p for p in params if is_dtensor(p)]
+    if not dts:
+        if mesh is not None and "tp" in _dim_names(mesh) and mesh["tp"].size() > 1:
+            # (each tp coordinate would train its own copy, and all of them save as the same ranks)
+            raise ValueError(f"mesh={mesh} has a 'tp' dimension of size {mesh['tp'].size()} but no parameter is a "
+                             "DTensor: every tp rank would train its own copy of the model. Parallelise the model "
+                             "over mesh['tp'] first (torch's parallelize_module), or for data parallelism alone pass "
+                             "a mesh without 'tp' over every rank (not this mesh's mesh['dp']) or process_group=")
+        return None
+    tp_mesh = dts[0].device_mesh
+    if tp_mesh.ndim != 1:
+        first = names.get(id(dts[0]), "?")
+        raise ValueError(f"DTensor parameter {first!r} lives on {tp_mesh}; ZeroOptimizer takes DTensors on "
+                         f"one 1-D tensor-parallel mesh (e.g. mesh['tp']), like {first!r} on {tp_mesh}")
+    return tensor_parallel.from_dtensors(dts, names, dp, hybrid, tp_mesh, tp_mesh.get_group(0),
+                                         tp_mesh.get_local_rank(0))
 
 
 REPLICATE_NAMES = ("dp_replicate", "replicate", "node")
@@ -111,7 +186,7 @@ def _checked(mesh: object) -> "DeviceMesh":
 def data_parallel_mesh(mesh: "DeviceMesh") -> "DeviceMesh":
     """The mesh zeroshard shards over: ``mesh`` without its "tp" and "pp" dimensions (Note
     [tensor-parallel parameters], Note [pipeline parallelism])."""
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    names = _dim_names(mesh)
     if "tp" not in names and "pp" not in names:
         return mesh
     rest = tuple(n for n in names if n not in ("tp", "pp"))
@@ -124,7 +199,7 @@ def data_parallel_mesh(mesh: "DeviceMesh") -> "DeviceMesh":
 def hybrid_dims(mesh: "DeviceMesh") -> tuple[int, int]:
     """(replicate, shard) dimensions of a 2-D data-parallel mesh: by name where it has names
     (in either order), else by position as FSDP2 does."""
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    names = _dim_names(mesh)
     if not names:
         return 0, 1
     replicate = [i for i, n in enumerate(names) if n in REPLICATE_NAMES]
@@ -156,19 +231,18 @@ def groups_from(process_group: Optional[dist.ProcessGroup], mesh: object) -> tup
                      "or the data-parallel sub-mesh of a larger one")
 
 
-def comms_from(process_group: Optional[dist.ProcessGroup], mesh: object,
-               hpz: bool) -> tuple[Comm, Optional[Comm], Optional[list[list[int]]]]:
-    """(data-parallel comm, replicas' comm or None, every shard group's ranks or None) of a
-    ZeroOptimizer: Note [hybrid sharding], or hpZ's hierarchical group."""
+def data_parallel(process_group: Optional[dist.ProcessGroup], mesh: object, hpz: bool) -> MeshInfo:
+    """The data-parallel variant of ``process_group=`` or ``mesh=`` (without tp and pp): one
+    group, a hybrid (replicate, shard) mesh (Note [hybrid sharding]), or hpZ's hierarchical group."""
     if hpz:
-        return _hpz_comm(process_group, mesh), None, None
+        return HpzMesh(_hpz_comm(process_group, mesh))
     shard_group, replicate_group = groups_from(process_group, mesh)
     if replicate_group is None:
-        return Comm(shard_group, dimension="dp"), None, None
+        return FlatMesh(Comm(shard_group, dimension="dp"))
     dp = data_parallel_mesh(_checked(mesh))
     ranks = dp.mesh if hybrid_dims(dp)[1] == 1 else dp.mesh.transpose(0, 1)  # (one row per shard group)
-    return (Comm(shard_group, dimension="shard"), Comm(replicate_group, dimension="replicate"),
-            [row.tolist() for row in ranks])
+    return HybridMesh(Comm(shard_group, dimension="shard"), Comm(replicate_group, dimension="replicate"),
+                      tuple(tuple(row.tolist()) for row in ranks))
 
 
 def _hpz_comm(process_group: Optional[dist.ProcessGroup], mesh: object) -> HierarchicalComm:
@@ -177,7 +251,7 @@ def _hpz_comm(process_group: Optional[dist.ProcessGroup], mesh: object) -> Hiera
                          "init_device_mesh('cuda', (nodes, gpus_per_node)), and no process_group=: the "
                          "secondary partition lives in dimension 1, inside each node")
     mesh = _checked(mesh)
-    if "tp" in tuple(getattr(mesh, "mesh_dim_names", None) or ()):  # (the mesh's shape; DTensors: check_composition)
+    if "tp" in _dim_names(mesh):  # (the mesh's shape; DTensors: check_composition)
         raise ValueError("hpz=True with tensor parallelism (a mesh with a 'tp' dimension) is not supported yet; "
                          "use hpZ on a (nodes, ranks per node) data-parallel mesh, or TP without hpz")
     if sorted(mesh.mesh.flatten().tolist()) != list(range(dist.get_world_size())):

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ContextManager, Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 from torch import nn
@@ -52,18 +52,14 @@ from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
 from zeroshard.comm.process_group import Comm
 
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from zeroshard.config import ZeroConfig
-
 _BackwardResult = tuple[tuple[Optional[torch.Tensor], ...], Optional[list[dict[str, object]]]]
 
 
 @dataclass(frozen=True)
 class PipelineParallel:
     """The pp side of a ZeroOptimizer: the group of this rank's peers in the other stages
-    (same dp and tp coordinates), this rank's stage, and who writes what to checkpoints."""
+    (same dp and tp coordinates), this rank's stage, and who writes what to checkpoints. Read
+    from the mesh by comm/mesh.py's ``mesh_info`` (Note [the mesh variant is the type])."""
 
     comm: Comm
     stage: int
@@ -72,28 +68,6 @@ class PipelineParallel:
     """Every rank of the mesh: they all write checkpoint files."""
     writes_full: bool
     """This rank writes its stage's unsharded tensors (buffers): dp (and tp) coordinate 0."""
-
-
-def mesh_dims(mesh: object) -> tuple[str, ...]:
-    return tuple(getattr(mesh, "mesh_dim_names", None) or ())
-
-
-def detect(mesh: Optional["DeviceMesh"], config: "ZeroConfig") -> Optional[PipelineParallel]:
-    """The PipelineParallel of a mesh with a "pp" dimension (None without one); refuses a mesh
-    of another shape. What pp does not compose with (stage 3, hpZ, NVMe) is refused by
-    ``check_composition`` (zeroshard/optim/composition.py; Note [pipeline parallelism])."""
-    dims = mesh_dims(mesh)
-    if mesh is None or "pp" not in dims:
-        return None
-    rest = [n for n in dims if n not in ("pp", "tp")]
-    if rest != ["dp"]:
-        raise ValueError(f"mesh_dim_names={dims}: a pipeline-parallel mesh is ('pp', 'dp') or ('pp', 'dp', 'tp'); "
-                         "a hybrid (replicate, shard) data-parallel dimension with pp is not supported yet")
-    pp_mesh = mesh["pp"]
-    coord = list(mesh.get_coordinate() or ())
-    others = [c for n, c in zip(dims, coord) if n != "pp"]
-    return PipelineParallel(Comm(pp_mesh.get_group(), dimension="pp"), pp_mesh.get_local_rank(), pp_mesh.size(),
-                            tuple(sorted(mesh.mesh.flatten().tolist())), all(c == 0 for c in others))
 
 
 # Note [deferring a stage's reductions]: ``PipelineStage`` (below) must reach the gradient

@@ -45,8 +45,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
-    from zeroshard.config import ZeroConfig
-
 
 def is_dtensor(t: object) -> TypeGuard[DTensor]:
     try:
@@ -132,9 +130,11 @@ class TpParam:
 class TensorParallel:
     """The tensor-parallel side of a ZeroOptimizer: the tp group and every DTensor parameter."""
 
-    def __init__(self, mesh: Any, params: dict[int, TpParam], names: dict[int, str], dp: Comm) -> None:
+    def __init__(self, mesh: Any, group: dist.ProcessGroup, params: dict[int, TpParam], names: dict[int, str],
+                 dp: Comm) -> None:
         self.mesh = mesh
-        self.comm = Comm(mesh.get_group(0), dimension="tp")
+        """The DTensors' 1-D tp mesh (whole tensors are rebuilt over it: ``full``)."""
+        self.comm = Comm(group, dimension="tp")
         self.params = params
         self.by_name = {names[i]: info for i, info in params.items()}
         mine = dist.get_process_group_ranks(dp.group) if dp.group is not None else [dist.get_rank()]
@@ -199,36 +199,25 @@ class TensorParallel:
         return value.narrow(info.split.dim, info.split.dim_offset(info.part), info.split.sizes[info.part])
 
 
-def detect(params: list[torch.Tensor], names: dict[int, str], dp: Comm, config: "ZeroConfig", hybrid: bool,
-           mesh: Optional["DeviceMesh"] = None) -> Optional[TensorParallel]:
-    """The TensorParallel of these parameters, or None when none is a DTensor; refuses what
-    is not supported (Note [tensor-parallel parameters]). ``mesh``: the one passed as ``mesh=``."""
-    dts = [p for p in params if is_dtensor(p)]
-    if not dts:
-        dims = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        if mesh is not None and "tp" in dims and mesh["tp"].size() > 1:
-            # (each tp coordinate would train its own copy, and all of them save as the same ranks)
-            raise ValueError(f"mesh={mesh} has a 'tp' dimension of size {mesh['tp'].size()} but no parameter is a "
-                             "DTensor: every tp rank would train its own copy of the model. Parallelise the model "
-                             "over mesh['tp'] first (torch's parallelize_module), or for data parallelism alone pass "
-                             "a mesh without 'tp' over every rank (not this mesh's mesh['dp']) or process_group=")
-        return None
+def from_dtensors(dts: list[DTensor], names: dict[int, str], dp: Comm, hybrid: bool, mesh: "DeviceMesh",
+                  tp_group: dist.ProcessGroup, tp_rank: int) -> TensorParallel:
+    """The TensorParallel of the DTensor parameters ``dts`` on the 1-D tp ``mesh`` (its group
+    and this rank's coordinate in it, read by comm/mesh.py's ``mesh_info``); refuses what is not
+    supported (Note [tensor-parallel parameters])."""
     first = names.get(id(dts[0]), "?")
     from torch.distributed.tensor import Shard
-    mesh = dts[0].device_mesh
     out: dict[int, TpParam] = {}
     for p in dts:
         n = names.get(id(p), "?")
-        if p.device_mesh != mesh or mesh.ndim != 1:
+        if p.device_mesh != mesh:
             raise ValueError(f"DTensor parameter {n!r} lives on {p.device_mesh}; ZeroOptimizer takes DTensors on "
                              f"one 1-D tensor-parallel mesh (e.g. mesh['tp']), like {first!r} on {mesh}")
         place = p.placements[0]
         if not (isinstance(place, Shard) or place.is_replicate()):  # (isinstance: what is_shard() tests)
             raise ValueError(f"DTensor parameter {n!r} has placement {place}; only Shard and Replicate are supported")
         out[id(p)] = TpParam(tuple(p.shape), tuple(p.stride()), tuple(p.placements),
-                             Split(place.dim, ()) if isinstance(place, Shard) else None, mesh.get_local_rank(0),
+                             Split(place.dim, ()) if isinstance(place, Shard) else None, tp_rank,
                              p._local_tensor.shape)
-    tp_group = mesh.get_group(0)
     if dp.group is not None and not hybrid:  # (a hybrid mesh is refused by check_composition: optim/composition.py)
         overlap = set(dist.get_process_group_ranks(dp.group)) & set(dist.get_process_group_ranks(tp_group))
         if overlap != {dist.get_rank()}:
@@ -237,8 +226,9 @@ def detect(params: list[torch.Tensor], names: dict[int, str], dp: Comm, config: 
                 f"{sorted(overlap)}: gradients would be averaged over tp too. Pass the 2-D mesh "
                 "(mesh=init_device_mesh(..., mesh_dim_names=('dp', 'tp'))) or its mesh['dp'] (or process_group=)")
     # Chunk sizes along the split dimension, from every tp rank (exact for uneven splits).
-    # (ordered by mesh coordinate: chunk k is coordinate k's)
-    gathered = Comm(tp_group).all_gather_object((mesh.get_local_rank(0), [
+    # (ordered by mesh coordinate: chunk k is coordinate k's; a Comm of its own, so this gather
+    # is not counted in the tp group's traffic)
+    gathered = Comm(tp_group).all_gather_object((tp_rank, [
         p._local_tensor.shape[split.dim] if (split := out[id(p)].split) is not None else 0 for p in dts]))
     sizes = [s for _, s in sorted(gathered)]
     for i, p in enumerate(dts):
@@ -246,4 +236,4 @@ def detect(params: list[torch.Tensor], names: dict[int, str], dp: Comm, config: 
         if info.split is not None:
             out[id(p)] = TpParam(info.shape, info.stride, info.placements,
                                  Split(info.split.dim, tuple(s[i] for s in sizes)), info.part, info.local_shape)
-    return TensorParallel(mesh, out, names, dp)
+    return TensorParallel(mesh, tp_group, out, names, dp)

@@ -29,7 +29,7 @@ from torch import nn
 
 from zeroshard.comm import pipeline
 from zeroshard.optim.composition import check_composition
-from zeroshard.comm.mesh import MeshInfo, mesh_info
+from zeroshard.comm.mesh import HybridMesh, MeshInfo, mesh_info
 from zeroshard.comm.tensor_parallel import local_of
 from zeroshard.config import ZeroConfig
 from zeroshard.layout import NamedParam
@@ -210,7 +210,7 @@ def _start_from_rank0(mesh: MeshInfo, params: list[torch.Tensor], frozen: list[N
     values = [local_of(t) for t in {**{id(t): t for t in params}, **{id(m.param): m.param for m in frozen}}.values()]
     buffers = list(module.buffers()) if module is not None else []
     values += buffers
-    if mesh.replicas is not None:
+    if isinstance(mesh, HybridMesh):
         mesh.replicas.broadcast_tensors(values)
     if mesh.tp is not None:
         mesh.tp.comm.broadcast_tensors([t for t in params if id(t) not in mesh.tp.params] + buffers)

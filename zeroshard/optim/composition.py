@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from zeroshard.comm.mesh import MeshInfo
+from zeroshard.comm.mesh import HybridMesh, MeshInfo
 from zeroshard.config import ZeroConfig
 
 
@@ -51,7 +51,7 @@ def _check_tensor_parallel(config: ZeroConfig, mesh: MeshInfo, frozen: Sequence[
                          "supported with tensor parallelism (the DTensor keeps its dtype); use fp32 parameters")
     if config.optimizer_swapped:
         raise ValueError("offload_optimizer='nvme' is not supported with DTensor (tensor-parallel) parameters")
-    if mesh.hybrid:
+    if isinstance(mesh, HybridMesh):
         raise ValueError("a hybrid (replicate, shard) mesh together with tensor parallelism is not supported; "
                          "pass the ('dp', 'tp') mesh")
     if config.hpz:

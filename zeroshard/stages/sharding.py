@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from zeroshard.comm.hierarchical import HierarchicalComm
-from zeroshard.comm.mesh import MeshInfo
+from zeroshard.comm.mesh import HpzMesh, MeshInfo
 from zeroshard.layout import NamedParam, UnitLayout, build_layouts, layouts_for
 from zeroshard.layout.bucketing import layouts_with_owners, owner_layouts
 from zeroshard.units.stage_policy import StagePolicy
@@ -91,9 +90,8 @@ class Sharding:
             return
         self.gatherer = ParameterGatherer(units, plan.modules + plan.frozen_modules, module, self.mesh.comm,
                                           live_units or self.config.max_live_units or 2)
-        comm = self.mesh.comm
-        if self.config.hpz and isinstance(comm, HierarchicalComm):
-            self.gatherer.secondary = SecondaryPartition(units, comm)
+        if isinstance(self.mesh, HpzMesh):
+            self.gatherer.secondary = SecondaryPartition(units, self.mesh.comm)
 
     def visible(self, p: torch.Tensor) -> torch.Tensor:
         """The parameter torch code holds for ``p`` (stage 3: the sharded one between uses)."""
