@@ -202,7 +202,7 @@ def test_command_line_options_validate_and_translate(tmp_path):
     base = ["--data", "x.txt", "--output-dir", str(tmp_path)]
     with pytest.raises(ValueError, match="exactly one of --model"):
         parse(base)
-    with pytest.raises(ValueError, match="--offload-params cpu needs --stage 3"):
+    with pytest.raises(ValueError, match="--offload-params cpu: offload_params='cpu' needs stage=3"):
         parse(base + ["--model-config", "c.json", "--offload-params", "cpu"])
     with pytest.raises(ValueError, match="--micro-batch-size=0"):
         parse(base + ["--model-config", "c.json", "--micro-batch-size", "0"])

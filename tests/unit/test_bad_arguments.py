@@ -262,7 +262,9 @@ FINETUNE = [  # (id, arguments with {placeholders} from the workspace, what the 
     ("cosine-short", "--lr-schedule cosine --max-steps 2", "--lr-schedule cosine"),
     ("bucket-0", "--bucket-size-mb 0", "--bucket-size-mb=0"),
     ("warmup-neg", "--warmup-steps -1", "--warmup-steps=-1"),
-    ("offload-params-stage2", "--offload-params cpu", "--offload-params cpu needs --stage 3"),
+    ("offload-params-stage2", "--offload-params cpu", "--offload-params cpu: offload_params='cpu' needs stage=3"),
+    ("offload-optimizer-stage0", "--stage 0 --offload-optimizer cpu",  # (ZeroConfig's rule: Note [one validator])
+     "--stage 0 --offload-optimizer cpu --offload-params none: offload_optimizer='cpu' needs stage >= 1"),
     ("nvme-no-path", "--offload-optimizer nvme", "--nvme-path"),
     ("nvme-path-alone", "--nvme-path /tmp", "--nvme-path /tmp"),
     ("model-missing", "MODEL {nodir}", "does not exist"),

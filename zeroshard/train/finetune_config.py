@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Sequence
 
-from zeroshard.config import Placement
+from zeroshard.config import Placement, check_offload
 
 _SCHEDULES = ("constant", "linear", "cosine")
 _PRECISIONS = ("fp32", "bf16", "fp16")
@@ -145,8 +145,11 @@ class FinetuneConfig:
         if self.nvme_path and not swaps and not self.deepspeed:
             raise ValueError(f"--nvme-path {self.nvme_path} is only used by NVMe offload; add --offload-optimizer "
                              "nvme, or drop --nvme-path")
-        if self.offload_params != "none" and self.stage != 3:
-            raise ValueError(f"--offload-params {self.offload_params} needs --stage 3 (got {self.stage})")
+        try:  # (what the stage allows is ZeroConfig's rule: Note [one validator] in zeroshard/config.py)
+            check_offload(self.stage, *(None if v == "none" else v for v in (self.offload_optimizer, self.offload_params)))
+        except ValueError as exc:
+            raise ValueError(f"--stage {self.stage} --offload-optimizer {self.offload_optimizer} --offload-params "
+                             f"{self.offload_params}: {exc}") from None
         self._check_lora()
 
     def _check_lora(self) -> None:
