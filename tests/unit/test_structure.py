@@ -26,6 +26,7 @@ CEILINGS = {
     "reads_through_facade": 0,        # target: 0 (160 before issue 44)
     "facade_proxy_names": 0,          # target: 0 (24 before issue 44: ZeroOptimizer.__getattr__)
     "sibling_folders_both_ways": 0,   # target: 0 (4 before issue 44)
+    "gatherer_none_checks": 0,        # target: 0 (24 before issue 44: the stage asked through the gatherer's presence)
 }
 
 

@@ -261,8 +261,8 @@ def _build_gradients(engine: Engine, params: list[torch.Tensor]) -> None:
     engine.placement.watch(reducer)
     reducer.register_hooks()
     engine.removers.append(reducer.remove_hooks)
-    gatherer = engine.sharding.gatherer
-    if gatherer is not None:
+    if engine.shards_parameters:
+        gatherer = engine.stage3_gatherer
         gatherer.register()
         engine.removers.append(gatherer.remove)
         reducer.on_launch.append(gatherer.on_unit_reduced)
@@ -289,9 +289,8 @@ def _attach(owner: torch.optim.Optimizer, engine: Engine) -> None:
     lifecycle.claim(managed, owner)
     # (collected mid-step or with units gathered: the step is joined and stage-3 parameters
     # given back first, before the swap files close: their closers run the teardown first)
-    gatherer = sharding.gatherer
-    hand_back = (functools.partial(lifecycle.hand_back_collected, gatherer, engine.all_units,
-                                   engine.mesh.comm.world_size) if gatherer is not None else None)
+    hand_back = (functools.partial(lifecycle.hand_back_collected, sharding.require_gatherer(), engine.all_units,
+                                   engine.mesh.comm.world_size) if sharding.shard_parameters else None)
     engine.teardown = lifecycle.Teardown(engine.removers, managed, engine.inflight, hand_back)
     weakref.finalize(owner, engine.teardown)
     for files in (engine.unit_store, engine.swapper):
