@@ -32,6 +32,10 @@ count. ``--json`` prints them as JSON (tests/unit/test_structure.py reads them a
   ``get_coordinate`` or ``get_all_groups``, read ``mesh_dim_names``, or take the ``size()`` or
   ``ndim`` of something named ``*mesh*``): the mesh is parsed in one place, comm/mesh.py
   (Note [the mesh variant is the type]).
+- gatherer_none_checks (issue 44): a stage asked through the gatherer's presence: ``gatherer is
+  None`` / ``is not None`` (a name or an attribute ``gatherer``) and a gatherer used as a truth
+  value. The stage's one answer is ``Engine.shards_parameters``; the gatherer itself comes from
+  ``Engine.stage3_gatherer`` / ``Sharding.require_gatherer()``, which refuse outside stage 3.
 """
 from __future__ import annotations
 
@@ -161,6 +165,26 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def _is_gatherer(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id == "gatherer" or isinstance(node, ast.Attribute) and node.attr == "gatherer"
+
+
+def _gatherer_tests(tree: ast.AST) -> Iterator[ast.AST]:
+    """``gatherer is (not) None`` and a gatherer tested for truth (``if gatherer``, ``x if gatherer else y``,
+    ``gatherer and ...``, ``not gatherer``)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and all(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+            values = [node.left, *node.comparators]
+            if any(_is_gatherer(v) for v in values) and any(isinstance(v, ast.Constant) and v.value is None for v in values):
+                yield node
+        tested = ([node.test] if isinstance(node, (ast.If, ast.IfExp, ast.While)) else node.values
+                  if isinstance(node, ast.BoolOp) else [node.operand] if isinstance(node, ast.UnaryOp)
+                  and isinstance(node.op, ast.Not) else [])
+        for t in tested:
+            if _is_gatherer(t):
+                yield t
+
+
 def measure() -> dict:
     trees = dict(files())
     modules = {module_name(rel): rel for rel in trees}
@@ -170,7 +194,7 @@ def measure() -> dict:
     with open(os.path.join(ROOT, FACADE), encoding="utf-8") as f:
         facade_lines = len(f.read().splitlines())
     taking_any, private_reads, kind_compares, any_count = [], [], [], 0
-    auto_branches, string_compares = [], []
+    auto_branches, string_compares, gatherer_checks = [], [], []
     naming_facade, facade_reads, mesh_parsers = [], [], []
     graph: dict[str, set[str]] = {}
     graph_all: dict[str, set[str]] = {}
@@ -204,6 +228,7 @@ def measure() -> dict:
                     holder = v.id if isinstance(v, ast.Name) else v.attr if isinstance(v, ast.Attribute) else None
                     if holder in OPT_HOLDERS:
                         facade_reads.append(f"{rel}:{n.lineno} {ast.unparse(n)}")
+        gatherer_checks += [f"{rel}:{n.lineno} {ast.unparse(n)}" for n in _gatherer_tests(tree)]
         for fn in _functions(tree):
             args = fn.args.posonlyargs + fn.args.args
             for a in args + fn.args.kwonlyargs:
@@ -264,13 +289,14 @@ def measure() -> dict:
         "placement_auto_branches": len(auto_branches),
         "offload_string_compares": len(string_compares),
         "mesh_parsers": len(mesh_parsers),
+        "gatherer_none_checks": len(gatherer_checks),
         "where": {"functions_taking_opt_any": taking_any, "private_reads_of_opt": private_reads,
                   "import_cycles": _cycles(graph), "offload_kind_compares": kind_compares,
                   "import_cycles_with_annotations": _cycles(graph_all),
                   "below_facade_naming_facade": naming_facade, "reads_through_facade": facade_reads,
                   "sibling_folders_both_ways": [f"{a} <-> {b}" for a, b in both_ways],
                   "placement_auto_branches": auto_branches, "offload_string_compares": string_compares,
-                  "mesh_parsers": mesh_parsers},
+                  "mesh_parsers": mesh_parsers, "gatherer_none_checks": gatherer_checks},
     }
 
 

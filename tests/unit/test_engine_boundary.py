@@ -148,3 +148,13 @@ def test_cross_axis_refusals_live_in_check_composition(tmp_path):
         with pytest.raises(ValueError, match=says):
             check_composition(config, pp)
     check_composition(ZeroConfig(stage=3), FlatMesh(Comm(None)))  # (no pp, no tp: nothing to refuse)
+
+
+def test_the_stage_is_one_typed_answer():
+    _, opt = _train(1, stage=2)
+    assert not opt.engine.shards_parameters
+    with pytest.raises(RuntimeError, match="stage=2 keeps parameters whole"):
+        opt.engine.stage3_gatherer
+    _, opt3 = _train(1, stage=3)
+    assert opt3.engine.shards_parameters
+    assert opt3.engine.stage3_gatherer is opt3.engine.gatherer

@@ -127,3 +127,25 @@ def test_a_swapped_shard_is_gathered_by_copy_not_lent(monkeypatch, tmp_path):
     """A shard in a swap file is not in memory to lend: the gather reads it as before."""
     losses, _, seen, released = _train_stage3(True, monkeypatch, "nvme", tmp_path, steps=2)
     assert released and seen and all(shard is None or flat != shard for flat, shard in seen), seen
+
+
+def test_each_unit_steps_through_its_states_and_refuses_an_impossible_move():
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=3)
+    gatherer = opt.engine.stage3_gatherer
+    from zeroshard.stages.stage3.unit_state import UnitState
+    gi = gatherer.group_modules.index(model.blocks[1])
+    during: list[list[UnitState]] = []
+    hook = model.blocks[1].register_forward_pre_hook(  # (after the gatherer's own pre-hook)
+        lambda *_: during.append([gatherer.state[ui] for ui in gatherer.groups[gi]]))
+    model(*synthetic_batch(0, 2, CFG)).backward()
+    hook.remove()
+    assert during == [[UnitState.GATHERED] * len(gatherer.groups[gi])], during
+    assert all(s is UnitState.RELEASED for s in gatherer.state), list(gatherer.state)
+    ui = gatherer.groups[gi][0]
+    with pytest.raises(RuntimeError, match=rf"unit {ui} \(.+\) cannot go from released to gathered \(only from gathering\)"):
+        gatherer.state.arrive(ui)
+    with pytest.raises(RuntimeError, match=rf"unit {ui} \(.+\) has no collective in flight: it is released"):
+        gatherer.state.work(ui)
+    opt.step()

@@ -29,6 +29,7 @@ CEILINGS = {
     "placement_auto_branches": 1,     # target: 1, the choice (14 before issue 44: StatePlacement's `if self.auto`)
     "offload_string_compares": 0,     # target: 0 (4 before issue 44: the config parses the strings into a Tier)
     "mesh_parsers": 1,                # target: 1 (reached: comm/mesh.py; 3 before issue 44)
+    "gatherer_none_checks": 0,        # target: 0 (24 before issue 44: the stage asked through the gatherer's presence)
 }
 
 

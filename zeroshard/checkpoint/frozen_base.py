@@ -87,8 +87,7 @@ def managed_ids(opt: Optional["ZeroOptimizer"]) -> set[int]:
     for u in _managed_frozen(opt):
         for m in u.members:
             out.add(id(m.param))
-            if opt.engine.gatherer is not None:
-                out.add(id(opt.engine.gatherer.visible(m.param)))
+            out.add(id(opt.engine.sharding.visible(m.param)))  # (stage 3's sharded one; the same one below)
     return out
 
 

@@ -124,9 +124,8 @@ class CheckpointSaver:
         # (a lambda in its sampler state) must not leave the others waiting in the commit.
         managed = opt if opt is not None else optimizer_for(model) if model is not None else None
         managed_engine = engine_of(managed) if engine is None else engine
-        gatherer = managed_engine.gatherer if managed_engine is not None else None
-        if gatherer is not None:  # units an unfinished forward left gathered (Note [saving between steps])
-            gatherer.settle()
+        if managed_engine is not None and managed_engine.shards_parameters:
+            managed_engine.stage3_gatherer.settle()  # units an unfinished forward left gathered (Note [saving between steps])
         error: Optional[BaseException] = None
         pp = stage_merge.pipeline_of(opt)
         try:

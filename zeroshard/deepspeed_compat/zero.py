@@ -25,6 +25,7 @@ from zeroshard.optim import lifecycle, registry
 from zeroshard.layout.unit_layout import Segment
 from zeroshard.units.flat_unit import FlatUnit
 from zeroshard.stages.sharded_tensor import ShardedTensor
+from zeroshard.stages.stage3.unit_state import UnitState
 from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
 # Names of deepspeed.zero this front does not provide, and what to do instead.
@@ -109,12 +110,13 @@ class GatheredParameters:
         if opt is None:
             return self
         opt.finish_step()  # (an overlapped step writes the shards being gathered)
-        if opt.engine.gatherer is not None:
+        if opt.engine.shards_parameters:
+            gatherer = opt.engine.stage3_gatherer
             indices = {id(u): i for i, u in enumerate(opt.all_units)}
             for ui in sorted({indices[id(unit)] for unit, _ in self._targets}):
-                if opt.engine.gatherer.state[ui].value == "released":
+                if gatherer.state[ui] is UnitState.RELEASED:
                     self._gathered.append(ui)
-                opt.engine.gatherer.ensure(ui)
+                gatherer.ensure(ui)
         for p, unit, seg in self._shown:  # the parameters read whole inside (Note [gathered reads])
             p.gathered = unit.flat[seg.offset:seg.end].view(seg.shape)
         return self
@@ -129,9 +131,9 @@ class GatheredParameters:
             if self.modifier_rank is not None and exc[0] is None:
                 self._write_back(opt)
         finally:
-            if opt.engine.gatherer is not None:
+            if opt.engine.shards_parameters:
                 for ui in self._gathered:
-                    opt.engine.gatherer.release(ui)
+                    opt.engine.stage3_gatherer.release(ui)
             self._gathered = []
 
     @torch.no_grad()

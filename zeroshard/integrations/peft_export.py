@@ -38,12 +38,13 @@ rank raises the same error.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import shutil
 import tempfile
-from typing import Any, Callable, Iterator, Optional, Protocol, TypeGuard, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, TypeGuard, Union
 
 import torch
 from torch import nn
@@ -51,6 +52,9 @@ from torch import nn
 from zeroshard.checkpoint.export import parse_size
 from zeroshard.optim.registry import optimizer_for
 from zeroshard.model.full_state import full_state_dict
+
+if TYPE_CHECKING:
+    from zeroshard.optim.zero_engine import Engine
 
 
 class _PeftModel(Protocol):
@@ -278,46 +282,51 @@ def _merged(layer: _TunerLayer) -> dict[str, torch.Tensor]:
 
 
 class _Groups:
-    """Which gather groups hold what, and gathering them (stage 3; one group, always "gathered",
-    below it)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        opt = optimizer_for(model)
-        self.gatherer = opt.engine.gatherer if opt is not None else None
-        self.where = opt.engine.segment_index() if opt is not None else {}
-        self.model = model
+    """Which gather groups hold what, and gathering them: below stage 3 (or without an optimizer)
+    one group, -1, always "gathered" (stage 3's: ``_Stage3Groups``)."""
 
     def group_of(self, t: torch.Tensor) -> int:
-        if self.gatherer is None or id(t) not in self.where:
+        return -1
+
+    def order(self) -> list[int]:
+        return []
+
+    @contextlib.contextmanager
+    def gathered(self, gis: list[int]) -> Iterator[None]:
+        yield
+
+
+class _Stage3Groups(_Groups):
+    """Stage 3's gather groups (``ParameterGatherer.groups``), gathered for as long as a block runs."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.gatherer = engine.stage3_gatherer
+        self.where = engine.segment_index()
+
+    def group_of(self, t: torch.Tensor) -> int:
+        if id(t) not in self.where:
             return -1
         unit = self.where[id(t)][0]
         return self.gatherer.group_of[next(i for i, u in enumerate(self.gatherer.units) if u is unit)]
 
     def order(self) -> list[int]:
-        return list(range(len(self.gatherer.groups))) if self.gatherer is not None else []
+        return list(range(len(self.gatherer.groups)))
 
-    def gathered(self, gis: list[int]) -> "_Gathered":
-        return _Gathered(self, gis)
+    @contextlib.contextmanager
+    def gathered(self, gis: list[int]) -> Iterator[None]:
+        gis = [g for g in gis if g >= 0]
+        for gi in gis:
+            self.gatherer.ensure_group(gi)
+        try:
+            yield
+        finally:
+            for gi in reversed(gis):
+                self.gatherer.release_group(gi)
 
 
-class _Gathered:
-    def __init__(self, groups: _Groups, gis: list[int]) -> None:
-        self.g = groups
-        self.gis = [g for g in gis if g >= 0] if groups.gatherer is not None else []
-
-    def __enter__(self) -> None:
-        gatherer = self.g.gatherer
-        if gatherer is None:  # (gis is empty then)
-            return
-        for gi in self.gis:
-            gatherer.ensure_group(gi)
-
-    def __exit__(self, *exc: object) -> None:
-        gatherer = self.g.gatherer
-        if gatherer is None:
-            return
-        for gi in reversed(self.gis):
-            gatherer.release_group(gi)
+def _groups_of(model: nn.Module) -> _Groups:
+    opt = optimizer_for(model)
+    return _Stage3Groups(opt.engine) if opt is not None and opt.engine.shards_parameters else _Groups()
 
 
 def _plan(model: nn.Module, groups: _Groups, rename: Callable[[str], Optional[str]]) -> list[tuple[int, list[str]]]:
@@ -347,7 +356,7 @@ def export_merged(model: nn.Module, out_dir: str, max_shard_size: Union[int, str
     targets = _merge_targets(model)
     untie = _broken_tie(model, peft, rename, targets)  # (before the first collective: every rank refuses alike)
     comm, staging = _staged(model, out_dir, "export_merged")
-    groups = _Groups(model)
+    groups = _groups_of(model)
     plan = _plan(model, groups, rename)
     live = model.state_dict(keep_vars=True)
     out_name = {k: _base_name(rename(k) or k) for _, keys in plan for k in keys}

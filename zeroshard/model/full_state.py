@@ -8,6 +8,7 @@ from torch import nn
 
 from zeroshard.comm.tensor_parallel import is_dtensor
 from zeroshard.optim.registry import optimizer_for
+from zeroshard.stages.stage3.unit_state import UnitState
 
 
 @torch.no_grad()
@@ -21,11 +22,11 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True,
     live = model.state_dict(keep_vars=True)
     if not frozen:
         live = {k: v for k, v in live.items() if not (isinstance(v, nn.Parameter) and not v.requires_grad)}
-    gatherer = opt.engine.gatherer if opt is not None else None  # (stage 3's: Engine.shards_parameters)
-    if opt is None or gatherer is None:  # stages 0-2: every rank holds full parameters
+    if opt is None or not opt.engine.shards_parameters:  # stages 0-2: every rank holds full parameters
         live = {k: v.full_tensor().detach() if is_dtensor(v) else v for k, v in live.items()}  # (TP: global)
         out = {k: (v.detach().cpu() if cpu else v.detach()).clone() for k, v in live.items()}
         return None if rank0_only and (opt is not None and opt.engine.comm.rank != 0) else out
+    gatherer = opt.engine.stage3_gatherer
     keep = not rank0_only or opt.engine.comm.rank == 0
     where = opt.engine.segment_index()
     by_unit: dict[int, list[str]] = {}
@@ -38,7 +39,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True,
     for ui, unit in enumerate(opt.engine.joined().all_units):
         if unit.frozen and not frozen:
             continue
-        was_released = gatherer.state[ui].value == "released"
+        was_released = gatherer.state[ui] is UnitState.RELEASED
         gatherer.ensure(ui)
         if keep:  # read the gathered buffer: live[key] is the sharded parameter shown between uses
             for key in by_unit.get(unit.layout.index, []):

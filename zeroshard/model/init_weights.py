@@ -37,11 +37,11 @@ def init_meta_weights(model: nn.Module, seed: int = 0) -> None:
     for ui, unit in enumerate(opt.engine.joined().all_units):
         if not unit.needs_init:
             continue
-        shown = opt.engine.gatherer.visible if opt.engine.gatherer is not None else (lambda p: p)  # what modules hold now
+        shown = opt.engine.sharding.visible  # what modules hold now
         modules = {id(mod): mod for m in unit.members for mod in owners.get(id(shown(m.param)), [])}
         temporary: list[nn.Parameter] = []
-        if opt.engine.gatherer is not None:  # the initialisers see the unsharded parameters
-            opt.engine.gatherer.show(ui, sharded=False)
+        if opt.engine.shards_parameters:  # the initialisers see the unsharded parameters
+            opt.engine.stage3_gatherer.show(ui, sharded=False)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed + unit.layout.index)
             inits: dict[tuple, Any] = {}
@@ -61,8 +61,8 @@ def init_meta_weights(model: nn.Module, seed: int = 0) -> None:
         for p in temporary:
             owner, seg = where[id(p)]
             restore_parameter(owner, seg, p)
-        if opt.engine.gatherer is not None:
-            opt.engine.gatherer.show(ui, sharded=True)
+        if opt.engine.shards_parameters:
+            opt.engine.stage3_gatherer.show(ui, sharded=True)
 
 
 def _lora_layers(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:

@@ -113,8 +113,8 @@ def _load(opt: "EngineOwner", model: nn.Module, path: str, files: dict, handle, 
             t.data.copy_(f.read(stored_name, 0, t.numel()).view(t.shape))
         elif isinstance(t, nn.Parameter):
             missing.append(key)
-    if opt.engine.gatherer is not None:  # a unit gathered now holds the old values: drop it
-        opt.engine.gatherer.release_all()
+    if opt.engine.shards_parameters:  # a unit gathered now holds the old values: drop it
+        opt.engine.stage3_gatherer.release_all()
     if wrong:
         raise ValueError("shapes differ between the files and the model: " + "; ".join(wrong[:10]))
     adapters = _adapter_names(model)

@@ -284,8 +284,8 @@ def _build_gradients(attached: construction.ConstructionRecord, config: ZeroConf
     placement.watch(reducer)
     reducer.register_hooks()
     attached.removers.append(reducer.remove_hooks)
-    gatherer = sharding.gatherer
-    if gatherer is not None:
+    if sharding.shard_parameters:
+        gatherer = sharding.require_gatherer()
         gatherer.register()
         attached.removers.append(gatherer.remove)
         reducer.on_launch.append(gatherer.on_unit_reduced)
@@ -318,9 +318,8 @@ def _attach(owner: torch.optim.Optimizer, attached: construction.ConstructionRec
     lifecycle.claim(managed, owner)
     # (collected mid-step or with units gathered: the step is joined and stage-3 parameters
     # given back first, before the swap files close: their closers run the teardown first)
-    gatherer = sharding.gatherer
-    hand_back = (functools.partial(lifecycle.hand_back_collected, gatherer, all_units, mesh.comm.world_size)
-                 if gatherer is not None else None)
+    hand_back = (functools.partial(lifecycle.hand_back_collected, sharding.require_gatherer(), all_units,
+                                   mesh.comm.world_size) if sharding.shard_parameters else None)
     attached.teardown = teardown = lifecycle.Teardown(attached.removers, managed, inflight, hand_back)
     weakref.finalize(owner, teardown)
     for f in files:

@@ -13,7 +13,7 @@ from zeroshard.units.flat_unit import FlatUnit
 if TYPE_CHECKING:
     from zeroshard.comm.mesh import MeshInfo
     from zeroshard.units.run import Run
-    from zeroshard.optim.zero_engine import EngineOwner
+    from zeroshard.optim.zero_engine import Engine, EngineOwner
 
 
 def memory_report(opt: "EngineOwner") -> MemoryReport:
@@ -44,11 +44,16 @@ def memory_report(opt: "EngineOwner") -> MemoryReport:
                               for v in s.values() if isinstance(v, torch.Tensor))),
         offloaded=((engine.swapper.file_bytes if engine.swapper is not None else 0)
                    + (engine.unit_store.file_bytes if engine.unit_store is not None else 0)),
-        buffers=(engine.reducer.live_bucket_bytes() + (engine.gatherer.gathered_bytes() if engine.gatherer else 0)
-                 + staging),
-        secondary=(engine.gatherer.secondary.nbytes() if engine.gatherer is not None and engine.gatherer.secondary is not None
-                   else 0),
+        buffers=(engine.reducer.live_bucket_bytes()
+                 + (engine.stage3_gatherer.gathered_bytes() if engine.shards_parameters else 0) + staging),
+        secondary=_secondary_bytes(engine),
     )
+
+
+def _secondary_bytes(engine: "Engine") -> int:
+    """hpZ's secondary partition (stage 3 only: Note [hpZ secondary partition])."""
+    secondary = engine.stage3_gatherer.secondary if engine.shards_parameters else None
+    return secondary.nbytes() if secondary is not None else 0
 
 
 def comm_report(mesh: MeshInfo, reset: bool = False) -> dict[str, dict]:

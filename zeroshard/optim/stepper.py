@@ -112,12 +112,12 @@ class Stepper:
         scale, self.clip_coef = self.clip_coef, 1.0
         updating = False
         try:
-            gatherer = self.sharding.gatherer
-            if (self.swapper is not None and gatherer is not None
-                    and step_in_flight.overlaps(self.config, self.sharding.policy, self.swapper, gatherer)):
-                step_in_flight.start_swapped_step(self.inflight, self.all_units, gatherer, self.swapper,
-                                                  self.inner.param_groups, self.placement, scale)  # returns at once
-                return
+            if self.swapper is not None and self.sharding.shard_parameters:  # (stage 3: Note [overlapped step])
+                gatherer = self.sharding.require_gatherer()
+                if step_in_flight.overlaps(self.config, self.sharding.policy, self.swapper, gatherer):
+                    step_in_flight.start_swapped_step(self.inflight, self.all_units, gatherer, self.swapper,
+                                                      self.inner.param_groups, self.placement, scale)  # returns at once
+                    return
             updating = True
             self._update(scale, kwargs)
         except BaseException as exc:

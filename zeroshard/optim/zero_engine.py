@@ -98,7 +98,7 @@ class Engine:
     @property
     def shards_parameters(self) -> bool:
         """Stage 3: parameters persist only as owned slices (the one answer to "is this stage 3?";
-        ``gatherer`` is the object that gathers them, None otherwise)."""
+        ``stage3_gatherer`` is the object that gathers them)."""
         return self.sharding.policy.shard_parameters
 
     @property
@@ -119,7 +119,14 @@ class Engine:
 
     @property
     def gatherer(self) -> Optional[ParameterGatherer]:
+        """Stage 3's gatherer, None otherwise: for reading only (tests, reports). Code that asks
+        which stage this is reads ``shards_parameters``, and takes the gatherer from ``stage3_gatherer``."""
         return self.sharding.gatherer
+
+    @property
+    def stage3_gatherer(self) -> ParameterGatherer:
+        """Stage 3's gatherer; a RuntimeError at stages 0-2 (ask ``shards_parameters`` first)."""
+        return self.sharding.require_gatherer()
 
     @property
     def scaler(self) -> Optional[DynamicLossScaler]:

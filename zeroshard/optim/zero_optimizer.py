@@ -185,8 +185,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return
         e.inflight.join()
         e.reducer.finalize()
-        if e.sharding.gatherer is not None:
-            lifecycle.hand_back_stage3(e.sharding.gatherer, e.all_units)
+        if e.shards_parameters:
+            lifecycle.hand_back_stage3(e.stage3_gatherer, e.all_units)
         e.closed = True
         e.teardown(handed_back=True)
 

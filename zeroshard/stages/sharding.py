@@ -49,11 +49,25 @@ class Sharding:
         self.mesh = mesh
         self.config = config
         self.gatherer: Optional[ParameterGatherer] = None
-        """Stage 3's on-demand gathers (zeroshard/stages/stage3/gatherer.py), from ``start``."""
+        """Stage 3's on-demand gathers (zeroshard/stages/stage3/gatherer.py), from ``start``. Whether
+        there is one is not the stage's answer (``shard_parameters`` is): read it through
+        ``require_gatherer``."""
 
     @property
     def shard_parameters(self) -> bool:
         return self.policy.shard_parameters
+
+    def require_gatherer(self) -> ParameterGatherer:
+        """Stage 3's gatherer; a RuntimeError at stages 0-2 (ask ``shard_parameters`` first) or
+        before ``start`` built it."""
+        gatherer = self.gatherer
+        if not isinstance(gatherer, ParameterGatherer):  # (the one place its absence is looked at)
+            if not self.policy.shard_parameters:
+                raise RuntimeError(f"stage={self.config.stage} keeps parameters whole: there is no stage-3 "
+                                   "ParameterGatherer (ask shard_parameters / Engine.shards_parameters first)")
+            raise RuntimeError(f"stage={self.config.stage}: the ParameterGatherer is built once every unit is "
+                               "(Sharding.start), which has not run yet")
+        return gatherer
 
     def frozen(self, module: Optional[nn.Module], meta_shapes: dict[int, torch.Size],
                trained: frozenset[int]) -> list[NamedParam]:
@@ -95,7 +109,7 @@ class Sharding:
 
     def visible(self, p: torch.Tensor) -> torch.Tensor:
         """The parameter torch code holds for ``p`` (stage 3: the sharded one between uses)."""
-        return self.gatherer.visible(p) if self.gatherer is not None else p
+        return self.require_gatherer().visible(p) if self.policy.shard_parameters else p
 
     def gather_params(self, units: Sequence[FlatUnit]) -> None:
         """Makes every rank's full parameters current from the owned ranges (after a step or
@@ -104,14 +118,15 @@ class Sharding:
             works = [self.mesh.comm.gather_shards(u.flat) for u in units]
             for w in works:
                 w.wait()
-        elif self.gatherer is not None and self.gatherer.secondary is not None:
-            sec = self.gatherer.secondary  # hpZ: across nodes once per step (Note [hpZ secondary partition])
-            sec.rebuild([i for i in range(len(sec.units)) if i < len(units) or sec.stale[i]])  # (frozen: if written)
+        elif self.policy.shard_parameters:
+            sec = self.require_gatherer().secondary  # hpZ: across nodes once per step (Note [hpZ secondary partition])
+            if sec is not None:
+                sec.rebuild([i for i in range(len(sec.units)) if i < len(units) or sec.stale[i]])  # (frozen: if written)
 
     def weights_changed(self, units: Sequence[FlatUnit]) -> None:
         """The model's parameters were written from outside: the fp32 masters of stages 0-2 take
         the new values. (Stage-3 parameters write through their unit: Note [sharded tensor ops].)"""
-        if self.gatherer is not None:
+        if self.policy.shard_parameters:
             return
         with torch.no_grad():
             for unit in units:

@@ -150,13 +150,13 @@ class StepInFlight:
 
 
 def overlaps(config: ZeroConfig, policy: StagePolicy, swapper: Optional[NvmeOptimizerState],
-             gatherer: Optional[ParameterGatherer]) -> bool:
+             gatherer: ParameterGatherer) -> bool:
     """Whether ``step()`` overlaps its swapped step with the next forward: ``overlap_step``
-    (None: under offload="auto"), stage 3 with state streamed, no hpZ."""
+    (None: under offload="auto"), stage 3 (``gatherer``: asked only there) with state streamed, no hpZ."""
     wanted = config.overlap_step
     if wanted is None:
         wanted = config.automatic
-    return (bool(wanted) and swapper is not None and gatherer is not None
+    return (bool(wanted) and swapper is not None and policy.shard_parameters
             and gatherer.secondary is None and not policy.gather_after_step)
 
 
