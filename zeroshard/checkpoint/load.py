@@ -34,7 +34,7 @@ from zeroshard.offload.unit_swap import resident_runs
 from zeroshard.optim.state_io import fill_run, normalize_loaded
 from zeroshard.stages.stage3.secondary import params_written
 from zeroshard.checkpoint.saver import checkpoint_comm, wait_checkpoint
-from zeroshard.optim.lifecycle import state_restored
+from zeroshard.optim.interrupts import state_restored
 from zeroshard.comm import Comm
 from zeroshard.optim.zero_optimizer import engine_of
 

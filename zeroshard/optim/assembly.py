@@ -33,7 +33,7 @@ from zeroshard.offload import NvmeOptimizerState
 from zeroshard.offload.nvme_generic_state import probe_layouts
 from zeroshard.offload.placement import StatePlacement
 from zeroshard.ops import FusedAdam
-from zeroshard.optim import construction, ddp_check, kernel_choice, lifecycle, registry, reports
+from zeroshard.optim import construction, ddp_check, kernel_choice, ownership, registry, reports
 from zeroshard.optim.zero_engine import Engine
 from zeroshard.units.flat_unit import FlatUnit
 from zeroshard.grads.links import GradLinks
@@ -46,6 +46,7 @@ from zeroshard.optim.hyperparams import (check_inputs, check_optimizer_kwargs, n
 from zeroshard.optim.module_guard import ModuleGuard
 from zeroshard.optim.params import ParamsLike, module_of_groups, normalize_params
 from zeroshard.optim.stepper import Stepper
+from zeroshard.optim.teardown import Teardown
 from zeroshard.optim.torch_refusals import as_torch_refusal, torch_refusal
 from zeroshard.precision.precision_policy import Precision
 from zeroshard.units.stage_policy import policy_for_stage
@@ -136,7 +137,7 @@ def assemble(owner: torch.optim.Optimizer, engine: Engine, model_or_params: Para
     engine.collectives_done = True  # (from here a refusal is agreed by every rank: Note [agreed construction])
     trainable = trainable_params(groups, names, {**meta_shapes, **engine.mesh.local_shapes()},
                                  sharding.shard_parameters)
-    lifecycle.check_unclaimed([m.param for m in trainable], names)
+    ownership.check_unclaimed([m.param for m in trainable], names)
     engine.precision = precision = Precision(config, single_dtype(trainable) if not config.mixed_precision
                                              else torch.float32, pp=engine.mesh.pp.comm if engine.mesh.pp else None)
     param_dtype = precision.param_dtype
@@ -271,7 +272,7 @@ def _build_gradients(engine: Engine, params: list[torch.Tensor]) -> None:
 def _attach(owner: torch.optim.Optimizer, engine: Engine) -> None:
     """Ties the engine to the model and to ``owner``: the model's registry entry, a load hook,
     the module guard, the parameters' claim, and the teardown when ``owner`` is closed or
-    collected (which must not reference it: lifecycle.Teardown)."""
+    collected (which must not reference it: teardown.Teardown)."""
     module, sharding, units = engine.module, engine.sharding, engine.units
     engine.module_guard = None
     if module is not None:
@@ -286,13 +287,13 @@ def _attach(owner: torch.optim.Optimizer, engine: Engine) -> None:
                                           [u.flat for u in units] if not sharding.policy.shard_parameters else [])
         engine.removers.append(engine.module_guard.remove)
     managed = [m.param for u in engine.all_units for m in u.members]
-    lifecycle.claim(managed, owner)
+    ownership.claim(managed, owner)
     # (collected mid-step or with units gathered: the step is joined and stage-3 parameters
     # given back first, before the swap files close: their closers run the teardown first)
     gatherer = sharding.gatherer
-    hand_back = (functools.partial(lifecycle.hand_back_collected, gatherer, engine.all_units,
+    hand_back = (functools.partial(ownership.hand_back_collected, gatherer, engine.all_units,
                                    engine.mesh.comm.world_size) if gatherer is not None else None)
-    engine.teardown = lifecycle.Teardown(engine.removers, managed, engine.inflight, hand_back)
+    engine.teardown = Teardown(engine.removers, managed, engine.inflight, hand_back)
     weakref.finalize(owner, engine.teardown)
     for files in (engine.unit_store, engine.swapper):
         if files is not None:

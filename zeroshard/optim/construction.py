@@ -27,7 +27,7 @@ from zeroshard.comm.process_group import check_launched_with_group
 from zeroshard.comm.tensor_parallel import is_dtensor, local_of
 from zeroshard.optim import ddp_check
 from zeroshard.optim.hyperparams import check_nvme_kernel
-from zeroshard.optim.lifecycle import _OWNER, take_back_collected
+from zeroshard.optim.ownership import _OWNER, take_back_collected
 
 if TYPE_CHECKING:
     from zeroshard.optim.zero_engine import Engine

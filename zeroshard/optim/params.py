@@ -1,10 +1,14 @@
-"""Normalising what users pass as "parameters" into named param groups."""
+"""Normalising what users pass as "parameters" into named param groups, and the groups a rebuild
+for ``add_param_group`` starts from."""
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from zeroshard.units.flat_unit import FlatUnit
 
 ParamsLike = Union[nn.Module, Iterable[torch.Tensor], Iterable[tuple[str, torch.Tensor]], Iterable[dict]]
 
@@ -92,3 +96,26 @@ def module_of_groups(module: nn.Module, given: Optional[nn.Module], groups: list
                          "while being materialised, so groups built before would not see them)")
     names.update({i: n for i, n in by_id.items() if i in in_groups})
     return module
+
+
+def groups_with(visible: Callable[[torch.Tensor], torch.Tensor], units: Sequence["FlatUnit"],
+                param_groups: list[dict], param_group: dict) -> list[dict]:
+    """The param groups a rebuild for ``add_param_group`` builds from (Note [rebuild on
+    add_param_group] in zero_optimizer.py): the current ones plus ``param_group``, each naming
+    the model's own parameters (stage 3 shows torch code other objects between uses)."""
+    shown = {id(visible(m.param)): (visible(m.param), m.param) for u in units for m in u.members}
+    own = {i: orig for i, (_, orig) in shown.items()}
+    for seen, orig in shown.values():  # (stage 3: a frozen weight unfrozen through either object torch
+        if seen is not orig and seen.requires_grad != orig.requires_grad:  # code may hold)
+            orig.requires_grad_(True)
+    groups = [{**{k: v for k, v in g.items() if k != "adamw_mode"},  # (the kernel's key, derived again)
+               "params": [own.get(id(p), p) for p in g["params"]]} for g in param_groups]
+    new = dict(param_group)
+    new["params"] = [new["params"]] if isinstance(new["params"], torch.Tensor) else list(new["params"])
+    new["params"] = [own.get(id(p), p) for p in new["params"]]
+    taken = {id(p) for g in groups for p in g["params"]}
+    twice = [i for i, p in enumerate(new["params"]) if id(p) in taken]
+    if twice:
+        raise ValueError(f"some parameters appear in more than one parameter group (positions {twice[:5]} "
+                         "of the new group are in an existing one)")
+    return groups + [new]

@@ -162,7 +162,7 @@ class ParameterGatherer:
         self._evaluating = False
         self.keep_sharded = False
         """``remove`` leaves the sharded parameters registered (the optimizer was collected at
-        world size > 1: lifecycle.hand_back_collected)."""
+        world size > 1: ownership.hand_back_collected)."""
         self._make_sharded()
 
     # -- sharded parameters (Note [sharded parameters]) -------------------------------------------
