@@ -21,7 +21,10 @@ count. ``--json`` prints them as JSON (tests/unit/test_structure.py reads them a
   (ENGINE_NAMES, what ``ZeroOptimizer.__getattr__`` used to serve) through a variable that
   holds the optimizer; plus facade_proxy_names, how many names a ``__getattr__`` on the facade serves;
 - sibling_folders_both_ways: pairs of top-level folders under zeroshard/ that import each other
-  at run time (module level or inside functions), in both directions.
+  at run time (module level or inside functions), in both directions;
+- duplicate_file_names (issue 44): files under zeroshard/ whose name another file there has too
+  (``__init__.py`` and ``__main__.py`` aside): a traceback, an editor tab or a grep names a file
+  by its base name, which should say which one.
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ ENGINE_NAMES = frozenset(
     "precision".split())
 OPT_HOLDERS = OPT_NAMES + ("zopt", "_opt", "optim")
 # The layers above the facade: they take the optimizer from the user (and may name it).
-CONSUMERS = ("checkpoint", "integrations", "deepspeed_compat", "train", "bench", "model", "cli.py", "demo.py", "__init__.py",
+CONSUMERS = ("checkpoint", "integrations", "deepspeed_compat", "train", "bench", "model", "cli.py", "demo", "__init__.py",
              "testing")
 
 
@@ -202,6 +205,11 @@ def measure() -> dict:
                         else len(ENGINE_NAMES) for node in facade.body if isinstance(node, ast.Assign)
                         and any(isinstance(t, ast.Name) and t.id == "_ENGINE" for t in node.targets)), len(ENGINE_NAMES))
     both_ways = sorted({tuple(sorted(e)) for e in folder_edges if (e[1], e[0]) in folder_edges})
+    by_name: dict[str, list[str]] = {}
+    for rel in trees:
+        if os.path.basename(rel) not in ("__init__.py", "__main__.py"):
+            by_name.setdefault(os.path.basename(rel), []).append(rel)
+    duplicates = sorted(rel for rels in by_name.values() if len(rels) > 1 for rel in rels)
     return {
         "facade_lines": facade_lines,
         "facade_constructor_lines": _length(init),
@@ -216,11 +224,13 @@ def measure() -> dict:
         "reads_through_facade": len(facade_reads),
         "facade_proxy_names": proxied,
         "sibling_folders_both_ways": len(both_ways),
+        "duplicate_file_names": len(duplicates),
         "where": {"functions_taking_opt_any": taking_any, "private_reads_of_opt": private_reads,
                   "import_cycles": _cycles(graph), "offload_kind_compares": kind_compares,
                   "import_cycles_with_annotations": _cycles(graph_all),
                   "below_facade_naming_facade": naming_facade, "reads_through_facade": facade_reads,
-                  "sibling_folders_both_ways": [f"{a} <-> {b}" for a, b in both_ways]},
+                  "sibling_folders_both_ways": [f"{a} <-> {b}" for a, b in both_ways],
+                  "duplicate_file_names": duplicates},
     }
 
 

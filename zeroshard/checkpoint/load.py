@@ -26,7 +26,7 @@ from torch import nn
 
 from zeroshard.optim.registry import optimizer_for
 from zeroshard.checkpoint import frozen_base, group_names, jsontree, locate, stage_merge, tp_layout, trainer_state
-from zeroshard.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map
 from zeroshard.checkpoint.shard_file import DTYPES, ShardReader, reap
 from zeroshard.checkpoint.state_check import check_state_kinds
