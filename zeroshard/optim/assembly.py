@@ -41,10 +41,10 @@ from zeroshard.grads.reducer import GradientReducer
 from zeroshard.grads.flow import GradientFlow
 from zeroshard.units.elementwise import update_kind
 from zeroshard.optim.inner import GroupedInner, step_without_hooks
-from zeroshard.optim.hyperparams import (check_inputs, check_optimizer_kwargs, nvme_kernel_refusal,
-                                         separate_optimizer_kwargs, single_dtype, trainable_params)
+from zeroshard.optim.inner_kwargs import check_optimizer_kwargs, separate_optimizer_kwargs
 from zeroshard.optim.module_guard import ModuleGuard
-from zeroshard.optim.params import ParamsLike, module_of_groups, normalize_params
+from zeroshard.optim.params import (ParamsLike, check_inputs, module_of_groups, normalize_params, single_dtype,
+                                    trainable_params)
 from zeroshard.optim.stepper import Stepper
 from zeroshard.optim.teardown import Teardown
 from zeroshard.optim.torch_refusals import as_torch_refusal, torch_refusal
@@ -236,7 +236,7 @@ def _build_optimizer_state(owner: torch.optim.Optimizer, engine: Engine, groups:
     if engine.placement.streams_optimizer:
         fused = kernel_choice.choose_kernels(cls, kwargs, groups, config.fused_adam)
         if not all(f or update_kind(kernel_choice.group_class(g, cls)) == "whole" for g, f in zip(groups, fused)):
-            raise nvme_kernel_refusal(cls, kwargs, groups, fused)
+            raise kernel_choice.nvme_kernel_refusal(cls, kwargs, groups, fused)
         parts = engine.inner.parts if isinstance(engine.inner, GroupedInner) else [(engine.inner, list(range(len(groups))))]
         generic = probe_layouts(parts, engine.runs, lambda part: not isinstance(part, FusedAdam))
         slots = reports.staging_slots(config.offload_buffer_mb, engine.runs, engine.units)
