@@ -36,6 +36,9 @@ count. ``--json`` prints them as JSON (tests/unit/test_structure.py reads them a
   None`` / ``is not None`` (a name or an attribute ``gatherer``) and a gatherer used as a truth
   value. The stage's one answer is ``Engine.shards_parameters``; the gatherer itself comes from
   ``Engine.stage3_gatherer`` / ``Sharding.require_gatherer()``, which refuse outside stage 3.
+- duplicate_file_names (issue 44): files under zeroshard/ whose name another file there has too
+  (``__init__.py`` and ``__main__.py`` aside): a traceback, an editor tab or a grep names a file
+  by its base name, which should say which one.
 """
 from __future__ import annotations
 
@@ -60,7 +63,7 @@ OPT_HOLDERS = OPT_NAMES + ("zopt", "_opt", "optim")
 # The layers above the facade: they take the optimizer from the user (and may name it).
 # What reading a DeviceMesh calls (mesh_parsers).
 MESH_METHODS = frozenset({"get_group", "get_local_rank", "get_coordinate", "get_all_groups"})
-CONSUMERS = ("checkpoint", "integrations", "deepspeed_compat", "train", "bench", "model", "cli.py", "demo.py", "__init__.py",
+CONSUMERS = ("checkpoint", "integrations", "deepspeed_compat", "train", "bench", "model", "cli.py", "demo", "__init__.py",
              "testing")
 
 
@@ -272,6 +275,11 @@ def measure() -> dict:
                         else len(ENGINE_NAMES) for node in facade.body if isinstance(node, ast.Assign)
                         and any(isinstance(t, ast.Name) and t.id == "_ENGINE" for t in node.targets)), len(ENGINE_NAMES))
     both_ways = sorted({tuple(sorted(e)) for e in folder_edges if (e[1], e[0]) in folder_edges})
+    by_name: dict[str, list[str]] = {}
+    for rel in trees:
+        if os.path.basename(rel) not in ("__init__.py", "__main__.py"):
+            by_name.setdefault(os.path.basename(rel), []).append(rel)
+    duplicates = sorted(rel for rels in by_name.values() if len(rels) > 1 for rel in rels)
     return {
         "facade_lines": facade_lines,
         "facade_constructor_lines": _length(init),
@@ -290,13 +298,15 @@ def measure() -> dict:
         "offload_string_compares": len(string_compares),
         "mesh_parsers": len(mesh_parsers),
         "gatherer_none_checks": len(gatherer_checks),
+        "duplicate_file_names": len(duplicates),
         "where": {"functions_taking_opt_any": taking_any, "private_reads_of_opt": private_reads,
                   "import_cycles": _cycles(graph), "offload_kind_compares": kind_compares,
                   "import_cycles_with_annotations": _cycles(graph_all),
                   "below_facade_naming_facade": naming_facade, "reads_through_facade": facade_reads,
                   "sibling_folders_both_ways": [f"{a} <-> {b}" for a, b in both_ways],
                   "placement_auto_branches": auto_branches, "offload_string_compares": string_compares,
-                  "mesh_parsers": mesh_parsers, "gatherer_none_checks": gatherer_checks},
+                  "mesh_parsers": mesh_parsers, "gatherer_none_checks": gatherer_checks,
+                  "duplicate_file_names": duplicates},
     }
 
 

@@ -57,10 +57,10 @@ def report_error(command: str, exc: BaseException) -> int:
 
 
 SUBCOMMAND_MODULES: list[str] = [
-    "zeroshard.checkpoint.commands",  # inspect, verify, export
+    "zeroshard.checkpoint.checkpoint_commands",  # inspect, verify, export
     "zeroshard.train.finetune",  # finetune (torchrun; reruns resume)
-    "zeroshard.planner.commands",  # estimate
-    "zeroshard.io.commands",  # bench (aio; BENCH_MODULES there adds memory/step)
+    "zeroshard.planner.planner_commands",  # estimate
+    "zeroshard.io.io_commands",  # bench (aio; BENCH_MODULES there adds memory/step)
     "zeroshard.deepspeed_compat.convert",  # convert-deepspeed
 ]
 

@@ -14,7 +14,7 @@ from torch import nn
 
 import zeroshard
 from zeroshard.checkpoint import frozen_base, manifest
-from zeroshard.checkpoint.errors import CheckpointMismatchError
+from zeroshard.checkpoint.checkpoint_errors import CheckpointMismatchError
 from zeroshard.cli import main as cli
 
 from tests.support import mesh_refusal_worker

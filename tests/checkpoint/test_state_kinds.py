@@ -13,7 +13,7 @@ import torch
 
 import zeroshard
 from tests.support import hostile_cases as h
-from zeroshard.checkpoint.errors import CheckpointMismatchError
+from zeroshard.checkpoint.checkpoint_errors import CheckpointMismatchError
 from zeroshard.optim.state_kinds import expected_state
 
 

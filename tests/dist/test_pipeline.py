@@ -166,7 +166,7 @@ def test_estimate_with_pp_shards_each_stage_over_its_dp_ranks(capsys):
     the stage's dp ranks (P across nodes where it divides them); stage 3 and NVMe are not offered."""
     import json
 
-    from zeroshard.planner.commands import COMMANDS
+    from zeroshard.planner.planner_commands import COMMANDS
     from zeroshard.planner.estimate import Choice, Hardware, Workload, estimate
     from zeroshard.planner.model_shape import ModelShape
     shape = ModelShape.from_params(1_000_000_000, n_layers=16, d_model=2048)

@@ -119,7 +119,7 @@ def test_a_malformed_split_makes_the_checkpoint_corrupt(trained, tmp_path, split
     import glob
     import shutil
     from zeroshard.checkpoint import locate, manifest
-    from zeroshard.checkpoint.errors import CheckpointCorruptError
+    from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError
     _, ckpt, _ = trained
     step = shutil.copytree(glob.glob(f"{ckpt}/step-*")[0], str(tmp_path / "step-00000008"))
     body = manifest.read(step)

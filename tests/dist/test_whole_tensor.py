@@ -196,7 +196,7 @@ def test_planner_counts_muon_momentum_and_adafactor_factors(tmp_path, capsys):
     """``zeroshard estimate --optimizer muon|adafactor`` counts one momentum on the hidden
     matrices (AdamW's two moments on the rest) and Adafactor's factored moments: against what a
     ZeroOptimizer holds for the same Llama (memory_report)."""
-    from zeroshard.planner.commands import _run, _add_arguments
+    from zeroshard.planner.planner_commands import _run, _add_arguments
     from zeroshard.planner.model_shape import ModelShape
     from zeroshard.planner.optimizer_state import optimizer_bytes_per_param
     import argparse

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import zeroshard
 from tests.support import pipeline_worker as pw
-from zeroshard.checkpoint.errors import CheckpointMismatchError
+from zeroshard.checkpoint.checkpoint_errors import CheckpointMismatchError
 
 SLOW = 1e-5
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from zeroshard.bench.commands import BENCH_COMMANDS
+from zeroshard.bench.bench_commands import BENCH_COMMANDS
 from zeroshard.bench.configs import MemConfig
 from zeroshard.bench.memory_bench import MemoryBench
 from zeroshard.bench.models import ModelSource

@@ -64,7 +64,7 @@ def test_every_run_checks_the_quick_tier_entries_of_the_files_it_collects(tmp_pa
 
 
 def test_demo_says_what_its_figures_are():
-    from zeroshard import demo
+    from zeroshard.demo import stages_and_resume as demo
     text = demo.header(862_000, 2, 12, 8)
     assert "Ψ = 862,000 parameters" in text and "N = 2 ranks" in text
     assert "master 0.00 MiB" in text and "fp32 master" in text

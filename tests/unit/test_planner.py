@@ -8,7 +8,7 @@ import pytest
 
 from zeroshard import zero_formula
 from zeroshard.planner import Choice, Hardware, ModelShape, Workload, all_choices, estimate, parse_bytes, parse_count, plan
-from zeroshard.planner.commands import COMMANDS
+from zeroshard.planner.planner_commands import COMMANDS
 
 GB = 10**9
 SHAPE = ModelShape.from_params(1_000_000_000)

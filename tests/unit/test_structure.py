@@ -15,12 +15,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CEILINGS = {
     "facade_lines": 260,              # target: 250 (247 before issue 44 moved add_param_group's rebuild in,
                                       # replaced the proxy by three typed properties and took config=)
-    "facade_longest_function": 26,    # target: 60 (reached)
+    "facade_longest_function": 23,    # target: 60 (reached)
     "functions_taking_opt_any": 0,    # target: 0 (reached)
     "private_reads_of_opt": 0,        # target: 0 (reached)
     "import_cycles": 0,               # target: 0 (reached: names.py, inner.py)
     "offload_kind_compares": 0,       # target: 0 (reached)
-    "any_annotations": 344,           # falling (446 before issue 26's assembly point, 374 before issue 44)
+    "any_annotations": 343,           # falling (446 before issue 26's assembly point, 374 before issue 44)
     "import_cycles_with_annotations": 0,  # target: 0 (2 before issue 44)
     "below_facade_naming_facade": 0,  # target: 0 (7 before issue 44)
     "reads_through_facade": 0,        # target: 0 (160 before issue 44)
@@ -30,6 +30,7 @@ CEILINGS = {
     "offload_string_compares": 0,     # target: 0 (4 before issue 44: the config parses the strings into a Tier)
     "mesh_parsers": 1,                # target: 1 (reached: comm/mesh.py; 3 before issue 44)
     "gatherer_none_checks": 0,        # target: 0 (24 before issue 44: the stage asked through the gatherer's presence)
+    "duplicate_file_names": 0,        # target: 0 (8 before issue 44: commands.py x4, demo.py x2, errors.py x2)
 }
 
 

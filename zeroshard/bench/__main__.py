@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from zeroshard.bench.commands import BENCH_COMMANDS
+from zeroshard.bench.bench_commands import BENCH_COMMANDS
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

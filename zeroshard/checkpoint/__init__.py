@@ -19,7 +19,7 @@ keep these): ``opt.units`` with ``unit.layout`` (segments, ``pieces_in``, ``slic
 tensors or views that ``copy_`` works on), and ``opt.gather_params()`` that makes whatever
 the stage keeps of the full parameters current after owned ranges were written.
 """
-from zeroshard.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zeroshard.checkpoint.export import export_hf
 from zeroshard.checkpoint.load import load_checkpoint
 from zeroshard.checkpoint.locate import latest_checkpoint

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from zeroshard.checkpoint import manifest
-from zeroshard.checkpoint.errors import CheckpointError
+from zeroshard.checkpoint.checkpoint_errors import CheckpointError
 from zeroshard.checkpoint.locate import quick_check
 from zeroshard.checkpoint.names import committed_steps
 from zeroshard.checkpoint.pieces import PieceRecord

@@ -19,7 +19,7 @@ import torch
 from zeroshard.checkpoint import tp_layout
 from zeroshard.checkpoint.pieces import PARAM
 from zeroshard.checkpoint.shard_file import DTYPES, ShardReader, header_bytes, tensor_bytes, write_stream
-from zeroshard.checkpoint.errors import CheckpointCorruptError
+from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError
 from zeroshard.checkpoint.locate import candidates, check_structure, is_step_dir
 
 if TYPE_CHECKING:

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from zeroshard.checkpoint.errors import CheckpointMismatchError
+from zeroshard.checkpoint.checkpoint_errors import CheckpointMismatchError
 from zeroshard.checkpoint.pieces import PARAM, PieceRecord, _deferred
 from zeroshard.checkpoint.shard_file import CODES
 from zeroshard.optim.zero_optimizer import engine_of

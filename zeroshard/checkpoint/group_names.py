@@ -16,7 +16,7 @@ import json
 from typing import Optional
 
 from zeroshard.checkpoint import jsontree
-from zeroshard.checkpoint.errors import CheckpointMismatchError
+from zeroshard.checkpoint.checkpoint_errors import CheckpointMismatchError
 
 
 def _options(group: dict) -> dict:

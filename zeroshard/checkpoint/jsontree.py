@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from zeroshard.checkpoint.errors import CheckpointCorruptError
+from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError
 from zeroshard.checkpoint.safe_fs import MAX_JSON_DEPTH
 from zeroshard.checkpoint.shard_file import CODES, DTYPES
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from zeroshard.optim.registry import optimizer_for
 from zeroshard.checkpoint import frozen_base, group_names, jsontree, locate, stage_merge, tp_layout, trainer_state
-from zeroshard.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map
 from zeroshard.checkpoint.shard_file import DTYPES, ShardReader, reap
 from zeroshard.checkpoint.state_check import check_state_kinds
@@ -34,7 +34,7 @@ from zeroshard.offload.unit_swap import resident_runs
 from zeroshard.optim.state_io import fill_run, normalize_loaded
 from zeroshard.stages.stage3.secondary import params_written
 from zeroshard.checkpoint.saver import checkpoint_comm, wait_checkpoint
-from zeroshard.optim.lifecycle import state_restored
+from zeroshard.optim.interrupts import state_restored
 from zeroshard.comm import Comm
 from zeroshard.optim.zero_optimizer import engine_of
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 from zeroshard.checkpoint import manifest, rng
 from zeroshard.checkpoint.names import committed_steps
-from zeroshard.checkpoint.errors import CheckpointCorruptError
+from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError
 from zeroshard.checkpoint.safe_fs import is_real_dir, read_small, regular_size
 from zeroshard.checkpoint.shard_file import ShardReader, read_json, verify_file
 

@@ -14,7 +14,7 @@ import json
 import os
 import zlib
 
-from zeroshard.checkpoint.errors import CheckpointCorruptError
+from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError
 from zeroshard.checkpoint.names import FILE_RE, STEP_RE, data_file, rng_file, step_dir_name, step_of  # noqa: F401
 from zeroshard.checkpoint.safe_fs import parse_json, read_small
 from zeroshard.checkpoint.validate import FORMAT, VERSION, check_files, check_header, check_step_name, check_tensors  # noqa: F401

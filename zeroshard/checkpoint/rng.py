@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from zeroshard.checkpoint import jsontree
-from zeroshard.checkpoint.errors import CheckpointCorruptError
+from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError
 
 
 def capture() -> dict[str, Any]:

@@ -21,7 +21,7 @@ import os
 import stat
 from typing import Any
 
-from zeroshard.checkpoint.errors import CheckpointCorruptError
+from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError
 
 _FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 _DIRECT = getattr(os, "O_DIRECT", 0)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard.checkpoint import commit, frozen_base, jsontree, manifest, rng, stage_merge, validate
-from zeroshard.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError, CheckpointError
 from zeroshard.checkpoint.pieces import PieceRecord, full_tensors, has_deferred, name_map, owned_pieces
 from zeroshard.checkpoint.shard_file import CODES, Deferred
 from zeroshard.comm import Comm

@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from zeroshard.checkpoint.direct_io import DirectWriter, aligned_empty, read_into
-from zeroshard.checkpoint.errors import CheckpointCorruptError
+from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError
 from zeroshard.checkpoint.safe_fs import parse_json, read_small, regular_size
 
 BLOCK = 32 << 20

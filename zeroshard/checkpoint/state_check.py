@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from zeroshard.checkpoint import jsontree
-from zeroshard.checkpoint.errors import CheckpointMismatchError
+from zeroshard.checkpoint.checkpoint_errors import CheckpointMismatchError
 from zeroshard.checkpoint.pieces import name_map
 from zeroshard.optim.state_io import check_kinds
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from zeroshard.checkpoint import group_names, jsontree, manifest, rng
-from zeroshard.checkpoint.errors import CheckpointMismatchError
+from zeroshard.checkpoint.checkpoint_errors import CheckpointMismatchError
 from zeroshard.checkpoint.shard_file import read_json
 from zeroshard.checkpoint.validate import compatible
 from zeroshard.optim.state_io import apply_group_options, apply_loss_scaler

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from zeroshard.checkpoint import jsontree
-from zeroshard.checkpoint.errors import CheckpointCorruptError
+from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError
 from zeroshard.checkpoint.names import FILE_RE, data_file, rng_file, step_dir_name
 from zeroshard.checkpoint.shard_file import DTYPES
 

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 
 from zeroshard.checkpoint import load_checkpoint, locate, save_checkpoint
 from zeroshard.checkpoint.safe_fs import read_small
-from zeroshard.checkpoint.errors import CheckpointCorruptError
+from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError
 from zeroshard.optim.zero_optimizer import ZeroOptimizer
 from zeroshard.train.deepspeed_config import DeepSpeedPlan
 

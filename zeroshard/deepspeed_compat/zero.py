@@ -21,7 +21,7 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
-from zeroshard.optim import lifecycle, registry
+from zeroshard.optim import ownership, registry
 from zeroshard.layout.unit_layout import Segment
 from zeroshard.units.flat_unit import FlatUnit
 from zeroshard.stages.sharded_tensor import ShardedTensor
@@ -47,7 +47,7 @@ def __getattr__(name: str) -> Any:
 
 
 def _owner(p: torch.Tensor) -> Optional[ZeroOptimizer]:
-    owner = lifecycle.live_owner(p)
+    owner = ownership.live_owner(p)
     if isinstance(owner, ZeroOptimizer):
         return owner
     for ref in list(registry._BY_MODEL.values()):  # a stage-3 parameter as torch code sees it

@@ -16,7 +16,7 @@ from __future__ import annotations
 from .buffers import aligned_empty, checksum
 from .aio_config import ALIGN, AIOConfig
 from .aio_engine import AsyncIO
-from .errors import AIOError, DiskFullError, TruncatedFileError
+from .io_errors import AIOError, DiskFullError, TruncatedFileError
 from .handle import Handle
 from .status import engine_status
 

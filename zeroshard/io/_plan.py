@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass
 from typing import Optional
 
-from . import errors
+from . import io_errors
 from .aio_config import ALIGN
 
 Task = tuple[int, int, int, int, int]
@@ -70,11 +70,11 @@ def open_file(path: str, write: bool, use_direct: bool, offset: int, nbytes: int
     try:
         buffered = os.open(path, flags, 0o644)
     except OSError as exc:
-        raise errors.open_error(exc, path, kind, offset, nbytes) from None
+        raise io_errors.open_error(exc, path, kind, offset, nbytes) from None
     try:
         st = os.fstat(buffered)
         if not write and nbytes and st.st_size < offset + nbytes:
-            raise errors.past_eof(path, offset, nbytes, st.st_size)
+            raise io_errors.past_eof(path, offset, nbytes, st.st_size)
         direct = _open_direct(path, flags, st.st_dev) if use_direct else None
     except BaseException:
         os.close(buffered)

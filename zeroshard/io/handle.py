@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import errors
+from . import io_errors
 from ._plan import OpenFile
 
 
@@ -26,7 +26,7 @@ class Handle:
         self.write = write
         self._lock = threading.Lock()
         self._finished = False
-        self._error: Optional[errors.AIOError] = None
+        self._error: Optional[io_errors.AIOError] = None
         self._reported = False  # the error reached a caller through wait()
         self.direct_bytes = direct_bytes
         """Bytes planned through O_DIRECT (the rest: unaligned tail or buffer, or no O_DIRECT)."""
@@ -73,7 +73,7 @@ class Handle:
             self.direct_fallbacks = int(self._op.direct_fallbacks())
             if failed:
                 size = self._file.size() if self._file is not None else None
-                self._error = errors.io_error(self.path, self.write, self.offset, self.nbytes, err, off,
+                self._error = io_errors.io_error(self.path, self.write, self.offset, self.nbytes, err, off,
                                               wanted, got, eof, size)
         if self._file is not None:
             self._file.close()

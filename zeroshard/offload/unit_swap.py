@@ -90,7 +90,7 @@ class NvmeUnitStore:
         """The parameter cache (``param_cache.ParamCache``) of automatic placement, if any."""
         self.before_close: list[Callable[[], None]] = []
         """Run once by ``close`` before the file goes: the optimizer's teardown, which may still
-        read the shards (lifecycle.Teardown)."""
+        read the shards (teardown.Teardown)."""
 
     # -- layout ------------------------------------------------------------------------------
     @staticmethod

@@ -39,7 +39,7 @@ from zeroshard.offload.placement import StatePlacement
 from zeroshard.offload.placement_choice import placement_class
 from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.ops import FusedAdam
-from zeroshard.optim import construction, ddp_check, kernel_choice, lifecycle, registry, reports
+from zeroshard.optim import construction, ddp_check, kernel_choice, ownership, registry, reports
 from zeroshard.optim.zero_engine import Engine
 from zeroshard.units.run import Run
 from zeroshard.units.step_in_flight import StepInFlight
@@ -49,11 +49,12 @@ from zeroshard.grads.reducer import GradientReducer
 from zeroshard.grads.flow import GradientFlow
 from zeroshard.units.elementwise import update_kind
 from zeroshard.optim.inner import GroupedInner, step_without_hooks
-from zeroshard.optim.hyperparams import (check_inputs, check_optimizer_kwargs, nvme_kernel_refusal,
-                                         separate_optimizer_kwargs, single_dtype, trainable_params)
+from zeroshard.optim.inner_kwargs import check_optimizer_kwargs, separate_optimizer_kwargs
 from zeroshard.optim.module_guard import ModuleGuard
-from zeroshard.optim.params import ParamsLike, module_of_groups, normalize_params
+from zeroshard.optim.params import (ParamsLike, check_inputs, module_of_groups, normalize_params, single_dtype,
+                                    trainable_params)
 from zeroshard.optim.stepper import Stepper
+from zeroshard.optim.teardown import Teardown
 from zeroshard.optim.torch_refusals import as_torch_refusal, torch_refusal
 from zeroshard.precision.precision_policy import Precision
 from zeroshard.units.stage_policy import policy_for_stage
@@ -155,7 +156,7 @@ def assemble(owner: torch.optim.Optimizer, config: ZeroConfig, optimizer_class: 
     _start_from_rank0(mesh_, params, frozen, module)
     attached.collectives_done = True  # (from here a refusal is agreed by every rank: Note [agreed construction])
     trainable = trainable_params(groups, names, {**meta_shapes, **mesh_.local_shapes()}, sharding.shard_parameters)
-    lifecycle.check_unclaimed([m.param for m in trainable], names)
+    ownership.check_unclaimed([m.param for m in trainable], names)
     precision = Precision(config, single_dtype(trainable) if not config.mixed_precision else torch.float32,
                           pp=mesh_.pp.comm if mesh_.pp else None)
     param_dtype = precision.param_dtype
@@ -255,7 +256,7 @@ def _build_optimizer_state(owner: torch.optim.Optimizer, attached: construction.
         return runs, inner, None
     fused = kernel_choice.choose_kernels(cls, kwargs, groups, config.fused_adam)
     if not all(f or update_kind(kernel_choice.group_class(g, cls)) == "whole" for g, f in zip(groups, fused)):
-        raise nvme_kernel_refusal(cls, kwargs, groups, fused)
+        raise kernel_choice.nvme_kernel_refusal(cls, kwargs, groups, fused)
     parts = inner.parts if isinstance(inner, GroupedInner) else [(inner, list(range(len(groups))))]
     generic = probe_layouts(parts, runs, lambda part: not isinstance(part, FusedAdam))
     slots = reports.staging_slots(config.offload_buffer_mb, runs, units)
@@ -296,10 +297,10 @@ def _attach(owner: torch.optim.Optimizer, attached: construction.ConstructionRec
             mesh: MeshInfo, sharding: Sharding, reducer: GradientReducer, units: list[FlatUnit],
             all_units: list[FlatUnit], inflight: StepInFlight,
             files: tuple[Optional[NvmeUnitStore], Optional[NvmeOptimizerState]]
-            ) -> tuple[Optional[ModuleGuard], lifecycle.Teardown]:
+            ) -> tuple[Optional[ModuleGuard], Teardown]:
     """Ties the engine to the model and to ``owner``: the model's registry entry, a load hook,
     the module guard, the parameters' claim, and the teardown when ``owner`` is closed or
-    collected (which must not reference it: lifecycle.Teardown)."""
+    collected (which must not reference it: teardown.Teardown)."""
     module_guard = None
     if module is not None:
         registry.register(module, owner)  # type: ignore[arg-type]  # (the ZeroOptimizer being built)
@@ -315,12 +316,12 @@ def _attach(owner: torch.optim.Optimizer, attached: construction.ConstructionRec
                                    [u.flat for u in units] if not sharding.policy.shard_parameters else [])
         attached.removers.append(module_guard.remove)
     managed = [m.param for u in all_units for m in u.members]
-    lifecycle.claim(managed, owner)
+    ownership.claim(managed, owner)
     # (collected mid-step or with units gathered: the step is joined and stage-3 parameters
     # given back first, before the swap files close: their closers run the teardown first)
-    hand_back = (functools.partial(lifecycle.hand_back_collected, sharding.require_gatherer(), all_units,
+    hand_back = (functools.partial(ownership.hand_back_collected, sharding.require_gatherer(), all_units,
                                    mesh.comm.world_size) if sharding.shard_parameters else None)
-    attached.teardown = teardown = lifecycle.Teardown(attached.removers, managed, inflight, hand_back)
+    attached.teardown = teardown = Teardown(attached.removers, managed, inflight, hand_back)
     weakref.finalize(owner, teardown)
     for f in files:
         if f is not None:

@@ -1,10 +1,11 @@
 """Building a ZeroOptimizer as one transaction: a refused construction leaves the model as it was.
 
 Note [refused construction]: what can be checked before anything is touched is checked first
-(arguments, the environment, a kernel NVMe offload needs: hyperparams.py, ddp_check.py). What
-can only fail later — a swap file on a full disk, a budget the planner cannot meet, the inner
-optimizer's own constructor — fails after parameters were re-registered (meta placeholders,
-stage-3 sharded parameters), re-pointed into flat units, or given hooks. ``ModelSnapshot``
+(arguments, the environment, a kernel NVMe offload needs: params.py, hyperparams.py,
+inner_kwargs.py, kernel_choice.py, ddp_check.py). What can only fail later — a swap file on a
+full disk, a budget the planner cannot meet, the inner optimizer's own constructor — fails
+after parameters were re-registered (meta placeholders, stage-3 sharded parameters), re-pointed
+into flat units, or given hooks. ``ModelSnapshot``
 records, before the first change, each parameter's registration, data, ``requires_grad`` and
 ``.grad``; ``abandon`` removes whatever was attached and puts the records back, so every
 parameter reads its old values, dtype and storage and ``model(x)`` works as before.
@@ -27,12 +28,12 @@ from torch import nn
 from zeroshard.comm.process_group import check_launched_with_group
 from zeroshard.comm.tensor_parallel import is_dtensor, local_of
 from zeroshard.optim import ddp_check
-from zeroshard.optim.hyperparams import check_nvme_kernel
-from zeroshard.optim.lifecycle import _OWNER, take_back_collected
+from zeroshard.optim.kernel_choice import check_nvme_kernel
+from zeroshard.optim.ownership import _OWNER, take_back_collected
 
 if TYPE_CHECKING:
     from zeroshard.comm.mesh import MeshInfo
-    from zeroshard.optim.lifecycle import Teardown
+    from zeroshard.optim.teardown import Teardown
 
 
 def _set_local(p: torch.Tensor, data: torch.Tensor) -> None:

@@ -1,4 +1,5 @@
-"""Which kernel runs each param group, and the inner optimizer(s) over this rank's runs.
+"""Which kernel runs each param group, and the inner optimizer(s) over this rank's runs; NVMe
+streaming refuses a group the fused kernel does not run (``check_nvme_kernel``).
 
 torch.optim.Adam/AdamW run on ``zeroshard.ops.FusedAdam`` when it computes the same thing;
 the choice is made per param group, from the group's own options merged over the
@@ -24,10 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
+from zeroshard.config import ZeroConfig
 from zeroshard.ops import FusedAdam
 from zeroshard.units.run import Run
 from zeroshard.units.elementwise import update_kind
@@ -153,3 +155,37 @@ def build_inner(optimizer_class: type, kwargs: dict, groups: list[dict], units: 
 def fused_part(inner: Any) -> Optional[torch.optim.Optimizer]:
     """The FusedAdam running every group, or None (no group, or only some groups, fused)."""
     return inner if isinstance(inner, FusedAdam) else None
+
+
+def nvme_kernel_refusal(optimizer_class: type, kwargs: dict, groups: Sequence[dict] = (),
+                        fused: Sequence[bool] = ()) -> ValueError:
+    """Names the first elementwise param group the NVMe stream cannot carry (whole-tensor
+    classes stream their own state: Note [generic state on NVMe])."""
+    off = [(i, g.get("optimizer_class", optimizer_class)) for i, (g, ok) in enumerate(zip(groups, fused))
+           if not ok and update_kind(g.get("optimizer_class", optimizer_class)) == "elementwise"]
+    cls = off[0][1] if off else optimizer_class
+    where = f"param group {off[0][0]}: " if len(groups) > 1 and off else ""
+    options = kwargs if cls is optimizer_class else {}
+    return ValueError(
+        f"{where}offload_optimizer='nvme' streams elementwise state as Adam/AdamW moments through the fused kernel; "
+        f"{getattr(cls, '__name__', cls)}(**{options}) does not run on it (use torch.optim.Adam or AdamW without "
+        "amsgrad/foreach/fused/capturable, a whole-tensor class such as Muon or Adafactor, or offload_optimizer='cpu')")
+
+
+def check_nvme_kernel(config: ZeroConfig, optimizer_class: type, kwargs: dict, group_options: list[dict],
+                      params: list[torch.Tensor]) -> None:
+    """offload_optimizer="nvme" steps every group on the fused kernel: a class, option or dtype
+    it does not run is refused here, before any parameter is moved (Note [refused construction]
+    in zeroshard/optim/construction.py). ``group_options``: each group's options, no params."""
+    if not config.optimizer_swapped:
+        return
+    float64 = config.mixed_precision is None and any(p.requires_grad and p.dtype == torch.float64 for p in params)
+    options = group_options or [{}]
+    fused = choose_kernels(optimizer_class, kwargs, options, config.fused_adam and not float64)
+    # (whole-tensor classes stream their own state: Note [generic state on NVMe])
+    if not all(f or update_kind(g.get("optimizer_class", optimizer_class)) == "whole" for g, f in zip(options, fused)):
+        refusal = nvme_kernel_refusal(optimizer_class, kwargs, options, fused)
+        if not config.fused_adam or float64:
+            why = "fused_adam=False" if not config.fused_adam else "float64 parameters"
+            raise ValueError(f"{refusal} ({why}: the kernel is off)")
+        raise refusal

@@ -30,7 +30,7 @@ from zeroshard.grads.links import GradLinks
 from zeroshard.grads.reducer import GradientReducer
 from zeroshard.grads.flow import GradientFlow
 from zeroshard.optim.construction import ConstructionRecord
-from zeroshard.optim.lifecycle import Teardown
+from zeroshard.optim.teardown import Teardown
 from zeroshard.optim.module_guard import ModuleGuard
 from zeroshard.units.run import Run
 from zeroshard.units.step_in_flight import StepInFlight

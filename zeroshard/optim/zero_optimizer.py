@@ -15,10 +15,10 @@ from torch import nn
 from zeroshard.config import ZeroConfig
 from zeroshard.layout import Segment
 from zeroshard.memory import MemoryReport
-from zeroshard.optim import assembly, construction, lifecycle, rank_agreement, reports, state_io
+from zeroshard.optim import assembly, construction, interrupts, ownership, rank_agreement, reports, state_io
 from zeroshard.units.flat_unit import FlatUnit
 from zeroshard.optim.param_state import ParamStateView
-from zeroshard.optim.params import ParamsLike
+from zeroshard.optim.params import ParamsLike, groups_with
 from zeroshard.optim.zero_engine import Engine
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -130,7 +130,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with lifecycle.interrupts_held():  # a step is whole or not begun (Note [saving between steps])
+        with interrupts.interrupts_held():  # a step is whole or not begun (Note [saving between steps])
             self.engine.stepper.step(self.param_groups, kwargs)
             inflight.steps += 1
         return loss
@@ -164,7 +164,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if state is None:  # (to_rank=None: every rank gets it)
             raise RuntimeError("add_param_group: the consolidated state did not reach this rank")
         e = self.engine
-        groups = lifecycle.groups_with(e.sharding.visible, e.joined().all_units, self.param_groups, param_group)
+        groups = groups_with(e.sharding.visible, e.joined().all_units, self.param_groups, param_group)
         self.close()
         e.close_files()  # swap files are made anew by the rebuild
         self._build(groups, e.module, first=False)
@@ -186,7 +186,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         e.inflight.join()
         e.reducer.finalize()
         if e.shards_parameters:
-            lifecycle.hand_back_stage3(e.stage3_gatherer, e.all_units)
+            ownership.hand_back_stage3(e.stage3_gatherer, e.all_units)
         e.closed = True
         e.teardown(handed_back=True)
 

@@ -113,7 +113,7 @@ class ParameterGatherer:
         """An evaluation's first forward agrees with the other ranks first (Note [forward on every rank])."""
         self.keep_sharded = False
         """``remove`` leaves the sharded parameters registered (the optimizer was collected at
-        world size > 1: lifecycle.hand_back_collected)."""
+        world size > 1: ownership.hand_back_collected)."""
         self._make_sharded()
 
     @property

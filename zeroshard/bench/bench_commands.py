@@ -1,7 +1,7 @@
 """``zeroshard bench memory`` and ``zeroshard bench step``, writing Markdown, CSV, JSON and
 (memory) a PNG chart into ``--out``.
 
-``bench`` is a command group owned by ``zeroshard.io.commands``; this module's
+``bench`` is a command group owned by ``zeroshard.io.io_commands``; this module's
 ``BENCH_COMMANDS`` join it through that module's ``BENCH_MODULES`` list."""
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ from zeroshard.cli import Command, add_debug_flag, one_line_usage
 from zeroshard.io.aio_config import ALIGN
 
 BENCH_MODULES: list[str] = [
-    "zeroshard.io.commands",  # aio
-    "zeroshard.bench.commands",  # memory, step
+    "zeroshard.io.io_commands",  # aio
+    "zeroshard.bench.bench_commands",  # memory, step
 ]
 
 MiB = 1 << 20

@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Optional
 
 from zeroshard.checkpoint import locate, manifest
-from zeroshard.checkpoint.errors import CheckpointError
+from zeroshard.checkpoint.checkpoint_errors import CheckpointError
 from zeroshard.checkpoint.export import export_hf
 from zeroshard.checkpoint.safe_fs import is_real_dir
 from zeroshard.checkpoint.shard_file import DTYPES

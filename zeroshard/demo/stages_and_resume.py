@@ -123,7 +123,7 @@ def _resume(rank: int, world: int, root: str, global_batch: int, stage: int) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m zeroshard.demo", description=__doc__)  # (not "__main__.py")
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--global-batch", type=int, default=8)
