@@ -98,11 +98,13 @@ setup(
         # torch stays).
         # ruff, mypy: tests/unit/test_structure.py (static checks: undefined and unused names, syntax,
         # types over zeroshard/ with .ci/mypy.ini).
+        # trl: tests/integrations/test_trl_sft.py (SFTTrainer with a ZeroOptimizer; it pulls datasets, pandas and
+        # pyarrow, and accepts torch>=2.6, so the pinned torch stays).
         # deepspeed: tests/train/test_deepspeed_front.py runs the same script under the real DeepSpeed (CPU,
         # gloo, torch_adam; its ops build just in time, so no CUDA toolkit; it accepts torch>=2.0).
         "test": ["pytest>=7", "pytest-benchmark>=4", "transformers>=4.40", "matplotlib>=3.7",
                  "accelerate>=1.0,<2", "lightning>=2.2,<3", "peft>=0.13,<1", "deepspeed>=0.19,<0.20",
-                 "ruff>=0.6", "mypy>=1.10"],
+                 "trl>=1.0,<2", "ruff>=0.6", "mypy>=1.10"],
         "bench": ["pytest-benchmark>=4", "matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["zeroshard=zeroshard.cli:main"]},

@@ -36,6 +36,9 @@ count. ``--json`` prints them as JSON (tests/unit/test_structure.py reads them a
   None`` / ``is not None`` (a name or an attribute ``gatherer``) and a gatherer used as a truth
   value. The stage's one answer is ``Engine.shards_parameters``; the gatherer itself comes from
   ``Engine.stage3_gatherer`` / ``Sharding.require_gatherer()``, which refuse outside stage 3.
+- engine_fields_assigned_after_build (issue 44): assignments to a field of an ``Engine`` (``engine.x =``,
+  ``e.x =``, ``opt.engine.x =``) other than its documented state (``closed``, ``ready``): the
+  assembly builds the engine complete (Note [assembly]), nothing fills or patches it later;
 - duplicate_file_names (issue 44): files under zeroshard/ whose name another file there has too
   (``__init__.py`` and ``__main__.py`` aside): a traceback, an editor tab or a grep names a file
   by its base name, which should say which one.
@@ -188,6 +191,23 @@ def _gatherer_tests(tree: ast.AST) -> Iterator[ast.AST]:
                 yield t
 
 
+ENGINE_STATE = frozenset({"closed", "ready"})  # (the engine's documented state: Engine in zero_engine.py)
+
+
+def _engine_patches(tree: ast.AST) -> Iterator[ast.AST]:
+    """Assignments to a field of an engine (``engine.x = ...``, ``e.x = ...``, ``opt.engine.x = ...``,
+    augmented too) other than its documented state: an engine filled or changed after it was built."""
+    for node in ast.walk(tree):
+        targets = (node.targets if isinstance(node, ast.Assign) else [node.target]
+                   if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for t in targets:
+            for a in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                if (isinstance(a, ast.Attribute) and a.attr not in ENGINE_STATE
+                        and (isinstance(a.value, ast.Name) and a.value.id in ("engine", "e")
+                             or isinstance(a.value, ast.Attribute) and a.value.attr == "engine")):
+                    yield a
+
+
 def measure() -> dict:
     trees = dict(files())
     modules = {module_name(rel): rel for rel in trees}
@@ -197,7 +217,7 @@ def measure() -> dict:
     with open(os.path.join(ROOT, FACADE), encoding="utf-8") as f:
         facade_lines = len(f.read().splitlines())
     taking_any, private_reads, kind_compares, any_count = [], [], [], 0
-    auto_branches, string_compares, gatherer_checks = [], [], []
+    auto_branches, string_compares, gatherer_checks, engine_patches = [], [], [], []
     naming_facade, facade_reads, mesh_parsers = [], [], []
     graph: dict[str, set[str]] = {}
     graph_all: dict[str, set[str]] = {}
@@ -232,6 +252,7 @@ def measure() -> dict:
                     if holder in OPT_HOLDERS:
                         facade_reads.append(f"{rel}:{n.lineno} {ast.unparse(n)}")
         gatherer_checks += [f"{rel}:{n.lineno} {ast.unparse(n)}" for n in _gatherer_tests(tree)]
+        engine_patches += [f"{rel}:{n.lineno} {ast.unparse(n)}" for n in _engine_patches(tree)]
         for fn in _functions(tree):
             args = fn.args.posonlyargs + fn.args.args
             for a in args + fn.args.kwonlyargs:
@@ -298,6 +319,7 @@ def measure() -> dict:
         "offload_string_compares": len(string_compares),
         "mesh_parsers": len(mesh_parsers),
         "gatherer_none_checks": len(gatherer_checks),
+        "engine_fields_assigned_after_build": len(engine_patches),
         "duplicate_file_names": len(duplicates),
         "where": {"functions_taking_opt_any": taking_any, "private_reads_of_opt": private_reads,
                   "import_cycles": _cycles(graph), "offload_kind_compares": kind_compares,
@@ -306,6 +328,7 @@ def measure() -> dict:
                   "sibling_folders_both_ways": [f"{a} <-> {b}" for a, b in both_ways],
                   "placement_auto_branches": auto_branches, "offload_string_compares": string_compares,
                   "mesh_parsers": mesh_parsers, "gatherer_none_checks": gatherer_checks,
+                  "engine_fields_assigned_after_build": engine_patches,
                   "duplicate_file_names": duplicates},
     }
 

@@ -48,6 +48,15 @@ def test_build_directory_changes_with_what_the_build_reads(sources, tmp_path, mo
     assert _loader.build_dir(CPU_ADAM, sources) == _loader.build_dir(CPU_ADAM, sources)
 
 
+def test_two_checkouts_of_the_same_sources_keep_a_build_each(sources, tmp_path):
+    """The build files name the sources by path: two checkouts sharing one cache and one build
+    directory recompiled it in place for each other on every alternate use (jobs waited minutes
+    on the lock), so the sources' directory is part of the key."""
+    other = str(tmp_path / "other-checkout" / "csrc")
+    shutil.copytree(sources, other)
+    assert _loader.build_dir(CPU_ADAM, other) != _loader.build_dir(CPU_ADAM, sources)
+
+
 def test_the_loaded_kernel_lives_in_its_keyed_directory():
     state = _loader.REGISTRY.cpu()
     if state.source != "jit":

@@ -18,7 +18,11 @@ paths (torch's and Python's, which differ between environments with the same tor
 the compiler (``$CXX`` resolved, its size and mtime; nvcc for CUDA) and the environment
 variables compilers read (CFLAGS, CPATH, ...). Keyed by Python and torch versions only, a
 second environment sharing the cache rebuilt the one build in place, and ranks of a running
-job waited minutes on the lock for a build they did not need.
+job waited minutes on the lock for a build they did not need. The sources' directory is part of
+the key too: the build files name the sources by path, so two checkouts of the same code sharing
+one cache each made the build stale for the other, and the build tool recompiled it in place on
+every alternate use (measured: jobs of two checkouts waited 90-230 s each on the lock, and
+timed out at 300 s under load). Each checkout now builds once and keeps its build.
 """
 from __future__ import annotations
 
@@ -105,6 +109,7 @@ def build_key(spec: KernelSpec, root: str) -> str:
     add(sys.version, torch.__version__, torch.__file__, spec.sources, spec.cflags, spec.ldflags,
         spec.cuda_cflags, spec.cuda)
     add(cpp_extension.include_paths(), sysconfig.get_paths().get("include"))
+    add(os.path.realpath(root))  # (the build files name the sources by path: Note [kernel cache key])
     add(_tool(os.environ.get("CXX", "c++")))
     if spec.cuda:
         add(_tool(os.path.join(cpp_extension.CUDA_HOME or "", "bin", "nvcc")))
