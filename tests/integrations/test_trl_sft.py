@@ -66,9 +66,13 @@ def test_sft_trainer_trains_as_with_torch_adamw(tmp_path, stage):
         ours.train()
     want, got = _losses(ref), _losses(ours)
     assert len(want) == 4 and got == pytest.approx(want, rel=1e-5, abs=1e-6), (want, got)
+    # Weights within 2e-6 (measured 1.7e-6, in 3 elements of one bias): the SFTTrainer clips at
+    # max_grad_norm=1.0 (the norm is ~1.1 here), and zeroshard's norm is summed in float64 where
+    # torch's is float32; Adam then divides the gradient by sqrt(v) ~ eps for near-zero gradients,
+    # which magnifies a last-bit difference of the clip coefficient. Issue 39 measured 1.2e-6 at 2 ranks.
     full = zeroshard.full_state_dict(model)
     for name, p in ref.model.named_parameters():
-        torch.testing.assert_close(full[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(full[name], p.detach(), rtol=1e-5, atol=2e-6, msg=lambda m, n=name: f"{n}: {m}")
     opt.close()
 
 

@@ -54,6 +54,23 @@ def test_what_it_holds_is_bounded_and_trim_returns_it() -> None:
     assert pool.reused == 0
 
 
+def test_a_trim_from_a_finalizer_inside_the_pools_lock_does_not_wait_for_itself() -> None:
+    """The garbage collector may run an optimizer's teardown (which trims the pool) inside the
+    pool's own critical section on the same thread: the trim must not wait for the lock its own
+    thread holds (it hung a 2-rank construction); the holder trims as it leaves (Note [trim
+    from a finalizer])."""
+    pool = HostBufferPool(max_buffers=2)
+    pool.release(_tensor(2))
+    with pool._lock:  # (what release holds while the collector runs the teardown)
+        assert pool.trim(wait=False) == 0
+    assert pool.held == 2 * MIB  # (left to the holder)
+    t = torch.empty(0)
+    pool.acquire(t, 8 * MIB)  # (leaving acquire, the holder runs the trim it was asked for)
+    assert pool.held == 0 and pool.reused == 0
+    pool.release(_tensor(2))
+    assert pool.held == 2 * MIB and pool.trim(wait=False) == 2 * MIB and pool.held == 0
+
+
 def test_a_buffer_a_little_larger_serves_and_padding_costs_nothing() -> None:
     pool = HostBufferPool(max_buffers=2)
     a = _tensor(4)

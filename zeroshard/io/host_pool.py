@@ -50,6 +50,8 @@ class HostBufferPool:
         self._resident: dict[int, int] = {}  # data_ptr of memory handed out -> the pages it was used for
         self._largest = 0
         self._lock = threading.Lock()
+        self._trim_pending = False
+        """A ``trim(wait=False)`` found the lock held: the holder trims as it leaves (Note [trim from a finalizer])."""
         self.reused = 0
         """Bytes handed out again instead of newly mapped (since start)."""
         self.mapped = 0
@@ -83,6 +85,7 @@ class HostBufferPool:
             while self._entries and (len(self._entries) > self.max_entries
                                      or sum(r for _, _, r in self._entries) > bound):
                 del self._entries[0]  # (oldest first, freed with its holder)
+        self._trim_if_asked()
 
     def acquire(self, t: torch.Tensor, nbytes: int) -> None:
         """Gives ``t``'s empty storage ``nbytes`` of memory: a pooled buffer of that size if
@@ -112,6 +115,7 @@ class HostBufferPool:
                 if len(self._resident) > 4096:  # (memory freed elsewhere never says so)
                     self._resident.clear()
                 self._resident[s.data_ptr()] = resident
+        self._trim_if_asked()
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised 1-D CPU tensor, 4096-aligned in a padded storage like
@@ -123,11 +127,30 @@ class HostBufferPool:
         skip = (-raw.data_ptr()) % ALIGN
         return raw[skip:skip + nbytes].view(dtype)
 
-    def trim(self) -> int:
-        """Returns every pooled buffer to the system; the bytes returned."""
-        with self._lock:
+    def trim(self, wait: bool = True) -> int:
+        """Returns every pooled buffer to the system; the bytes returned (0 when left to the
+        lock's holder: ``wait=False``, Note [trim from a finalizer]).
+
+        Note [trim from a finalizer]: an optimizer's teardown empties the pool, and it runs from
+        a finalizer when the optimizer is collected, which the garbage collector may do at any
+        allocation, including one inside this pool's own critical section on the same thread
+        (``release`` building its sum). Waiting for the lock there waited for itself forever
+        (a 2-rank job hung in construction, the other rank in the agreement's collective). So a
+        finalizer never waits: if the lock is held, the trim is marked and the holder runs it
+        as it leaves ``release`` or ``acquire``."""
+        if not self._lock.acquire(blocking=wait):
+            self._trim_pending = True
+            return 0
+        try:
             entries, self._entries = self._entries, []
+            self._trim_pending = False
+        finally:
+            self._lock.release()
         return sum(r for _, _, r in entries)
+
+    def _trim_if_asked(self) -> None:
+        if self._trim_pending:
+            self.trim()
 
 
 HOST_POOL = HostBufferPool()

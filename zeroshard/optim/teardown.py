@@ -58,4 +58,5 @@ class Teardown:
             p = ref()
             if p is not None and hasattr(p, _OWNER):
                 delattr(p, _OWNER)
-        HOST_POOL.trim()  # (its buffers outlive steps, not the optimizer: Note [reused host buffers])
+        HOST_POOL.trim(wait=False)  # (its buffers outlive steps, not the optimizer: Note [reused host buffers];
+        # a finalizer may run inside the pool's own lock: Note [trim from a finalizer])
