@@ -57,6 +57,7 @@ def test_loop_matches_torch_optim(results, stage, scenario):
                 assert got["saved_bytes"] / ref["saved_bytes"] > 0.9, (got, ref)
             else:  # rank pieces: torch.save warns naming the fix, loading the file is refused (issue 43)
                 assert "zeroshard.full_state_dict" in got["save_warned"], got
+                assert got["save_warnings"] == 1, got  # once per save, not once per tensor
                 assert "zeroshard.full_state_dict" in got["load_refused"], got
 
 

@@ -104,7 +104,9 @@ class ShardedTensor(torch.Tensor):
             rank = dist.get_rank() if dist.is_initialized() else 0
             world = self.comm.world_size if self.comm is not None else -1
             warnings.warn(
-                f"torch.save of pieces of sharded tensors (e.g. {self!r}) on rank {rank}: a stage-3 "
+                # (the text names no tensor: Python shows a warning once per text, so a state
+                # dict of many pieces warns once, not once per tensor)
+                f"torch.save of pieces of sharded tensors on rank {rank}: a stage-3 "
                 "model.state_dict() (or a stage-2/3 gradient) holds only this rank's piece of each tensor, so "
                 "the file cannot be loaded as weights (loading it into the model is refused on every rank). "
                 "Save the full weights with sd = zeroshard.full_state_dict(model) on every rank (a collective; "
