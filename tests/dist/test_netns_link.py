@@ -7,6 +7,7 @@ way out (Note [netns leftovers]). Root only: skipped where namespaces cannot be 
   rate is the asked one, the step takes at least the time its counted inter-node bytes need
   at that rate; a delay needs the netem qdisc: applied when the kernel has it, else refused
   naming the kernel option; everything is gone after the ``with`` block;
+- three namespaces meet on a bridge in a hub namespace, rate applied, all removed after;
 - a run killed outright leaves its namespaces (and a process in one) behind; the next start
   removes them and keeps those of a live run, which SIGTERM then removes.
 """
@@ -108,3 +109,16 @@ def test_a_killed_runs_namespaces_are_removed_at_the_next_start_and_a_live_runs_
                 p.kill()
                 p.wait()
         clean_leftovers()
+
+
+def test_three_namespaces_meet_on_a_bridge_with_the_rate_applied_and_are_removed():
+    from zeroshard.bench.netns_launch import probe
+
+    with SlowLink(LinkSpec(3, rate_gbit=RATE_GBIT)) as link:
+        assert link.hub is not None and set(link.names + [link.hub]) <= set(namespaces())
+        shaped = probe(link, nbytes=1 << 20, pings=3)
+        ping = link.run(0, [sys.executable, "-c", "import socket; s = socket.socket(); s.settimeout(5); "
+                            f"print(s.connect_ex(('{link.address(2)}', 9)))"], timeout=30)
+    assert 0.8 * RATE_GBIT <= shaped["gbit_s"] <= 1.1 * RATE_GBIT, shaped
+    assert ping.stdout.strip() == "111", ping  # ECONNREFUSED: node 2 answered across the bridge
+    assert not set(namespaces()) & set(link.names + [link.hub])

@@ -113,7 +113,8 @@ def run_job(link: SlowLink, bench: LinkBench, out: str) -> list[dict]:
 
 def _point(link: SlowLink, bench: LinkBench, spec: LinkSpec, out: str, log: Callable[[str], None]) -> list[dict]:
     link.shape(spec)
-    measured = probe(link)
+    # about 0.25 s of traffic at the asked rate: long enough that scheduling noise does not set the figure
+    measured = probe(link, nbytes=int(min(64 << 20, max(8 << 20, spec.rate_gbit * 1e9 / 8 / 4 or 64 << 20))))
     log(f"link {spec.describe()}: measured {measured['gbit_s']:.2f} Gbit/s, round trip {measured['rtt_ms']:.3f} ms")
     t0 = time.perf_counter()
     ranks = run_job(link, bench, out)
