@@ -5,8 +5,10 @@ way out (Note [netns leftovers]). Root only: skipped where namespaces cannot be 
 - a 2 x 1 world trains a step across two namespaces with the rate applied (flat stage 3, and
   flat under ``--zero-kwargs`` bf16, which moves fewer bytes: the kwargs reach ZeroOptimizer): the measured bulk
   rate is the asked one, the step takes at least the time its counted inter-node bytes need
-  at that rate; a delay needs the netem qdisc: applied when the kernel has it, else refused
-  naming the kernel option; everything is gone after the ``with`` block;
+  at that rate; a delay on the veth needs the netem qdisc: applied when the kernel has it, else
+  refused naming the kernel option and the delay line; everything is gone after the ``with`` block;
+- the delay line (two TAPs and a process between them, for kernels without netem) delays each
+  direction by the asked time, keeps the rate and leaves no device or process behind;
 - three namespaces meet on a bridge in a hub namespace, rate applied, all removed after;
 - a run killed outright leaves its namespaces (and a process in one) behind; the next start
   removes them and keeps those of a live run, which SIGTERM then removes.
@@ -21,7 +23,8 @@ import time
 
 import pytest
 
-from zeroshard.bench.netns_link import PREFIX, LinkSpec, SlowLink, clean_leftovers, namespaces, unavailable
+from zeroshard.bench.netns_link import (PREFIX, LinkSpec, SlowLink, clean_leftovers, namespaces, netem_available,
+                                        unavailable)
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"slow-link harness: {unavailable()}")
 
@@ -39,12 +42,13 @@ def test_two_namespaces_train_a_step_over_the_shaped_link_and_are_removed(tmp_pa
         assert set(link.names) <= set(namespaces())
         shaped = probe(link, nbytes=2 << 20, pings=5)
         ranks = run_job(link, bench, str(tmp_path / "job"))
-        try:
+        if netem_available():
             link.shape(LinkSpec(2, rate_gbit=1.0, delay_ms=2.0))
             delayed = probe(link, nbytes=1 << 20, pings=5)
             assert delayed["rtt_ms"] >= 2 * 2.0 * 0.9, delayed  # (each direction delayed)
-        except RuntimeError as exc:  # a kernel without netem: refused, naming why
-            assert "CONFIG_NET_SCH_NETEM" in str(exc), exc
+        else:  # a veth cannot be delayed without netem: refused, naming why and the way out
+            with pytest.raises(RuntimeError, match="CONFIG_NET_SCH_NETEM.*delay_line=True"):
+                link.shape(LinkSpec(2, rate_gbit=1.0, delay_ms=2.0))
         link.shape(LinkSpec(2))
         unshaped = probe(link, nbytes=2 << 20, pings=5)
     left = set(namespaces())
@@ -62,6 +66,22 @@ def test_two_namespaces_train_a_step_over_the_shaped_link_and_are_removed(tmp_pa
     # --zero-kwargs reached ZeroOptimizer: bf16 gathers move half the parameter bytes
     bf16 = ranks[0]["configs"]["bf16"]
     assert 0 < bf16["inter_node"] < flat[0]["inter_node"] and bf16["losses"][-1] == bf16["losses"][-1], bf16
+
+
+def test_the_delay_line_delays_each_direction_keeps_the_rate_and_leaves_nothing():
+    """Note [delay line]: the link through two TAPs and a user-space delay, for kernels without netem."""
+    from zeroshard.bench.netns_launch import probe
+
+    with SlowLink(LinkSpec(2, rate_gbit=RATE_GBIT, delay_ms=1.0), delay_line=True) as link:
+        delayed = probe(link, nbytes=1 << 20, pings=20)
+        link.shape(LinkSpec(2, rate_gbit=RATE_GBIT))
+        undelayed = probe(link, nbytes=1 << 20, pings=20)
+        relay = link.processes[0]
+    assert delayed["rtt_ms"] >= 2 * 1.0 * 0.9 and undelayed["rtt_ms"] < delayed["rtt_ms"] - 1.0, (delayed, undelayed)
+    assert 0.7 * RATE_GBIT <= delayed["gbit_s"] <= 1.1 * RATE_GBIT, delayed
+    assert relay.poll() is not None and not set(namespaces()) & set(link.names)
+    taps = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    assert f"zs{os.getpid()}t" not in taps, taps  # (the TAPs went with the delay line)
 
 
 # (netns_link.py imports the standard library only: loaded by path, the holder starts without torch)

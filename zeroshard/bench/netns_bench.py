@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from zeroshard.bench.netns_launch import launch, probe
-from zeroshard.bench.netns_link import LinkSpec, SlowLink
+from zeroshard.bench.netns_link import LinkSpec, SlowLink, netem_available
 from zeroshard.bench.netns_worker import SCOPES
 
 BASELINE = "flat"
@@ -140,7 +140,8 @@ def _point(link: SlowLink, bench: LinkBench, spec: LinkSpec, out: str, log: Call
 
 def run(bench: LinkBench, log: Callable[[str], None] = print) -> dict:
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="zsnet-") as tmp, SlowLink(LinkSpec(bench.nodes)) as link:
+    delay_line = any(bench.delays_ms) and not netem_available()  # (Note [delay line])
+    with tempfile.TemporaryDirectory(prefix="zsnet-") as tmp, SlowLink(LinkSpec(bench.nodes), delay_line=delay_line) as link:
         for d in bench.delays_ms:
             for r in bench.rates_gbit:
                 rows += _point(link, bench, LinkSpec(bench.nodes, r, d), os.path.join(tmp, f"r{r}-d{d}"), log)

@@ -15,7 +15,9 @@ into ``SystemExit`` so the block unwinds) and at interpreter exit. A run killed 
 creating process's id (``zsnet-<pid>-<node>``), so the next run removes those whose creator is
 gone, together with any process still inside them, and leaves a concurrent live run's alone.
 Deleting a namespace removes its veth ends and their peers; the processes inside are ended
-first by their ids (``ip netns pids``), as deleting the name would leave them running.
+first by their ids (``ip netns pids``), as deleting the name would leave them running. A delay
+line (Note [delay line] in netns_delay_line.py) runs outside the namespaces and ends with its
+standard input, i.e. with the harness however it ends; its TAP devices go with it.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 from types import FrameType
@@ -33,6 +36,7 @@ from typing import IO, Callable, Optional, Sequence, Union
 PREFIX = "zsnet-"
 IFNAME = "zslink"
 SUBNET = "10.77.0"
+_DELAY_LINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netns_delay_line.py")
 _NAME = re.compile(rf"^{re.escape(PREFIX)}(\d+)-(\w+)$")
 _Handler = Union[Callable[[int, Optional[FrameType]], object], int, None]
 _Stream = Optional[Union[int, IO[str], IO[bytes]]]
@@ -85,6 +89,23 @@ def unavailable() -> Optional[str]:
     return None
 
 
+_netem: Optional[bool] = None
+
+
+def netem_available() -> bool:
+    """Whether this kernel has the netem qdisc (tried once, on the loopback of a scratch namespace)."""
+    global _netem
+    if _netem is None:
+        name = f"{PREFIX}{os.getpid()}-probe"
+        _run(["ip", "netns", "add", name])
+        try:
+            _netem = _run(["tc", "-n", name, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+                          check=False).returncode == 0
+        finally:
+            _run(["ip", "netns", "delete", name], check=False)
+    return _netem
+
+
 def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
     if check and proc.returncode != 0:
@@ -133,10 +154,15 @@ class SlowLink:
     """The namespaces of one run and the shaped link between them; a context manager.
 
     ``popen(node, argv)`` starts a process inside a node (its own session, so ``close`` can end
-    it with its children); ``shape(spec)`` changes the rate and delay in place."""
+    it with its children); ``shape(spec)`` changes the rate and delay in place. ``delay_line``:
+    carry the link through a user-space delay line (two TAP devices, Note [delay line]) instead
+    of a veth pair, for delays on a kernel without netem; None: when ``spec`` has a delay and
+    the kernel no netem."""
 
-    def __init__(self, spec: LinkSpec) -> None:
+    def __init__(self, spec: LinkSpec, delay_line: Optional[bool] = None) -> None:
         self.spec = spec
+        self.delay_line = delay_line
+        self._relay: Optional[subprocess.Popen] = None
         pid = os.getpid()
         self.names = [f"{PREFIX}{pid}-{i}" for i in range(spec.nodes)]
         self.hub = f"{PREFIX}{pid}-hub" if spec.nodes > 2 else None
@@ -153,6 +179,11 @@ class SlowLink:
         self._install_handlers()
         atexit.register(self.close)
         try:
+            if self.delay_line is None:
+                self.delay_line = bool(self.spec.delay_ms) and not netem_available()
+            if self.delay_line and self.spec.nodes != 2:
+                raise ValueError(f"a delay line joins 2 nodes, not {self.spec.nodes}: without netem, delays "
+                                 "need --nodes 2")
             self._create()
             self.shape(self.spec)
         except BaseException:
@@ -172,7 +203,9 @@ class SlowLink:
             _run(["ip", "netns", "add", name])
             self._made.append(name)
             _run(["ip", "-n", name, "link", "set", "lo", "up"])  # traffic inside a node goes over it
-        if self.hub is None:
+        if self.delay_line:
+            self._start_delay_line()
+        elif self.hub is None:
             _run(["ip", "link", "add", IFNAME, "netns", self.names[0], "type", "veth", "peer", "name", IFNAME,
                   "netns", self.names[1]])
         else:
@@ -187,17 +220,39 @@ class SlowLink:
             _run(["ip", "-n", name, "addr", "add", f"{self.address(i)}/24", "dev", IFNAME])
             _run(["ip", "-n", name, "link", "set", IFNAME, "up"])
 
+    def _start_delay_line(self) -> None:
+        """Two TAPs made by the delay line outside the namespaces, moved in and named ``IFNAME``."""
+        taps = [f"zs{os.getpid()}t{i}" for i in range(2)]
+        relay = subprocess.Popen([sys.executable, _DELAY_LINE, *taps, "0"], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.processes.append(relay)
+        self._relay = relay
+        if relay.stdout is None or relay.stdout.readline().strip() != "ready":
+            relay.wait(timeout=10)
+            why = relay.stderr.read().strip()[-2000:] if relay.stderr is not None else ""
+            raise RuntimeError(f"the delay line did not start (exit {relay.returncode}): {why}")
+        for tap, name in zip(taps, self.names):
+            _run(["ip", "link", "set", tap, "netns", name])
+            _run(["ip", "-n", name, "link", "set", tap, "name", IFNAME])
+            _run(["ip", "-n", name, "link", "set", IFNAME, "mtu", "65000"])
+
     def shape(self, spec: LinkSpec) -> None:
         """Rate and delay of every node's egress (``spec.nodes`` must be this link's)."""
         if spec.nodes != self.spec.nodes:
             raise ValueError(f"shape({spec}) on a link of {self.spec.nodes} nodes: nodes must stay the same")
+        qdisc = spec.qdisc()
+        if self._relay is not None and self._relay.stdin is not None:  # it holds the frames; tc shapes the rate
+            self._relay.stdin.write(f"{spec.delay_ms}\n")
+            self._relay.stdin.flush()
+            qdisc = LinkSpec(spec.nodes, spec.rate_gbit).qdisc()
         for name in self.names:
-            argv = ["tc", "-n", name, "qdisc", "replace", "dev", IFNAME, "root", *spec.qdisc()]
+            argv = ["tc", "-n", name, "qdisc", "replace", "dev", IFNAME, "root", *qdisc]
             proc = _run(argv, check=False)
             if proc.returncode != 0 and spec.delay_ms and "unknown" in proc.stderr.lower():
                 raise RuntimeError(f"tc refused the netem qdisc ({proc.stderr.strip()}): this kernel was built "
-                                   "without CONFIG_NET_SCH_NETEM, so no delay can be added; use --delays 0 "
-                                   "(rates alone are shaped with tbf)")
+                                   "without CONFIG_NET_SCH_NETEM, so no qdisc can add a delay; build the link "
+                                   "with SlowLink(..., delay_line=True) (bench link does when a delay is asked) "
+                                   "or use --delays 0 (rates alone are shaped with tbf)")
             if proc.returncode != 0:
                 raise RuntimeError(f"`{' '.join(argv)}` failed ({proc.returncode}): {proc.stderr.strip()}")
         self.spec = spec
@@ -236,6 +291,10 @@ class SlowLink:
         self._closed = True
         try:
             self.stop_processes()
+            if self._relay is not None:
+                for pipe in (self._relay.stdin, self._relay.stdout, self._relay.stderr):
+                    if pipe is not None:
+                        pipe.close()
         finally:
             for name in reversed(self._made):
                 remove_namespace(name)
