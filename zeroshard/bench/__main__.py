@@ -1,4 +1,4 @@
-"""``python -m zeroshard.bench memory|step ...``: the same commands as ``zeroshard bench``,
+"""``python -m zeroshard.bench memory|step|link ...``: the same commands as ``zeroshard bench``,
 reachable without the CLI's command group (scripts, the GPU check)."""
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import sys
 from typing import Optional, Sequence
 
 from zeroshard.bench.bench_commands import BENCH_COMMANDS
+from zeroshard.bench.link_commands import BENCH_COMMANDS as LINK_COMMANDS
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zeroshard.bench", description=__doc__)
     sub = parser.add_subparsers(dest="what", metavar="WHAT")
     sub.required = True
-    for name, cmd in BENCH_COMMANDS.items():
+    for name, cmd in {**BENCH_COMMANDS, **LINK_COMMANDS}.items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.help)
         cmd.add_arguments(p)
         p.set_defaults(_run=cmd.run)

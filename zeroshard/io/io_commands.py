@@ -20,6 +20,7 @@ from zeroshard.io.aio_config import ALIGN
 BENCH_MODULES: list[str] = [
     "zeroshard.io.io_commands",  # aio
     "zeroshard.bench.bench_commands",  # memory, step
+    "zeroshard.bench.link_commands",  # link
 ]
 
 MiB = 1 << 20
@@ -128,6 +129,6 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 
 COMMANDS: dict[str, Command] = {
     # The group's own run is never called: the chosen action's `_run` default replaces it.
-    "bench": Command("benchmarks: " + ", ".join(f"`bench {n}`" for n in ("aio", "memory", "step")),
+    "bench": Command("benchmarks: " + ", ".join(f"`bench {n}`" for n in ("aio", "memory", "step", "link")),
                      _bench_args, lambda args: args._run(args), one_line_errors=True),
 }
