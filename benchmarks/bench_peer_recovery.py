@@ -3,6 +3,7 @@
 - per-step overhead of ``memory_checkpoint`` every step (copy on the step's thread; write and
   replica swap on a background thread) on the step time, median over alternating blocks of
   steps with and without it (goal <= 5%);
+- disk bytes a recovery opens (files under the disk checkpoint, counted by an audit hook);
 - the load part of recovery: ``load_checkpoint`` from the memory tiers vs from the disk
   checkpoint of the same step (both just written: the disk's pages are in the page cache, the
   best case for the disk), same model, same processes; and the disk bytes each read. The
@@ -18,6 +19,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -44,7 +46,11 @@ def _rank(rank: int, world: int, a: argparse.Namespace, tier: str, disk: str, ou
     model = _model(a.hidden, a.layers)
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, stage=2,
                                   redundancy=zeroshard.PeerRedundancy(path=tier, run_id="bench"))
-    x = torch.randn(8, a.hidden)
+    x = torch.randn(a.batch, a.hidden)
+    root = os.path.realpath(disk) + os.sep
+    opened: list[str] = []  # files under the disk checkpoint this process opens (Python's audit events)
+    sys.addaudithook(lambda event, args: opened.append(os.fsdecode(args[0])) if event == "open" and args and isinstance(
+        args[0], (str, bytes)) and os.path.realpath(os.fsdecode(args[0])).startswith(root) else None)
     step, plain, tiered = 0, [], []
     for _ in range(2):  # warm-up
         _step(model, opt, x)
@@ -75,11 +81,13 @@ def _rank(rank: int, world: int, a: argparse.Namespace, tier: str, disk: str, ou
         o = zeroshard.ZeroOptimizer(m, torch.optim.AdamW, lr=1e-3, stage=2, redundancy=zeroshard.PeerRedundancy(
             path=tier if source == "memory" else tier + "-none", run_id="bench"))
         dist.barrier()
+        opened.clear()
         t0 = time.perf_counter()
         info = zeroshard.load_checkpoint(disk, model=m, optimizer=o)
         _step(m, o, x)  # the next completed step
         dist.barrier()
-        loads.setdefault(source, []).append((time.perf_counter() - t0, info["bytes_read"], info.get("source")))
+        read = sum(os.path.getsize(p) for p in set(opened) if os.path.isfile(p))
+        loads.setdefault(source, []).append((time.perf_counter() - t0, read, info.get("source")))
         o.close()
     if rank == 0:
         figures = {
@@ -87,7 +95,7 @@ def _rank(rank: int, world: int, a: argparse.Namespace, tier: str, disk: str, ou
             "tier_overhead": statistics.median(tiered) / statistics.median(plain) - 1,
             "load_and_step_s_memory": min(t for t, _, _ in loads["memory"]),
             "load_and_step_s_disk": min(t for t, _, _ in loads["disk"]),
-            "disk_bytes_read_memory": loads["memory"][0][1], "disk_bytes_read_disk": loads["disk"][0][1],
+            "disk_bytes_opened_memory": loads["memory"][0][1], "disk_bytes_opened_disk": loads["disk"][0][1],
             "sources": [s for _, _, s in loads["memory"]],
             "owned_state_bytes_rank0": state_bytes, "memory_report_tier_bytes_rank0": tier_bytes,
             "params": sum(p.numel() for p in _model(a.hidden, a.layers).parameters()),
@@ -103,6 +111,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--blocks", type=int, default=5)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=8, help="rows per rank and step (compute per step vs state)")
     a = ap.parse_args()
     tier = f"/dev/shm/zeroshard-bench-{uuid.uuid4().hex[:8]}"
     work = tempfile.mkdtemp(prefix="zs-peer-bench-")

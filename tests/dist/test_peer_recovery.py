@@ -63,13 +63,14 @@ def test_sigkilled_rank_resumes_from_memory_same_world(tmp_path):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "Signals.SIGKILL" in proc.stderr or "exitcode: -9" in proc.stderr, proc.stderr[-3000:]
         for r in range(2):  # the restarted workers took step 3 from memory and read nothing from disk
-            assert resume_info(run, r) == {"step": 3, "source": "memory", "bytes_read": 0, "world_size": 2,
+            assert resume_info(run, r) == {"step": 3, "source": "memory", "disk_bytes_read": 0, "world_size": 2,
                                            "resharded": False}
         # reference: the disk checkpoint of step 3 resumed at the same world size (no tier to find)
         proc = launch(2, ref, "--tier", fresh, "--load-root", disk, *common)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "loading from the disk checkpoint" in proc.stdout
         assert resume_info(ref, 0)["source"] is None and resume_info(ref, 0)["step"] == 3
+        assert resume_info(ref, 0)["disk_bytes_read"] > 0  # (the count sees a disk load)
         assert_bitwise(merged(run, 2), merged(ref, 2))
     finally:
         shutil.rmtree(tier, ignore_errors=True)
@@ -88,7 +89,7 @@ def test_lost_node_resumes_from_buddy_replicas_at_smaller_world(tmp_path):
         proc = launch(2, rerun, "--tier", tier, "--load-root", str(tmp_path / "none"), *common)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         for r in range(2):
-            assert resume_info(rerun, r) == {"step": 3, "source": "memory", "bytes_read": 0, "world_size": 3,
+            assert resume_info(rerun, r) == {"step": 3, "source": "memory", "disk_bytes_read": 0, "world_size": 3,
                                              "resharded": True}
         proc = launch(2, ref, "--tier", fresh, "--load-root", disk, *common)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 
 import torch
 import torch.distributed as dist
@@ -42,11 +43,16 @@ def main() -> None:
     xs, ys = torch.randn(512, 16, generator=gen), torch.randn(512, 8, generator=gen)
     torch.manual_seed(100 + rank)  # each rank's dropout differs (the RNG is part of the state)
     start = 0
+    disk = os.path.realpath(a.load_root) + os.sep
+    opened: list[str] = []  # files under the disk root this process opens (Python's audit events)
+    sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" and args and isinstance(
+        args[0], (str, bytes, os.PathLike)) and os.path.realpath(os.fsdecode(args[0])).startswith(disk) else None)
     try:
         info = zeroshard.load_checkpoint(a.load_root, model=model, optimizer=opt, scheduler=sched)
         start = info["step"]
         with open(os.path.join(a.out, f"resume-{rank}.json"), "w") as f:
-            json.dump({k: info.get(k) for k in ("step", "source", "bytes_read", "world_size", "resharded")}, f)
+            json.dump({**{k: info.get(k) for k in ("step", "source", "world_size", "resharded")},
+                       "disk_bytes_read": sum(os.path.getsize(p) for p in set(opened) if os.path.isfile(p))}, f)
     except CheckpointError:
         pass
     for step in range(start, a.steps):

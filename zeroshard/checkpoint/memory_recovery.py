@@ -209,9 +209,8 @@ def recover(tier: MemoryTier, model: Optional[nn.Module], opt: "ZeroOptimizer", 
             info = next(s for s in usable if s.stamp["owner"] == owner and s.step == step and s.stamp["world_size"] == n)
             try:
                 header, data = slots.read(info)
-                local[owner] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
-                    torch.empty(0, dtype=torch.uint8)
-                _entries(owner, header, len(data))
+                local[owner] = data
+                _entries(owner, header, data.numel())
                 headers[owner] = header
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 problem = info.path

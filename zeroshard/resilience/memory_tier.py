@@ -44,7 +44,8 @@ import os
 import shutil
 import threading
 import warnings
-from typing import Optional
+import zlib
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -133,11 +134,11 @@ class MemoryTier:
                                         daemon=True)
         self._thread.start()
 
-    def _write(self, directory: str, stamp: dict, header: dict, data: torch.Tensor) -> None:
+    def _write(self, directory: str, stamp: dict, raw: bytes, data: torch.Tensor, crc: int) -> None:
         if self._write_failed is not None:
             return
         try:
-            slots.write(directory, stamp, header, data.numpy().data)
+            slots.write(directory, stamp, raw, data.numpy().data, crc)
         except OSError as exc:  # (a full tmpfs: ENOSPC) the others learn it at the next commit
             self._write_failed = f"writing {directory!r} failed ({exc.strerror or exc})"
             for name in slots.SLOTS:  # the torn slot's bytes are given back; the other stays valid
@@ -147,35 +148,44 @@ class MemoryTier:
 
     def _run(self, stamp: dict, header: dict, buf: torch.Tensor) -> None:
         try:
-            self._write(self.own_dir, stamp, header, buf)
-            if self._side is not None:
-                raw = json.dumps({"stamp": stamp, "header": header}).encode()
-                got = self._swap(torch.frombuffer(bytearray(raw), dtype=torch.uint8), buf)
-                meta = json.loads(bytes(got[0].numpy()))
-                self._write(self.replica_dir, meta["stamp"], meta["header"], got[1])
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            crc = zlib.crc32(buf.numpy().data)  # (once: the buddy stores the owner's checksum with its replica)
+            swap = None
+            if self._side is not None:  # the replica travels while this rank writes its own slot
+                meta = json.dumps({"stamp": stamp, "data_crc32": crc}).encode() + b"\0" + raw
+                swap = self._swap(torch.frombuffer(bytearray(meta), dtype=torch.uint8), buf)
+            self._write(self.own_dir, stamp, raw, buf, crc)
+            if swap is not None:
+                got_meta, got_data = swap()
+                head, _, got_raw = bytes(got_meta.numpy()).partition(b"\0")
+                theirs = json.loads(head)
+                self._write(self.replica_dir, theirs["stamp"], got_raw, got_data, theirs["data_crc32"])
             self.committed = stamp["step"]
         except BaseException as exc:  # noqa: BLE001 - raised by the next wait()
             self._error = exc
 
-    def _swap(self, meta: torch.Tensor, data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sends (meta, data) to the buddy and receives the source's, over the side group."""
+    def _swap(self, meta: torch.Tensor, data: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """Starts sending (meta, data) to the buddy and receiving the source's over the side
+        group; the returned function waits for both and gives what was received."""
         group = self._side
         if group is None:
             raise RuntimeError("the memory tier swaps replicas only between ranks of a process group")
         to, frm = (dist.get_global_rank(group, r) for r in (self.buddy, self.source))
         sizes = torch.tensor([meta.numel(), data.numel()], dtype=torch.int64)
         theirs = torch.empty(2, dtype=torch.int64)
-        works = [dist.isend(sizes, to, group=group), dist.irecv(theirs, frm, group=group)]
-        for w in works:
+        for w in (dist.isend(sizes, to, group=group), dist.irecv(theirs, frm, group=group)):
             if w is not None:
                 w.wait()
         got = (torch.empty(int(theirs[0]), dtype=torch.uint8), torch.empty(int(theirs[1]), dtype=torch.uint8))
         works = [dist.isend(meta, to, group=group, tag=1), dist.irecv(got[0], frm, group=group, tag=1),
                  dist.isend(data, to, group=group, tag=2), dist.irecv(got[1], frm, group=group, tag=2)]
-        for w in works:
-            if w is not None:
-                w.wait()
-        return got
+
+        def finish() -> tuple[torch.Tensor, torch.Tensor]:
+            for w in works:
+                if w is not None:
+                    w.wait()
+            return got
+        return finish
 
     # -- reports ---------------------------------------------------------------------------
     def bytes_held(self) -> int:

@@ -2,7 +2,7 @@
 
 A slot directory holds ``data.bin`` (the tensors' bytes), ``header.json`` (where each piece
 lies in it, the small state) and ``stamp.json`` (run id, model digest, step, world size, owner
-rank, sizes, crc32 of header and data). A write removes the slot's stamp first and writes it
+rank, sizes, crc32 of the header and of the data). A write removes the slot's stamp first and writes it
 last (to a temporary name, then renamed): a slot without a stamp, or whose bytes do not match
 it, is not valid, and the other slot still holds the previous step (Note [peer memory tier]).
 """
@@ -13,6 +13,8 @@ import os
 import zlib
 from dataclasses import dataclass
 from typing import Optional
+
+import torch
 
 FORMAT, VERSION = "zeroshard-memory-tier", 1
 SLOTS = ("slot-0", "slot-1")
@@ -68,7 +70,7 @@ def check(slot: str, stamp: dict, run_id: str, digest: str) -> Optional[str]:
     if stamp.get("digest") != digest:
         return f"written for another model (digest {str(stamp.get('digest'))[:12]}, this model's {digest[:12]})"
     if not all(isinstance(stamp.get(k), int) and not isinstance(stamp.get(k), bool) and stamp[k] >= 0
-               for k in ("step", "world_size", "owner", "header_bytes", "data_bytes", "crc32")):
+               for k in ("step", "world_size", "owner", "header_bytes", "data_bytes", "crc32", "data_crc32")):
         return "malformed stamp"
     return None
 
@@ -84,15 +86,33 @@ def scan(directory: str, run_id: str, digest: str) -> list[SlotInfo]:
     return out
 
 
-def read(info: SlotInfo) -> tuple[dict, bytes]:
-    """The slot's header and data, verified against its stamp; ValueError if torn."""
+def _read_into(path: str, size: int) -> torch.Tensor:
+    """The file's bytes in one uint8 tensor, read straight into it (no intermediate copy)."""
+    out = torch.empty(size, dtype=torch.uint8)
+    view = out.numpy().data.cast("B") if size else memoryview(b"")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        if os.fstat(fd).st_size != size:
+            raise ValueError(f"{path}: torn slot ({os.fstat(fd).st_size} bytes, stamped {size})")
+        done = 0
+        while done < size:
+            n = os.readv(fd, [view[done:]])
+            if n <= 0:
+                raise ValueError(f"{path}: torn slot (ends at byte {done} of {size})")
+            done += n
+    finally:
+        os.close(fd)
+    return out
+
+
+def read(info: SlotInfo) -> tuple[dict, torch.Tensor]:
+    """The slot's header and data (a uint8 tensor), verified against its stamp; ValueError if torn."""
     stamp = info.stamp
     raw = _read_regular(os.path.join(info.path, _HEADER), _MAX_JSON)
-    data = _read_regular(os.path.join(info.path, _DATA), stamp["data_bytes"])
-    if len(raw) != stamp["header_bytes"] or len(data) != stamp["data_bytes"]:
-        raise ValueError(f"{info.path}: torn slot (sizes {len(raw)}+{len(data)} bytes, stamped "
-                         f"{stamp['header_bytes']}+{stamp['data_bytes']})")
-    if zlib.crc32(data, zlib.crc32(raw)) != stamp["crc32"]:
+    data = _read_into(os.path.join(info.path, _DATA), stamp["data_bytes"])
+    if len(raw) != stamp["header_bytes"]:
+        raise ValueError(f"{info.path}: torn slot (header of {len(raw)} bytes, stamped {stamp['header_bytes']})")
+    if zlib.crc32(raw) != stamp["crc32"] or zlib.crc32(data.numpy().data) != stamp["data_crc32"]:
         raise ValueError(f"{info.path}: torn slot (checksum mismatch)")
     header = json.loads(raw)
     if not isinstance(header, dict):
@@ -106,9 +126,10 @@ def _write_file(path: str, *parts: bytes | memoryview) -> None:
             f.write(p)
 
 
-def write(directory: str, stamp: dict, header: dict, data: memoryview) -> str:
-    """Writes one step into the slot that does not hold the newest valid step; returns it.
-    ``data``: a bytes-like object (a uint8 tensor's numpy view)."""
+def write(directory: str, stamp: dict, raw: bytes, data: memoryview, data_crc: int) -> str:
+    """Writes one step (``raw``: the header's JSON; ``data_crc``: crc32 of ``data``, computed once
+    by the owner and sent with a replica) into the slot that does not hold the newest valid
+    step; returns it."""
     os.makedirs(directory, exist_ok=True)
     held = {name: read_stamp(os.path.join(directory, name)) for name in SLOTS}
     steps = {name: (s["step"] if s is not None and isinstance(s.get("step"), int) else -1) for name, s in held.items()}
@@ -119,12 +140,11 @@ def write(directory: str, stamp: dict, header: dict, data: memoryview) -> str:
         os.unlink(os.path.join(slot, _STAMP))  # invalid from here until the new stamp lands
     except FileNotFoundError:
         pass
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    view = memoryview(data).cast("B")
+    view = data.cast("B")
     _write_file(os.path.join(slot, _DATA), view)
     _write_file(os.path.join(slot, _HEADER), raw)
     full = {**stamp, "format": FORMAT, "version": VERSION, "header_bytes": len(raw), "data_bytes": view.nbytes,
-            "crc32": zlib.crc32(view, zlib.crc32(raw))}
+            "crc32": zlib.crc32(raw), "data_crc32": data_crc}
     tmp = os.path.join(slot, _STAMP + ".tmp")
     _write_file(tmp, json.dumps(full).encode())
     os.replace(tmp, os.path.join(slot, _STAMP))
