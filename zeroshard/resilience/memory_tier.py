@@ -38,11 +38,13 @@ recovery (survivors keep their processes; torchrun restarts every worker), XOR p
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import os
 import shutil
 import threading
+import weakref
 import warnings
 import zlib
 from typing import Callable, Optional
@@ -56,6 +58,13 @@ from zeroshard.resilience.options import PeerRedundancy
 
 ALIGN = 64
 """Byte alignment of each tensor in a slot's data (any dtype's view stays aligned)."""
+
+
+def _join_at_exit(ref: "weakref.ref[MemoryTier]") -> None:
+    tier = ref()
+    thread = tier._thread if tier is not None else None
+    if thread is not None:
+        thread.join()
 
 
 def ring(rank: int, world: int) -> tuple[int, int]:
@@ -80,6 +89,9 @@ class MemoryTier:
         self._write_failed: Optional[str] = None
         self._staging: Optional[torch.Tensor] = None
         self._side: Optional[dist.ProcessGroup] = None
+        # The last commit's thread may still be writing or swapping as the script ends: the
+        # interpreter waits for it (a gloo send cut off by finalization aborts the process).
+        atexit.register(_join_at_exit, weakref.ref(self))
         if self.world > 1:  # (a collective of the group: every rank builds its tier)
             timeout = datetime.timedelta(seconds=float(os.environ.get("ZEROSHARD_PG_TIMEOUT", "1800")))
             self._side = dist.new_group(ranks=dist.get_process_group_ranks(comm.group), backend="gloo", timeout=timeout)
