@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from zeroshard.resilience.options import PeerRedundancy, redundancy_options
 from zeroshard.units.tier import Tier
 
 _STAGES = (0, 1, 2, 3)
@@ -270,7 +271,13 @@ class ZeroConfig:
     the rest comes from the placement the offload options name (``ExplicitPlacement`` or
     ``AutoPlacement``, zeroshard/offload/placement_choice.py)."""
 
+    redundancy: Union[None, str, PeerRedundancy] = None
+    """None, "peer" or ``PeerRedundancy(path=..., every=...)``: keep each committed step's state
+    in node-local shared memory with a replica on a buddy rank, so a lost rank resumes from
+    memory (Note [peer memory tier] in zeroshard/resilience/memory_tier.py)."""
+
     def __post_init__(self) -> None:
+        object.__setattr__(self, "redundancy", redundancy_options(self.redundancy))
         self._take_typed_offload()
         if self.placement_policy is not None and not isinstance(self.placement_policy, type):
             raise TypeError(f"placement_policy={self.placement_policy!r} must be a class (a subclass of "

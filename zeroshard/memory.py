@@ -57,6 +57,9 @@ class MemoryReport:
     secondary: int = 0
     """hpZ (stage 3, ``hpz=True``): the secondary parameter partition inside the node, p·Ψ/k
     for node size k (ZeRO++'s cost), on top of the primary p·Ψ/N in ``parameters``."""
+    memory_tier: int = 0
+    """``redundancy="peer"``: node-local shared memory this rank's tier slots take (its own two
+    slots and the two it keeps for its buddy) plus its staging buffer (not in model_states)."""
 
     @property
     def model_states(self) -> int:
@@ -66,7 +69,7 @@ class MemoryReport:
         d = asdict(self)
         # Keys of what only some runs have (hpZ, frozen weights) appear when nonzero, so the
         # other configurations keep their keys.
-        for key in ("secondary", "frozen", "frozen_offloaded"):
+        for key in ("secondary", "frozen", "frozen_offloaded", "memory_tier"):
             if not d[key]:
                 del d[key]
         return {**d, "model_states": self.model_states}
@@ -78,7 +81,8 @@ class MemoryReport:
                 + (f" | on NVMe {mib(self.offloaded)}" if self.offloaded else "")
                 + (f" (frozen: {mib(self.frozen)} in memory, {mib(self.frozen_offloaded)} on NVMe)"
                    if self.frozen or self.frozen_offloaded else "")
-                + (f" | hpZ secondary {mib(self.secondary)}" if self.secondary else ""))
+                + (f" | hpZ secondary {mib(self.secondary)}" if self.secondary else "")
+                + (f" | memory tier {mib(self.memory_tier)}" if self.memory_tier else ""))
 
 
 def zero_formula(stage: int, numel: int, world_size: int, *, param_bytes: int = 4,

@@ -8,6 +8,8 @@ Files, one object or concern each:
 - ``manifest``: the table of contents; ``validate``: every field of it checked before
   anything is trusted (and at save time); ``safe_fs``: regular files only, no links, bounded;
 - ``load``/``locate``: loading at any world size and stage, falling back past damaged steps;
+  ``resume``: ``load_checkpoint`` with the memory tiers tried first (``memory_recovery``;
+  ``memory_commit`` fills them: Note [peer memory tier] in zeroshard/resilience/memory_tier.py);
   ``trainer_state``: the small state, decoded and checked first, applied with a way back;
 - ``export``: streaming to the Hugging Face layout.
 
@@ -21,7 +23,7 @@ the stage keeps of the full parameters current after owned ranges were written.
 """
 from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zeroshard.checkpoint.export import export_hf
-from zeroshard.checkpoint.load import load_checkpoint
+from zeroshard.checkpoint.resume import load_checkpoint
 from zeroshard.checkpoint.locate import latest_checkpoint
 from zeroshard.checkpoint.saver import PendingSave, save_checkpoint, wait_checkpoint
 

@@ -14,6 +14,7 @@ from zeroshard.checkpoint.export import export_hf
 from zeroshard.checkpoint.safe_fs import is_real_dir
 from zeroshard.checkpoint.shard_file import DTYPES
 from zeroshard.cli import Command
+from zeroshard.resilience import tier_report
 
 if TYPE_CHECKING:
     from tqdm import tqdm as Tqdm
@@ -49,12 +50,32 @@ def _summary(step_dir: str) -> dict:
 
 # -- inspect ---------------------------------------------------------------------------------
 def _inspect_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("ckpt", help="a checkpoint root or one step directory")
+    p.add_argument("ckpt", help="a checkpoint root, one step directory, or a memory tier's directory")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--tensors", action="store_true", help="list every tensor")
 
 
+def _inspect_tier(root: str, as_json: bool) -> int:
+    """A memory tier's slots and the steps they cover (Note [peer memory tier]); 1 if a slot is torn."""
+    report = tier_report.describe(root)
+    invalid = 0 if all(s["valid"] for s in report["slots"]) else 1
+    if as_json:
+        print(json.dumps(report, indent=1))
+        return invalid
+    print(f"{root}: memory tier, {len(report['slots'])} slots, {_human(report['bytes'])}")
+    for s in report["slots"]:
+        print(f"  {s['holder']}/{s['copy']:7s} rank {s['owner']}'s state, step {s['step']}, world size "
+              f"{s['world_size']}, run {s['run_id']!r}, {_human(s['bytes'])}, "
+              + ("valid" if s["valid"] else f"INVALID ({s['problem']})"))
+    for st in report["steps"]:
+        print(f"  step {st['step']} (run {st['run_id']!r}, world size {st['world_size']}): ranks {st['owners']} "
+              + ("covered: recoverable from memory" if st["complete"] else "only: not recoverable from memory"))
+    return invalid
+
+
 def _inspect(args: argparse.Namespace) -> int:
+    if tier_report.is_tier_root(args.ckpt):
+        return _inspect_tier(args.ckpt, args.json)
     steps = _steps(args.ckpt)
     if not steps:
         print(f"no checkpoint steps under {args.ckpt}", file=sys.stderr)

@@ -47,6 +47,9 @@ if TYPE_CHECKING:
 class _Source:
     """The saved pieces of every tensor of one step, readable by (name, range, kind)."""
 
+    adoptable = True
+    """Verified buffers may become state tensors (Note [adopting verified state])."""
+
     def __init__(self, step_dir: str, body: dict, max_blocks: Optional[int] = None) -> None:
         self.dir = step_dir
         self.body = body
@@ -301,7 +304,7 @@ def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
             names = {p.segment.name for p in run.unit.layout.pieces_in(run.a, run.b)}
             replaced += opt.engine.joined().inner.state.get(run.tensor, {}).values()
             fill_run(opt, run, sorted(set().union(*(keys[n] for n in names))), fetch,
-                     adopt=None if streamed else _adopter(src, opt, run, ckpt_name))
+                     adopt=None if streamed or not src.adoptable else _adopter(src, opt, run, ckpt_name))
             if streamed:
                 src.release()  # host memory holds one run's checkpoint data at a time
         reap(replaced)

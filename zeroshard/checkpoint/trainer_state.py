@@ -43,10 +43,11 @@ class TrainerPlan:
 
 
 def prepare(body: dict, opt: Any, scheduler: Any, dataloader: Any, src_dir: str, rank: int, world: int,
-            load_rng: bool, group_names_held: list[list[str]]) -> TrainerPlan:
+            load_rng: bool, group_names_held: list[list[str]], rng_states: Optional[list] = None) -> TrainerPlan:
     """Raises CheckpointCorruptError (malformed: the root falls back) or CheckpointMismatchError
     (the caller passed an object the checkpoint holds no state for). ``group_names_held``: the
-    checkpoint names each of the optimizer's groups trains (Note [param groups by name])."""
+    checkpoint names each of the optimizer's groups trains (Note [param groups by name]).
+    ``rng_states``: every saved rank's RNG state, given (the memory tier) instead of read from files."""
     trainer = body["trainer"]
     same_world = body["world_size"] == world
     where = os.path.join(src_dir, manifest.MANIFEST)
@@ -81,7 +82,7 @@ def prepare(body: dict, opt: Any, scheduler: Any, dataloader: Any, src_dir: str,
     for r in range(rank, body["world_size"], world):
         fname = manifest.rng_file(r)
         path = os.path.join(src_dir, fname)
-        checked = rng.check(read_json(path, body["files"][fname]), path)
+        checked = rng.check(read_json(path, body["files"][fname]) if rng_states is None else rng_states[r], path)
         if r == rank and same_world and load_rng:
             state = checked
     extra = jsontree.decode(trainer.get("extra"), f"{where}: trainer.extra")

@@ -30,6 +30,8 @@ from torch import nn
 from zeroshard.comm import pipeline
 from zeroshard.optim.composition import check_composition
 from zeroshard.comm.mesh import HybridMesh, MeshInfo, mesh_info
+from zeroshard.resilience.options import check_composition as check_redundancy, redundancy_options
+from zeroshard.resilience.memory_tier import MemoryTier
 from zeroshard.comm.tensor_parallel import local_of
 from zeroshard.config import ZeroConfig
 from zeroshard.layout import NamedParam
@@ -196,12 +198,21 @@ def assemble(owner: torch.optim.Optimizer, config: ZeroConfig, optimizer_class: 
                     unit_store=placement.store, inflight=inflight, reducer=reducer, grad_links=grad_links, grads=grads,
                     stepper=Stepper(config, sharding, placement, mesh_, precision, grads, units, frozen_units, runs, inner,
                                     swapper, inflight),
-                    module_guard=module_guard, teardown=teardown, record=attached, user_groups=user_groups)
+                    module_guard=module_guard, teardown=teardown, record=attached, user_groups=user_groups,
+                    memory_tier=_memory_tier(config, mesh_, placement))
 
     def finish() -> None:
         attached.snapshot.commit()
         construction.cast_frozen(all_params, casts)
     return engine, finish
+
+
+def _memory_tier(config: ZeroConfig, mesh: MeshInfo, placement: StatePlacement) -> Optional[MemoryTier]:
+    """``redundancy="peer"``: the memory tier (what it cannot cover yet is refused here)."""
+    options = redundancy_options(config.redundancy)  # (the config holds it normalized: None or PeerRedundancy)
+    check_redundancy(options, nvme=placement.store is not None or config.optimizer_swapped or config.automatic,
+                     tp=mesh.tp is not None, pp=mesh.pp is not None, hybrid=isinstance(mesh, HybridMesh))
+    return MemoryTier(options, mesh.comm) if options is not None else None
 
 
 def _start_from_rank0(mesh: MeshInfo, params: list[torch.Tensor], frozen: list[NamedParam],

@@ -47,6 +47,7 @@ def memory_report(opt: "EngineOwner") -> MemoryReport:
         buffers=(engine.reducer.live_bucket_bytes()
                  + (engine.stage3_gatherer.gathered_bytes() if engine.shards_parameters else 0) + staging),
         secondary=_secondary_bytes(engine),
+        memory_tier=engine.memory_tier.bytes_held() if engine.memory_tier is not None else 0,
     )
 
 

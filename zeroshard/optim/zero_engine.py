@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from torch import nn
 
@@ -42,6 +42,9 @@ from zeroshard.stages.sharding import Sharding
 from zeroshard.stages.stage3.gatherer import ParameterGatherer
 
 import torch
+
+if TYPE_CHECKING:
+    from zeroshard.resilience.memory_tier import MemoryTier
 
 
 
@@ -79,6 +82,8 @@ class Engine:
     the teardown removes the hooks)."""
     user_groups: list[dict]
     """The param groups torch code sees (the facade's ``param_groups``), as built."""
+    memory_tier: Optional[MemoryTier] = None
+    """``redundancy="peer"``: the node-local memory tier (Note [peer memory tier])."""
     # state
     closed: bool = False
     ready: bool = False

@@ -1,0 +1,113 @@
+"""The memory tier's faults (issue 45, Note [peer memory tier] in zeroshard/resilience/memory_tier.py):
+a torn slot falls back to the previous step, a tier of another run or model is refused (never
+loaded), a full tmpfs turns the tier off with a warning while training goes on; and the options."""
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+
+import pytest
+import torch
+
+import zeroshard
+from zeroshard import cli
+from zeroshard.checkpoint import CheckpointError
+
+
+@pytest.fixture
+def tier():
+    path = f"/dev/shm/zeroshard-test-{uuid.uuid4().hex[:10]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def build(tier: str, run_id: str = "r", width: int = 16):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Linear(width, 4))
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=2,
+                                  redundancy=zeroshard.PeerRedundancy(path=tier, run_id=run_id))
+    return model, opt, torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+
+
+def train(model, opt, sched, steps: int, root=None, save_at=None) -> list[list[torch.Tensor]]:
+    """Trains ``steps`` steps committing each to the tier; the parameters after each step."""
+    seen = []
+    for step in range(1, steps + 1):
+        loss = model(torch.full((4, 8), float(step))).square().mean()
+        opt.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if step == save_at:
+            zeroshard.save_checkpoint(root, step, model=model, optimizer=opt, scheduler=sched)
+        zeroshard.memory_checkpoint(step, model=model, optimizer=opt, scheduler=sched)
+        seen.append([p.detach().clone() for p in model.parameters()])
+    opt.engine.memory_tier.wait()
+    return seen
+
+
+def test_torn_newest_slot_falls_back_to_the_previous_step(tier, tmp_path, capsys):
+    model, opt, sched = build(tier)
+    seen = train(model, opt, sched, 3)
+    own = os.path.join(tier, "rank-0", "own")
+    newest = max(os.listdir(own), key=lambda s: os.path.getmtime(os.path.join(own, s, "stamp.json")))
+    with open(os.path.join(own, newest, "data.bin"), "r+b") as f:  # one flipped byte, as a kill mid-copy leaves
+        byte = f.read(1)
+        f.seek(0)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert cli.main(["inspect", tier]) == 1  # `zeroshard inspect` shows the tier: the torn slot, what is covered
+    shown = capsys.readouterr().out
+    assert "rank-0/own     rank 0's state, step 3, world size 1, run 'r'" in shown and "INVALID (" in shown
+    assert "step 2 (run 'r', world size 1): ranks [0] covered: recoverable from memory" in shown
+    model2, opt2, sched2 = build(tier)
+    with pytest.warns(UserWarning, match="torn slot"):
+        info = zeroshard.load_checkpoint(str(tmp_path / "none"), model=model2, optimizer=opt2, scheduler=sched2)
+    assert (info["step"], info["source"], info["bytes_read"]) == (2, "memory", 0)
+    assert all(torch.equal(a, b) for a, b in zip(seen[1], model2.parameters()))
+    assert sched2.last_epoch == 2
+
+
+def test_tier_of_another_run_or_model_is_refused_never_loaded(tier, tmp_path, capfd):
+    root = str(tmp_path / "ckpt")
+    model, opt, sched = build(tier, run_id="a")
+    seen = train(model, opt, sched, 3, root=root, save_at=1)
+    model2, opt2, sched2 = build(tier, run_id="b")
+    with pytest.warns(UserWarning, match="not this run 'b'"):
+        info = zeroshard.load_checkpoint(root, model=model2, optimizer=opt2, scheduler=sched2)
+    assert info["step"] == 1 and info.get("source") is None  # the disk's step 1, not the tier's step 3
+    assert all(torch.equal(a, b) for a, b in zip(seen[0], model2.parameters()))
+    assert "loading from the disk checkpoint, not the memory tiers" in capfd.readouterr().out
+    model3, opt3, sched3 = build(tier, run_id="a", width=12)  # same run id, another model
+    with pytest.warns(UserWarning, match="another model"), pytest.raises(CheckpointError, match="no checkpoint"):
+        zeroshard.load_checkpoint(str(tmp_path / "none"), model=model3, optimizer=opt3, scheduler=sched3)
+
+
+def test_full_tmpfs_turns_the_tier_off_with_a_warning_and_training_goes_on(tier):
+    own = os.path.join(tier, "rank-0", "own")
+    for slot in ("slot-0", "slot-1"):  # every write into the tier fails as on a full tmpfs (ENOSPC)
+        os.makedirs(os.path.join(own, slot))
+        os.symlink("/dev/full", os.path.join(own, slot, "data.bin"))
+    model, opt, sched = build(tier)
+    with pytest.warns(UserWarning, match="No space left on device.*Training goes on"):
+        seen = train(model, opt, sched, 3)
+    assert opt.engine.memory_tier.disabled is not None and len(seen) == 3
+    assert not zeroshard.memory_checkpoint(4, model=model, optimizer=opt, scheduler=sched)
+
+
+def test_memory_report_counts_the_tier_and_options_are_checked(tier):
+    model, opt, sched = build(tier)
+    assert opt.memory_report().memory_tier == 0
+    train(model, opt, sched, 2)
+    held = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(tier, "rank-0")) for f in fs)
+    staging = opt.engine.memory_tier._staging.numel()
+    assert opt.memory_report().memory_tier == held + staging and held > 2 * staging
+    with pytest.raises(ValueError, match="every=0"):
+        zeroshard.PeerRedundancy(every=0)
+    with pytest.raises(ValueError, match="redundancy='mirror'"):
+        zeroshard.ZeroOptimizer(model, torch.optim.AdamW, redundancy="mirror")
+    other = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="NVMe offload"):
+        zeroshard.ZeroOptimizer(other, torch.optim.AdamW, offload_optimizer="nvme", nvme_path=tier, redundancy="peer")
+    with pytest.raises(ValueError, match="redundancy='peer'"):
+        zeroshard.memory_checkpoint(1, model=other, optimizer=zeroshard.ZeroOptimizer(other, torch.optim.AdamW))

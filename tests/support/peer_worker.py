@@ -1,0 +1,86 @@
+"""A torchrun worker for the memory-tier tests (tests/dist/test_peer_recovery.py): trains a small
+model with ``redundancy="peer"``, optionally saves to disk at one step and SIGKILLs one rank
+after another step's commit (first attempt only), resumes through ``load_checkpoint`` (memory
+tiers first) and dumps its final owned pieces for a bitwise comparison."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+import zeroshard
+from zeroshard.checkpoint import CheckpointError
+from zeroshard.checkpoint.pieces import owned_pieces
+from zeroshard.train.finetune import setup_distributed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tier", required=True)
+    ap.add_argument("--load-root", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--stage", type=int, default=2)
+    ap.add_argument("--save-root", default=None)
+    ap.add_argument("--save-at", type=int, default=-1)
+    ap.add_argument("--kill-rank", type=int, default=-1)
+    ap.add_argument("--kill-at", type=int, default=-1)
+    a = ap.parse_args()
+    setup_distributed(120.0)  # (each torchrun attempt in its own store key space)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 8))
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=a.stage, bucket_size_mb=0.001,
+                                  redundancy=zeroshard.PeerRedundancy(path=a.tier, run_id="peer-test"))
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    gen = torch.Generator().manual_seed(123)
+    xs, ys = torch.randn(512, 16, generator=gen), torch.randn(512, 8, generator=gen)
+    torch.manual_seed(100 + rank)  # each rank's dropout differs (the RNG is part of the state)
+    start = 0
+    disk = os.path.realpath(a.load_root) + os.sep
+    opened: list[str] = []  # files under the disk root this process opens (Python's audit events)
+    sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" and args and isinstance(
+        args[0], (str, bytes, os.PathLike)) and os.path.realpath(os.fsdecode(args[0])).startswith(disk) else None)
+    try:
+        info = zeroshard.load_checkpoint(a.load_root, model=model, optimizer=opt, scheduler=sched)
+        start = info["step"]
+        with open(os.path.join(a.out, f"resume-{rank}.json"), "w") as f:
+            json.dump({**{k: info.get(k) for k in ("step", "source", "world_size", "resharded")},
+                       "disk_bytes_read": sum(os.path.getsize(p) for p in set(opened) if os.path.isfile(p))}, f)
+    except CheckpointError:
+        pass
+    for step in range(start, a.steps):
+        i = (step * world + rank) * 4 % 512
+        loss = ((model(xs[i:i + 4]) - ys[i:i + 4]) ** 2).mean()
+        opt.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        done = step + 1
+        if first and done == a.save_at:
+            zeroshard.save_checkpoint(a.save_root, done, model=model, optimizer=opt, scheduler=sched)
+        zeroshard.memory_checkpoint(done, model=model, optimizer=opt, scheduler=sched)
+        if first and done == a.kill_at:
+            opt.engine.memory_tier.wait()  # (the test kills after step k is committed everywhere)
+            dist.barrier()
+            if rank == a.kill_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
+    opt.engine.memory_tier.wait()
+    final = {}
+    for rec in owned_pieces(model, opt):
+        for kind, t in rec.tensors.items():
+            final[f"{rec.name}|{rec.start}|{rec.stop}|{kind}"] = t.detach().clone()
+        for k, v in rec.scalars.items():
+            final[f"{rec.name}|{rec.start}|{rec.stop}|scalar.{k}"] = torch.as_tensor(v).clone()
+    torch.save(final, os.path.join(a.out, f"final-{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Two slots of one rank's state in the memory tier (its own, or a replica it keeps for a peer).
+
+A slot directory holds ``data.bin`` (the tensors' bytes), ``header.json`` (where each piece
+lies in it, the small state) and ``stamp.json`` (run id, model digest, step, world size, owner
+rank, sizes, crc32 of the header and of the data). A write removes the slot's stamp first and writes it
+last (to a temporary name, then renamed): a slot without a stamp, or whose bytes do not match
+it, is not valid, and the other slot still holds the previous step (Note [peer memory tier]).
+"""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+FORMAT, VERSION = "zeroshard-memory-tier", 1
+SLOTS = ("slot-0", "slot-1")
+_STAMP, _HEADER, _DATA = "stamp.json", "header.json", "data.bin"
+_MAX_JSON = 1 << 28
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """One slot found on this node: its directory, its stamp, and why it cannot be used (None: valid)."""
+
+    path: str
+    stamp: dict
+    problem: Optional[str]
+
+    @property
+    def step(self) -> int:
+        return int(self.stamp.get("step", -1))
+
+
+def _read_regular(path: str, limit: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise ValueError(f"{path}: {size} bytes, more than the {limit} a slot file may have")
+        chunks, left = [], size
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 26))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_stamp(slot: str) -> Optional[dict]:
+    try:
+        stamp = json.loads(_read_regular(os.path.join(slot, _STAMP), 1 << 16))
+    except (OSError, ValueError):
+        return None
+    return stamp if isinstance(stamp, dict) and stamp.get("format") == FORMAT else None
+
+
+def check(slot: str, stamp: dict, run_id: str, digest: str) -> Optional[str]:
+    """Why the slot cannot be loaded into this run (None: it matches; its bytes are checked on read)."""
+    if stamp.get("version") != VERSION:
+        return f"format version {stamp.get('version')!r}, not {VERSION}"
+    if stamp.get("run_id") != run_id:
+        return f"written by run {stamp.get('run_id')!r}, not this run {run_id!r}"
+    if stamp.get("digest") != digest:
+        return f"written for another model (digest {str(stamp.get('digest'))[:12]}, this model's {digest[:12]})"
+    if not all(isinstance(stamp.get(k), int) and not isinstance(stamp.get(k), bool) and stamp[k] >= 0
+               for k in ("step", "world_size", "owner", "header_bytes", "data_bytes", "crc32", "data_crc32")):
+        return "malformed stamp"
+    return None
+
+
+def scan(directory: str, run_id: str, digest: str) -> list[SlotInfo]:
+    """Every stamped slot under ``directory`` (one slot pair), valid or not (the reason said)."""
+    out = []
+    for name in SLOTS:
+        slot = os.path.join(directory, name)
+        stamp = read_stamp(slot)
+        if stamp is not None:
+            out.append(SlotInfo(slot, stamp, check(slot, stamp, run_id, digest)))
+    return out
+
+
+def _read_into(path: str, size: int) -> torch.Tensor:
+    """The file's bytes in one uint8 tensor, read straight into it (no intermediate copy)."""
+    out = torch.empty(size, dtype=torch.uint8)
+    view = out.numpy().data.cast("B") if size else memoryview(b"")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        if os.fstat(fd).st_size != size:
+            raise ValueError(f"{path}: torn slot ({os.fstat(fd).st_size} bytes, stamped {size})")
+        done = 0
+        while done < size:
+            n = os.readv(fd, [view[done:]])
+            if n <= 0:
+                raise ValueError(f"{path}: torn slot (ends at byte {done} of {size})")
+            done += n
+    finally:
+        os.close(fd)
+    return out
+
+
+def read(info: SlotInfo) -> tuple[dict, torch.Tensor]:
+    """The slot's header and data (a uint8 tensor), verified against its stamp; ValueError if torn."""
+    stamp = info.stamp
+    raw = _read_regular(os.path.join(info.path, _HEADER), _MAX_JSON)
+    data = _read_into(os.path.join(info.path, _DATA), stamp["data_bytes"])
+    if len(raw) != stamp["header_bytes"]:
+        raise ValueError(f"{info.path}: torn slot (header of {len(raw)} bytes, stamped {stamp['header_bytes']})")
+    if zlib.crc32(raw) != stamp["crc32"] or zlib.crc32(data.numpy().data) != stamp["data_crc32"]:
+        raise ValueError(f"{info.path}: torn slot (checksum mismatch)")
+    header = json.loads(raw)
+    if not isinstance(header, dict):
+        raise ValueError(f"{info.path}: malformed header")
+    return header, data
+
+
+def _write_file(path: str, *parts: bytes | memoryview) -> None:
+    with open(path, "wb") as f:
+        for p in parts:
+            f.write(p)
+
+
+def write(directory: str, stamp: dict, raw: bytes, data: memoryview, data_crc: int) -> str:
+    """Writes one step (``raw``: the header's JSON; ``data_crc``: crc32 of ``data``, computed once
+    by the owner and sent with a replica) into the slot that does not hold the newest valid
+    step; returns it."""
+    os.makedirs(directory, exist_ok=True)
+    held = {name: read_stamp(os.path.join(directory, name)) for name in SLOTS}
+    steps = {name: (s["step"] if s is not None and isinstance(s.get("step"), int) else -1) for name, s in held.items()}
+    target = min(SLOTS, key=lambda n: (steps[n], n))  # the older (or empty) slot
+    slot = os.path.join(directory, target)
+    os.makedirs(slot, exist_ok=True)
+    try:
+        os.unlink(os.path.join(slot, _STAMP))  # invalid from here until the new stamp lands
+    except FileNotFoundError:
+        pass
+    view = data.cast("B")
+    _write_file(os.path.join(slot, _DATA), view)
+    _write_file(os.path.join(slot, _HEADER), raw)
+    full = {**stamp, "format": FORMAT, "version": VERSION, "header_bytes": len(raw), "data_bytes": view.nbytes,
+            "crc32": zlib.crc32(raw), "data_crc32": data_crc}
+    tmp = os.path.join(slot, _STAMP + ".tmp")
+    _write_file(tmp, json.dumps(full).encode())
+    os.replace(tmp, os.path.join(slot, _STAMP))
+    return slot
+
+
+def slot_bytes(directory: str) -> int:
+    """Bytes the slots under ``directory`` take (for reports)."""
+    total = 0
+    for root, _, files in os.walk(directory):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
