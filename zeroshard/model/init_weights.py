@@ -108,6 +108,6 @@ def restore_parameter(unit, seg, p: nn.Parameter) -> None:
     freed = not is_allocated(unit.flat)
     if freed:
         alloc_storage(unit.flat)
-    p.data = unit.flat[seg.offset:seg.end].view(seg.shape)
+    p.data = seg.bind(unit.flat[seg.offset:seg.end])
     if freed:
         free_storage(unit.flat)
