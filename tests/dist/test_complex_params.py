@@ -10,6 +10,7 @@ import torch
 
 import zeroshard
 from tests.support import complex_params_worker as worker
+from tests.support.asserts import assert_same
 from tests.support.dist_results import run_ranks
 
 
@@ -18,6 +19,7 @@ def results(tmp_path_factory):
     two = tmp_path_factory.mktemp("complex2")
     out = {2: run_ranks(worker.run, 2, two)}
     out[1] = run_ranks(worker.run, 1, tmp_path_factory.mktemp("complex1"), str(two))
+    out["dir"] = str(two)
     return out
 
 
@@ -76,3 +78,16 @@ def test_mixed_precision_with_complex_parameters_is_refused(precision):
     with pytest.raises(ValueError, match=r"'c1'.*complex64.*mixed_precision"):
         zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, mixed_precision=precision)
     assert model.c1.dtype == torch.complex64  # (the refused construction left the model as it was)
+
+
+def test_export_writes_complex_parameters_as_complex(results, tmp_path):
+    from safetensors.torch import load_file
+    import glob
+    import os
+    zeroshard.export_hf(os.path.join(results["dir"], "ckpt-stage2"), str(tmp_path / "hf"))
+    got = {}
+    for f in glob.glob(str(tmp_path / "hf" / "*.safetensors")):
+        got.update(load_file(f))
+    want = torch.load(os.path.join(results["dir"], "saved-stage2.pt"))["weights"]
+    assert got["c1"].dtype == torch.complex64 and got["c1"].shape == (5, 3)
+    assert_same(got, want, "exported weights")

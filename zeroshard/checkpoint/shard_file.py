@@ -114,12 +114,13 @@ def header_bytes(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
     header: dict = {"__metadata__": metadata or {}}
     offset = 0
     for key, dtype, shape in specs:
-        if dtype not in CODES:
+        code = CODES.get(dtype) or ("C64" if dtype == torch.complex64 else None)  # (an export's complex64)
+        if code is None:
             raise TypeError(f"tensor {key!r} has dtype {dtype}, which safetensors cannot store")
         n = dtype.itemsize
         for d in shape:
             n *= d
-        header[key] = {"dtype": CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        header[key] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
