@@ -59,6 +59,13 @@ def test_torch_state_dict_with_complex_moments_loads(results, world):
 
 
 @pytest.mark.parametrize("world", (1, 2))
+def test_sharded_state_dict_round_trip_with_complex_parameters(results, world):
+    for per_rank in results[world]:
+        for stage, r in per_rank["sharded_state"].items():
+            _check(r, True, f"{stage} sharded state")
+
+
+@pytest.mark.parametrize("world", (1, 2))
 def test_checkpoint_round_trip_with_complex_parameters(results, world):
     for per_rank in results[world]:
         for stage, r in per_rank["checkpoint"].items():

@@ -135,6 +135,21 @@ def load_torch_state(stage: int) -> dict:
     return out
 
 
+def sharded_round_trip(stage: int) -> dict:
+    """``state_dict()`` (this rank's real pieces) loaded into a fresh optimizer: the same state."""
+    model = Mixed()
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.Adam, stage=stage, lr=1e-2, fused_adam=False)
+    _train(model, opt, range(2))
+    sd = opt.state_dict()
+    want = opt.consolidated_state_dict(to_rank=None)["state"]
+    opt.close()
+    opt2 = zeroshard.ZeroOptimizer(model, torch.optim.Adam, stage=stage, lr=1e-2, fused_adam=False)
+    opt2.load_state_dict(sd)
+    out = _diff(opt2.consolidated_state_dict(to_rank=None)["state"], want)
+    opt2.close()
+    return out
+
+
 def _snapshot(model: nn.Module, opt: Any) -> dict:
     return {"weights": _weights(model, opt), "state": opt.consolidated_state_dict(to_rank=None)["state"]}
 
@@ -164,6 +179,7 @@ def run(rank: int, world: int, out_path: str, resharded_from: Optional[str] = No
     for stage, name, offload in CASES:
         results[case_key(stage, name, offload)] = parity(stage, name, offload, world, directory)
     results["load_torch_state"] = {f"stage{s}": load_torch_state(s) for s in (1, 3)}
+    results["sharded_state"] = {f"stage{s}": sharded_round_trip(s) for s in (1, 2)}
     results["checkpoint"] = {}
     for stage in (2, 3):
         results["checkpoint"][f"stage{stage}"], saved = checkpoint_round_trip(stage, directory, rank)
