@@ -18,7 +18,7 @@ import torch
 
 from zeroshard.checkpoint import tp_layout
 from zeroshard.checkpoint.pieces import PARAM
-from zeroshard.checkpoint.shard_file import DTYPES, ShardReader, header_bytes, tensor_bytes, write_stream
+from zeroshard.checkpoint.shard_file import COMPLEX_DTYPES, DTYPES, ShardReader, header_bytes, tensor_bytes, write_stream
 from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError
 from zeroshard.checkpoint.locate import candidates, check_structure, is_step_dir
 
@@ -72,6 +72,8 @@ def plan_shards(body: dict, max_bytes: int, dtype,
     for name, meta in entries:
         out = _out_dtype(dtype, DTYPES[meta["dtype"]])
         shape = tuple(meta["shape"])
+        if "complex_dtype" in meta:  # its reals' bytes are the complex tensor's, never cast (Note [complex parameters])
+            out, shape = COMPLEX_DTYPES[meta["complex_dtype"]], shape[:-1]
         n = out.itemsize
         for d in shape:
             n *= d
@@ -200,6 +202,7 @@ def _pieces(step_dir: str, body: dict, readers: dict[str, ShardReader], name: st
     in tp chunks along a dimension > 0 is put back in order a few rows at a time: Note [stored
     order] in tp_layout.py)."""
     meta = body["tensors"][body.get("aliases", {}).get(name, name)]
+    out = out.to_real() if out.is_complex else out  # (a complex parameter's reals, in order: its bytes)
     split = tp_layout.split_of(meta)
     if split is not None and split.dim > 0:
         numel = math.prod(meta["shape"])

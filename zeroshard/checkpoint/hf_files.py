@@ -9,7 +9,7 @@ import os
 import torch
 from safetensors import safe_open
 
-from zeroshard.checkpoint.shard_file import DTYPES
+from zeroshard.checkpoint.shard_file import COMPLEX_DTYPES, DTYPES
 
 
 def weight_map(path: str) -> dict[str, str]:
@@ -60,7 +60,7 @@ class RangeReader:
         self.base = 8 + n
         self.entries: dict[str, tuple[torch.dtype, list[int], int]] = {}
         for name, e in header.items():
-            dtype = DTYPES.get(e.get("dtype"))
+            dtype = DTYPES.get(e.get("dtype")) or COMPLEX_DTYPES.get(e.get("dtype"))  # (C64: export_hf's complex)
             a, b = e.get("data_offsets", (-1, -1))
             shape = [int(d) for d in e.get("shape", [])]
             numel = 1
@@ -72,6 +72,9 @@ class RangeReader:
 
     def shape(self, name: str) -> list[int]:
         return self.entries[name][1]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.entries[name][0]
 
     def read(self, name: str, start: int, stop: int) -> torch.Tensor:
         dtype, _, offset = self.entries[name]

@@ -28,7 +28,7 @@ from zeroshard.optim.registry import optimizer_for
 from zeroshard.checkpoint import frozen_base, group_names, jsontree, locate, stage_merge, tp_layout, trainer_state
 from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map
-from zeroshard.checkpoint.shard_file import DTYPES, ShardReader, reap
+from zeroshard.checkpoint.shard_file import COMPLEX_CODES, DTYPES, ShardReader, reap
 from zeroshard.checkpoint.state_check import check_state_kinds
 from zeroshard.offload.unit_swap import resident_runs
 from zeroshard.optim.state_io import fill_run, normalize_loaded
@@ -184,6 +184,12 @@ def check_compatible(body: dict, model: Optional[nn.Module], opt: Any, where: st
     base_lacking = sorted(unsaved - set(expected)) if model is not None else []
     wrong = [f"{n}: checkpoint {saved[n]['shape']} vs model {list(expected[n][0])}"
              for n in sorted(set(expected) & set(saved)) if list(expected[n][0]) != saved[n]["shape"]]
+    if opt is not None:  # (a complex parameter's reals are not a real parameter of that shape: Note [complex parameters])
+        names = name_map(model, opt)
+        kinds = {names[seg.name]: COMPLEX_CODES.get(seg.complex_dtype) for u in opt.engine.joined().units  # type: ignore[arg-type]
+                 for seg in u.layout.segments}
+        wrong += [f"{n}: checkpoint {saved[n].get('complex_dtype') or 'real'} vs model {kinds[n] or 'real'}"
+                  for n in sorted(set(kinds) & set(saved)) if saved[n].get("complex_dtype") != kinds[n]]
     if missing or unexpected or base_lacking or wrong:
         parts = []
         if missing:

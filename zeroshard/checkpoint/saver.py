@@ -29,7 +29,7 @@ from torch import nn
 from zeroshard.checkpoint import commit, frozen_base, jsontree, manifest, rng, stage_merge, validate
 from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError, CheckpointError
 from zeroshard.checkpoint.pieces import PieceRecord, full_tensors, has_deferred, name_map, owned_pieces
-from zeroshard.checkpoint.shard_file import CODES, Deferred
+from zeroshard.checkpoint.shard_file import CODES, COMPLEX_CODES, Deferred
 from zeroshard.comm import Comm
 from zeroshard.optim.registry import optimizer_for
 from zeroshard.optim.zero_optimizer import engine_of
@@ -329,6 +329,8 @@ def _shapes(model: Optional[nn.Module], opt: Any, save_frozen: bool = False) -> 
             for seg in u.layout.segments:
                 out[names[seg.name]] = {"shape": list(seg.shape), "dtype": CODES[u.flat.dtype],
                                         "group": seg.group, "kind": "sharded"}
+                if seg.complex_dtype is not None:  # (stored as its reals: Note [complex parameters])
+                    out[names[seg.name]]["complex_dtype"] = COMPLEX_CODES[seg.complex_dtype]
                 if tp is not None:  # the global tensor, and how tp splits it (Note [stored order])
                     out[names[seg.name]]["shape"] = list(tp.global_shape(seg.name, seg.shape))
                     if tp.split_of(seg.name) is not None:

@@ -48,6 +48,10 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
           "U8": torch.uint8, "BOOL": torch.bool}
 CODES = {v: k for k, v in DTYPES.items()}
+# A complex parameter is stored as its reals, ``(*shape, 2)`` of F32/F64; its manifest entry adds
+# "complex_dtype" (Note [complex parameters] in zeroshard/layout/unit_layout.py).
+COMPLEX_DTYPES = {"C64": torch.complex64, "C128": torch.complex128}
+COMPLEX_CODES = {v: k for k, v in COMPLEX_DTYPES.items()}
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -110,12 +114,13 @@ def header_bytes(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
     header: dict = {"__metadata__": metadata or {}}
     offset = 0
     for key, dtype, shape in specs:
-        if dtype not in CODES:
+        code = CODES.get(dtype) or ("C64" if dtype == torch.complex64 else None)  # (an export's complex64)
+        if code is None:
             raise TypeError(f"tensor {key!r} has dtype {dtype}, which safetensors cannot store")
         n = dtype.itemsize
         for d in shape:
             n *= d
-        header[key] = {"dtype": CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        header[key] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes

@@ -19,7 +19,7 @@ import torch
 from zeroshard.checkpoint import jsontree
 from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError
 from zeroshard.checkpoint.names import FILE_RE, data_file, rng_file, step_dir_name
-from zeroshard.checkpoint.shard_file import DTYPES
+from zeroshard.checkpoint.shard_file import COMPLEX_DTYPES, DTYPES
 
 FORMAT = "zeroshard.checkpoint"
 VERSION = 1
@@ -255,6 +255,11 @@ def _check_tensor(name: str, meta: Any, files: dict, n_groups: int, path: str) -
         raise fail(path, f"tensor {name!r} is stored whole but names param group {meta.get('group')!r}")
     if len(meta["shape"]) > 16:
         raise fail(path, f"tensor {name!r} has {len(meta['shape'])} dimensions")
+    if "complex_dtype" in meta:  # (its reals: Note [complex parameters] in zeroshard/layout/unit_layout.py)
+        cd = COMPLEX_DTYPES.get(meta["complex_dtype"]) if isinstance(meta["complex_dtype"], str) else None
+        if cd is None or not sharded or meta["shape"][-1:] != [2] or DTYPES[meta["dtype"]] != cd.to_real():
+            raise fail(path, f"tensor {name!r} has a malformed complex_dtype {meta['complex_dtype']!r} (a trained "
+                             "complex parameter stored as its reals: shape (..., 2) of the matching real dtype)")
     numel = 1
     for d in meta["shape"]:
         numel *= check_int(d, 0, MAX_NUMEL, path, f"{name} dimension")

@@ -118,7 +118,7 @@ class GatheredParameters:
                     self._gathered.append(ui)
                 gatherer.ensure(ui)
         for p, unit, seg in self._shown:  # the parameters read whole inside (Note [gathered reads])
-            p.gathered = unit.flat[seg.offset:seg.end].view(seg.shape)
+            p.gathered = seg.bind(unit.flat[seg.offset:seg.end])
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -31,7 +31,7 @@ import torch
 
 from zeroshard.comm.tensor_parallel import as_param_grad, local_grad
 from zeroshard.comm.process_group import Comm
-from zeroshard.layout import Segment
+from zeroshard.layout import Segment, as_real, real_dtype
 from zeroshard.units.flat_unit import FlatUnit
 from zeroshard.stages.sharded_tensor import ShardedTensor
 
@@ -50,15 +50,17 @@ class GradLinks:
     def view(self, unit: FlatUnit, seg: Segment, param: torch.Tensor) -> torch.Tensor:
         """The tensor that stands for ``param``'s gradient in ``unit``'s store."""
         store = unit.grad_store
+        w = 2 if seg.complex_dtype is not None else 1  # (reals per element: Note [complex parameters])
         if not unit.policy.shard_gradients:
-            if not unit.swap and store.dtype == param.dtype and store.device == param.device:
-                return store[seg.offset:seg.end].view(seg.shape)
-            return ShardedTensor(store, seg.offset, seg.numel, seg.shape, param.dtype, param.device, 0, None, unit)
+            if not unit.swap and store.dtype == real_dtype(param.dtype) and store.device == param.device:
+                return seg.bind(store[seg.offset:seg.end])
+            return ShardedTensor(store, seg.offset, seg.numel // w, seg.param_shape, param.dtype, param.device, 0,
+                                 None, unit)
         lo, hi = unit.owned
         a, b = max(lo, seg.offset), min(hi, seg.end)
         comm = self.comm if self.comm.world_size > 1 else None
-        return ShardedTensor(store, a - unit.grad_base if a < b else 0, max(0, b - a), seg.shape, param.dtype,
-                           param.device, max(0, a - seg.offset), comm, unit)
+        return ShardedTensor(store, a - unit.grad_base if a < b else 0, max(0, b - a) // w, seg.param_shape,
+                             param.dtype, param.device, max(0, a - seg.offset) // w, comm, unit)
 
     def published(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         """The view last published as ``p.grad`` (None when none is)."""
@@ -136,16 +138,17 @@ class GradLinks:
 def _piece(g: torch.Tensor, seg: Segment, unit: FlatUnit, n: int) -> torch.Tensor:
     """The values of an assigned gradient ``g`` for this rank's part of ``seg`` (``n`` elements)."""
     start = max(unit.owned[0], seg.offset) - seg.offset if unit.policy.shard_gradients else 0
+    w = 2 if seg.complex_dtype is not None else 1  # (g counts complex elements: Note [complex parameters])
     if isinstance(g, ShardedTensor):
-        if g.sharded and g.n == n and g.start == start:
-            return g.local
+        if g.sharded and g.n * w == n and g.start * w == start:
+            return as_real(g.local).reshape(-1)
         g = g.full() if g.sharded else g.local.view(g.shape)
-    return g.detach().reshape(-1)[start:start + n]
+    return as_real(g.detach()).reshape(-1)[start:start + n]
 
 
 def _check_assigned(seg: Segment, p: torch.Tensor, g: torch.Tensor) -> None:
-    if tuple(g.shape) != tuple(seg.shape):
+    if tuple(g.shape) != tuple(seg.param_shape):
         raise RuntimeError(f"{seg.name}.grad was set to a tensor of shape {tuple(g.shape)}; the parameter "
-                           f"has shape {tuple(seg.shape)}")
+                           f"has shape {tuple(seg.param_shape)}")
     if g.is_sparse:
         raise RuntimeError(f"{seg.name}.grad was set to a sparse tensor; zeroshard keeps dense gradients")

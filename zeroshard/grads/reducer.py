@@ -40,7 +40,7 @@ from torch.utils.hooks import RemovableHandle
 from zeroshard.comm import Comm, Work
 from zeroshard.comm.tensor_parallel import local_grad
 from zeroshard.io.host_pool import HOST_POOL
-from zeroshard.layout import Segment
+from zeroshard.layout import Segment, as_real
 from zeroshard.units.flat_unit import FlatUnit
 
 
@@ -172,6 +172,7 @@ class GradientReducer:
                 "use_reentrant=False).")
         bucket = self._bucket(ui)
         dst = bucket[seg.offset:seg.end]
+        grad = as_real(grad)  # (Note [complex parameters])
         if si in self._seen[ui]:  # (by segment index: a zero-element parameter shares its offset)
             dst.add_(grad.reshape(-1))
         else:

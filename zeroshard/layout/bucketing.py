@@ -39,13 +39,27 @@ class NamedParam:
     def true_shape(self) -> torch.Size:
         return self.shape if self.shape is not None else self.param.shape
 
+    @property
+    def flat_numel(self) -> int:
+        """The elements it takes in a real flat buffer (twice its numel when complex)."""
+        return self.true_shape.numel() * (2 if self.param.dtype.is_complex else 1)
+
+
+def _segment(m: NamedParam, offset: int) -> Segment:
+    """``m``'s segment at ``offset``, or at the next even offset when complex (Note [complex
+    parameters] in unit_layout.py)."""
+    if not m.param.dtype.is_complex:
+        return Segment(m.name, m.true_shape, offset, m.flat_numel, m.group)
+    offset += offset % 2
+    return Segment(m.name, torch.Size((*m.true_shape, 2)), offset, m.flat_numel, m.group, m.param.dtype)
+
 
 def _layout(index: int, ordered: Sequence[NamedParam], world_size: int) -> UnitLayout:
-    segments, offset = [], 0
+    segments: list[Segment] = []
+    offset = 0
     for m in ordered:
-        n = m.true_shape.numel()
-        segments.append(Segment(m.name, m.true_shape, offset, n, m.group))
-        offset += n
+        segments.append(_segment(m, offset))
+        offset = segments[-1].end
     quantum = world_size * ALIGN_ELEMENTS
     padded = max(quantum, -(-offset // quantum) * quantum)
     return UnitLayout(index, tuple(segments), padded, world_size)
@@ -64,7 +78,7 @@ def build_layouts(params: Sequence[NamedParam], bucket_numel: int, world_size: i
     units: list[list[NamedParam]] = [[]]
     size = 0
     for np_ in reversed(params):
-        n = np_.true_shape.numel()
+        n = np_.flat_numel
         if units[-1] and size + n > bucket_numel:
             units.append([])
             size = 0
@@ -110,16 +124,15 @@ def assign_owners(params: Sequence[NamedParam], world_size: int,
 def owner_layout(index: int, slots: Sequence[Sequence[NamedParam]], world_size: int) -> tuple[UnitLayout,
                                                                                             list[NamedParam]]:
     """One unit whose slot r holds ``slots[r]`` whole (Note [whole-tensor units])."""
-    width = max([sum(m.true_shape.numel() for m in slot) for slot in slots] + [1])
+    width = max([sum(m.flat_numel + m.param.dtype.is_complex for m in slot) for slot in slots] + [1])  # (+1: alignment)
     width = -(-width // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
     segments, members = [], []
     for r, slot in enumerate(slots):
         offset = r * width
         for m in sorted(slot, key=lambda m: m.group):
-            n = m.true_shape.numel()
-            segments.append(Segment(m.name, m.true_shape, offset, n, m.group))
+            segments.append(_segment(m, offset))
             members.append(m)
-            offset += n
+            offset = segments[-1].end
     return UnitLayout(index, tuple(segments), width * world_size, world_size), members
 
 

@@ -15,24 +15,56 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
 
+def real_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a flat buffer holds a parameter of ``dtype`` in: a complex parameter's real
+    and imaginary parts (Note [complex parameters])."""
+    return dtype.to_real() if dtype.is_complex else dtype
+
+
+def as_real(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the reals a flat buffer holds (a complex tensor as ``(*shape, 2)``)."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+# Note [complex parameters]: flat buffers stay real. A complex parameter is a segment of
+# 2 * numel reals, shaped ``(*shape, 2)`` (``torch.view_as_real`` of it) and placed at an even
+# unit offset: slices are multiples of ``ALIGN_ELEMENTS`` (even), so every piece of it is whole
+# complex numbers at an even offset, and ``torch.view_as_complex`` (which refuses odd storage
+# offsets) binds the parameter, its gradient and its pieces to the buffers. The inner optimizer
+# then steps the real view, which is what torch.optim does with complex parameters; pieces on
+# disk are reals, the manifest records the complex dtype; ``state_dict()`` shows moments as
+# complex tensors of the parameter's shape, as torch's. Mixed precision is refused for them.
 @dataclass(frozen=True)
 class Segment:
-    """One parameter's place in its unit."""
+    """One parameter's place in its unit (``shape``/``numel``: of the reals the buffer holds;
+    ``complex_dtype``: the parameter's dtype when it is complex, Note [complex parameters])."""
 
     name: str
     shape: torch.Size
     offset: int
     numel: int
     group: int
+    complex_dtype: Optional[torch.dtype] = None
 
     @property
     def end(self) -> int:
         return self.offset + self.numel
+
+    @property
+    def param_shape(self) -> torch.Size:
+        """The parameter's own shape (``shape`` less the trailing 2 of a complex one)."""
+        return self.shape[:-1] if self.complex_dtype is not None else self.shape
+
+    def bind(self, flat: torch.Tensor) -> torch.Tensor:
+        """The parameter-shaped view of its range ``flat`` of a unit buffer (complex for a
+        complex parameter: Note [complex parameters])."""
+        t = flat.view(self.shape)
+        return torch.view_as_complex(t) if self.complex_dtype is not None else t
 
 
 @dataclass(frozen=True)

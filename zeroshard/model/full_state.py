@@ -44,7 +44,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True,
         if keep:  # read the gathered buffer: live[key] is the sharded parameter shown between uses
             for key in by_unit.get(unit.layout.index, []):
                 seg = where[id(live[key])][1]
-                t = unit.flat[seg.offset:seg.end].view(seg.shape)
+                t = seg.bind(unit.flat[seg.offset:seg.end])
                 t = opt.engine.tp.full(seg.name, t) if opt.engine.tp is not None else t  # (a TP shard: the global tensor)
                 out[key] = (t.cpu() if cpu else t).clone()
         if was_released:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.layout import as_real
 from zeroshard.optim.registry import optimizer_for
 from zeroshard.stages.stage3.secondary import params_written
 from zeroshard.units.flat_unit import alloc_storage, free_storage, is_allocated
@@ -50,12 +51,14 @@ def init_meta_weights(model: nn.Module, seed: int = 0) -> None:
                 inits.setdefault(key, init)
                 for p in module._parameters.values():
                     if p is not None and id(p) in where and all(p is not t for t in temporary):
-                        p.data = torch.empty(where[id(p)][1].shape, dtype=torch.float32, device=unit.device)
+                        seg = where[id(p)][1]  # (a complex one's own shape and dtype: Note [complex parameters])
+                        p.data = torch.empty(seg.param_shape, dtype=seg.complex_dtype or torch.float32,
+                                             device=unit.device)
                         temporary.append(p)
             for init in inits.values():
                 init()
         for m, seg in zip(unit.members, unit.layout.segments):
-            unit.load_segment(seg.offset, m.param.detach().reshape(-1).float())
+            unit.load_segment(seg.offset, as_real(m.param.detach()).reshape(-1).float())  # (Note [complex parameters])
         unit.needs_init = False
         params_written(unit)  # (hpZ: the secondary slice follows)
         for p in temporary:
@@ -108,6 +111,6 @@ def restore_parameter(unit, seg, p: nn.Parameter) -> None:
     freed = not is_allocated(unit.flat)
     if freed:
         alloc_storage(unit.flat)
-    p.data = unit.flat[seg.offset:seg.end].view(seg.shape)
+    p.data = seg.bind(unit.flat[seg.offset:seg.end])
     if freed:
         free_storage(unit.flat)

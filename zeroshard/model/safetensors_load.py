@@ -17,6 +17,7 @@ from torch import nn
 from zeroshard.checkpoint import frozen_base
 from zeroshard.checkpoint.hf_files import RangeReader, peft_base_name, weight_map
 
+from zeroshard.layout import as_real
 from zeroshard.optim.registry import optimizer_for
 from zeroshard.stages.stage3.secondary import params_written
 
@@ -91,13 +92,16 @@ def _load(opt: "EngineOwner", model: nn.Module, path: str, files: dict, handle, 
                 continue
             f, stored_name = handle(seg.name)
             stored = f.shape(stored_name)
-            if list(stored) != list(seg.shape):
-                wrong.append(f"{seg.name}: file {list(stored)} vs model {list(seg.shape)}")
+            kind = f.dtype(stored_name).is_complex, seg.complex_dtype is not None  # (Note [complex parameters])
+            if list(stored) != list(seg.param_shape) or kind[0] != kind[1]:
+                wrong.append(f"{seg.name}: file {f.dtype(stored_name)}{list(stored)} vs model "
+                             f"{seg.complex_dtype or unit.dtype}{list(seg.param_shape)}")
                 continue
             lo, hi = (unit.owned if unit.policy.shard_parameters else (seg.offset, seg.end))
             a, b = max(lo, seg.offset), min(hi, seg.end)
             if a < b:
-                values = f.read(stored_name, a - seg.offset, b - seg.offset)
+                w = 2 if kind[1] else 1  # (a complex file's elements: pieces are whole complex numbers)
+                values = as_real(f.read(stored_name, (a - seg.offset) // w, (b - seg.offset) // w)).reshape(-1)
                 unit.load_segment(a, values.float() if unit.separate_master else values)
         if complete:  # (a unit of PEFT adapters stays to be initialised: init_meta_weights)
             unit.needs_init = False

@@ -53,6 +53,7 @@ from zeroshard.units.elementwise import update_kind
 from zeroshard.optim.inner import GroupedInner, step_without_hooks
 from zeroshard.optim.inner_kwargs import check_optimizer_kwargs, separate_optimizer_kwargs
 from zeroshard.optim.module_guard import ModuleGuard
+from zeroshard.optim.complex_params import check_complex
 from zeroshard.optim.params import (ParamsLike, check_inputs, module_of_groups, normalize_params, single_dtype,
                                     trainable_params)
 from zeroshard.optim.stepper import Stepper
@@ -159,6 +160,7 @@ def assemble(owner: torch.optim.Optimizer, config: ZeroConfig, optimizer_class: 
     attached.collectives_done = True  # (from here a refusal is agreed by every rank: Note [agreed construction])
     trainable = trainable_params(groups, names, {**meta_shapes, **mesh_.local_shapes()}, sharding.shard_parameters)
     ownership.check_unclaimed([m.param for m in trainable], names)
+    check_complex(config, trainable, sorted(whole))  # (Note [complex parameters])
     precision = Precision(config, single_dtype(trainable) if not config.mixed_precision else torch.float32,
                           pp=mesh_.pp.comm if mesh_.pp else None)
     param_dtype = precision.param_dtype

@@ -63,7 +63,7 @@ def hand_back_stage3(gatherer: "ParameterGatherer", units: Sequence["FlatUnit"])
     with torch.no_grad():
         for unit in units:
             for m, seg in zip(unit.members, unit.layout.segments):
-                own = unit.flat[seg.offset:seg.end].view(seg.shape).clone()
+                own = seg.bind(unit.flat[seg.offset:seg.end]).clone()
                 if is_dtensor(m.param):  # (its local shard: Note [tensor-parallel parameters])
                     m.param._local_tensor = own
                 else:

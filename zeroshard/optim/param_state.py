@@ -51,10 +51,12 @@ class ParamStateView(Mapping):
                 else:
                     out.setdefault(k, v)
         owned = sum(piece.numel for _, piece in pieces)
+        seg = pieces[0][1].segment
         for k, v in out.items():
             if isinstance(v, list):
-                t = torch.cat(v)
-                out[k] = t.view(p.shape) if owned == p.numel() else t
+                t = torch.cat(v)  # (a complex parameter's pieces are whole complex numbers: Note [complex parameters])
+                t = torch.view_as_complex(t.view(-1, 2)) if seg.complex_dtype is not None else t
+                out[k] = t.view(p.shape) if owned == seg.numel else t
         return out
 
     def __contains__(self, p: object) -> bool:

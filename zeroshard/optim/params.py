@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from zeroshard.layout import NamedParam
+from zeroshard.layout import NamedParam, real_dtype
 from zeroshard.optim.hyperparams import check_hyperparameters
 
 if TYPE_CHECKING:
@@ -194,9 +194,9 @@ def trainable_params(groups: list[dict], names: dict[int, str], shapes: dict[int
             if skip_empty and p.requires_grad and shapes.get(id(p), p.shape).numel() == 0:
                 continue
             if p.requires_grad:
-                if not p.is_floating_point():
+                if not (p.is_floating_point() or p.is_complex()):  # (complex: Note [complex parameters])
                     raise TypeError(f"parameter {names[id(p)]!r} has dtype {p.dtype}; only floating "
-                                    "point parameters can be trained")
+                                    "point and complex parameters can be trained")
                 out.append(NamedParam(names[id(p)], p, gi, shapes.get(id(p))))
     if len(devices) > 1:
         where = ", ".join(f"{d} (e.g. {n!r})" for d, n in devices.items())
@@ -208,7 +208,9 @@ def trainable_params(groups: list[dict], names: dict[int, str], shapes: dict[int
 
 
 def single_dtype(trainable: list[NamedParam]) -> torch.dtype:
-    dtypes = {m.param.dtype for m in trainable}
+    """The one (real) dtype of the flat buffers: complex64 parameters sit beside float32 ones
+    (Note [complex parameters] in zeroshard/layout/unit_layout.py)."""
+    dtypes = {real_dtype(m.param.dtype) for m in trainable}
     if len(dtypes) > 1:
         raise TypeError(f"trainable parameters mix dtypes {sorted(map(str, dtypes))}; cast the model "
                         "to one dtype, or use mixed_precision='bf16'/'fp16' to let zeroshard do it")

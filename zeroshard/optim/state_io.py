@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from zeroshard.layout import as_real
 from zeroshard.units.elementwise import update_kind
 from zeroshard.optim import shard_marker
 
@@ -231,8 +232,9 @@ def consolidated_state_dict(opt: "EngineOwner", to_rank: Optional[int]) -> Optio
                     if not kinds.get(g, {}).get(k, (False, False))[1]:
                         kinds.setdefault(g, {})[k] = kind
         for name, values in other_scalars.items():
+            mine = scalars.setdefault(name, {})  # (named with no scalars, as SGD's: it has state all the same)
             for k, v in values.items():
-                scalars.setdefault(name, {}).setdefault(k, v)
+                mine.setdefault(k, v)
     merged: dict[int, dict[str, Any]] = {g: {k: None if kind[0] else True for k, kind in keys.items()}
                                          for g, keys in kinds.items()}
     index = _param_index(opt)
@@ -254,11 +256,11 @@ def consolidated_state_dict(opt: "EngineOwner", to_rank: Optional[int]) -> Optio
             entry = dict(owned.get(seg.name, {})) if seg.group in whole else {}
             for k, v in merged.get(seg.group, {}).items() if seg.name in scalars else ():
                 if v is None:
-                    entry[k] = _global(opt, seg.name, fulls[k][seg.offset:seg.end].view(seg.shape).clone())
+                    entry[k] = _global(opt, seg.name, seg.bind(fulls[k][seg.offset:seg.end]).clone())
                 elif k in scalars.get(seg.name, {}):  # (a parameter with no state has no entry)
                     entry[k] = scalars[seg.name][k]
             if entry and id(unit) in masters:
-                entry[MASTER_KEY] = _global(opt, seg.name, masters[id(unit)][seg.offset:seg.end].view(seg.shape).clone())
+                entry[MASTER_KEY] = _global(opt, seg.name, seg.bind(masters[id(unit)][seg.offset:seg.end]).clone())
             if entry:
                 state[index[seg.name]] = entry
     if to_rank is not None and engine.comm.rank != to_rank:
@@ -316,7 +318,9 @@ def load_consolidated(opt: "EngineOwner", sd: dict) -> None:
     sd = to_own_grouping(opt, sd)  # (groups that name their parameters: Note [regrouped state])
     _check_groups(opt, sd["param_groups"], by_name=False)
     index = _param_index(opt)
-    saved = sd["state"]
+    # (a complex parameter's moments as the reals its pieces hold: Note [complex parameters])
+    saved = {i: {k: as_real(v) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+             if isinstance(entry, dict) else entry for i, entry in sd["state"].items()}
     if engine.tp is not None:  # global tensors: this tp rank's part of each
         saved = {i: {k: engine.tp.local_part(name, v) for k, v in saved.get(i, {}).items()}
                  for name, i in index.items()}

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from zeroshard.comm import Comm
+from zeroshard.layout import real_dtype
 from zeroshard.ops.sqnorm import squared_norm_f64
 from zeroshard.stages.stage3.secondary import params_written
 
@@ -59,6 +60,7 @@ class ShardedTensor(torch.Tensor):
     n: int
     start: int
     whole: bool
+    width: int
     comm: Optional[Comm]
     unit: Optional[FlatUnit]
     part: str
@@ -73,6 +75,9 @@ class ShardedTensor(torch.Tensor):
         r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=requires_grad)
         r.store, r.lo, r.n, r.start, r.comm, r.unit, r.part = store, lo, n, start, comm, unit, part
         r.whole = comm is None if whole is None else whole
+        # a complex tensor over a real store: ``lo`` counts reals, ``n`` and ``start`` complex
+        # elements (Note [complex parameters] in zeroshard/layout/unit_layout.py)
+        r.width = 2 if dtype.is_complex and not store.is_complex() else 1
         r.on_use = None
         r.gathered = None
         return r
@@ -84,7 +89,8 @@ class ShardedTensor(torch.Tensor):
     def local(self) -> torch.Tensor:
         """This rank's part, 1-D. Sliced on each use: a swapped store has no memory between
         uses (dispatch reads it in first), so a view made earlier could not exist."""
-        return self.store[self.lo:self.lo + self.n]
+        t = self.store[self.lo:self.lo + self.n * self.width]
+        return torch.view_as_complex(t.view(-1, 2)) if self.width == 2 else t
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         """Note [saving pieces]: a whole tensor pickles as a plain one, so ``torch.save`` of a
@@ -330,6 +336,8 @@ def _gathered(func: Any, args: tuple, kwargs: dict, grads: list[ShardedTensor]) 
 def _norm(g: ShardedTensor, ord: Any = 2, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> torch.Tensor:
     ord = float(2 if ord is None else ord)
     x = g.local
+    if x.is_complex():  # (the norm of the moduli, as torch's; Note [complex parameters])
+        x = torch.view_as_real(x) if ord == 2.0 else x.abs()
     if ord == math.inf:
         part, op = (x.abs().max() if x.numel() else x.new_zeros(())), dist.ReduceOp.MAX
     elif ord == -math.inf:
@@ -343,7 +351,7 @@ def _norm(g: ShardedTensor, ord: Any = 2, dim: Any = None, keepdim: bool = False
     total = _agree(g, part, op)
     if ord not in (0.0, math.inf, -math.inf):
         total = total ** (1.0 / ord)
-    return total.to(dtype or g.dtype)
+    return total.to(dtype or real_dtype(g.dtype))
 
 
 def _norm_op(g: ShardedTensor, p: Any = 2, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> torch.Tensor:

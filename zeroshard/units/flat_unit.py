@@ -27,7 +27,7 @@ import torch
 from zeroshard.comm.tensor_parallel import is_dtensor, local_of
 from zeroshard.io.buffers import advise_huge_pages, resizable_aligned, storage_bytes
 from zeroshard.io.host_pool import HOST_POOL
-from zeroshard.layout import NamedParam, UnitLayout
+from zeroshard.layout import NamedParam, UnitLayout, as_real, real_dtype
 from zeroshard.config import Placement
 from zeroshard.ops.sqnorm import squared_norm_f64
 from zeroshard.units.stage_policy import StagePolicy
@@ -155,6 +155,7 @@ class FlatUnit:
         """The optimizer's ``StepInFlight``: what reads this unit's parts outside the optimizer
         waits on it (Note [overlapped step] in zeroshard/units/step_in_flight.py)."""
         self.policy = policy
+        param_dtype = real_dtype(param_dtype)  # (complex parameters are reals here: Note [complex parameters])
         self.dtype = param_dtype
         self.device = device or self.members[0].param.device
         placement = placement or Placement()
@@ -190,9 +191,9 @@ class FlatUnit:
                 if not self.needs_init:
                     self.load_segment(seg.offset, local_of(m.param).detach().reshape(-1))
                 if is_dtensor(m.param):  # Note [tensor-parallel parameters]: its local shard is the view
-                    m.param._local_tensor = self.flat[seg.offset:seg.end].view(seg.shape)
+                    m.param._local_tensor = seg.bind(self.flat[seg.offset:seg.end])
                 else:
-                    m.param.data = self.flat[seg.offset:seg.end].view(seg.shape)
+                    m.param.data = seg.bind(self.flat[seg.offset:seg.end])
         if policy.shard_parameters:  # only the shard persists; gathers refill ``flat``
             free_storage(self.flat)
         self.grad_base = lo if policy.shard_gradients else 0
@@ -232,6 +233,7 @@ class FlatUnit:
     def load_segment(self, offset: int, values: torch.Tensor) -> None:
         """Sets the unit range starting at ``offset`` from full-precision ``values``: the
         model-dtype copy wherever this rank holds it, and the fp32 master of the owned part."""
+        values = as_real(values).reshape(-1)  # (a complex parameter's values: Note [complex parameters])
         end = offset + values.numel()
         self.writes += 1
         if is_allocated(self.flat):

@@ -25,8 +25,6 @@ NOT_APPLICABLE = {
         "CUDA and multi-device parameters; this port runs on CPU (one device per optimizer)",
     "torch: test_fused_* / test_foreach_* / test_capturable_* / test_cpu_load_state_dict":
         "implementation choices of torch's kernels; zeroshard keeps the user's flags on the inner optimizer",
-    "torch: test_complex* (optim_db complex inputs)":
-        "complex parameters are refused (flat real buffers)",
     "torch: test_rosenbrock_sparse / SparseAdam / sparse gradients":
         "sparse gradients are refused with a clear error (flat dense buffers)",
     "torch: LBFGS configurations":

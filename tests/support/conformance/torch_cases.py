@@ -232,3 +232,97 @@ def torch_deepcopy_refused(rank: int, world: int) -> None:
         if "state_dict" in str(exc):
             return
     raise AssertionError("deepcopy neither worked nor gave the documented refusal")
+
+
+# -- torch: test_complex (optim_db's complex inputs) ----------------------------------------------
+class ComplexNet(torch.nn.Module):
+    """A real embedding into complex parameters of odd sizes (5: the slice boundaries of 2 ranks
+    fall inside them) and a real scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.support.models import VOCAB
+        self.emb = torch.nn.Embedding(VOCAB, 6)
+        self.cw = torch.nn.Parameter(torch.randn(6, 5, dtype=torch.complex64) * 0.3)
+        self.cb = torch.nn.Parameter(torch.randn(5, dtype=torch.complex64) * 0.1)
+        self.scale = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x).to(torch.complex64) @ self.cw + self.cb
+        return (h.abs() ** 2).mean() * self.scale.mean() + h.real.mean() - 0.5 * h.imag.mean()
+
+
+def _close_complex(model, ref, stage: int, atol: float) -> None:
+    got = zeroshard.full_state_dict(model, rank0_only=False) if stage == 3 else model.state_dict()
+    for k, v in ref.state_dict().items():
+        if got[k].dtype != v.dtype or got[k].shape != v.shape:
+            raise AssertionError(f"{k}: {got[k].dtype}{tuple(got[k].shape)} vs torch's {v.dtype}{tuple(v.shape)}")
+        diff = (got[k] - v).abs().max().item()
+        if diff > atol:
+            raise AssertionError(f"{k}: max diff {diff:.3g} > {atol}")
+
+
+def _complex(config: str) -> Callable[[int, int], None]:
+    """torch's test_complex: an optimizer steps a complex parameter as its real view. Here the
+    ZeRO-sharded complex parameters against torch's optimizer over the same complex ones, and the
+    moments of consolidated_state_dict() complex like torch's."""
+    def check(rank: int, world: int) -> None:
+        cls, kw = CONFIGS[config]
+        for stage in (3,):  # (sharded parameters and gradients; stages 0-2, offload: tests/dist/test_complex_params.py)
+            model, ref = _pair(cls=ComplexNet)
+            opt = zeroshard.ZeroOptimizer(model, cls, stage=stage, **kw)
+            ropt = cls(ref.parameters(), **kw)
+            for step in range(3):
+                _step_both(model, opt, ref, ropt, step, rank, world)
+            _close_complex(model, ref, stage, atol=1e-4)
+            got, want = opt.consolidated_state_dict(to_rank=None)["state"], ropt.state_dict()["state"]
+            for i, entry in want.items():
+                for k, v in entry.items():
+                    g = got[i][k]
+                    if isinstance(v, torch.Tensor) and (g.dtype != v.dtype or g.shape != v.shape):
+                        raise AssertionError(f"state {i}.{k}: {g.dtype}{tuple(g.shape)} vs torch's "
+                                             f"{v.dtype}{tuple(v.shape)}")
+            opt.close()
+    check.__name__ = f"torch_complex_{config}"
+    return check
+
+
+for _name in CONFIGS:
+    case(f"torch: TestOptimRenewed.test_complex ({_name})")(_complex(_name))
+
+
+class _SplitNet(ComplexNet):
+    """ComplexNet with each complex parameter as two real ones (torch's test_complex_2d)."""
+
+    def __init__(self, of: ComplexNet) -> None:
+        super().__init__()
+        del self.cw, self.cb
+        self.emb.load_state_dict(of.emb.state_dict())
+        self.scale = torch.nn.Parameter(of.scale.detach().clone())
+        self.cw_re, self.cw_im = (torch.nn.Parameter(t.detach().clone()) for t in (of.cw.real, of.cw.imag))
+        self.cb_re, self.cb_im = (torch.nn.Parameter(t.detach().clone()) for t in (of.cb.real, of.cb.imag))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x).to(torch.complex64) @ torch.complex(self.cw_re, self.cw_im) + torch.complex(self.cb_re,
+                                                                                                    self.cb_im)
+        return (h.abs() ** 2).mean() * self.scale.mean() + h.real.mean() - 0.5 * h.imag.mean()
+
+
+@case("torch: TestOptimRenewed.test_complex_2d (a complex parameter steps as its real and imaginary parts)")
+def torch_complex_2d(rank: int, world: int) -> None:
+    for cls, kw in (CONFIGS["adam_amsgrad"], CONFIGS["sgd_momentum_nesterov"], CONFIGS["rmsprop_centered"]):
+        for stage in (2, 3):
+            torch.manual_seed(0)
+            model = ComplexNet()
+            ref = _SplitNet(model)
+            opt = zeroshard.ZeroOptimizer(model, cls, stage=stage, **kw)
+            ropt = cls(ref.parameters(), **kw)
+            for step in range(3):
+                _step_both(model, opt, ref, ropt, step, rank, world)
+            got = zeroshard.full_state_dict(model, rank0_only=False) if stage == 3 else model.state_dict()
+            for name in ("cw", "cb"):
+                want = torch.complex(getattr(ref, f"{name}_re"), getattr(ref, f"{name}_im")).detach()
+                diff = (got[name] - want).abs().max().item()
+                if diff > 1e-4:
+                    raise AssertionError(f"{cls.__name__} stage {stage} {name}: max diff {diff:.3g}")
+            opt.close()

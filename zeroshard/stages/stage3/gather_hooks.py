@@ -245,9 +245,9 @@ class GatherHooks:
             return
         for m, seg in zip(unit.members, unit.layout.segments):
             laid_out = local_of(m.param)  # (a DTensor's local shard)
-            if laid_out.shape != seg.shape or laid_out.data_ptr() != unit.flat[seg.offset:].data_ptr():
+            if laid_out.shape != seg.param_shape or laid_out.data_ptr() != unit.flat[seg.offset:].data_ptr():
                 raise Stage3UsageError(
-                    f"parameter {seg.name!r} changed shape from {tuple(seg.shape)} to "
+                    f"parameter {seg.name!r} changed shape from {tuple(seg.param_shape)} to "
                     f"{tuple(laid_out.shape)} (or was replaced) during forward; stage 3 partitions "
                     "parameters by their shape at construction, so modules must not resize or replace them")
 

@@ -129,8 +129,10 @@ class ParameterGatherer:
             lo, hi = unit.owned
             for m, seg in zip(unit.members, unit.layout.segments):
                 a, b = max(lo, seg.offset), min(hi, seg.end)
-                t = ShardedTensor(unit.shard, a - lo if a < b else 0, max(0, b - a), seg.shape, unit.dtype,
-                                  m.param.device, max(0, a - seg.offset), comm, unit, part="shard")
+                w = 2 if seg.complex_dtype is not None else 1  # (Note [complex parameters])
+                t = ShardedTensor(unit.shard, a - lo if a < b else 0, max(0, b - a) // w, seg.param_shape,
+                                  seg.complex_dtype or unit.dtype, m.param.device, max(0, a - seg.offset) // w, comm,
+                                  unit, part="shard")
                 sp = as_sharded_parameter(m.param, t)  # (a DTensor's: Note [tensor-parallel parameters])
                 shown = local_of(sp)  # (a Parameter over a ShardedTensor is one, made by its detach)
                 if not isinstance(shown, ShardedTensor):
