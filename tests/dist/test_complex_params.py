@@ -107,3 +107,35 @@ def test_export_writes_complex_parameters_as_complex(results, tmp_path):
     zeroshard.load_safetensors(model, str(tmp_path / "hf"))
     assert_same(zeroshard.full_state_dict(model), want, "weights loaded from the export")
     opt.close()
+
+
+class _HeldWhole(torch.nn.Module):
+    """Complex tensors a checkpoint stores whole: a buffer and a frozen parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("phase", torch.randn(3, dtype=torch.complex64))
+        self.frozen = torch.nn.Parameter(torch.randn(5, dtype=torch.complex64), requires_grad=False)
+        self.c = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).sum() + (self.c * self.phase).abs().sum() + self.frozen.abs().sum()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_complex_buffers_and_frozen_parameters_round_trip(tmp_path, stage):
+    """A complex buffer or frozen parameter (held whole, not trained) saves as its reals with
+    its complex dtype in the manifest and loads back bit for bit (the save raised KeyError)."""
+    torch.manual_seed(0)
+    model = _HeldWhole()
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=stage)
+    model(torch.randn(2, 4)).backward()
+    opt.step()
+    zeroshard.save_checkpoint(str(tmp_path), step=1, model=model, optimizer=opt)
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(1)
+    other = _HeldWhole()
+    opt2 = zeroshard.ZeroOptimizer(other, torch.optim.AdamW, lr=1e-2, stage=stage)
+    zeroshard.load_checkpoint(str(tmp_path), model=other, optimizer=opt2)
+    assert_same(saved, {k: v.detach() for k, v in other.state_dict().items()})

@@ -27,7 +27,7 @@ from torch import nn
 from zeroshard.optim.registry import optimizer_for
 from zeroshard.checkpoint import frozen_base, group_names, jsontree, locate, stage_merge, tp_layout, trainer_state
 from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
-from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map
+from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map, stored_view
 from zeroshard.checkpoint.shard_file import COMPLEX_CODES, DTYPES, ShardReader, reap
 from zeroshard.checkpoint.state_check import check_state_kinds
 from zeroshard.offload.unit_swap import resident_runs
@@ -259,7 +259,7 @@ def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
         if values is None:  # (read_phase planned and verified every block of this rank's pieces)
             raise RuntimeError(f"{name}: elements [{a}, {b}) of the parameter were not read from the checkpoint")
         if run is None:  # whole tensors; a sharded stage-3 parameter takes its piece (and its master)
-            t = state_dict[name]
+            t = stored_view(state_dict[name])
             t.copy_(values.view(t.shape))
         elif run.unit.swapped("shard"):  # straight into the swap file
             run.unit.swap.write_range(run.unit, "shard", piece.unit_offset, values)

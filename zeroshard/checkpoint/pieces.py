@@ -139,8 +139,14 @@ def full_tensors(model: Optional[nn.Module], opt: Any, frozen: bool = True
             continue
         if not frozen and isinstance(t, nn.Parameter) and not t.requires_grad and t.is_floating_point():
             continue
-        full[name] = t.detach()
+        full[name] = stored_view(t.detach())
     return full, aliases
+
+
+def stored_view(t: torch.Tensor) -> torch.Tensor:
+    """What a tensor held whole is stored as: a complex one as its reals, ``(*shape, 2)``, like
+    a trained complex parameter (Note [complex parameters]); a view, so a load writes through."""
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def gather_table(per_rank: list[list[dict]], shapes: dict[str, dict]) -> dict[str, dict]:

@@ -340,8 +340,11 @@ def _shapes(model: Optional[nn.Module], opt: Any, save_frozen: bool = False) -> 
                 out[seg.name] = {"shape": list(seg.shape), "dtype": CODES[u.flat.dtype], "group": None,
                                  "kind": "frozen"}
     if model is not None:
+        held = model.state_dict(keep_vars=True)
         for n, t in full_tensors(model, opt, frozen=save_frozen)[0].items():
             out[n] = {"shape": list(t.shape), "dtype": CODES[t.dtype], "group": None, "kind": "full"}
+            if held[n].is_complex():  # (stored as its reals, like a trained one: Note [complex parameters])
+                out[n]["complex_dtype"] = COMPLEX_CODES[held[n].dtype]
     return out
 
 

@@ -257,9 +257,9 @@ def _check_tensor(name: str, meta: Any, files: dict, n_groups: int, path: str) -
         raise fail(path, f"tensor {name!r} has {len(meta['shape'])} dimensions")
     if "complex_dtype" in meta:  # (its reals: Note [complex parameters] in zeroshard/layout/unit_layout.py)
         cd = COMPLEX_DTYPES.get(meta["complex_dtype"]) if isinstance(meta["complex_dtype"], str) else None
-        if cd is None or not sharded or meta["shape"][-1:] != [2] or DTYPES[meta["dtype"]] != cd.to_real():
-            raise fail(path, f"tensor {name!r} has a malformed complex_dtype {meta['complex_dtype']!r} (a trained "
-                             "complex parameter stored as its reals: shape (..., 2) of the matching real dtype)")
+        if cd is None or meta["shape"][-1:] != [2] or DTYPES[meta["dtype"]] != cd.to_real():
+            raise fail(path, f"tensor {name!r} has a malformed complex_dtype {meta['complex_dtype']!r} (a complex "
+                             "tensor is stored as its reals: shape (..., 2) of the matching real dtype)")
     numel = 1
     for d in meta["shape"]:
         numel *= check_int(d, 0, MAX_NUMEL, path, f"{name} dimension")
