@@ -1,0 +1,193 @@
+"""Rank-side runs for the DCP tests: FSDP2 (``fully_shard``) + AdamW saving and loading with
+``torch.distributed.checkpoint`` in torchtitan's layout, and zeroshard loading and saving the
+same checkpoints. Each rank 0 writes its tensors with ``torch.save`` to ``{out}.pt``."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+
+import zeroshard
+
+VOCAB, SEQ, GLOBAL_BATCH = 32, 5, 12  # (12: every world size 1-4 takes an equal share)
+LR, WD = 1e-2, 0.1
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+FULL = StateDictOptions(flatten_optimizer_state_dict=True, full_state_dict=True, cpu_offload=True)
+
+
+class DcpNet(nn.Module):
+    """Uneven shapes (a 33x7 head, a 1-element parameter) so flat partitions straddle tensors
+    and FSDP2's row chunks are uneven."""
+
+    def __init__(self, width: int = 7) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 15)
+        self.fc1 = nn.Linear(15, width)
+        self.norm = nn.LayerNorm(width)
+        self.gain = nn.Parameter(torch.ones(1))
+        self.head = nn.Linear(width, 33)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.norm(self.fc1(self.emb(tokens)))) * self.gain
+        return F.cross_entropy(self.head(h)[..., :VOCAB].reshape(-1, VOCAB), tokens.roll(1, -1).reshape(-1))
+
+
+def local_batch(step: int, rank: int, world: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(500 + step)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+    share = GLOBAL_BATCH // world
+    return tokens[rank * share:(rank + 1) * share]
+
+
+def _schedule(step: int) -> float:
+    return 1.0 / (1 + step)
+
+
+def _fsdp_model() -> DcpNet:
+    model = DcpNet()
+    for m in (model.fc1, model.head):
+        fully_shard(m)
+    fully_shard(model)
+    return model
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, rank: int,
+           world: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """``steps`` steps of this rank's share of the global batch; returns the scheduler."""
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
+    for step in range(steps):
+        model(local_batch(step, rank, world)).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return sched
+
+
+def fsdp_run(rank: int, world: int, out: str, ckdir: str, steps: int) -> None:
+    """FSDP2 trains ``steps`` steps and saves torchtitan's layout with ``dcp.save``; rank 0
+    writes the full state saved and the full state after one more step (the continuation).
+    Then an SGD run saves ``{ckdir}-sgd`` (another optimizer class)."""
+    torch.manual_seed(0)
+    other = _fsdp_model()
+    sgd = torch.optim.SGD(other.parameters(), lr=LR, momentum=0.9)
+    other(local_batch(0, rank, world)).backward()
+    sgd.step()
+    msd, osd = get_state_dict(other, sgd, options=FLAT)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=ckdir + "-sgd")
+    torch.manual_seed(0)
+    model = _fsdp_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    sched = _train(model, opt, steps, rank, world)
+    msd, osd = get_state_dict(model, opt, options=FLAT)
+    dcp.save({"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict(),
+              "train_state": {"step": steps}}, checkpoint_id=ckdir)
+    saved = _cloned(get_state_dict(model, opt, options=FULL))  # (``step`` is the live tensor: the next step bumps it)
+    model(local_batch(steps, rank, world)).backward()
+    opt.step()
+    after = get_state_dict(model, opt, options=FULL)
+    if rank == 0:
+        torch.save({"saved": saved, "after": after, "lr": sched.get_last_lr()}, out + ".pt")
+    json.dump({"ok": True}, open(f"{out}.rank{rank}", "w"))
+
+
+def _cloned(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_cloned(v) for v in tree)
+    return {k: _cloned(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+
+
+def zs_state(model: nn.Module, opt: Any) -> dict[str, torch.Tensor]:
+    """zeroshard's whole state under FSDP2's flattened full keys (a collective)."""
+    weights = zeroshard.full_state_dict(model)
+    osd = opt.consolidated_state_dict(to_rank=0)
+    if weights is None or osd is None:
+        return {}
+    names = [n for n, _ in model.named_parameters()]
+    out = dict(weights)
+    for i, st in osd["state"].items():
+        for k, v in st.items():
+            out[f"state.{names[i]}.{k}"] = v if isinstance(v, torch.Tensor) else torch.tensor(float(v))
+    return out
+
+
+def zs_resume(rank: int, world: int, out: str, ckdir: str, stage: int, steps: int) -> None:
+    """zeroshard loads FSDP2's DCP checkpoint at this world size and stage, writes what it
+    loaded, takes the next step and writes that."""
+    torch.manual_seed(1)  # (other initial values: everything must come from the checkpoint)
+    model = DcpNet()
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, stage=stage)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
+    info = zeroshard.load_checkpoint(ckdir, model=model, optimizer=opt, scheduler=sched)
+    loaded = zs_state(model, opt)
+    lr = sched.get_last_lr()
+    model(local_batch(steps, rank, world)).backward()
+    opt.step()
+    after = zs_state(model, opt)
+    if rank == 0:
+        torch.save({"loaded": loaded, "after": after, "lr": lr}, out + ".pt")
+    json.dump({"step": info["step"], "format": info.get("format"), "bytes_read": info["bytes_read"]},
+              open(f"{out}.rank{rank}", "w"))
+
+
+def zs_refused(rank: int, world: int, out: str, cases: list[tuple[str, int]]) -> None:
+    """zeroshard loading checkpoints it must refuse ((directory, model width) each): the
+    errors' types and texts."""
+    got = []
+    for ckdir, width in cases:
+        model = DcpNet(width)
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, stage=1)
+        try:
+            zeroshard.load_checkpoint(ckdir, model=model, optimizer=opt)
+            got.append({"error": None})
+        except Exception as exc:  # noqa: BLE001 - the test reads the type and the text
+            got.append({"error": type(exc).__name__, "text": str(exc)})
+    json.dump(got, open(f"{out}.rank{rank}", "w"))
+
+
+def fsdp_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    msd, osd = get_state_dict(model, opt, options=FULL)
+    return {**msd, **{k: v for k, v in osd.items() if isinstance(v, torch.Tensor)}}
+
+
+def zs_save(rank: int, world: int, out: str, root: str, stage: int, steps: int) -> None:
+    """zeroshard trains and saves ``format="dcp"``; rank 0 writes the whole state it saved."""
+    torch.manual_seed(0)
+    model = DcpNet()
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, stage=stage)
+    sched = _train(model, opt, steps, rank, world)
+    path = zeroshard.save_checkpoint(root, steps, model=model, optimizer=opt, scheduler=sched,
+                                     format="dcp").wait()
+    state = zs_state(model, opt)
+    if rank == 0:
+        torch.save({"saved": state, "lr": sched.get_last_lr()}, out + ".pt")
+    json.dump({"path": path}, open(f"{out}.rank{rank}", "w"))
+
+
+def fsdp_load(rank: int, world: int, out: str, ckdir: str) -> None:
+    """FSDP2 loads a DCP checkpoint with ``dcp.load`` + ``set_state_dict`` (torchtitan's way)."""
+    torch.manual_seed(1)
+    model = _fsdp_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
+    model(local_batch(0, rank, world)).backward()  # (the optimizer state must exist to be loaded into)
+    opt.step()
+    opt.zero_grad()
+    msd, osd = get_state_dict(model, opt, options=FLAT)
+    state = {"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict(), "train_state": {"step": -1}}
+    dcp.load(state, checkpoint_id=ckdir)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=FLAT)
+    sched.load_state_dict(state["lr_scheduler"])
+    got = fsdp_state(model, opt)
+    if rank == 0:
+        torch.save({"loaded": got, "lr": sched.get_last_lr(), "step": state["train_state"]["step"]}, out + ".pt")
+    dist.barrier()
+    json.dump({"ok": True}, open(f"{out}.rank{rank}", "w"))
