@@ -13,6 +13,8 @@ import io
 import os
 import pickle
 import posixpath
+import zlib
+from typing import Optional, Protocol
 
 import torch
 from torch.distributed.checkpoint import metadata as md
@@ -22,6 +24,17 @@ from zeroshard.checkpoint import safe_fs
 from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError
 
 METADATA = ".metadata"
+CHECKSUMS = "zeroshard-dcp.json"
+"""Beside ``.metadata`` in a DCP checkpoint zeroshard wrote: every file's size and CRC32."""
+
+
+class Stateful(Protocol):
+    """A scheduler or data loader: what a checkpoint restores."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state_dict: dict) -> None: ...
+
 MAX_METADATA_BYTES = 1 << 30
 """A ``.metadata`` describes chunks (about 200 bytes each); a gigabyte is millions of them."""
 
@@ -158,3 +171,28 @@ def load_blob(data: bytes, what: str) -> object:
     except Exception as exc:  # noqa: BLE001 - damaged or hostile bytes raise anything
         raise CheckpointCorruptError(f"{what} is not a readable tensor or value blob ({type(exc).__name__}: "
                                      f"{str(exc)[:300]})") from None
+
+
+def crc32_of(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def verify(step_dir: str) -> Optional[str]:
+    """Why a DCP step directory zeroshard wrote is not whole (sizes and CRC32s against its
+    checksum file), or None. A DCP directory without the file (FSDP2's own) is not checked."""
+    path = os.path.join(step_dir, CHECKSUMS)
+    if not os.path.lexists(path):
+        return None
+    try:
+        record = safe_fs.parse_json(safe_fs.read_small(path, 1 << 24), path)
+        for name, want in record["files"].items():
+            full = os.path.join(step_dir, inside(name, path))
+            if safe_fs.regular_size(full) != want["size"] or crc32_of(full) != want["crc32"]:
+                return f"{full} does not match its checksum in {CHECKSUMS}"
+    except (CheckpointCorruptError, KeyError, TypeError, AttributeError) as exc:
+        return f"{path}: {exc}"
+    return None

@@ -8,7 +8,7 @@ and the tensors are applied. Nothing of a checkpoint that fails a check reaches 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -26,16 +26,9 @@ from zeroshard.optim.state_io import apply_group_options, check_kinds, fill_run,
 from zeroshard.optim.registry import optimizer_for
 
 if TYPE_CHECKING:
+    from zeroshard.checkpoint.dcp_metadata import Stateful
     from zeroshard.comm import Comm
     from zeroshard.optim.zero_optimizer import ZeroOptimizer
-
-
-class Stateful(Protocol):
-    """A scheduler or data loader: what a checkpoint restores."""
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state_dict: dict) -> None: ...
 
 
 SECTIONS = ("optimizer", "lr_scheduler", "dataloader", "train_state")
@@ -203,6 +196,9 @@ def load_dcp(path: str, model: Optional[nn.Module], opt: "Optional[ZeroOptimizer
         if opt is not None and (opt.engine.tp is not None or stage_merge.pipeline_of(opt) is not None):
             raise CheckpointMismatchError("loading a DCP checkpoint under tensor or pipeline parallelism is not "
                                           "supported; load it at plain data parallelism and save natively")
+        damage = dcp_metadata.verify(path)
+        if damage is not None:
+            raise CheckpointCorruptError(damage)
         src = DcpSource(path)
         check_model(src, model, opt)
         plan = _read(src, model, opt, scheduler, dataloader)
