@@ -61,3 +61,17 @@ def test_dcp_bad_input_is_refused_by_name(fsdp_checkpoint, tmp_path):
     assert short["error"] == "CheckpointCorruptError" and "__0_0.distcp is truncated" in short["text"], short
     assert sgd["error"] == "CheckpointMismatchError" and "dampening" in sgd["text"] and \
         "another optimizer class" in sgd["text"], sgd
+
+
+def test_torchtitan_style_get_and_set_state_dict_on_a_zero_optimizer(fsdp_checkpoint, tmp_path):
+    """dcp.load of FSDP2's checkpoint through zeroshard's get_state_dict/set_state_dict (stage 3,
+    world 2), a step, dcp.save and a fresh optimizer loading that back."""
+    ck, ref = fsdp_checkpoint
+    run_ranks(dcp_worker.zs_torch_api, 2, tmp_path, ck, str(tmp_path / "again"), 3, STEPS)
+    got = torch.load(str(tmp_path / "res.pt"))
+    want = _flat(ref["saved"])
+    assert_same({k: v.reshape(want[k].shape) for k, v in got["loaded"].items()}, want, "state after dcp.load")
+    assert got["lr"] == ref["lr"]
+    after = {k: v.reshape(want[k].shape) for k, v in got["after"].items()}
+    assert_close_named(after, _flat(ref["after"]), "the step after dcp.load", rtol=1e-5, atol=1e-6)
+    assert_same(got["reloaded"], got["after"], "a fresh optimizer's state after dcp.load of zeroshard's dcp.save")

@@ -191,3 +191,36 @@ def fsdp_load(rank: int, world: int, out: str, ckdir: str) -> None:
         torch.save({"loaded": got, "lr": sched.get_last_lr(), "step": state["train_state"]["step"]}, out + ".pt")
     dist.barrier()
     json.dump({"ok": True}, open(f"{out}.rank{rank}", "w"))
+
+
+def zs_torch_api(rank: int, world: int, out: str, fsdp_ck: str, root: str, stage: int, steps: int) -> None:
+    """torchtitan-style code on a ZeroOptimizer: ``get_state_dict`` + ``dcp.load`` of FSDP2's
+    checkpoint + ``set_state_dict``, a step, then ``dcp.save`` and a fresh optimizer loading it."""
+    from zeroshard.checkpoint.dcp_state import get_state_dict as zs_get, set_state_dict as zs_set
+
+    def fresh() -> tuple[nn.Module, Any, Any]:
+        model = DcpNet()
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, stage=stage)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
+
+    def load(model: nn.Module, opt: Any, sched: Any, ck: str) -> None:
+        msd, osd = zs_get(model, opt)
+        state = {"model": msd, "optimizer": osd}
+        dcp.load(state, checkpoint_id=ck)
+        zs_set(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    torch.manual_seed(1)
+    model, opt, sched = fresh()
+    load(model, opt, sched, fsdp_ck)
+    loaded, lr = zs_state(model, opt), [g["lr"] for g in opt.param_groups]
+    model(local_batch(steps, rank, world)).backward()
+    opt.step()
+    after = zs_state(model, opt)
+    msd, osd = zs_get(model, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=root)
+    model2, opt2, sched2 = fresh()
+    load(model2, opt2, sched2, root)
+    reloaded = zs_state(model2, opt2)
+    if rank == 0:
+        torch.save({"loaded": loaded, "lr": lr, "after": after, "reloaded": reloaded}, out + ".pt")
+    json.dump({"ok": True}, open(f"{out}.rank{rank}", "w"))
