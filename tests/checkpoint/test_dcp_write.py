@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+
 import torch
 
 from tests.support import dcp_worker
@@ -14,17 +15,41 @@ from tests.support.dist_results import run_ranks
 STEPS = 2
 
 
-@pytest.mark.parametrize("world,stage", [(4, 3), (2, 2)])
-def test_fsdp2_loads_what_zeroshard_saved_as_dcp(tmp_path, world, stage):
+def test_fsdp2_loads_what_zeroshard_saved_as_dcp(tmp_path):
+    """zeroshard at world 4, stage 3 and stage 2, saves; FSDP2 at world 2 loads each."""
     (tmp_path / "zs").mkdir()
     (tmp_path / "fsdp").mkdir()
-    res = run_ranks(dcp_worker.zs_save, world, tmp_path / "zs", str(tmp_path / "root"), stage, STEPS)
-    step_dir = res[0]["path"]
-    assert sorted(os.listdir(tmp_path / "root")) == [os.path.basename(step_dir)]  # (no .tmp- left)
-    assert {".metadata", "zeroshard-dcp.json"} <= set(os.listdir(step_dir))
+    runs = [(str(tmp_path / "s3"), 3), (str(tmp_path / "s2"), 2)]
+    res = run_ranks(dcp_worker.zs_save, 4, tmp_path / "zs", runs, STEPS)
+    paths = res[0]["paths"]
+    for (root, _), step_dir in zip(runs, paths):
+        assert sorted(os.listdir(root)) == [os.path.basename(step_dir)]  # (no .tmp- left)
+        assert {".metadata", "zeroshard-dcp.json"} <= set(os.listdir(step_dir))
     saved = torch.load(str(tmp_path / "zs" / "res.pt"))
-    run_ranks(dcp_worker.fsdp_load, 2, tmp_path / "fsdp", step_dir)
-    got = torch.load(str(tmp_path / "fsdp" / "res.pt"))
-    want = {k: v.reshape(got["loaded"][k].shape) for k, v in saved["saved"].items()}
-    assert_same(got["loaded"], want, "FSDP2's state loaded from zeroshard's DCP checkpoint")
-    assert got["lr"] == saved["lr"] and got["step"] == STEPS
+    run_ranks(dcp_worker.fsdp_load, 2, tmp_path / "fsdp", paths)
+    for (_, stage), want, got in zip(runs, saved, torch.load(str(tmp_path / "fsdp" / "res.pt"))):
+        assert_same(got["loaded"], {k: v.reshape(got["loaded"][k].shape) for k, v in want["saved"].items()},
+                    f"FSDP2's state loaded from zeroshard's stage-{stage} DCP checkpoint")
+        assert got["lr"] == want["lr"] and got["step"] == STEPS
+
+
+POINTS = [("dcp-begin", 1), ("dcp-chunk", 1), ("dcp-chunk", 9), ("dcp-chunk", 24), ("dcp-written", 1),
+          ("dcp-rename", 1)]
+
+
+def test_sigkill_during_a_dcp_save_leaves_the_previous_step_loadable(tmp_path):
+    """SIGKILL at each point of a DCP save (before, between chunk writes, after .metadata, at the
+    rename): the root still loads the previous step exactly, never a torn one."""
+    roots = []
+    for i, (point, n) in enumerate(POINTS):
+        out = tmp_path / f"run{i}"
+        out.mkdir()
+        with pytest.raises(RuntimeError, match=r"exit codes \[-9\]"):
+            run_ranks(dcp_worker.zs_crash, 1, out, str(out / "root"), point, n)
+        roots.append(str(out / "root"))
+        assert any(".tmp-" in n for n in os.listdir(out / "root")), (point, n)  # (the kill hit the save)
+    run_ranks(dcp_worker.zs_load_roots, 1, tmp_path, roots)
+    for (point, n), root, got in zip(POINTS, roots, torch.load(str(tmp_path / "res.pt"))):
+        assert got["step"] == 1 and got["path"].endswith("step-00000001"), (point, n, got["path"])
+        want = torch.load(os.path.join(os.path.dirname(root), "res.expect"))
+        assert_same(got["weights"], want, f"weights loaded after a SIGKILL at {point} #{n}")

@@ -158,37 +158,44 @@ def fsdp_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.
     return {**msd, **{k: v for k, v in osd.items() if isinstance(v, torch.Tensor)}}
 
 
-def zs_save(rank: int, world: int, out: str, root: str, stage: int, steps: int) -> None:
-    """zeroshard trains and saves ``format="dcp"``; rank 0 writes the whole state it saved."""
-    torch.manual_seed(0)
-    model = DcpNet()
-    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, stage=stage)
-    sched = _train(model, opt, steps, rank, world)
-    path = zeroshard.save_checkpoint(root, steps, model=model, optimizer=opt, scheduler=sched,
-                                     format="dcp").wait()
-    state = zs_state(model, opt)
+def zs_save(rank: int, world: int, out: str, runs: list[tuple[str, int]], steps: int) -> None:
+    """For each (root, stage): zeroshard trains and saves ``format="dcp"``; rank 0 writes the
+    whole state each saved."""
+    saved, paths = [], []
+    for root, stage in runs:
+        torch.manual_seed(0)
+        model = DcpNet()
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, stage=stage)
+        sched = _train(model, opt, steps, rank, world)
+        paths.append(zeroshard.save_checkpoint(root, steps, model=model, optimizer=opt, scheduler=sched,
+                                               format="dcp").wait())
+        saved.append({"saved": zs_state(model, opt), "lr": sched.get_last_lr()})
     if rank == 0:
-        torch.save({"saved": state, "lr": sched.get_last_lr()}, out + ".pt")
-    json.dump({"path": path}, open(f"{out}.rank{rank}", "w"))
+        torch.save(saved, out + ".pt")
+    json.dump({"paths": paths}, open(f"{out}.rank{rank}", "w"))
 
 
-def fsdp_load(rank: int, world: int, out: str, ckdir: str) -> None:
-    """FSDP2 loads a DCP checkpoint with ``dcp.load`` + ``set_state_dict`` (torchtitan's way)."""
-    torch.manual_seed(1)
-    model = _fsdp_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
-    model(local_batch(0, rank, world)).backward()  # (the optimizer state must exist to be loaded into)
-    opt.step()
-    opt.zero_grad()
-    msd, osd = get_state_dict(model, opt, options=FLAT)
-    state = {"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict(), "train_state": {"step": -1}}
-    dcp.load(state, checkpoint_id=ckdir)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=FLAT)
-    sched.load_state_dict(state["lr_scheduler"])
-    got = fsdp_state(model, opt)
+def fsdp_load(rank: int, world: int, out: str, ckdirs: list[str]) -> None:
+    """FSDP2 loads each DCP checkpoint with ``dcp.load`` + ``set_state_dict`` (torchtitan's way)."""
+    results = []
+    for ckdir in ckdirs:
+        torch.manual_seed(1)
+        model = _fsdp_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
+        model(local_batch(0, rank, world)).backward()  # (the optimizer state must exist to be loaded into)
+        opt.step()
+        opt.zero_grad()
+        msd, osd = get_state_dict(model, opt, options=FLAT)
+        state = {"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict(), "train_state": {"step": -1}}
+        dcp.load(state, checkpoint_id=ckdir)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=FLAT)
+        sched.load_state_dict(state["lr_scheduler"])
+        results.append({"loaded": fsdp_state(model, opt), "lr": sched.get_last_lr(),
+                        "step": state["train_state"]["step"]})
     if rank == 0:
-        torch.save({"loaded": got, "lr": sched.get_last_lr(), "step": state["train_state"]["step"]}, out + ".pt")
+        torch.save(results, out + ".pt")
     dist.barrier()
     json.dump({"ok": True}, open(f"{out}.rank{rank}", "w"))
 
@@ -223,4 +230,43 @@ def zs_torch_api(rank: int, world: int, out: str, fsdp_ck: str, root: str, stage
     reloaded = zs_state(model2, opt2)
     if rank == 0:
         torch.save({"loaded": loaded, "lr": lr, "after": after, "reloaded": reloaded}, out + ".pt")
+    json.dump({"ok": True}, open(f"{out}.rank{rank}", "w"))
+
+
+def zs_crash(rank: int, world: int, out: str, root: str, point: str, occurrence: int) -> None:
+    """Saves step 1 as DCP (its weights to ``{out}.expect``), then SIGKILLs itself at the
+    ``occurrence``-th ``point`` of the save of step 2 (``commit.fault_hook``)."""
+    import os
+    import signal
+
+    from zeroshard.checkpoint import commit
+    torch.manual_seed(0)
+    model = DcpNet()
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, stage=1)
+    _train(model, opt, 1, rank, world)
+    zeroshard.save_checkpoint(root, 1, model=model, optimizer=opt, format="dcp")
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, out + ".expect")
+    _train(model, opt, 1, rank, world)
+    seen = {"n": 0}
+
+    def hook(name: str) -> None:
+        if name == point:
+            seen["n"] += 1
+            if seen["n"] == occurrence:
+                os.kill(os.getpid(), signal.SIGKILL)
+    commit.fault_hook = hook
+    zeroshard.save_checkpoint(root, 2, model=model, optimizer=opt, format="dcp")
+    json.dump({"killed": False}, open(f"{out}.rank{rank}", "w"))
+
+
+def zs_load_roots(rank: int, world: int, out: str, roots: list[str]) -> None:
+    """``load_checkpoint(root)`` of each root: the step it loaded and the weights (``{out}.pt``)."""
+    got = []
+    for root in roots:
+        torch.manual_seed(5)
+        model = DcpNet()
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, stage=1)
+        info = zeroshard.load_checkpoint(root, model=model, optimizer=opt)
+        got.append({"step": info["step"], "path": info["path"], "weights": model.state_dict()})
+    torch.save(got, out + ".pt")
     json.dump({"ok": True}, open(f"{out}.rank{rank}", "w"))

@@ -88,6 +88,7 @@ class Pieces:
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         sizes, flat, lo, hi = self.chunks[tuple(index.offset or ())]
+        commit._point("dcp-chunk")  # (the writer is about to write this chunk)
         return _materialize(flat).reshape(-1)[lo:hi].to(self.dtype).reshape(sizes)
 
 
@@ -162,6 +163,7 @@ def save_dcp(root: str, step: int, model: Optional[nn.Module], opt: "ZeroOptimiz
     tmp = str(comm.broadcast_object(made))
     if tmp.startswith("!"):
         raise CheckpointError(f"cannot create a step directory under {root!r}: {tmp[1:]}")
+    commit._point("dcp-begin")
     error = None
     try:
         opt.engine.inflight.check(f"save_checkpoint of step {step}")
@@ -169,6 +171,7 @@ def save_dcp(root: str, step: int, model: Optional[nn.Module], opt: "ZeroOptimiz
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
         dcp.save(sd, storage_writer=writer, planner=_PiecesPlanner(), process_group=comm.group,
                  no_dist=not dist.is_initialized())
+        commit._point("dcp-written")
         if comm.rank == 0:
             _seal(tmp, final, step)
     except Exception as exc:  # noqa: BLE001 - every rank hears of it below
