@@ -75,3 +75,17 @@ def test_torchtitan_style_get_and_set_state_dict_on_a_zero_optimizer(fsdp_checkp
     after = {k: v.reshape(want[k].shape) for k, v in got["after"].items()}
     assert_close_named(after, _flat(ref["after"]), "the step after dcp.load", rtol=1e-5, atol=1e-6)
     assert_same(got["reloaded"], got["after"], "a fresh optimizer's state after dcp.load of zeroshard's dcp.save")
+
+
+def test_convert_dcp_both_ways(fsdp_checkpoint, tmp_path):
+    """`zeroshard convert-dcp`: FSDP2's DCP to native, that native back to DCP; each loads as
+    FSDP2 saved it."""
+    ck, ref = fsdp_checkpoint
+    res = run_ranks(dcp_worker.zs_convert, 1, tmp_path, ck, str(tmp_path / "native"), str(tmp_path / "dcp"))
+    assert res[0]["codes"] == [0, 0]
+    assert os.path.isfile(os.path.join(str(tmp_path / "native"), "step-00000003", "manifest.json"))
+    assert os.path.isfile(os.path.join(str(tmp_path / "dcp"), "step-00000003", ".metadata"))
+    want = _flat(ref["saved"])
+    for fmt, got in zip(("native", "dcp"), torch.load(str(tmp_path / "res.pt"))):
+        assert_same({k: v.reshape(want[k].shape) for k, v in got["state"].items()}, want, f"state from {fmt}")
+        assert got["lr"] == ref["lr"] and got["step"] == STEPS, (fmt, got["lr"], got["step"])

@@ -270,3 +270,19 @@ def zs_load_roots(rank: int, world: int, out: str, roots: list[str]) -> None:
         got.append({"step": info["step"], "path": info["path"], "weights": model.state_dict()})
     torch.save(got, out + ".pt")
     json.dump({"ok": True}, open(f"{out}.rank{rank}", "w"))
+
+
+def zs_convert(rank: int, world: int, out: str, fsdp_ck: str, native_root: str, dcp_root: str) -> None:
+    """``zeroshard convert-dcp`` FSDP2's checkpoint to native and that back to DCP (the command
+    line, in this process), then what a ZeroOptimizer loads from each (``{out}.pt``)."""
+    from zeroshard.cli import main
+    codes = [main(["convert-dcp", fsdp_ck, native_root]), main(["convert-dcp", native_root, dcp_root])]
+    got = []
+    for root in (native_root, dcp_root):
+        model = DcpNet()
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, stage=1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
+        info = zeroshard.load_checkpoint(root, model=model, optimizer=opt, scheduler=sched)
+        got.append({"state": zs_state(model, opt), "lr": sched.get_last_lr(), "step": info["step"]})
+    torch.save(got, out + ".pt")
+    json.dump({"codes": codes}, open(f"{out}.rank{rank}", "w"))
