@@ -181,18 +181,21 @@ def crc32_of(path: str) -> int:
     return crc
 
 
-def verify(step_dir: str) -> Optional[str]:
-    """Why a DCP step directory zeroshard wrote is not whole (sizes and CRC32s against its
-    checksum file), or None. A DCP directory without the file (FSDP2's own) is not checked."""
+def verify(step_dir: str, full: bool = False) -> Optional[str]:
+    """Why a DCP step directory zeroshard wrote is not whole, or None: every file's size, and
+    the CRC32 of ``.metadata`` (``full``: of every file, which reads them all) against its
+    checksum file. A DCP directory without the file (FSDP2's own) is not checked. (A load
+    reads only its chunks: a truncated file is caught here, a damaged chunk by its blob.)"""
     path = os.path.join(step_dir, CHECKSUMS)
     if not os.path.lexists(path):
         return None
     try:
         record = safe_fs.parse_json(safe_fs.read_small(path, 1 << 24), path)
         for name, want in record["files"].items():
-            full = os.path.join(step_dir, inside(name, path))
-            if safe_fs.regular_size(full) != want["size"] or crc32_of(full) != want["crc32"]:
-                return f"{full} does not match its checksum in {CHECKSUMS}"
+            found = os.path.join(step_dir, inside(name, path))
+            if safe_fs.regular_size(found) != want["size"] or \
+                    (full or name == METADATA) and crc32_of(found) != want["crc32"]:
+                return f"{found} does not match its size or checksum in {CHECKSUMS}"
     except (CheckpointCorruptError, KeyError, TypeError, AttributeError) as exc:
         return f"{path}: {exc}"
     return None

@@ -16,7 +16,7 @@ import math
 import os
 import shutil
 import uuid
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -164,7 +164,7 @@ def save_dcp(root: str, step: int, model: Optional[nn.Module], opt: "ZeroOptimiz
     if tmp.startswith("!"):
         raise CheckpointError(f"cannot create a step directory under {root!r}: {tmp[1:]}")
     commit._point("dcp-begin")
-    error = None
+    error, sums = None, {}
     try:
         opt.engine.inflight.check(f"save_checkpoint of step {step}")
         sd = state_dict(model, opt, step, scheduler, dataloader, extra, comm.rank)
@@ -172,11 +172,17 @@ def save_dcp(root: str, step: int, model: Optional[nn.Module], opt: "ZeroOptimiz
         dcp.save(sd, storage_writer=writer, planner=_PiecesPlanner(), process_group=comm.group,
                  no_dist=not dist.is_initialized())
         commit._point("dcp-written")
-        if comm.rank == 0:
-            _seal(tmp, final, step)
+        sums = _checksums(tmp, comm.rank, comm.world_size)
     except Exception as exc:  # noqa: BLE001 - every rank hears of it below
         error = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
-    errors = [e for e in comm.all_gather_object(error) if e]
+    gathered = comm.all_gather_object((error, sums))
+    errors = [e for e, _ in gathered if e]
+    if not errors and comm.rank == 0:
+        try:
+            _seal(tmp, final, step, {n: v for _, part in gathered for n, v in part.items()})
+        except Exception as exc:  # noqa: BLE001 - the other ranks wait for the verdict below
+            errors = [f"rank 0: {type(exc).__name__}: {exc}"]
+    errors = cast(list, comm.broadcast_object(errors))
     if errors:
         if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -185,10 +191,16 @@ def save_dcp(root: str, step: int, model: Optional[nn.Module], opt: "ZeroOptimiz
     return final
 
 
-def _seal(tmp: str, final: str, step: int) -> None:
+def _checksums(tmp: str, rank: int, world: int) -> dict[str, dict[str, int]]:
+    """Size and CRC32 of this rank's share of the files torch wrote (the files dealt round the
+    ranks, so the pass over the bytes, warm in the page cache, runs on every rank at once)."""
+    names = sorted(n for n in os.listdir(tmp) if n == dcp_metadata.METADATA or n.endswith(".distcp"))
+    return {n: {"size": os.path.getsize(os.path.join(tmp, n)), "crc32": dcp_metadata.crc32_of(os.path.join(tmp, n))}
+            for i, n in enumerate(names) if i % world == rank}
+
+
+def _seal(tmp: str, final: str, step: int, files: dict[str, dict[str, int]]) -> None:
     """Rank 0, after torch wrote ``.metadata``: the checksum file, then the commit (rename)."""
-    files = {n: {"size": os.path.getsize(os.path.join(tmp, n)), "crc32": dcp_metadata.crc32_of(os.path.join(tmp, n))}
-             for n in sorted(os.listdir(tmp)) if n == dcp_metadata.METADATA or n.endswith(".distcp")}
     if dcp_metadata.METADATA not in files:
         raise CheckpointError(f"{tmp}: torch wrote no {dcp_metadata.METADATA}")
     with open(os.path.join(tmp, dcp_metadata.CHECKSUMS), "w") as f:
