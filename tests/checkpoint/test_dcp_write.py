@@ -48,8 +48,15 @@ def test_sigkill_during_a_dcp_save_leaves_the_previous_step_loadable(tmp_path):
             run_ranks(dcp_worker.zs_crash, 1, out, str(out / "root"), point, n)
         roots.append(str(out / "root"))
         assert any(".tmp-" in n for n in os.listdir(out / "root")), (point, n)  # (the kill hit the save)
+    # and a committed step 2 whose data file was cut short afterwards: passed over for step 1
+    out = tmp_path / "damaged"
+    out.mkdir()
+    run_ranks(dcp_worker.zs_crash, 1, out, str(out / "root"), "none", 0)
+    data = os.path.join(str(out / "root"), "step-00000002", "__0_0.distcp")
+    os.truncate(data, os.path.getsize(data) - 1)
+    roots.append(str(out / "root"))
     run_ranks(dcp_worker.zs_load_roots, 1, tmp_path, roots)
-    for (point, n), root, got in zip(POINTS, roots, torch.load(str(tmp_path / "res.pt"))):
+    for (point, n), root, got in zip(POINTS + [("damaged", 0)], roots, torch.load(str(tmp_path / "res.pt"))):
         assert got["step"] == 1 and got["path"].endswith("step-00000001"), (point, n, got["path"])
         want = torch.load(os.path.join(os.path.dirname(root), "res.expect"))
         assert_same(got["weights"], want, f"weights loaded after a SIGKILL at {point} #{n}")

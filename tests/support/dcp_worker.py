@@ -254,7 +254,7 @@ def zs_crash(rank: int, world: int, out: str, root: str, point: str, occurrence:
             seen["n"] += 1
             if seen["n"] == occurrence:
                 os.kill(os.getpid(), signal.SIGKILL)
-    commit.fault_hook = hook
+    commit.fault_hook = hook if occurrence > 0 else None  # (0: step 2 is saved whole)
     zeroshard.save_checkpoint(root, 2, model=model, optimizer=opt, format="dcp")
     json.dump({"killed": False}, open(f"{out}.rank{rank}", "w"))
 

@@ -8,11 +8,12 @@ root whose newest committed step is one; anything else by the native loader (``l
 from __future__ import annotations
 
 import os
+import warnings
 from typing import TYPE_CHECKING, Optional, cast
 
 from torch import nn
 
-from zeroshard.checkpoint import dcp_metadata, dcp_read, dcp_write, load, locate, manifest, saver
+from zeroshard.checkpoint import dcp_metadata, dcp_read, dcp_write, load, locate, manifest, safe_fs, saver
 from zeroshard.checkpoint.saver import PendingSave, wait_checkpoint
 from zeroshard.comm import Comm
 
@@ -50,10 +51,12 @@ def _newest_dcp_step(root: str) -> Optional[str]:
     for _, name in reversed(steps):
         path = os.path.join(root, name)
         if dcp_metadata.is_dcp_dir(path):
-            if dcp_metadata.verify(path) is None:
+            damage = dcp_metadata.verify(path)
+            if damage is None:
                 return path
-        elif locate.quick_check(path) is None:
-            return None  # (the native loader takes it from here)
+            warnings.warn(f"skipping checkpoint {path}: {damage}", stacklevel=3)
+        elif safe_fs.is_real_dir(path):
+            return None  # (a native step: the native loader takes it from here; a link is never followed)
     return None
 
 
