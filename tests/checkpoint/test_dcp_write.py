@@ -16,18 +16,20 @@ STEPS = 2
 
 
 def test_fsdp2_loads_what_zeroshard_saved_as_dcp(tmp_path):
-    """zeroshard at world 4, stage 3 and stage 2, saves; FSDP2 at world 2 loads each."""
+    """zeroshard at world 4, stage 3 and stage 2 with its optimizer state in NVMe swap files,
+    saves; FSDP2 at world 2 loads each."""
     (tmp_path / "zs").mkdir()
     (tmp_path / "fsdp").mkdir()
-    runs = [(str(tmp_path / "s3"), 3), (str(tmp_path / "s2"), 2)]
+    (tmp_path / "swap").mkdir()
+    runs = [(str(tmp_path / "s3"), 3, None), (str(tmp_path / "s2"), 2, str(tmp_path / "swap"))]
     res = run_ranks(dcp_worker.zs_save, 4, tmp_path / "zs", runs, STEPS)
     paths = res[0]["paths"]
-    for (root, _), step_dir in zip(runs, paths):
+    for (root, _, _), step_dir in zip(runs, paths):
         assert sorted(os.listdir(root)) == [os.path.basename(step_dir)]  # (no .tmp- left)
         assert {".metadata", "zeroshard-dcp.json"} <= set(os.listdir(step_dir))
     saved = torch.load(str(tmp_path / "zs" / "res.pt"))
     run_ranks(dcp_worker.fsdp_load, 2, tmp_path / "fsdp", paths)
-    for (_, stage), want, got in zip(runs, saved, torch.load(str(tmp_path / "fsdp" / "res.pt"))):
+    for (_, stage, _), want, got in zip(runs, saved, torch.load(str(tmp_path / "fsdp" / "res.pt"))):
         assert_same(got["loaded"], {k: v.reshape(got["loaded"][k].shape) for k, v in want["saved"].items()},
                     f"FSDP2's state loaded from zeroshard's stage-{stage} DCP checkpoint")
         assert got["lr"] == want["lr"] and got["step"] == STEPS
@@ -60,3 +62,11 @@ def test_sigkill_during_a_dcp_save_leaves_the_previous_step_loadable(tmp_path):
         assert got["step"] == 1 and got["path"].endswith("step-00000001"), (point, n, got["path"])
         want = torch.load(os.path.join(os.path.dirname(root), "res.expect"))
         assert_same(got["weights"], want, f"weights loaded after a SIGKILL at {point} #{n}")
+
+
+def test_save_format_is_checked_by_name(tmp_path):
+    import zeroshard
+    with pytest.raises(ValueError, match="format='zip': use 'native'"):
+        zeroshard.save_checkpoint(str(tmp_path), 1, model=None, optimizer=None, format="zip")
+    with pytest.raises(TypeError, match="saves a ZeroOptimizer's state"):
+        zeroshard.save_checkpoint(str(tmp_path), 1, model=None, optimizer=None, format="dcp")

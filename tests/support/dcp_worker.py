@@ -4,7 +4,7 @@ same checkpoints. Each rank 0 writes its tensors with ``torch.save`` to ``{out}.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -158,14 +158,15 @@ def fsdp_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.
     return {**msd, **{k: v for k, v in osd.items() if isinstance(v, torch.Tensor)}}
 
 
-def zs_save(rank: int, world: int, out: str, runs: list[tuple[str, int]], steps: int) -> None:
-    """For each (root, stage): zeroshard trains and saves ``format="dcp"``; rank 0 writes the
-    whole state each saved."""
+def zs_save(rank: int, world: int, out: str, runs: list[tuple[str, int, Optional[str]]], steps: int) -> None:
+    """For each (root, stage, NVMe directory or None): zeroshard trains and saves
+    ``format="dcp"``; rank 0 writes the whole state each saved."""
     saved, paths = [], []
-    for root, stage in runs:
+    for root, stage, nvme in runs:
         torch.manual_seed(0)
         model = DcpNet()
-        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, stage=stage)
+        offload = {"offload_optimizer": "nvme", "nvme_path": nvme} if nvme else {}
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, stage=stage, **offload)
         sched = _train(model, opt, steps, rank, world)
         paths.append(zeroshard.save_checkpoint(root, steps, model=model, optimizer=opt, scheduler=sched,
                                                format="dcp").wait())
