@@ -23,9 +23,10 @@ the stage keeps of the full parameters current after owned ranges were written.
 """
 from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zeroshard.checkpoint.export import export_hf
-from zeroshard.checkpoint.resume import load_checkpoint
+from zeroshard.checkpoint.formats import save_checkpoint
+from zeroshard.checkpoint.resume import load_checkpoint  # (the memory tiers first, then formats' dispatch)
 from zeroshard.checkpoint.locate import latest_checkpoint
-from zeroshard.checkpoint.saver import PendingSave, save_checkpoint, wait_checkpoint
+from zeroshard.checkpoint.saver import PendingSave, wait_checkpoint
 
 __all__ = ["save_checkpoint", "export_hf", "load_checkpoint", "latest_checkpoint", "wait_checkpoint", "PendingSave",
            "CheckpointError", "CheckpointCorruptError", "CheckpointMismatchError"]

@@ -216,6 +216,16 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert_dcp_args(p: argparse.ArgumentParser) -> None:
+    from zeroshard.checkpoint import dcp_convert  # (it builds a ZeroOptimizer: imported when run)
+    dcp_convert.add_arguments(p)
+
+
+def _convert_dcp(args: argparse.Namespace) -> int:
+    from zeroshard.checkpoint import dcp_convert
+    return dcp_convert.run(args)
+
+
 def _one_line(name: str, run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """A refused checkpoint or path is one line on stderr and exit status 1, not a traceback
     (the errors are the loader's own, naming the file and the problem)."""
@@ -235,4 +245,6 @@ COMMANDS = {
                       _one_line("verify", _verify)),
     "export": Command("write a step's weights in the Hugging Face safetensors layout", _export_args,
                       _one_line("export", _export)),
+    "convert-dcp": Command("convert between a zeroshard checkpoint and a torch Distributed Checkpoint (FSDP2, "
+                           "torchtitan), either way", _convert_dcp_args, _one_line("convert-dcp", _convert_dcp)),
 }

@@ -39,6 +39,8 @@ from zeroshard.comm import Comm
 from zeroshard.optim.zero_optimizer import engine_of
 
 if TYPE_CHECKING:
+    from zeroshard.layout.unit_layout import Piece
+    from zeroshard.units.run import Run
     from zeroshard.comm.tensor_parallel import TensorParallel
     from zeroshard.offload.nvme_state import NvmeOptimizerState
     from zeroshard.optim.zero_optimizer import ZeroOptimizer
@@ -244,6 +246,24 @@ def read_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
     src.read_planned()
 
 
+def write_param(state_dict: dict[str, torch.Tensor], name: str, values: torch.Tensor,
+                run: "Optional[Run | frozen_base.FrozenRun]", piece: Optional[Piece]) -> None:
+    """Puts loaded ``values`` of parameter ``name`` where this rank keeps them: a whole tensor
+    (``run`` None), its piece in a swap file, or its piece of the unit's flat buffer."""
+    if run is None:  # whole tensors; a sharded stage-3 parameter takes its piece (and its master)
+        t = stored_view(state_dict[name])
+        t.copy_(values.view(t.shape))
+    elif run.unit.swapped("shard"):  # straight into the swap file
+        run.unit.swap.write_range(run.unit, "shard", piece.unit_offset, values)  # type: ignore[union-attr]
+        run.unit.writes += 1
+    elif piece is not None:
+        ua = piece.unit_offset
+        run.unit.param_range(ua, ua + piece.numel).copy_(values)
+        run.unit.writes += 1
+    if isinstance(run, frozen_base.FrozenRun):  # (hpZ: its secondary slice follows)
+        params_written(run.unit)
+
+
 def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
     state_dict = model.state_dict(keep_vars=True) if model is not None else {}
     ckpt_name = name_map(model, opt) if opt is not None else {}
@@ -258,18 +278,7 @@ def apply_phase(src: _Source, model: Optional[nn.Module], opt: Any) -> None:
         values = src.fetch(name, a, b, PARAM, target)
         if values is None:  # (read_phase planned and verified every block of this rank's pieces)
             raise RuntimeError(f"{name}: elements [{a}, {b}) of the parameter were not read from the checkpoint")
-        if run is None:  # whole tensors; a sharded stage-3 parameter takes its piece (and its master)
-            t = stored_view(state_dict[name])
-            t.copy_(values.view(t.shape))
-        elif run.unit.swapped("shard"):  # straight into the swap file
-            run.unit.swap.write_range(run.unit, "shard", piece.unit_offset, values)
-            run.unit.writes += 1
-        else:
-            ua = piece.unit_offset
-            run.unit.param_range(ua, ua + piece.numel).copy_(values)
-            run.unit.writes += 1
-        if isinstance(run, frozen_base.FrozenRun):  # (hpZ: its secondary slice follows)
-            params_written(run.unit)
+        write_param(state_dict, name, values, run, piece)
 
     with torch.no_grad():
         for name, a, b, run, piece, target in _needed(opt, model, set(src.pieces)):

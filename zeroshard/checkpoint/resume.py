@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Optional, cast
 
 from torch import nn
 
-from zeroshard.checkpoint import load, locate
+from zeroshard.checkpoint import formats, load, locate
 from zeroshard.checkpoint.memory_recovery import recover
 from zeroshard.checkpoint.names import committed_steps
 from zeroshard.optim.zero_optimizer import engine_of
@@ -32,5 +32,5 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
             return info
         print(f"[zeroshard] rank {tier.rank}: loading from the disk checkpoint, not the memory tiers: {why}",
               flush=True)
-    return load.load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, dataloader=dataloader,
-                                load_rng=load_rng)
+    return formats.load_checkpoint(path, model=model, optimizer=optimizer,  # type: ignore[arg-type]
+                                   scheduler=scheduler, dataloader=dataloader, load_rng=load_rng)

@@ -1,0 +1,289 @@
+"""Rank-side runs for the DCP tests: FSDP2 (``fully_shard``) + AdamW saving and loading with
+``torch.distributed.checkpoint`` in torchtitan's layout, and zeroshard loading and saving the
+same checkpoints. Each rank 0 writes its tensors with ``torch.save`` to ``{out}.pt``."""
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+
+import zeroshard
+
+VOCAB, SEQ, GLOBAL_BATCH = 32, 5, 12  # (12: every world size 1-4 takes an equal share)
+LR, WD = 1e-2, 0.1
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+FULL = StateDictOptions(flatten_optimizer_state_dict=True, full_state_dict=True, cpu_offload=True)
+
+
+class DcpNet(nn.Module):
+    """Uneven shapes (a 33x7 head, a 1-element parameter) so flat partitions straddle tensors
+    and FSDP2's row chunks are uneven."""
+
+    def __init__(self, width: int = 7) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 15)
+        self.fc1 = nn.Linear(15, width)
+        self.norm = nn.LayerNorm(width)
+        self.gain = nn.Parameter(torch.ones(1))
+        self.head = nn.Linear(width, 33)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.norm(self.fc1(self.emb(tokens)))) * self.gain
+        return F.cross_entropy(self.head(h)[..., :VOCAB].reshape(-1, VOCAB), tokens.roll(1, -1).reshape(-1))
+
+
+def local_batch(step: int, rank: int, world: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(500 + step)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+    share = GLOBAL_BATCH // world
+    return tokens[rank * share:(rank + 1) * share]
+
+
+def _schedule(step: int) -> float:
+    return 1.0 / (1 + step)
+
+
+def _fsdp_model() -> DcpNet:
+    model = DcpNet()
+    for m in (model.fc1, model.head):
+        fully_shard(m)
+    fully_shard(model)
+    return model
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, rank: int,
+           world: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """``steps`` steps of this rank's share of the global batch; returns the scheduler."""
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
+    for step in range(steps):
+        model(local_batch(step, rank, world)).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return sched
+
+
+def fsdp_run(rank: int, world: int, out: str, ckdir: str, steps: int) -> None:
+    """FSDP2 trains ``steps`` steps and saves torchtitan's layout with ``dcp.save``; rank 0
+    writes the full state saved and the full state after one more step (the continuation).
+    Then an SGD run saves ``{ckdir}-sgd`` (another optimizer class)."""
+    torch.manual_seed(0)
+    other = _fsdp_model()
+    sgd = torch.optim.SGD(other.parameters(), lr=LR, momentum=0.9)
+    other(local_batch(0, rank, world)).backward()
+    sgd.step()
+    msd, osd = get_state_dict(other, sgd, options=FLAT)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=ckdir + "-sgd")
+    torch.manual_seed(0)
+    model = _fsdp_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    sched = _train(model, opt, steps, rank, world)
+    msd, osd = get_state_dict(model, opt, options=FLAT)
+    dcp.save({"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict(),
+              "train_state": {"step": steps}}, checkpoint_id=ckdir)
+    saved = _cloned(get_state_dict(model, opt, options=FULL))  # (``step`` is the live tensor: the next step bumps it)
+    model(local_batch(steps, rank, world)).backward()
+    opt.step()
+    after = get_state_dict(model, opt, options=FULL)
+    if rank == 0:
+        torch.save({"saved": saved, "after": after, "lr": sched.get_last_lr()}, out + ".pt")
+    json.dump({"ok": True}, open(f"{out}.rank{rank}", "w"))
+
+
+def _cloned(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_cloned(v) for v in tree)
+    return {k: _cloned(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+
+
+def zs_state(model: nn.Module, opt: Any) -> dict[str, torch.Tensor]:
+    """zeroshard's whole state under FSDP2's flattened full keys (a collective)."""
+    weights = zeroshard.full_state_dict(model)
+    osd = opt.consolidated_state_dict(to_rank=0)
+    if weights is None or osd is None:
+        return {}
+    names = [n for n, _ in model.named_parameters()]
+    out = dict(weights)
+    for i, st in osd["state"].items():
+        for k, v in st.items():
+            out[f"state.{names[i]}.{k}"] = v if isinstance(v, torch.Tensor) else torch.tensor(float(v))
+    return out
+
+
+def zs_resume(rank: int, world: int, out: str, ckdir: str, stage: int, steps: int) -> None:
+    """zeroshard loads FSDP2's DCP checkpoint at this world size and stage, writes what it
+    loaded, takes the next step and writes that."""
+    torch.manual_seed(1)  # (other initial values: everything must come from the checkpoint)
+    model = DcpNet()
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, stage=stage)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
+    info = zeroshard.load_checkpoint(ckdir, model=model, optimizer=opt, scheduler=sched)
+    loaded = zs_state(model, opt)
+    lr = sched.get_last_lr()
+    model(local_batch(steps, rank, world)).backward()
+    opt.step()
+    after = zs_state(model, opt)
+    if rank == 0:
+        torch.save({"loaded": loaded, "after": after, "lr": lr}, out + ".pt")
+    json.dump({"step": info["step"], "format": info.get("format"), "bytes_read": info["bytes_read"]},
+              open(f"{out}.rank{rank}", "w"))
+
+
+def zs_refused(rank: int, world: int, out: str, cases: list[tuple[str, int]]) -> None:
+    """zeroshard loading checkpoints it must refuse ((directory, model width) each): the
+    errors' types and texts."""
+    got = []
+    for ckdir, width in cases:
+        model = DcpNet(width)
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, stage=1)
+        try:
+            zeroshard.load_checkpoint(ckdir, model=model, optimizer=opt)
+            got.append({"error": None})
+        except Exception as exc:  # noqa: BLE001 - the test reads the type and the text
+            got.append({"error": type(exc).__name__, "text": str(exc)})
+    json.dump(got, open(f"{out}.rank{rank}", "w"))
+
+
+def fsdp_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    msd, osd = get_state_dict(model, opt, options=FULL)
+    return {**msd, **{k: v for k, v in osd.items() if isinstance(v, torch.Tensor)}}
+
+
+def zs_save(rank: int, world: int, out: str, runs: list[tuple[str, int, Optional[str]]], steps: int) -> None:
+    """For each (root, stage, NVMe directory or None): zeroshard trains and saves
+    ``format="dcp"``; rank 0 writes the whole state each saved."""
+    saved, paths = [], []
+    for root, stage, nvme in runs:
+        torch.manual_seed(0)
+        model = DcpNet()
+        offload = {"offload_optimizer": "nvme", "nvme_path": nvme} if nvme else {}
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, stage=stage, **offload)
+        sched = _train(model, opt, steps, rank, world)
+        paths.append(zeroshard.save_checkpoint(root, steps, model=model, optimizer=opt, scheduler=sched,
+                                               format="dcp").wait())
+        saved.append({"saved": zs_state(model, opt), "lr": sched.get_last_lr()})
+    if rank == 0:
+        torch.save(saved, out + ".pt")
+    json.dump({"paths": paths}, open(f"{out}.rank{rank}", "w"))
+
+
+def fsdp_load(rank: int, world: int, out: str, ckdirs: list[str]) -> None:
+    """FSDP2 loads each DCP checkpoint with ``dcp.load`` + ``set_state_dict`` (torchtitan's way)."""
+    results = []
+    for ckdir in ckdirs:
+        torch.manual_seed(1)
+        model = _fsdp_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
+        model(local_batch(0, rank, world)).backward()  # (the optimizer state must exist to be loaded into)
+        opt.step()
+        opt.zero_grad()
+        msd, osd = get_state_dict(model, opt, options=FLAT)
+        state = {"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict(), "train_state": {"step": -1}}
+        dcp.load(state, checkpoint_id=ckdir)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=FLAT)
+        sched.load_state_dict(state["lr_scheduler"])
+        results.append({"loaded": fsdp_state(model, opt), "lr": sched.get_last_lr(),
+                        "step": state["train_state"]["step"]})
+    if rank == 0:
+        torch.save(results, out + ".pt")
+    dist.barrier()
+    json.dump({"ok": True}, open(f"{out}.rank{rank}", "w"))
+
+
+def zs_torch_api(rank: int, world: int, out: str, fsdp_ck: str, root: str, stage: int, steps: int) -> None:
+    """torchtitan-style code on a ZeroOptimizer: ``get_state_dict`` + ``dcp.load`` of FSDP2's
+    checkpoint + ``set_state_dict``, a step, then ``dcp.save`` and a fresh optimizer loading it."""
+    from zeroshard.checkpoint.dcp_state import get_state_dict as zs_get, set_state_dict as zs_set
+
+    def fresh() -> tuple[nn.Module, Any, Any]:
+        model = DcpNet()
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, stage=stage)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
+
+    def load(model: nn.Module, opt: Any, sched: Any, ck: str) -> None:
+        msd, osd = zs_get(model, opt)
+        state = {"model": msd, "optimizer": osd}
+        dcp.load(state, checkpoint_id=ck)
+        zs_set(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    torch.manual_seed(1)
+    model, opt, sched = fresh()
+    load(model, opt, sched, fsdp_ck)
+    loaded, lr = zs_state(model, opt), [g["lr"] for g in opt.param_groups]
+    model(local_batch(steps, rank, world)).backward()
+    opt.step()
+    after = zs_state(model, opt)
+    msd, osd = zs_get(model, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=root)
+    model2, opt2, sched2 = fresh()
+    load(model2, opt2, sched2, root)
+    reloaded = zs_state(model2, opt2)
+    if rank == 0:
+        torch.save({"loaded": loaded, "lr": lr, "after": after, "reloaded": reloaded}, out + ".pt")
+    json.dump({"ok": True}, open(f"{out}.rank{rank}", "w"))
+
+
+def zs_crash(rank: int, world: int, out: str, root: str, point: str, occurrence: int) -> None:
+    """Saves step 1 as DCP (its weights to ``{out}.expect``), then SIGKILLs itself at the
+    ``occurrence``-th ``point`` of the save of step 2 (``commit.fault_hook``)."""
+    import os
+    import signal
+
+    from zeroshard.checkpoint import commit
+    torch.manual_seed(0)
+    model = DcpNet()
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, stage=1)
+    _train(model, opt, 1, rank, world)
+    zeroshard.save_checkpoint(root, 1, model=model, optimizer=opt, format="dcp")
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, out + ".expect")
+    _train(model, opt, 1, rank, world)
+    seen = {"n": 0}
+
+    def hook(name: str) -> None:
+        if name == point:
+            seen["n"] += 1
+            if seen["n"] == occurrence:
+                os.kill(os.getpid(), signal.SIGKILL)
+    commit.fault_hook = hook if occurrence > 0 else None  # (0: step 2 is saved whole)
+    zeroshard.save_checkpoint(root, 2, model=model, optimizer=opt, format="dcp")
+    json.dump({"killed": False}, open(f"{out}.rank{rank}", "w"))
+
+
+def zs_load_roots(rank: int, world: int, out: str, roots: list[str]) -> None:
+    """``load_checkpoint(root)`` of each root: the step it loaded and the weights (``{out}.pt``)."""
+    got = []
+    for root in roots:
+        torch.manual_seed(5)
+        model = DcpNet()
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, stage=1)
+        info = zeroshard.load_checkpoint(root, model=model, optimizer=opt)
+        got.append({"step": info["step"], "path": info["path"], "weights": model.state_dict()})
+    torch.save(got, out + ".pt")
+    json.dump({"ok": True}, open(f"{out}.rank{rank}", "w"))
+
+
+def zs_convert(rank: int, world: int, out: str, fsdp_ck: str, native_root: str, dcp_root: str) -> None:
+    """``zeroshard convert-dcp`` FSDP2's checkpoint to native and that back to DCP (the command
+    line, in this process), then what a ZeroOptimizer loads from each (``{out}.pt``)."""
+    from zeroshard.cli import main
+    codes = [main(["convert-dcp", fsdp_ck, native_root]), main(["convert-dcp", native_root, dcp_root])]
+    got = []
+    for root in (native_root, dcp_root):
+        model = DcpNet()
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, stage=1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
+        info = zeroshard.load_checkpoint(root, model=model, optimizer=opt, scheduler=sched)
+        got.append({"state": zs_state(model, opt), "lr": sched.get_last_lr(), "step": info["step"]})
+    torch.save(got, out + ".pt")
+    json.dump({"codes": codes}, open(f"{out}.rank{rank}", "w"))

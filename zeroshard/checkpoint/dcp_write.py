@@ -1,0 +1,217 @@
+"""Saving a ZeroOptimizer's state as a torch Distributed Checkpoint (DCP), torchtitan's layout.
+
+Each rank hands torch's own DCP machinery (``dcp.save`` with its ``FileSystemWriter`` and
+``DefaultSavePlanner``) the pieces it owns: a flat range of a parameter becomes the few
+row-major boxes that tile it (``boxes``), each a chunk with its global offsets; DCP's global plan
+checks the chunks of every tensor cover it once. Around it, zeroshard's commit protocol: the
+step is written into ``step-N.tmp-*``, torch writes ``.metadata`` last, rank 0 then writes
+``zeroshard-dcp.json`` (every file's size and CRC32) beside it, fsyncs, and renames the
+directory to ``step-N``; a save killed before the rename leaves only a ``.tmp-`` directory,
+which no loader reads and the next save removes (Note [DCP format mapping]).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import uuid
+from typing import TYPE_CHECKING, Optional, cast
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from zeroshard.checkpoint import commit, dcp_metadata, manifest
+from zeroshard.checkpoint.checkpoint_errors import CheckpointError
+from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map, owned_pieces
+from zeroshard.checkpoint.saver import checkpoint_comm, wait_checkpoint
+from zeroshard.checkpoint.shard_file import Deferred, _materialize
+
+if TYPE_CHECKING:
+    from zeroshard.checkpoint.dcp_metadata import Stateful
+    from zeroshard.optim.zero_optimizer import ZeroOptimizer
+
+Box = tuple[tuple[int, ...], tuple[int, ...], int, int]
+"""(offsets, sizes, first flat index, end flat index) of one chunk."""
+
+
+def boxes(shape: tuple[int, ...], a: int, b: int) -> list[Box]:
+    """The row-major flat range ``[a, b)`` of a tensor of ``shape`` as boxes (chunks): whole rows
+    where it can, a partial row split along the next dimension. Each box is a contiguous run of
+    the range, so its data is a slice of the flat piece."""
+    if a >= b:
+        return []
+    if len(shape) <= 1:
+        return [((a,) if shape else (), (b - a,) if shape else (), a, b)]
+    row = math.prod(shape[1:])
+    out: list[Box] = []
+    while a < b:
+        r, off = divmod(a, row)
+        if off == 0 and b - a >= row:
+            n = (b - a) // row
+            out.append(((r,) + (0,) * (len(shape) - 1), (n,) + tuple(shape[1:]), a, a + n * row))
+            a += n * row
+        else:
+            end = min(b, (r + 1) * row)
+            out += [((r,) + o, (1,) + s, lo + r * row, hi + r * row) for o, s, lo, hi in boxes(shape[1:], off, end - r * row)]
+            a = end
+    return out
+
+
+class Pieces:
+    """One tensor's chunks on this rank, in torch DCP's checkpointable protocol (the methods
+    DTensor implements): what to write, and each chunk's data when the writer asks."""
+
+    def __init__(self, size: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.size, self.dtype = torch.Size(size), dtype
+        self.chunks: dict[tuple[int, ...], tuple[tuple[int, ...], "torch.Tensor | Deferred", int, int]] = {}
+
+    def add(self, start: int, stop: int, flat: "torch.Tensor | Deferred") -> None:
+        """``flat`` holds elements ``[start, stop)`` of the tensor."""
+        for offsets, sizes, lo, hi in boxes(tuple(self.size), start, stop):
+            self.chunks[offsets] = (sizes, flat, lo - start, hi - start)
+
+    def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+                              properties=TensorProperties(dtype=self.dtype), size=self.size))
+                for offsets, (sizes, _, _, _) in self.chunks.items()]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, (s, _, _, _) in self.chunks.items()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        sizes, flat, lo, hi = self.chunks[tuple(index.offset or ())]
+        commit._point("dcp-chunk")  # (the writer is about to write this chunk)
+        return _materialize(flat).reshape(-1)[lo:hi].to(self.dtype).reshape(sizes)
+
+
+class _PiecesPlanner(DefaultSavePlanner):
+    """torch's planner; it finds a chunk of a ``Pieces`` by its offsets (its own lookup finds
+    only tensors, DTensors and ShardedTensors by offset)."""
+
+    def lookup_object(self, index: MetadataIndex) -> object:
+        obj = self.state_dict.get(index.fqn)
+        if isinstance(obj, Pieces):
+            return obj.__get_tensor_shard__(index)
+        return super().lookup_object(index)
+
+
+def state_dict(model: Optional[nn.Module], opt: "ZeroOptimizer", step: int, scheduler: "Optional[Stateful]",
+               dataloader: "Optional[Stateful]", extra: object, rank: int) -> dict:
+    """This rank's part of the checkpoint in torchtitan's layout (Note [DCP format mapping])."""
+    names = name_map(model, opt)
+    shapes = {names[seg.name]: tuple(seg.shape) for u in opt.engine.units for seg in u.layout.segments}
+    model_sd: dict[str, object] = {}
+    optim_sd: dict[str, object] = {}
+    for rec in owned_pieces(model, opt):
+        shape = shapes[rec.name]
+        value = rec.tensors.get(MASTER, rec.tensors[PARAM])
+        if rec.name not in model_sd:
+            model_sd[rec.name] = Pieces(shape, torch.float32 if MASTER in rec.tensors else value.dtype)
+        model_sd[rec.name].add(rec.start, rec.stop, value)  # type: ignore[attr-defined]
+        for kind, t in rec.tensors.items():
+            if kind.startswith("state."):
+                key = f"state.{rec.name}.{kind[6:]}"
+                if key not in optim_sd:
+                    optim_sd[key] = Pieces(shape, t.dtype)
+                optim_sd[key].add(rec.start, rec.stop, t)  # type: ignore[attr-defined]
+        for k, v in rec.scalars.items():  # (Adam's step: FSDP2 keeps a float32 0-d tensor)
+            optim_sd[f"state.{rec.name}.{k}"] = v.detach().clone().reshape(()) if isinstance(v, torch.Tensor) \
+                else torch.tensor(float(v), dtype=torch.float32)
+    out: dict[str, object] = {"model": model_sd, "optimizer": optim_sd}
+    if rank == 0:  # (the others' copies would be deduplicated anyway)
+        model_sd.update({n: t.detach().cpu() for n, t in full_tensors(model, opt)[0].items()})
+        for g in opt.param_groups:
+            options = {k: v for k, v in g.items() if k not in ("params", "optimizer_class")}
+            for p in g["params"]:
+                if p.requires_grad:
+                    for k, v in options.items():
+                        optim_sd[f"param_groups.{names[opt.engine.param_names[id(p)]]}.{k}"] = v
+        out["train_state"] = {"step": step, **({"extra": extra} if extra is not None else {})}
+        if scheduler is not None:
+            out["lr_scheduler"] = scheduler.state_dict()
+        if dataloader is not None:
+            out["dataloader"] = dataloader.state_dict()
+    return out
+
+
+def save_dcp(root: str, step: int, model: Optional[nn.Module], opt: "ZeroOptimizer", scheduler: "Optional[Stateful]",
+             dataloader: "Optional[Stateful]", extra: object) -> str:
+    """Writes ``root/step-NNNNNNNN`` as a DCP checkpoint (a collective); returns its path."""
+    wait_checkpoint()
+    if opt.engine.tp is not None or opt.engine.replicas is not None:
+        raise ValueError("save_checkpoint(format='dcp') supports plain data parallelism (one shard group, no tensor "
+                         "parallelism); save the native format and convert with zeroshard convert-dcp")
+    comm = checkpoint_comm(opt)
+    final = os.path.join(os.fspath(root), manifest.step_dir_name(step))
+    made = None
+    if comm.rank == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            commit._remove_stale(root)
+            made = f"{final}.tmp-{uuid.uuid4().hex[:12]}"
+            os.mkdir(made)
+        except OSError as exc:
+            made = f"!{exc}"
+    tmp = str(comm.broadcast_object(made))
+    if tmp.startswith("!"):
+        raise CheckpointError(f"cannot create a step directory under {root!r}: {tmp[1:]}")
+    commit._point("dcp-begin")
+    error, sums = None, {}
+    try:
+        opt.engine.inflight.check(f"save_checkpoint of step {step}")
+        sd = state_dict(model, opt, step, scheduler, dataloader, extra, comm.rank)
+        writer = dcp.FileSystemWriter(tmp, sync_files=True)
+        dcp.save(sd, storage_writer=writer, planner=_PiecesPlanner(), process_group=comm.group,
+                 no_dist=not dist.is_initialized())
+        commit._point("dcp-written")
+        sums = _checksums(tmp, comm.rank, comm.world_size)
+    except Exception as exc:  # noqa: BLE001 - every rank hears of it below
+        error = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
+    gathered = comm.all_gather_object((error, sums))
+    errors = [e for e, _ in gathered if e]
+    if not errors and comm.rank == 0:
+        try:
+            _seal(tmp, final, step, {n: v for _, part in gathered for n, v in part.items()})
+        except Exception as exc:  # noqa: BLE001 - the other ranks wait for the verdict below
+            errors = [f"rank 0: {type(exc).__name__}: {exc}"]
+    errors = cast(list, comm.broadcast_object(errors))
+    if errors:
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"DCP checkpoint of step {step} was not saved ({errors[0]}); nothing was committed: "
+                              "the previous checkpoint is intact")
+    return final
+
+
+def _checksums(tmp: str, rank: int, world: int) -> dict[str, dict[str, int]]:
+    """Size and CRC32 of this rank's share of the files torch wrote (the files dealt round the
+    ranks, so the pass over the bytes, warm in the page cache, runs on every rank at once)."""
+    names = sorted(n for n in os.listdir(tmp) if n == dcp_metadata.METADATA or n.endswith(".distcp"))
+    return {n: {"size": os.path.getsize(os.path.join(tmp, n)), "crc32": dcp_metadata.crc32_of(os.path.join(tmp, n))}
+            for i, n in enumerate(names) if i % world == rank}
+
+
+def _seal(tmp: str, final: str, step: int, files: dict[str, dict[str, int]]) -> None:
+    """Rank 0, after torch wrote ``.metadata``: the checksum file, then the commit (rename)."""
+    if dcp_metadata.METADATA not in files:
+        raise CheckpointError(f"{tmp}: torch wrote no {dcp_metadata.METADATA}")
+    with open(os.path.join(tmp, dcp_metadata.CHECKSUMS), "w") as f:
+        json.dump({"format": "zeroshard-dcp", "version": 1, "step": step, "files": files}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    commit._fsync_dir(tmp)
+    commit._point("dcp-rename")
+    if os.path.isdir(final):  # (saving a step again: the old one goes once the new one is whole)
+        trash = f"{final}.trash-{uuid.uuid4().hex[:12]}"
+        os.rename(final, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    os.rename(tmp, final)
+    commit._fsync_dir(os.path.dirname(final))
