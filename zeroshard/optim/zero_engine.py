@@ -23,6 +23,7 @@ from zeroshard.comm.process_group import Comm
 from zeroshard.comm.tensor_parallel import TensorParallel
 from zeroshard.config import ZeroConfig
 from zeroshard.offload.nvme_state import NvmeOptimizerState
+from zeroshard.offload.activations.offloader import ActivationOffloader
 from zeroshard.offload.placement import StatePlacement
 from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.units.flat_unit import FlatUnit
@@ -79,6 +80,8 @@ class Engine:
     the teardown removes the hooks)."""
     user_groups: list[dict]
     """The param groups torch code sees (the facade's ``param_groups``), as built."""
+    activations: Optional[ActivationOffloader] = None
+    """Activation offload's hooks (``offload_activations=``; Note [activation offload])."""
     # state
     closed: bool = False
     ready: bool = False
