@@ -25,6 +25,8 @@ from zeroshard.deepspeed_compat import accelerator, add_config_arguments, init_d
 import sys as _sys  # noqa: E402
 _sys.modules.setdefault("zeroshard.zero", zero)  # (`from zeroshard.zero import GatheredParameters`)
 _sys.modules.setdefault("zeroshard.accelerator", accelerator)  # (`from zeroshard.accelerator import get_accelerator`)
-__all__ += ["initialize", "add_config_arguments", "init_distributed", "zero", "accelerator"]
+from zeroshard.deepspeed_compat import checkpointing  # noqa: E402 - deepspeed.checkpointing.checkpoint/configure
+_sys.modules.setdefault("zeroshard.checkpointing", checkpointing)  # (`from zeroshard.checkpointing import checkpoint`)
+__all__ += ["initialize", "add_config_arguments", "init_distributed", "zero", "accelerator", "checkpointing"]
 from zeroshard.integrations.peft_export import export_merged, save_adapter  # noqa: E402 - PEFT (LoRA) exports
 __all__ += ["save_adapter", "export_merged"]

@@ -45,6 +45,14 @@ from zeroshard.stages.stage3.units import _repeated_blocks
 from zeroshard.units.tier import Tier
 
 
+_ACTIVE = [0]  # (how many offloaders' hooks are pushed now: deepspeed.checkpointing leaves the inputs to them)
+
+
+def hooks_active() -> bool:
+    """An activation offloader's hooks are autograd's now (a covered model's forward is running)."""
+    return _ACTIVE[0] > 0
+
+
 class _Saved:
     """What autograd keeps for a saved tensor we may move: the tensor itself until a block's
     record adopts it, then the record and the entry."""
@@ -147,6 +155,7 @@ class ActivationOffloader:
         self._pass_refs = []  # (weak: a record must go with the graph that holds it)
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_ctx.__enter__()
+        _ACTIVE[0] += 1
 
     def _model_post(self, module: nn.Module, args: tuple, output: object) -> None:
         if self._depth == 0:
@@ -157,6 +166,7 @@ class ActivationOffloader:
         ctx, self._hooks_ctx = self._hooks_ctx, None
         if ctx is not None:
             ctx.__exit__(None, None, None)
+            _ACTIVE[0] -= 1
         self._pending = []
         self._current = None
         records, self._pass = self._pass, []
