@@ -218,8 +218,8 @@ class BlockActivations:
             self._to_device()
 
     def _to_device(self) -> None:
-        """Note [activation copies on a GPU]: the copy back runs on the copy stream, after the copy
-        out (same stream); the compute stream waits for its event before using it."""
+        """The copy back runs on the copy stream, after the copy out (same stream); the compute
+        stream waits for its event before using it (Note [activation copies on a GPU] in offloader.py)."""
         assert self._host is not None
         stream = self._stream
         assert stream is not None
