@@ -114,7 +114,7 @@ class ActivationOffloader:
             assert options.path is not None
             self.directory = os.path.join(str(options.path), f"activations-rank{rank:05d}")
             os.makedirs(self.directory, exist_ok=True)
-            self._io = AsyncIO(use_direct=False)
+            self._io = AsyncIO()  # (O_DIRECT where the file system takes it: the page cache would hold the bytes moved)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._lock = threading.Lock()
         self._hooks_ctx: Optional[torch.autograd.graph.saved_tensors_hooks] = None
