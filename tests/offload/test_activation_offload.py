@@ -4,6 +4,7 @@ and weights are bit-identical to the run without offload, dropout on, stages 0-3
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -87,3 +88,17 @@ def test_parameters_and_small_tensors_stay():
     assert any(r is not t for t, r in packed), "activations were moved"
     loss.backward()
     opt.close()
+
+
+def test_blocks_named_by_module_name_or_class():
+    cfg = replace(w.CFG, activation_checkpointing=True)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    for blocks, want in ((("blocks.1",), ["blocks.1"]), (("Block",), ["blocks.0", "blocks.1", "blocks.2"])):
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.SGD, lr=0.1, stage=1, offload_activations=zeroshard.
+                                      ActivationOffload(where="cpu", blocks=blocks, min_bytes=0))
+        model(*w.synthetic_batch(0, 4, cfg)).backward()
+        report = opt.placement_report()["activations"]
+        assert report["blocks"] == want
+        assert report["bytes_out_this_step"] == len(want) * w.predicted_bytes(True) // cfg.n_layers
+        opt.close()
