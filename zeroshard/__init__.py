@@ -5,6 +5,7 @@
 See docs/design.md for the architecture and README.md for the quick start.
 """
 from zeroshard.config import AutoOffload, CPUOffload, NVMeOffload, ZeroConfig
+from zeroshard.offload.activations import ActivationOffload
 from zeroshard.memory import MemoryReport, zero_formula
 from zeroshard.optim.zero_optimizer import ZeroOptimizer
 from zeroshard.model.full_state import full_state_dict
@@ -17,7 +18,7 @@ from zeroshard.checkpoint.memory_commit import memory_checkpoint
 
 __version__ = "0.1.0"
 
-__all__ = ["ZeroOptimizer", "ZeroConfig", "CPUOffload", "NVMeOffload", "AutoOffload", "MemoryReport", "zero_formula",
+__all__ = ["ZeroOptimizer", "ZeroConfig", "ActivationOffload", "CPUOffload", "NVMeOffload", "AutoOffload", "MemoryReport", "zero_formula",
            "full_state_dict", "init_meta_weights", "load_safetensors", "ShardOnlySaveWarning", "__version__"]
 __all__ += ["save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint", "wait_checkpoint"]
 __all__ += ["PeerRedundancy", "memory_checkpoint"]
@@ -27,6 +28,8 @@ from zeroshard.deepspeed_compat import accelerator, add_config_arguments, init_d
 import sys as _sys  # noqa: E402
 _sys.modules.setdefault("zeroshard.zero", zero)  # (`from zeroshard.zero import GatheredParameters`)
 _sys.modules.setdefault("zeroshard.accelerator", accelerator)  # (`from zeroshard.accelerator import get_accelerator`)
-__all__ += ["initialize", "add_config_arguments", "init_distributed", "zero", "accelerator"]
+from zeroshard.deepspeed_compat import checkpointing  # noqa: E402 - deepspeed.checkpointing.checkpoint/configure
+_sys.modules.setdefault("zeroshard.checkpointing", checkpointing)  # (`from zeroshard.checkpointing import checkpoint`)
+__all__ += ["initialize", "add_config_arguments", "init_distributed", "zero", "accelerator", "checkpointing"]
 from zeroshard.integrations.peft_export import export_merged, save_adapter  # noqa: E402 - PEFT (LoRA) exports
 __all__ += ["save_adapter", "export_merged"]

@@ -264,6 +264,11 @@ class ZeroConfig:
     """Host buffers of offloaded state are pinned when the model is on an accelerator
     (``CPUOffload(pin_memory=...)``)."""
 
+    offload_activations: object = None
+    """None, "cpu", "nvme" or ``zeroshard.ActivationOffload(...)``: the tensors autograd saves in the
+    model's blocks (a checkpointed block's input) wait for backward in host memory or NVMe files
+    under ``nvme_path`` (zeroshard/offload/activations/options.py)."""
+
     placement_policy: Optional[type] = None
     """A placement policy of your own: a subclass of ``zeroshard.offload.placement.StatePlacement``
     (one file; Note [assembly] in zeroshard/optim/assembly.py), built in its place with the same
@@ -286,7 +291,9 @@ class ZeroConfig:
             raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; use one of {_STAGES} (an int)")
         check_offload(self.stage, self.offload_optimizer, self.offload_params)
         self._check_auto()
+        from zeroshard.offload.activations.options import activation_options, takes_nvme_path
         uses_nvme = "nvme" in (self.offload_optimizer, self.offload_params) or self.offload == "auto"
+        uses_nvme = uses_nvme or takes_nvme_path(self.offload_activations)
         if self.nvme_path is not None and not isinstance(self.nvme_path, (str, os.PathLike)):
             raise TypeError(f"nvme_path={self.nvme_path!r} must be a directory path (a str)")
         if uses_nvme and not self.nvme_path and self.offload != "auto":
@@ -294,6 +301,7 @@ class ZeroConfig:
         if self.nvme_path is not None and not uses_nvme:
             raise ValueError(f"nvme_path={self.nvme_path!r} is only used by NVMe offload; pass "
                              "offload_optimizer='nvme' to use it, or drop nvme_path")
+        activation_options(self.offload_activations, self.nvme_path)  # (checked here: fails at construction)
         if not _member(self.mixed_precision, _PRECISIONS):
             raise ValueError(
                 f"mixed_precision={self.mixed_precision!r} is not supported; use one of {_PRECISIONS}")

@@ -54,6 +54,9 @@ class MemoryReport:
     """The part of ``parameters`` that is frozen weights (``requires_grad=False``), in memory."""
     frozen_offloaded: int = 0
     """The part of ``offloaded`` that is frozen weights (stage 3 with ``offload_params="nvme"``)."""
+    activations_moved: int = 0
+    """``offload_activations``: bytes of saved activations moved off the device and back in the
+    last whole step (not held: a figure of traffic, beside the memory)."""
     secondary: int = 0
     """hpZ (stage 3, ``hpz=True``): the secondary parameter partition inside the node, p·Ψ/k
     for node size k (ZeRO++'s cost), on top of the primary p·Ψ/N in ``parameters``."""
@@ -69,7 +72,7 @@ class MemoryReport:
         d = asdict(self)
         # Keys of what only some runs have (hpZ, frozen weights) appear when nonzero, so the
         # other configurations keep their keys.
-        for key in ("secondary", "frozen", "frozen_offloaded", "memory_tier"):
+        for key in ("secondary", "frozen", "frozen_offloaded", "memory_tier", "activations_moved"):
             if not d[key]:
                 del d[key]
         return {**d, "model_states": self.model_states}
@@ -82,7 +85,8 @@ class MemoryReport:
                 + (f" (frozen: {mib(self.frozen)} in memory, {mib(self.frozen_offloaded)} on NVMe)"
                    if self.frozen or self.frozen_offloaded else "")
                 + (f" | hpZ secondary {mib(self.secondary)}" if self.secondary else "")
-                + (f" | memory tier {mib(self.memory_tier)}" if self.memory_tier else ""))
+                + (f" | memory tier {mib(self.memory_tier)}" if self.memory_tier else "")
+                + (f" | activations moved per step {mib(self.activations_moved)}" if self.activations_moved else ""))
 
 
 def zero_formula(stage: int, numel: int, world_size: int, *, param_bytes: int = 4,

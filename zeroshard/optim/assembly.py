@@ -37,6 +37,8 @@ from zeroshard.config import ZeroConfig
 from zeroshard.layout import NamedParam
 from zeroshard.offload import NvmeOptimizerState
 from zeroshard.offload.nvme_generic_state import probe_layouts
+from zeroshard.offload.activations.offloader import ActivationOffloader
+from zeroshard.offload.activations.options import activation_options
 from zeroshard.offload.placement import StatePlacement
 from zeroshard.offload.placement_choice import placement_class
 from zeroshard.offload.unit_swap import NvmeUnitStore
@@ -192,6 +194,7 @@ def assemble(owner: torch.optim.Optimizer, config: ZeroConfig, optimizer_class: 
                    for g, ig in zip(groups, inner.param_groups)]
     reducer, grad_links, grads = _build_gradients(attached, config, mesh_, sharding, precision, placement, units,
                                                   module, params, inflight)
+    activations = _build_activations(attached, config, module, mesh_.comm.rank, inflight)
     module_guard, teardown = _attach(owner, attached, module, mesh_, sharding, reducer, units, all_units, inflight,
                                      (placement.store, swapper))
     engine = Engine(config=config, optimizer_class=optimizer_class, mesh=mesh_, sharding=sharding, placement=placement,
@@ -201,7 +204,8 @@ def assemble(owner: torch.optim.Optimizer, config: ZeroConfig, optimizer_class: 
                     stepper=Stepper(config, sharding, placement, mesh_, precision, grads, units, frozen_units, runs, inner,
                                     swapper, inflight),
                     module_guard=module_guard, teardown=teardown, record=attached, user_groups=user_groups,
-                    memory_tier=_memory_tier(config, mesh_, placement))
+                    memory_tier=_memory_tier(config, mesh_, placement),
+                    activations=activations)
 
     def finish() -> None:
         attached.snapshot.commit()
@@ -304,6 +308,22 @@ def _build_gradients(attached: construction.ConstructionRecord, config: ZeroConf
         attached.removers.append(gatherer.remove)
         reducer.on_launch.append(gatherer.on_unit_reduced)
     return reducer, grad_links, grads
+
+
+def _build_activations(attached: construction.ConstructionRecord, config: ZeroConfig, module: Optional[nn.Module],
+                       rank: int, inflight: StepInFlight) -> Optional[ActivationOffloader]:
+    """Activation offload's hooks on the model (Note [activation offload]), after stage 3's, so a
+    block's parameters are gathered when its hooks look at them."""
+    options = activation_options(config.offload_activations, config.nvme_path)
+    if options is None:
+        return None
+    if module is None:
+        raise ValueError(f"offload_activations={config.offload_activations!r} hooks the model's blocks: give "
+                         "ZeroOptimizer the model (an nn.Module), or module=model beside parameter groups")
+    device = next((p.device for p in module.parameters()), torch.device(_DEVICE))
+    offloader = ActivationOffloader(options, module, rank, device, lambda: inflight.steps)
+    attached.removers.append(offloader.remove)
+    return offloader
 
 
 def _attach(owner: torch.optim.Optimizer, attached: construction.ConstructionRecord, module: Optional[nn.Module],

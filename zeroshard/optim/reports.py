@@ -48,7 +48,17 @@ def memory_report(opt: "EngineOwner") -> MemoryReport:
                  + (engine.stage3_gatherer.gathered_bytes() if engine.shards_parameters else 0) + staging),
         secondary=_secondary_bytes(engine),
         memory_tier=engine.memory_tier.bytes_held() if engine.memory_tier is not None else 0,
+        activations_moved=(engine.activations.report()["bytes_moved_last_step"] if engine.activations is not None
+                           else 0),
     )
+
+
+def placement_report(engine: "Engine", micro_batches: int) -> dict:
+    """The placement's report (offload/placement.py), with activation offload's traffic beside it."""
+    report = engine.placement.report(engine.runs, engine.swapper, micro_batches)
+    if engine.activations is not None:  # (offload_activations: Note [activation offload])
+        report["activations"] = engine.activations.report()
+    return report
 
 
 def _secondary_bytes(engine: "Engine") -> int:

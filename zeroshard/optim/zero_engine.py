@@ -23,6 +23,7 @@ from zeroshard.comm.process_group import Comm
 from zeroshard.comm.tensor_parallel import TensorParallel
 from zeroshard.config import ZeroConfig
 from zeroshard.offload.nvme_state import NvmeOptimizerState
+from zeroshard.offload.activations.offloader import ActivationOffloader
 from zeroshard.offload.placement import StatePlacement
 from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.units.flat_unit import FlatUnit
@@ -84,6 +85,8 @@ class Engine:
     """The param groups torch code sees (the facade's ``param_groups``), as built."""
     memory_tier: Optional[MemoryTier] = None
     """``redundancy="peer"``: the node-local memory tier (Note [peer memory tier])."""
+    activations: Optional[ActivationOffloader] = None
+    """Activation offload's hooks (``offload_activations=``; Note [activation offload])."""
     # state
     closed: bool = False
     ready: bool = False

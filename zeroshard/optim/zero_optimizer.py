@@ -235,8 +235,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return reports.memory_report(self)
 
     def placement_report(self, micro_batches: int = 1) -> dict:  # where state lives, why: offload/placement.py
-        e = self.engine.joined()
-        return e.placement.report(e.runs, e.swapper, micro_batches)
+        return reports.placement_report(self.engine.joined(), micro_batches)
 
     def comm_report(self, reset: bool = False) -> dict[str, dict]:
         """What this rank's collectives moved since construction (or the last ``reset``), by kind:

@@ -6,6 +6,7 @@ import json
 import sys
 
 from zeroshard.cli import Command
+from zeroshard.planner.activation_plan import for_estimate
 from zeroshard.planner.estimate import Hardware, Workload, plan
 from zeroshard.planner.model_shape import ModelShape
 from zeroshard.planner.optimizer_state import OPTIMIZERS, optimizer_bytes_per_param
@@ -31,7 +32,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "across), or hpz (stage 3 with a secondary partition in the node)")
     p.add_argument("--cpu-memory", default="0", help="CPU memory of the node, e.g. 512GB")
     p.add_argument("--nvme", default="0", help="free NVMe space for offload, e.g. 2TB")
-    p.add_argument("--batch", type=int, default=1, help="micro-batch per GPU (sequences)")
+    p.add_argument("--batch", "--micro-batch", dest="batch", type=int, default=1,
+                   help="micro-batch per GPU (sequences)")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
     p.add_argument("--optim-bytes", type=float, default=None, help="optimizer bytes per parameter (Adam: 8)")
@@ -64,6 +66,7 @@ def _run(a: argparse.Namespace) -> int:
         print(f"zeroshard estimate: {exc}", file=sys.stderr)
         return 2
     result = plan(shape, hw, w)
+    acts = for_estimate(result)  # (per block: keep / checkpoint / offload; Note [planning activations])
     if a.json:
         best = result.recommended
         rows = [{"config": e.choice.label, "gpu_model_states": e.gpu_states.model_states,
@@ -77,9 +80,11 @@ def _run(a: argparse.Namespace) -> int:
                 for e in result.estimates]
         print(json.dumps({"params": shape.n_params, "trainable_fraction": w.trainable_fraction, "rows": rows,
                           "nodes": a.nodes, "gpus_per_node": a.gpus, "tp": a.tp, "pp": a.pp, "scope": a.scope,
-                          "recommended": best.choice.label if best else None}, indent=1))
+                          "recommended": best.choice.label if best else None, "activation_plan": acts}, indent=1))
     else:
         print(plan_markdown(result))
+        print(f"\nActivations at --micro-batch {w.micro_batch} x --seq-len {w.seq_len} with {acts['config']}: "
+              + (acts.get("summary") or acts.get("error", "")))
     return 0
 
 

@@ -31,6 +31,7 @@ import torch
 from zeroshard.config import Placement, ZeroConfig, check_int, check_real
 from zeroshard.optim.hyperparams import check_hyperparameters
 from zeroshard.optim.muon_recipe import ADAM_KEYS
+from zeroshard.train.deepspeed_activations import SECTION, read_section
 from zeroshard.train.schedules import check_schedule_params
 
 # Keys accepted without effect, and why (what zeroshard does instead).
@@ -480,6 +481,11 @@ def translate(config: Union[None, str, os.PathLike, Mapping], world_size: int = 
     noted = {p: NOTED[p] for p in NOTED if r.has(p)}
     noted.update({p: "DeepSpeed async-I/O tuning; zeroshard sizes its own I/O" for s in NOTED_SECTIONS
                   if r.has(s) for p in _leaves(r.raw[s], s + ".")})
+    activations = read_section(r.raw.get(SECTION))  # (zeroshard/train/deepspeed_activations.py)
+    noted.update(activations.noted)
+    r.used.update(activations.used)
+    if activations.offload_activations is not None:
+        zero["offload_activations"] = activations.offload_activations
     for p in noted:
         r.used.add(p)
     unsupported += [p for p in _leaves(r.raw) if p and p not in r.used]

@@ -1,0 +1,217 @@
+"""Activation offload on the CPU, in a memory-limited cgroup (issue 41), and a prepared GPU check.
+
+    sudo python benchmarks/bench_activation_offload.py --dir /nvme/scratch [--limit-mib 700]
+
+1. Bytes moved per step: a checkpointed TinyGPT with ``offload_activations="nvme"`` measured
+   (``placement_report()["activations"]``) against ``plan_activations``' prediction, same run.
+2. In a cgroup v1 memory limit (root needed; it says so if not), a TinyGPT whose activations
+   without checkpointing are >= 3x the limit trains ``--steps`` steps with checkpointing and its
+   inputs on NVMe: exit status, peak RSS, the cgroup's peak (page cache included) and OOM kills;
+   the same model checkpointed without offload, and without checkpointing, in the same limit.
+3. The longest sequence one fixed device budget holds, checkpointing alone vs with the inputs
+   offloaded (planner prediction: ``longest_sequence``).
+4. ``--gpu``: the GPU check (a 1-2B-class shape at a sequence that does not fit without offload,
+   step time ÷ the in-memory step at the longest sequence that fits, per token). Not measured in
+   the session that wrote it (no GPU was lent): docs/results.md marks it so.
+Prints one JSON line per part.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import zeroshard  # noqa: E402
+from zeroshard.planner.activation_plan import longest_sequence, plan_activations  # noqa: E402
+from zeroshard.planner.model_shape import ModelShape  # noqa: E402
+from zeroshard.testing.toy import GPTConfig, TinyGPT, synthetic_batch  # noqa: E402
+
+CGROUP_ROOT = "/sys/fs/cgroup/memory"
+
+
+def _config(args: argparse.Namespace, checkpointing: bool) -> GPTConfig:
+    return GPTConfig(vocab=256, d_model=args.d_model, n_layers=args.layers, n_heads=4, seq_len=args.seq_len,
+                     activation_checkpointing=checkpointing)
+
+
+def _shape(cfg: GPTConfig, model: torch.nn.Module) -> ModelShape:
+    return ModelShape.from_gpt(cfg, sum(p.numel() for p in model.parameters()))
+
+
+def child(args: argparse.Namespace) -> None:
+    """One training run (in the cgroup when the parent made one): its figures as a JSON line."""
+    cfg = _config(args, args.child != "plain")
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    options = {}
+    if args.child == "offload":
+        options = dict(nvme_path=args.dir, offload_activations=zeroshard.ActivationOffload(where="nvme"))
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, stage=2, **options)
+    times = []
+    for step in range(args.steps):
+        t = time.perf_counter()
+        model(*synthetic_batch(step, args.batch, cfg)).backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t)
+    from zeroshard.offload.process_rss import peak_rss
+    report = opt.placement_report().get("activations") or {}
+    print(json.dumps({"mode": args.child, "peak_rss": peak_rss(), "step_s": sorted(times)[len(times) // 2],
+                      "moved_per_step": report.get("bytes_moved_last_step", 0)}), flush=True)
+    opt.close()
+
+
+def _in_cgroup(args: argparse.Namespace, mode: str, limit: int) -> dict:
+    path = os.path.join(CGROUP_ROOT, f"zeroshard-act-{os.getpid()}")
+    os.makedirs(path, exist_ok=True)
+
+    def write(name: str, value: str) -> None:
+        with open(os.path.join(path, name), "w") as f:
+            f.write(value)
+
+    def read(name: str) -> str:
+        with open(os.path.join(path, name)) as f:
+            return f.read().strip()
+    try:
+        write("memory.limit_in_bytes", str(limit))
+        if os.path.exists(os.path.join(path, "memory.memsw.limit_in_bytes")):
+            write("memory.memsw.limit_in_bytes", str(limit))  # (no escape into swap)
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--dir", args.dir, "--steps",
+               str(args.steps), "--layers", str(args.layers), "--d-model", str(args.d_model), "--seq-len",
+               str(args.seq_len), "--batch", str(args.batch)]
+        shell = f'echo $$ > {os.path.join(path, "cgroup.procs")} && exec "$@"'
+        p = subprocess.run(["sh", "-c", shell, "sh", *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+        kills = [ln for ln in read("memory.oom_control").splitlines() if ln.startswith("oom_kill ")]
+        return {"mode": mode, "exit": p.returncode, **(json.loads(lines[-1]) if lines else {}),
+                "cgroup_peak": int(read("memory.max_usage_in_bytes")),
+                "oom_kills": int(kills[0].split()[1]) if kills else None,
+                "error": p.stderr.strip().splitlines()[-1] if p.returncode and p.stderr.strip() else ""}
+    finally:
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+
+
+def part_bytes(args: argparse.Namespace) -> dict:
+    cfg = _config(args, True)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    shape = _shape(cfg, model)
+    # (the fully offloaded plan: the device holds only what no plan moves)
+    full = plan_activations(shape, args.batch, cfg.seq_len, 4, device=_least(shape, args.batch, cfg.seq_len),
+                            host=0, nvme=1 << 40)
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, stage=2, nvme_path=args.dir,
+                                  offload_activations=zeroshard.ActivationOffload(where="nvme", min_bytes=0))
+    for step in range(2):
+        model(*synthetic_batch(step, args.batch, cfg)).backward()
+        opt.step()
+        opt.zero_grad()
+    measured = opt.placement_report()["activations"]["bytes_moved_last_step"]
+    opt.close()
+    return {"part": "bytes per step", "measured": measured, "predicted": full.moved_per_step,
+            "ratio": measured / max(1, full.moved_per_step), "plan": full.counts()}
+
+
+def _least(shape: ModelShape, batch: int, seq: int) -> int:
+    """The device bytes of the fully offloaded plan (embeddings, logits, one block recomputed)."""
+    from zeroshard.planner.activations import block_activation_elements
+    tokens = batch * seq
+    return (block_activation_elements(shape, tokens, seq, False) * 4 + 2 * tokens * shape.d_model * 4
+            + tokens * shape.vocab * 12)
+
+
+def part_longest(args: argparse.Namespace) -> dict:
+    cfg = _config(args, True)
+    model = TinyGPT(cfg)
+    shape = _shape(cfg, model)
+    budget = int(args.budget_mib * 2**20)
+    before = longest_sequence(shape, args.batch, 4, device=budget, host=0, nvme=0)
+    after = longest_sequence(shape, args.batch, 4, device=budget, host=0, nvme=1 << 40)
+    return {"part": "longest sequence (planner)", "budget": budget, "checkpointing_alone": before,
+            "with_offload": after, "ratio": after / max(1, before)}
+
+
+def part_cgroup(args: argparse.Namespace) -> dict:
+    if os.geteuid() != 0 or not os.path.isdir(CGROUP_ROOT):
+        return {"part": "cgroup", "skipped": f"needs root and cgroup v1 memory control at {CGROUP_ROOT}"}
+    limit = int(args.limit_mib * 2**20)
+    cfg = _config(args, False)
+    shape = _shape(cfg, TinyGPT(cfg))
+    from zeroshard.planner.activations import activation_bytes
+    acts = activation_bytes(shape, args.batch, args.seq_len, 4, checkpointing=False)
+    runs = [_in_cgroup(args, mode, limit) for mode in ("offload", "checkpoint", "plain")]
+    return {"part": "cgroup", "limit": limit, "activations_without_checkpointing": acts,
+            "activations_over_limit": acts / limit, "runs": runs}
+
+
+def gpu_check(args: argparse.Namespace) -> dict:  # pragma: no cover - needs a GPU
+    """Prepared for a GPU session: per-token step time with inputs on the host vs in memory."""
+    if not torch.cuda.is_available():
+        return {"part": "gpu", "skipped": "no CUDA device: not measured"}
+    cfg = GPTConfig(vocab=32000, d_model=2048, n_layers=24, n_heads=16, seq_len=args.gpu_seq_len,
+                    activation_checkpointing=True)
+    out = {}
+    for name, seq, offload in (("in memory", args.gpu_fit_seq_len, None), ("offloaded", args.gpu_seq_len, "cpu")):
+        c = GPTConfig(**{**cfg.__dict__, "seq_len": seq})
+        torch.manual_seed(0)
+        model = TinyGPT(c).cuda().bfloat16()
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-4, stage=2,
+                                      **({"offload_activations": offload} if offload else {}))
+        times = []
+        for step in range(6):
+            x, y = synthetic_batch(step, 1, c)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            model(x.cuda(), y.cuda()).backward()
+            opt.step()
+            opt.zero_grad()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        out[name] = {"seq_len": seq, "step_s": sorted(times[2:])[len(times[2:]) // 2],
+                     "per_token_s": sorted(times[2:])[len(times[2:]) // 2] / seq}
+        opt.close()
+        del model, opt
+        torch.cuda.empty_cache()
+    out["per_token_ratio"] = out["offloaded"]["per_token_s"] / out["in memory"]["per_token_s"]
+    return {"part": "gpu", **out}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--child", choices=("offload", "checkpoint", "plain"))
+    p.add_argument("--dir", default=None, help="directory for the activation files (an NVMe drive)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--limit-mib", type=float, default=900)
+    p.add_argument("--budget-mib", type=float, default=512, help="device budget of part 3")
+    p.add_argument("--parts", default="bytes,longest,cgroup", help="which of bytes, longest, cgroup to run")
+    p.add_argument("--gpu", action="store_true")
+    p.add_argument("--gpu-seq-len", type=int, default=32768)
+    p.add_argument("--gpu-fit-seq-len", type=int, default=8192)
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+    args.dir = args.dir or tempfile.mkdtemp(prefix="zs-act-")
+    if args.gpu:
+        print(json.dumps(gpu_check(args)), flush=True)
+        return
+    parts = {"bytes": part_bytes, "longest": part_longest, "cgroup": part_cgroup}
+    for name in args.parts.split(","):
+        print(json.dumps(parts[name](args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Worker for tests/offload/test_activation_offload*.py: a TinyGPT with dropout trained a few steps
+with and without activation offload, on one rank or several; the gradients of every step and
+the final weights, bit for bit, and what the offload moved."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import replace
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+import zeroshard
+from zeroshard.testing.toy import GPTConfig, TinyGPT, synthetic_batch
+
+CFG = GPTConfig(vocab=64, d_model=32, n_layers=3, n_heads=4, seq_len=16, dropout=0.1)
+BATCH = 4  # global
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def train(stage: int, where: Optional[str], checkpointing: bool, steps: int = 3,
+          directory: Optional[str] = None, **offload: Any) -> dict:
+    """Gradients of each step and the final weights (tensors, this rank), and the offload's report."""
+    cfg = replace(CFG, activation_checkpointing=checkpointing)
+    rank, world = _rank_world()
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    options: dict = {}
+    if where is not None:
+        path = directory or tempfile.mkdtemp(prefix="act-")
+        options["offload_activations"] = zeroshard.ActivationOffload(
+            where=where, path=path if where == "nvme" else None, min_bytes=1024, **offload)
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=stage, **options)
+    torch.manual_seed(1 + rank)  # (dropout differs by rank, the same with and without offload)
+    grads = []
+    for step in range(steps):
+        x, y = synthetic_batch(step, BATCH, cfg)
+        model(x[rank::world], y[rank::world]).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+        opt.zero_grad()
+    report = opt.placement_report().get("activations")
+    memory = opt.memory_report()
+    weights = {n: p.detach().clone() for n, p in zeroshard.full_state_dict(model, rank0_only=False).items()}
+    opt.close()
+    return {"grads": grads, "weights": weights, "report": report, "memory": memory}
+
+
+def predicted_bytes(checkpointing: bool, world: int = 1) -> int:
+    """Bytes a checkpointed TinyGPT step moves off the device: each block's input (fp32)."""
+    tokens = BATCH // world * CFG.seq_len
+    return CFG.n_layers * tokens * CFG.d_model * 4
+
+
+CASES = [(0, "cpu", True), (2, "nvme", False), (3, "nvme", True), (3, "cpu", False)]
+
+
+def parity_on_ranks(rank: int, world: int, out: str) -> None:
+    res: dict = {}
+    for stage, where, ckpt in CASES:
+        want, got = train(stage, None, ckpt), train(stage, where, ckpt)
+        same_grads = all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+                         for a, b in zip(got["grads"], want["grads"]))
+        same_weights = all(torch.equal(got["weights"][k], want["weights"][k]) for k in want["weights"])
+        res[f"{stage}-{where}-{ckpt}"] = {"grads": same_grads, "weights": same_weights,
+                                          "moved": got["report"]["bytes_out_last_step"],
+                                          "back": got["report"]["bytes_in_last_step"]}
+    with open(f"{out}.rank{rank}", "w") as f:
+        json.dump(res, f)
+
+
+if __name__ == "__main__":  # pragma: no cover - a manual run
+    print(json.dumps({k: v for k, v in train(2, "nvme", True)["report"].items()}, indent=1))
+    os._exit(0)

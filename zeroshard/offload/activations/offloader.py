@@ -1,0 +1,288 @@
+"""``ActivationOffloader``: the covered blocks' saved tensors leave the device after their forward
+and come back ahead of their backward (Note [activation offload]).
+
+Note [activation offload]: while the model's forward runs (a forward pre-hook on the module
+the optimizer was given, popped by an always-called forward hook), this object is autograd's
+innermost ``saved_tensors_hooks``. In a covered block's forward (its own pre- and post-hooks
+bracket it) each saved tensor worth moving is held in the block's ``BlockActivations``;
+when the block's forward returns they are copied into one host buffer (the host pool's; pinned
+on a GPU) and, under "nvme", written to one file through the async I/O engine, and the device
+lets go of them. A block run under ``torch.utils.checkpoint(use_reentrant=False)`` saves
+nothing through these hooks inside it (the checkpoint's own hooks are innermost there): what
+the checkpoint keeps is its input, which torch saves through the hooks active at the call,
+ours, just before the block's pre-hook runs; the pre-hook adopts that pending save into the
+block's record, so a checkpointed block's input is what moves. Parameters (and views of
+their storage: the flat units') are never moved, nor tensors under ``min_bytes``, nor ones
+whose bytes do not cover their memory exactly (a copy would change their strides, and
+backward's bits with them). In backward the first unpack of a record waits for it and starts
+bringing back the ``prefetch`` records before it in forward order; the end of the forward
+starts the last ones. Bytes are copied exactly, RNG is not touched (checkpointing keeps its
+own RNG state), so gradients are the same bits as without offload.
+
+Note [activation copies on a GPU]: on CUDA the copies out run on a side stream after the
+compute stream's work so far (``wait_stream``), the source tensors are marked used there
+(``record_stream``), so the caching allocator reuses their memory only after the copy; the
+copies back run on the same stream (ordered after the copy out) and the compute stream waits
+on their event. Not exercised by the CPU test suite: benchmarks/bench_activation_offload.py
+carries the GPU check.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import weakref
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from zeroshard.io.aio_engine import AsyncIO
+from zeroshard.offload.activations.block_record import BlockActivations, RecordState, dense_span
+from zeroshard.offload.activations.options import ActivationOffload
+from zeroshard.stages.stage3.units import _repeated_blocks
+from zeroshard.units.tier import Tier
+
+
+_ACTIVE = [0]  # (how many offloaders' hooks are pushed now: deepspeed.checkpointing leaves the inputs to them)
+
+
+def hooks_active() -> bool:
+    """An activation offloader's hooks are autograd's now (a covered model's forward is running)."""
+    return _ACTIVE[0] > 0
+
+
+class _Saved:
+    """What autograd keeps for a saved tensor we may move: the tensor itself until a block's
+    record adopts it, then the record and the entry."""
+    __slots__ = ("tensor", "record", "index")
+
+    def __init__(self, tensor: Optional[torch.Tensor], record: Optional[BlockActivations] = None,
+                 index: int = 0) -> None:
+        self.tensor, self.record, self.index = tensor, record, index
+
+
+def covered_blocks(model: nn.Module, names: Optional[tuple[str, ...]]) -> dict[int, str]:
+    """id(module) -> qualified name of the blocks to cover: by class or module name, or the model's
+    repeated blocks."""
+    qualified = {id(m): n for n, m in model.named_modules()}
+    if names is None:
+        found = _repeated_blocks(model)
+        if not found:
+            raise ValueError(
+                f"offload_activations: {type(model).__name__} has no repeated blocks (children of a ModuleList or "
+                "Sequential of one class) to cover; name the modules: ActivationOffload(where=..., blocks=(...)) "
+                "with class names or module names from model.named_modules()")
+        return {id(m): qualified[id(m)] for m in found}
+    wanted = set(names)
+    picked = [(n, m) for n, m in model.named_modules() if m is not model and (n in wanted or type(m).__name__ in wanted)]
+    out: dict[int, str] = {}
+    for n, m in picked:  # (pre-order: a module inside one already covered is part of it)
+        if not any(n.startswith(o + ".") for o in out.values()):
+            out[id(m)] = n
+    if not out:
+        classes = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(f"ActivationOffload(blocks={list(names)}) matches no module of {type(model).__name__}; "
+                         f"its module classes are {classes} (or give names from model.named_modules())")
+    return out
+
+
+def _storages(module: nn.Module) -> set[int]:
+    """The storage addresses of ``module``'s parameters that hold memory now (stage 3's released
+    parameters have none)."""
+    out = set()
+    for p in module.parameters():
+        try:
+            out.add(p.untyped_storage().data_ptr())
+        except RuntimeError:  # (an invalid storage: released)
+            pass
+    return out
+
+
+class ActivationOffloader:
+    def __init__(self, options: ActivationOffload, model: nn.Module, rank: int, device: torch.device,
+                 steps_done: Callable[[], int]) -> None:
+        self.options = options
+        self.model = model
+        self.device = device
+        self.blocks = covered_blocks(model, options.blocks)
+        self._steps_done = steps_done
+        self._io: Optional[AsyncIO] = None
+        self.directory: Optional[str] = None
+        if options.tier is Tier.NVME:
+            assert options.path is not None
+            self.directory = os.path.join(str(options.path), f"activations-rank{rank:05d}")
+            os.makedirs(self.directory, exist_ok=True)
+            self._io = AsyncIO()  # (O_DIRECT where the file system takes it: the page cache would hold the bytes moved)
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._lock = threading.Lock()
+        self._hooks_ctx: Optional[torch.autograd.graph.saved_tensors_hooks] = None
+        self._depth = 0
+        self._current: Optional[tuple[nn.Module, BlockActivations]] = None
+        self._pending: list[_Saved] = []
+        self._pass: list[BlockActivations] = []
+        self._pass_refs: list[weakref.ref] = []
+        self._calls = 0
+        self._param_storages: set[int] = set()
+        self._window_step = -1
+        self._out = self._in = 0
+        self.last_step_bytes = (0, 0)
+        """(bytes moved off the device, bytes brought back) in the last whole step."""
+        self.blocks_moved = 0
+        self._handles: list[RemovableHandle] = [
+            model.register_forward_pre_hook(self._model_pre),
+            model.register_forward_hook(self._model_post, always_call=True)]
+        for m in model.modules():
+            if id(m) in self.blocks:
+                self._handles.append(m.register_forward_pre_hook(self._block_pre))
+                self._handles.append(m.register_forward_hook(self._block_post, always_call=True))
+
+    # -- the model's forward ---------------------------------------------------------------------
+    def _model_pre(self, module: nn.Module, args: tuple) -> None:
+        if not torch.is_grad_enabled():
+            return
+        self._depth += 1
+        if self._depth > 1:
+            return
+        steps = self._steps_done()
+        if steps != self._window_step:
+            if self._window_step >= 0:
+                self.last_step_bytes = (self._out, self._in)
+            self._window_step, self._out, self._in = steps, 0, 0
+        self._param_storages = _storages(self.model)
+        self._pass = []
+        self._pass_refs = []  # (weak: a record must go with the graph that holds it)
+        self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks_ctx.__enter__()
+        _ACTIVE[0] += 1
+
+    def _model_post(self, module: nn.Module, args: tuple, output: object) -> None:
+        if self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth:
+            return
+        ctx, self._hooks_ctx = self._hooks_ctx, None
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+            _ACTIVE[0] -= 1
+        self._pending = []
+        self._current = None
+        records, self._pass = self._pass, []
+        try:
+            for r in records:
+                r.written(wait=True)
+        except RuntimeError:
+            for r in records:
+                r.discard()
+            raise
+        for r in records[-self.options.prefetch:]:
+            r.prefetch(self._io)
+
+    # -- a covered block's forward ---------------------------------------------------------------
+    def _block_pre(self, module: nn.Module, args: tuple) -> None:
+        if self._depth == 0 or self._current is not None:  # (recomputation in backward; a block inside one)
+            return
+        self._calls += 1
+        record = BlockActivations(self.blocks[id(module)], self._calls, self.device, self._stream)
+        self._param_storages |= _storages(module)  # (stage 3: gathered by now)
+        inputs = [a for a in args if isinstance(a, torch.Tensor)]
+        for saved in self._pending:  # (a checkpoint's input, saved just before this call)
+            t = saved.tensor
+            if t is not None and any(t.data_ptr() == a.data_ptr() and t.shape == a.shape for a in inputs):
+                saved.record, saved.index, saved.tensor = record, record.add(t), None
+        self._pending = []
+        self._current = (module, record)
+
+    def _block_post(self, module: nn.Module, args: tuple, output: object) -> None:
+        if self._current is None or self._current[0] is not module:
+            return
+        record = self._current[1]
+        self._current = None
+        self._pending = []
+        if not record.entries:
+            return
+        record.neighbours, record.position = self._pass_refs, len(self._pass)
+        self._pass.append(record)
+        self._pass_refs.append(weakref.ref(record))
+        try:
+            record.move_out(self._io, self.directory)
+            # (writes in flight are bounded: each holds a staging buffer of its block)
+            for r in self._pass[:-self.options.prefetch]:
+                r.written(wait=True)
+        except RuntimeError:
+            for r in self._pass:
+                r.discard()
+            self._pass = []
+            raise
+        self._out += record.moved
+        self.blocks_moved += 1
+
+    # -- autograd's hooks ------------------------------------------------------------------------
+    def _worth_moving(self, t: torch.Tensor) -> bool:
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type != self.device.type:
+            return False  # (parameters are nn.Parameter; subclasses and sparse tensors stay)
+        if t.numel() * t.element_size() < self.options.min_bytes or not dense_span(t):
+            return False
+        base = t._base
+        return not isinstance(base, nn.Parameter) and t.untyped_storage().data_ptr() not in self._param_storages
+
+    def _pack(self, t: torch.Tensor) -> object:
+        if not self._worth_moving(t):
+            return t
+        if self._current is None:
+            saved = _Saved(t)
+            self._pending.append(saved)
+            return saved
+        record = self._current[1]
+        return _Saved(None, record, record.add(t))
+
+    def _unpack(self, saved: object) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
+        assert isinstance(saved, _Saved)
+        record = saved.record
+        if record is None:
+            assert saved.tensor is not None
+            return saved.tensor
+        first = record.state is RecordState.OUT or record.state is RecordState.LOADING
+        try:
+            out = record.tensor(saved.index, self._io)
+        except RuntimeError:  # (the backward is abandoned: its pass's files go now, not when the graph does)
+            for ref in record.neighbours:
+                r = ref()
+                if r is not None:
+                    r.abandon()
+            raise
+        if first:
+            with self._lock:
+                self._in += record.moved
+            for ref in record.neighbours[max(0, record.position - self.options.prefetch):record.position]:
+                r = ref()
+                if r is not None:
+                    r.prefetch(self._io)
+        return out
+
+    # -- reports and lifetime --------------------------------------------------------------------
+    def report(self) -> dict:
+        """What activation offload did: where, the blocks covered, bytes moved in the last whole
+        step (off the device and back) and so far in this one."""
+        last, now = self.last_step_bytes, (self._out, self._in)
+        if self._window_step >= 0 and self._steps_done() != self._window_step:  # (a step ended since the forward)
+            last, now = now, (0, 0)
+        return {"where": self.options.where, "blocks": sorted(set(self.blocks.values())),
+                "prefetch": self.options.prefetch, "directory": self.directory,
+                "bytes_out_last_step": last[0], "bytes_in_last_step": last[1], "bytes_moved_last_step": sum(last),
+                "bytes_out_this_step": now[0], "bytes_in_this_step": now[1]}
+
+    def remove(self) -> None:
+        """Detaches from the model and closes the I/O engine; the activation files go with it."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self._io is not None:
+            self._io.close()
+            self._io = None
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)

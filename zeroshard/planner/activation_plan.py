@@ -1,0 +1,167 @@
+"""``ActivationPlan``: per block, where a micro-batch's activations wait for backward, within what
+memory the state leaves (Note [planning activations]).
+
+Note [planning activations]: each block can keep its saved tensors on the device ("keep"), be
+checkpointed and keep only its input ("checkpoint"), or be checkpointed with its input moved to
+host memory ("host") or to NVMe ("nvme"; offload_activations, Note [activation offload] in
+zeroshard/offload/activations/offloader.py). What stays on the device whatever the plan: the
+embeddings' and logits' activations, and one block's saved tensors while it is recomputed
+(once any block is checkpointed). The blocks of a decoder are alike, so a plan is four counts;
+every split is tried and the one with the least predicted extra time per step kept: a recompute
+costs the block's forward (2 x block parameters x tokens FLOPs at ``flops``), a move the input's
+bytes twice (out and back) at the link's bandwidth. A budget that cannot hold even the plan
+with every input on NVMe is refused naming the longest sequence, and the smallest device
+budget, that fit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from zeroshard.planner.activations import block_activation_elements
+from zeroshard.planner.model_shape import ModelShape
+
+if TYPE_CHECKING:
+    from zeroshard.planner.estimate import Plan
+
+PLACES = ("keep", "checkpoint", "host", "nvme")
+
+
+@dataclass(frozen=True)
+class Links:
+    """What a recompute and a move cost (defaults: an H100-class GPU, PCIe 4 x16, one NVMe drive)."""
+
+    flops: float = 300e12
+    host_bandwidth: float = 20e9
+    nvme_bandwidth: float = 3e9
+
+
+@dataclass(frozen=True)
+class ActivationPlan:
+    blocks: tuple[str, ...]
+    """Per block, in order: one of ``PLACES``."""
+    device_bytes: int
+    host_bytes: int
+    nvme_bytes: int
+    moved_per_step: int
+    """Bytes moved off the device and back per micro-batch (2 x the inputs offloaded)."""
+    extra_seconds: float
+    """Predicted time added per micro-batch: recomputes and moves."""
+
+    def counts(self) -> dict[str, int]:
+        return {p: self.blocks.count(p) for p in PLACES if p in self.blocks}
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{n} {p}" for p, n in self.counts().items())
+        return (f"{parts}; device {self.device_bytes / 2**30:.2f} GiB, host {self.host_bytes / 2**30:.2f} GiB, "
+                f"NVMe {self.nvme_bytes / 2**30:.2f} GiB, moved per step {self.moved_per_step / 2**30:.2f} GiB")
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    block: int
+    """One block's saved tensors (bytes)."""
+    input: int
+    """One block's input (bytes): what a checkpoint keeps."""
+    fixed: int
+    """Embeddings' and logits' activations (bytes): on the device whatever the plan."""
+    recompute: float
+    """Seconds to recompute one block's forward."""
+
+
+def _sizes(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int, links: Links,
+           eager_attention: bool) -> _Sizes:
+    tokens = micro_batch * seq_len
+    block = block_activation_elements(shape, tokens, seq_len, eager_attention) * act_bytes
+    fixed = 2 * tokens * shape.d_model * act_bytes + tokens * shape.vocab * (act_bytes + 8)
+    return _Sizes(block, tokens * shape.d_model * act_bytes, fixed, 2 * shape.block_params * tokens / links.flops)
+
+
+def _best(s: _Sizes, n_layers: int, device: int, host: int, nvme: int, links: Links) -> Optional[ActivationPlan]:
+    best: Optional[ActivationPlan] = None
+    for keep in range(n_layers, -1, -1):
+        rest = n_layers - keep
+        working = s.fixed + keep * s.block + (s.block if rest else 0)
+        if working > device:
+            continue
+        ckpt = min(rest, (device - working) // max(1, s.input))
+        moved = rest - ckpt
+        on_host = min(moved, host // max(1, s.input))
+        on_nvme = moved - on_host
+        if on_nvme * s.input > nvme:
+            continue
+        seconds = (rest * s.recompute + on_host * 2 * s.input / links.host_bandwidth
+                   + on_nvme * 2 * s.input * (1 / links.nvme_bandwidth + 1 / links.host_bandwidth))
+        plan = ActivationPlan(("keep",) * keep + ("checkpoint",) * ckpt + ("host",) * on_host + ("nvme",) * on_nvme,
+                              working + ckpt * s.input, on_host * s.input, on_nvme * s.input,
+                              2 * moved * s.input, seconds)
+        if best is None or plan.extra_seconds < best.extra_seconds:
+            best = plan
+    return best
+
+
+def plan_activations(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int, *, device: int,
+                     host: int, nvme: int = 0, links: Links = Links(), eager_attention: bool = False) -> ActivationPlan:
+    """The plan with the least extra time per micro-batch of ``micro_batch x seq_len`` that fits
+    ``device`` / ``host`` / ``nvme`` bytes (what the state leaves); a ValueError naming the longest
+    sequence and the smallest device budget that fit when none does."""
+    for name, value in (("micro_batch", micro_batch), ("seq_len", seq_len), ("act_bytes", act_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an int >= 1")
+    s = _sizes(shape, micro_batch, seq_len, act_bytes, links, eager_attention)
+    found = _best(s, shape.n_layers, device, host, nvme, links)
+    if found is not None:
+        return found
+    smallest = s.fixed + s.block + max(0, shape.n_layers * s.input - host - nvme)
+    longest = longest_sequence(shape, micro_batch, act_bytes, device=device, host=host, nvme=nvme, links=links,
+                               eager_attention=eager_attention, below=seq_len)
+    fits = (f"the longest sequence that fits is {longest} tokens" if longest else
+            "no sequence fits (the embeddings and one block's tensors alone are over it)")
+    raise ValueError(
+        f"activations of a micro-batch of {micro_batch} x {seq_len} tokens do not fit {device / 2**30:.2f} GiB of "
+        f"device memory even with every block checkpointed and its input offloaded (host {host / 2**30:.2f} GiB, "
+        f"NVMe {nvme / 2**30:.2f} GiB): {fits}; at {seq_len} tokens the device needs at least "
+        f"{smallest / 2**30:.2f} GiB for activations")
+
+
+def longest_sequence(shape: ModelShape, micro_batch: int, act_bytes: int, *, device: int, host: int,
+                     nvme: int = 0, links: Links = Links(), eager_attention: bool = False,
+                     below: int = 1 << 24) -> int:
+    """The longest sequence (< ``below``) whose activations have a plan within the budgets; 0 if none."""
+    def fits(seq: int) -> bool:
+        s = _sizes(shape, micro_batch, seq, act_bytes, links, eager_attention)
+        return _best(s, shape.n_layers, device, host, nvme, links) is not None
+    low, high = 0, below
+    while high - low > 1:  # (memory grows with the sequence: the largest that fits, by bisection)
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def for_estimate(result: "Plan") -> dict:
+    """The activation plan beside ``zeroshard estimate``'s table: for the cheapest choice whose
+    state fits (activations left out), within the memory that state leaves per rank."""
+    hw, w, shape = result.hardware, result.workload, result.shape
+    states_fit = [e for e in result.estimates
+                  if e.gpu_states.model_states + e.gpu_states.buffers <= hw.gpu_memory * hw.usable_fraction
+                  and e.cpu_total <= hw.cpu_memory * hw.usable_fraction and e.nvme_total <= hw.nvme]
+    if not states_fit:
+        return {"config": None, "error": "no choice holds the state itself"}
+    e = min(states_fit, key=lambda x: (round(x.choice.relative_cost, 6), x.gpu_total))
+    per_rank = max(1, hw.n_gpus)
+    device = int(hw.gpu_memory * hw.usable_fraction) - e.gpu_states.model_states - e.gpu_states.buffers
+    host = max(0, int(hw.cpu_memory * hw.usable_fraction) - e.cpu_total) // per_rank
+    nvme = max(0, hw.nvme - e.nvme_total) // per_rank
+    layers = max(1, shape.n_layers // w.pp)
+    staged = ModelShape(shape.n_params, layers, shape.d_model, shape.n_heads, shape.vocab, shape.d_ff,
+                        shape.name, shape.block_numel)
+    out: dict = {"config": e.choice.zero_kwargs(), "micro_batch": w.micro_batch, "seq_len": w.seq_len,
+                 "device_left": device, "host_left": host, "nvme_left": nvme}
+    try:
+        p = plan_activations(staged, w.micro_batch, w.seq_len, w.param_bytes, device=device, host=host, nvme=nvme,
+                             eager_attention=w.eager_attention)
+    except ValueError as exc:
+        return {**out, "error": str(exc)}
+    return {**out, "blocks": p.counts(), "device_bytes": p.device_bytes, "host_bytes": p.host_bytes,
+            "nvme_bytes": p.nvme_bytes, "moved_per_step": p.moved_per_step, "summary": p.summary(),
+            "offload_activations": ("nvme" if p.nvme_bytes else "cpu") if p.moved_per_step else None}
