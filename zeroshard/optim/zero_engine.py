@@ -18,6 +18,7 @@ from torch import nn
 
 from zeroshard.layout import Segment
 
+from zeroshard.comm.codecs.link_codecs import LinkCodecs
 from zeroshard.comm.mesh import MeshInfo
 from zeroshard.comm.process_group import Comm
 from zeroshard.comm.tensor_parallel import TensorParallel
@@ -79,6 +80,9 @@ class Engine:
     the teardown removes the hooks)."""
     user_groups: list[dict]
     """The param groups torch code sees (the facade's ``param_groups``), as built."""
+    codecs: LinkCodecs
+    """Quantized collectives: codecs per link, gradient residuals, per-step errors (Note
+    [quantized collectives] in zeroshard/comm/codecs/coded.py)."""
     # state
     closed: bool = False
     ready: bool = False

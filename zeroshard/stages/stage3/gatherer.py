@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from zeroshard.comm import Comm
+from zeroshard.comm.codecs.link_codecs import LinkCodecs
 from zeroshard.io.buffers import held_bytes
 from zeroshard.units.flat_unit import FlatUnit, alloc_storage, free_storage, is_allocated
 from zeroshard.comm.tensor_parallel import as_sharded_parameter, local_of
@@ -75,13 +76,17 @@ __all__ = ["ParameterGatherer", "Stage3UsageError", "UnitState"]
 
 class ParameterGatherer:
     def __init__(self, units: Sequence[FlatUnit], modules: Sequence[Optional[nn.Module]],
-                 model: nn.Module, comm: Comm, max_live: int) -> None:
+                 model: nn.Module, comm: Comm, max_live: int, codecs: Optional[LinkCodecs] = None) -> None:
         if max_live < 1:
             raise ValueError(f"max_live_units={max_live} must be >= 1")
         self.units = list(units)
         self.modules = list(modules)
         self.model = model
         self.comm = comm
+        self.codecs = codecs
+        """Gathers through the weight codec of ``comm``'s link, if any (Note [quantized collectives]
+        in zeroshard/comm/codecs/coded.py): then no gather lends the shard, whose exact values
+        the decoded ones must not overwrite."""
         self.max_live = max_live
         # Units of one module (its trainable and frozen units: Note [frozen units] in frozen.py)
         # are gathered and released together: a *group*. Group order follows the modules.
@@ -183,7 +188,8 @@ class ParameterGatherer:
                 "built on the meta device. Load weights with zeroshard.load_safetensors(model, path) "
                 "or initialise them with zeroshard.init_meta_weights(model) before the first forward.")
         unit.await_step(whole=self._waits_whole_step(unit))  # (Note [overlapped step])
-        if self.secondary is None and can_lend(unit, self.comm.world_size):  # Note [gather by alias]
+        quantized = self.codecs is not None and self.codecs.weights(self.comm.dimension) is not None
+        if self.secondary is None and not quantized and can_lend(unit, self.comm.world_size):  # Note [gather by alias]
             lend(unit.flat, unit.shard)
             self._states.reserve(ui, lent=True)
             self._states.launch(ui, self.comm.gather_shards(unit.flat))  # (one rank: nothing to wait for)
@@ -212,7 +218,7 @@ class ParameterGatherer:
             swap.finish_gather(unit, unit.flat[lo:hi], backward=in_backward())
         else:
             unit.flat[lo:hi].copy_(unit.shard)
-        self._states.launch(ui, self.comm.gather_shards(unit.flat))
+        self._states.launch(ui, self.comm.gather_shards(unit.flat, self.codecs))
 
     def _waits_whole_step(self, unit: FlatUnit) -> bool:
         """A unit the parameter cache keeps waits for the whole step in flight: the cache and
