@@ -36,6 +36,7 @@ CELLS4 = [
                                  **Q_INTER}, STEPS),
     ("tiny2-int4", "tiny", "flat-2", {"grad_codec": "int4"}, 3),
     ("tiny3-q", "tiny", "flat-3", {"weight_codec": "fp8", "grad_codec": "bf16"}, 3),
+    ("frozen3-q", "tiny_frozen", "flat-3", {"weight_codec": "int8", "grad_codec": "int8"}, 3),
 ]
 CELLS3 = [
     ("flat3", "gpt2", "flat-3", {}, STEPS),
@@ -44,6 +45,7 @@ CELLS3 = [
     ("flat3-q", "gpt2", "flat-3", {"weight_codec": "bf16", "grad_codec": "int8"}, STEPS),
     ("tiny3-q", "tiny", "flat-3", {"weight_codec": "int8", "grad_codec": "int4", "codec_block": 2}, 3),
 ]
+RESUME = {"grad_codec": "int4", "codec_block": 32, "grad_error_feedback": True}
 CELLS4_BY_NAME = {c[0]: c[3] for c in CELLS4}
 CELLS3_BY_NAME = {c[0]: c[3] for c in CELLS3}
 CONTROL = ("grad_flags", "flag", "norm", "all_gather_object", "broadcast_object", "broadcast")
@@ -51,7 +53,8 @@ CONTROL = ("grad_flags", "flag", "norm", "all_gather_object", "broadcast_object"
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
-    return run_ranks(qw.train_worker, 4, tmp_path_factory.mktemp("q4"), CELLS4)
+    d = tmp_path_factory.mktemp("q4")
+    return run_ranks(qw.train_worker, 4, d, CELLS4, (str(d / "ckpt"), 2, RESUME))
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +102,12 @@ def test_odd_world_and_tiny_parameters_train_through_codecs(three, name):
     _same_on_every_rank(three, name)
 
 
-def test_tiny_parameters_at_4_ranks(four):
-    for name in ("tiny2-int4", "tiny3-q"):
+def test_tiny_parameters_and_frozen_bases_at_4_ranks(four):
+    frozen, trained = four[0]["frozen3-q"], four[0]["tiny3-q"]
+    initial = qw.Tiny().a.weight.detach().flatten().tolist()
+    assert frozen["weights"]["a.weight"] == initial != trained["weights"]["a.weight"]  # (exact: the shard is)
+    assert frozen["report"]["all_gather[int8]"]["calls"] > 0 and "weights@dp" in frozen["errors"]
+    for name in ("tiny2-int4", "tiny3-q", "frozen3-q"):
         _same_on_every_rank(four, name)
         assert all(x == x for x in four[0][name]["losses"])
         assert any("[" in k for k in four[0][name]["report"]), four[0][name]["report"]
@@ -138,10 +145,8 @@ def test_inter_node_bytes_per_codec_equal_the_formula_and_cut_to_030(four, name,
     assert hpz_full == inter_node_bytes("hpz", 3, 2, 2, [tuple(u) for u in four[0]["hpz3"]["units"]], None, None)
 
 
-def test_resume_with_error_feedback_is_bitwise(tmp_path):
-    ranks = run_ranks(qw.resume_worker, 2, tmp_path, str(tmp_path / "ckpt"), 2,
-                      {"grad_codec": "int4", "codec_block": 32, "grad_error_feedback": True})
-    for r in ranks:
+def test_resume_with_error_feedback_is_bitwise(four):
+    for r in (x["resume"] for x in four):
         assert r["residuals"] and max(r["residuals"].values()) > 0, r
         assert r["equal"], "resume with the saved residuals differs from the uninterrupted run"
         assert r["differs_without"], "dropping the residuals changed nothing: the test cannot see them"

@@ -4,7 +4,7 @@ and codec, with tiny parameters; the bytes per link per codec; a bitwise resume 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -28,6 +28,8 @@ class Tiny(torch.nn.Module):
 def _run(kind: str, kwargs: dict, rank: int, world: int, steps: int) -> dict:
     torch.manual_seed(0)
     model = gpt2() if kind == "gpt2" else Tiny()
+    if kind == "tiny_frozen":  # a frozen base (Note [frozen units]): gathered through the codec too
+        model.a.requires_grad_(False)
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, **kwargs)
     per = max(1, GLOBAL_BATCH // world)
     losses, reports = [], {}
@@ -54,9 +56,13 @@ def _run(kind: str, kwargs: dict, rank: int, world: int, steps: int) -> dict:
     return out
 
 
-def train_worker(rank: int, world: int, out_path: str, cells: list[tuple[str, str, int, dict, int]]) -> None:
-    """Each cell: (name, model, stage/scope spec, codec kwargs, steps)."""
-    results = {}
+def train_worker(rank: int, world: int, out_path: str, cells: list[tuple[str, str, int, dict, int]],
+                 resume: Optional[tuple[str, int, dict]] = None) -> None:
+    """Each cell: (name, model, stage/scope spec, codec kwargs, steps); then ``_resume``'s
+    run where ``resume`` gives its (checkpoint directory, stage, codec kwargs)."""
+    results: dict[str, Any] = {}
+    if resume is not None:
+        results["resume"] = _resume(rank, world, *resume)
     for name, kind, spec, codec_kwargs, steps in cells:
         scope, stage = spec.split("-")[0], int(spec.split("-")[1])
         kwargs = {**(scope_kwargs(scope, stage) if world == 4 else {"stage": stage}), **codec_kwargs}
@@ -65,7 +71,7 @@ def train_worker(rank: int, world: int, out_path: str, cells: list[tuple[str, st
         json.dump(results, f)
 
 
-def resume_worker(rank: int, world: int, out_path: str, ckpt: str, stage: int, codec_kwargs: dict) -> None:
+def _resume(rank: int, world: int, ckpt: str, stage: int, codec_kwargs: dict) -> dict:
     """3 steps, save, 3 more; a fresh optimizer loads the step-3 checkpoint and does the same 3:
     the weights must agree bit for bit (the residuals of error feedback are in the checkpoint)."""
     def fresh() -> tuple[Any, Any]:
@@ -97,8 +103,9 @@ def resume_worker(rank: int, world: int, out_path: str, ckpt: str, stage: int, c
     out = {"equal": all(torch.equal(a[n], b[n]) for n in a), "residuals": residuals,
            "differs_without": any(not torch.equal(a[n], c[n]) for n in a),
            "accumulated_error": _accumulated_error(o1.engine.mesh.comm, rank)}
-    with open(f"{out_path}.rank{rank}", "w") as f:
-        json.dump(out, f)
+    for o in (o1, o2, o3):
+        o.close()
+    return out
 
 
 def _accumulated_error(comm: Any, rank: int, rounds: int = 20) -> dict[str, float]:

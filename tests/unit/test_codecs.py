@@ -105,3 +105,52 @@ def test_decoding_is_deterministic_bytes_for_bytes() -> None:
         codec.encode(x, a)
         codec.encode(x.clone(), b)
         assert torch.equal(a, b), codec.name
+
+
+def test_codec_options_refuse_what_they_cannot_do():
+    from zeroshard.config import ZeroConfig
+    with pytest.raises(ValueError, match="stage=3"):
+        ZeroConfig(stage=2, weight_codec="int8")
+    with pytest.raises(ValueError, match="gradients only"):
+        ZeroConfig(stage=3, weight_codec="int4")
+    with pytest.raises(ValueError, match="grad_codec"):
+        ZeroConfig(stage=2, grad_error_feedback=True)
+    with pytest.raises(ValueError, match="codec_links"):
+        ZeroConfig(stage=2, grad_codec="int8", codec_links="intra")
+    with pytest.raises(ValueError, match="codec_block"):
+        ZeroConfig(stage=2, grad_codec="int8", codec_block=7)
+    c = ZeroConfig(stage=3, weight_codec="fp8", grad_codec="int4", codec_links="inter_node", codec_block=64).codecs
+    assert (c.weights, c.grads, c.block) == ("fp8", "int4", 64)
+    assert c.applies_to("replicate") and c.applies_to("dp") and not c.applies_to("shard")
+
+
+def test_deepspeed_zeropp_keys_map_to_codecs_and_hpz():
+    from zeroshard.train.deepspeed_config import translate
+    zero = {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
+            "zero_hpz_partition_size": 2}
+    plan = translate({"zero_optimization": zero}, world_size=4)
+    assert (plan.zero["weight_codec"], plan.zero["grad_codec"], plan.zero["hpz"]) == ("int8", "int4", True)
+    assert plan.hpz_partition_size == 2
+    off = translate({"zero_optimization": {"stage": 3, "zero_quantized_weights": False,
+                                           "zero_hpz_partition_size": 1}}, world_size=4)
+    assert "weight_codec" not in off.zero and off.hpz_partition_size is None
+    with pytest.raises(ValueError, match="weight_codec='int8' quantizes stage 3"):
+        translate({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}}, world_size=2)
+    with pytest.raises(ValueError, match="zero_hpz_partition_size"):  # (below stage 3: reported by name)
+        translate({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}}, world_size=4)
+    with pytest.raises(ValueError, match="true or false"):
+        translate({"zero_optimization": {"stage": 3, "zero_quantized_gradients": 1}}, world_size=2)
+
+
+def test_an_overflowing_step_does_not_poison_the_residual():
+    """fp16: a step with inf gradients is skipped; its residual must not carry inf into the next."""
+    from zeroshard.comm.codecs import CollectiveCodecs, LinkCodecs
+    from zeroshard.comm.codecs.coded import _encode_chunks
+    codecs = LinkCodecs(CollectiveCodecs(grads="int8", block=16, error_feedback=True))
+    r = codecs.residual("u", 64, torch.device("cpu"))
+    x = torch.randn(64)
+    _encode_chunks(Int8Codec(block=16), x, 2, r, codecs, "dp")
+    assert r.abs().max() > 0
+    x[3] = float("inf")
+    _encode_chunks(Int8Codec(block=16), x, 2, r, codecs, "dp")
+    assert torch.equal(r, torch.zeros(64))

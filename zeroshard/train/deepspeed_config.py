@@ -461,7 +461,7 @@ def translate(config: Union[None, str, os.PathLike, Mapping], world_size: int = 
     unsupported: list[str] = []
     precision, scaler = _precision(r)
     zero = {**_zero(r, precision), "mixed_precision": precision, **scaler}
-    zeropp, hpz_size = zeropp_options(r.get, world_size)
+    zeropp, hpz_size = zeropp_options(r.get, r.used.discard, world_size, zero["stage"])
     zero.update(zeropp)
     comm_dtype = r.get("communication_data_type", None, override="reduce_dtype")
     if comm_dtype is not None:

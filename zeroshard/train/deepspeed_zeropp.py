@@ -8,8 +8,9 @@
 - ``zero_optimization.zero_hpz_partition_size: k`` (hpZ) -> ``hpz=True`` on a (world / k, k)
   mesh, built by ``hpz_mesh`` where the optimizer is built (1: off, as in DeepSpeed).
 
-``false`` and 1 are accepted and change nothing. (Before: all three were refused as
-unsupported keys.)
+``false`` and 1 are accepted and change nothing; a partition size > 1 below stage 3, or one
+that does not divide the world into several nodes, is reported as unsupported by name. (Before:
+all three keys were refused as unsupported.)
 """
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ import torch.distributed as dist
 _KEYS = ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")
 
 
-def zeropp_options(get: Callable[[str, object], object], world_size: int) -> tuple[dict, Optional[int]]:
+def zeropp_options(get: Callable[[str, object], object], unmark: Callable[[str], None], world_size: int,
+                   stage: int) -> tuple[dict, Optional[int]]:
     """(ZeroOptimizer options, hpZ partition size or None) from the config; ``get(path, default)``
-    reads a key and marks it used."""
+    reads a key and marks it used, ``unmark(path)`` leaves it to be reported as unsupported: an
+    hpZ partition below stage 3 (DeepSpeed's hpZ is stage 3's) or one that does not divide the world."""
     out: dict[str, Union[str, bool]] = {}
     for key, codec_key, codec in (("zero_quantized_weights", "weight_codec", "int8"),
                                   ("zero_quantized_gradients", "grad_codec", "int4")):
@@ -38,9 +41,9 @@ def zeropp_options(get: Callable[[str, object], object], world_size: int) -> tup
                          "1: hpZ off)")
     if k == 1:
         return out, None
-    if world_size % k:
-        raise ValueError(f"zero_optimization.zero_hpz_partition_size={k} does not divide the world size "
-                         f"{world_size}: it is the number of ranks per node")
+    if stage != 3 or world_size % k or world_size == k:
+        unmark("zero_optimization.zero_hpz_partition_size")
+        return out, None
     out["hpz"] = True
     return out, k
 

@@ -83,7 +83,15 @@ def _encode_chunks(codec: Codec, x: torch.Tensor, parts: int, residual: Optional
         if residual is not None:
             residual[i * n:(i + 1) * n].copy_(err)
     codecs.record("grads", dimension, worst)
+    _keep_finite(residual)
     return send
+
+
+def _keep_finite(residual: Optional[torch.Tensor]) -> None:
+    """An overflowing step (fp16: skipped by the loss scaler) leaves inf/NaN in its residual;
+    carried on, it would make every later step overflow too. It restarts at zero instead."""
+    if residual is not None and not bool(torch.isfinite(residual).all()):
+        residual.zero_()
 
 
 def gather(comm: Group, full: torch.Tensor, codec: Codec, codecs: "LinkCodecs", what: str = "weights",
@@ -102,6 +110,7 @@ def gather(comm: Group, full: torch.Tensor, codec: Codec, codecs: "LinkCodecs", 
         back = torch.empty_like(x)
         codec.decode(send, back)
         residual.copy_(x - back)
+        _keep_finite(residual)
     recv = torch.empty(w * eb, dtype=torch.uint8, device=full.device)
     comm._count(f"{kind}[{codec.name}]", w * eb)
     work = all_gather_single(recv, send, group=comm.group, async_op=True)
