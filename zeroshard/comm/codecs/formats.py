@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 from typing import ClassVar, Optional
 
 import torch
@@ -151,9 +152,31 @@ class _ScaledCodec(Codec):
         raise NotImplementedError
 
 
+def _int8_kernel(*tensors: torch.Tensor) -> Optional[ModuleType]:
+    """The CPU kernel's module (csrc/adam/codec_int8.cpp) where it takes these tensors: CPU,
+    contiguous, float32 values; else None (the torch path, which it equals bit for bit)."""
+    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) or tensors[0].dtype != torch.float32:
+        return None
+    from zeroshard.ops._loader import REGISTRY
+    module = REGISTRY.cpu().module
+    return module if module is not None and hasattr(module, "int8_encode") else None
+
+
 @dataclass(frozen=True)
 class Int8Codec(_ScaledCodec):
     name: ClassVar[str] = "int8"
+
+    def encode(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        kernel = _int8_kernel(x, out)
+        if kernel is None:
+            return super().encode(x, out)
+        kernel.int8_encode(x.reshape(-1), out, self.block)
+
+    def decode(self, buf: torch.Tensor, out: torch.Tensor) -> None:
+        kernel = _int8_kernel(out, buf)
+        if kernel is None:
+            return super().decode(buf, out)
+        kernel.int8_decode(buf, out, self.block)
 
     def _pack(self, v: torch.Tensor, payload: torch.Tensor) -> None:
         payload.view(torch.int8).copy_(v.round_().view(-1))
