@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB, SEQ, N_SEQ, BATCH = 64, 16, 2400, 8
 
 
-def configs(world: int) -> list[tuple[str, dict]]:
+def configs(world: int, specs: list[str]) -> list[tuple[str, dict]]:
+    from zeroshard.comm.codecs.options import codec_kwargs
     out = [("fp32", {}),
            ("qwZ int8 + qgZ int8", {"weight_codec": "int8", "grad_codec": "int8"}),
            ("qwZ int8 + qgZ int4, error feedback", {"weight_codec": "int8", "grad_codec": "int4",
@@ -35,6 +36,7 @@ def configs(world: int) -> list[tuple[str, dict]]:
            ("qwZ int8 + qgZ int4, no feedback", {"weight_codec": "int8", "grad_codec": "int4"}),
            ("qwZ fp8 + qgZ int8, CPU offload", {"weight_codec": "fp8", "grad_codec": "int8",
                                                 "offload_optimizer": "cpu"})]
+    out += [(f"--codec {c}", codec_kwargs(c)) for c in specs]
     if world == 4:
         out += [("hpZ fp32", {"hpz": True}),
                 ("hpZ + qwZ int8 + qgZ int4 EF, inter-node", {"hpz": True, "weight_codec": "int8", "grad_codec": "int4",
@@ -54,14 +56,14 @@ def data() -> Any:
     return seqs
 
 
-def worker(rank: int, world: int, out_path: str, steps: int) -> None:
+def worker(rank: int, world: int, out_path: str, steps: int, specs: list[str]) -> None:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import zeroshard
     seqs = data()
     results = {}
-    for name, kwargs in configs(world):
+    for name, kwargs in configs(world, specs):
         torch.manual_seed(0)
         model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4,
                                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
@@ -89,11 +91,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, default=2, choices=(2, 4))
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--codec", action="append", default=[],
+                    help="add a configuration: a codec spec (zeroshard.comm.codecs.options.codec_kwargs), "
+                         "e.g. 'weights=fp8,grads=int8,feedback'")
     args = ap.parse_args()
     from zeroshard.testing.launch import spawn
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "res")
-        spawn(worker, args.world_size, out, args.steps)
+        spawn(worker, args.world_size, out, args.steps, args.codec)
         ranks = [json.load(open(f"{out}.rank{r}")) for r in range(args.world_size)]
     tail = 20
 
@@ -101,7 +106,7 @@ def main() -> None:
         return sum(sum(r[name]["losses"][-tail:]) / tail for r in ranks) / len(ranks)
     print(f"world {args.world_size}, {args.steps} steps; final loss = mean of the last {tail} steps over ranks")
     print(f"{'configuration':45s} {'first':>7s} {'final':>7s} {'vs fp32':>8s}  largest error of the last step")
-    for name, _ in configs(args.world_size):
+    for name, _ in configs(args.world_size, args.codec):
         base = "hpZ fp32" if name.startswith("hpZ") else "fp32"
         ratio = final(name) / final(base)
         print(f"{name:45s} {ranks[0][name]['losses'][0]:7.4f} {final(name):7.4f} {ratio:8.4f}  "

@@ -154,3 +154,15 @@ def test_an_overflowing_step_does_not_poison_the_residual():
     x[3] = float("inf")
     _encode_chunks(Int8Codec(block=16), x, 2, r, codecs, "dp")
     assert torch.equal(r, torch.zeros(64))
+
+
+def test_codec_spec_of_a_launcher_becomes_optimizer_options():
+    from zeroshard.comm.codecs.options import codec_kwargs
+    assert codec_kwargs("none") == {}
+    assert codec_kwargs("weights=int8,grads=int4,links=inter_node,block=64,feedback") == {
+        "weight_codec": "int8", "grad_codec": "int4", "codec_links": "inter_node", "codec_block": 64,
+        "grad_error_feedback": True}
+    with pytest.raises(ValueError, match="gradients only"):
+        codec_kwargs("weights=int4")
+    with pytest.raises(ValueError, match="speed=3"):
+        codec_kwargs("grads=int8,speed=3")

@@ -8,6 +8,7 @@ zeroshard/comm/codecs/coded.py). Each field is checked here with a message that 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 from zeroshard.comm.codecs.formats import CODEC_NAMES
 
@@ -69,3 +70,25 @@ class CollectiveCodecs:
 
     def applies_to(self, dimension: str) -> bool:
         return self.links == "all" or dimension in INTER_NODE_DIMENSIONS
+
+
+def codec_kwargs(spec: str) -> dict[str, object]:
+    """ZeroOptimizer keyword arguments from a command-line spec, for launchers and benchmarks
+    (``--codec``): ``"none"``, or comma-separated ``weights=int8``, ``grads=int4``,
+    ``links=inter_node``, ``block=256``, ``feedback`` (error feedback), e.g.
+    ``"weights=int8,grads=int4,links=inter_node,feedback"``. Checked as ``CollectiveCodecs`` is."""
+    names = {"weights": "weight_codec", "grads": "grad_codec", "links": "codec_links", "block": "codec_block"}
+    out: dict[str, object] = {}
+    for part in (p.strip() for p in spec.split(",") if p.strip() and spec.strip() != "none"):
+        key, _, value = part.partition("=")
+        if key == "feedback" and not value:
+            out["grad_error_feedback"] = True
+        elif key in names and value:
+            out[names[key]] = int(value) if key == "block" and value.isdigit() else value
+        else:
+            raise ValueError(f"--codec {spec!r}: {part!r} is not weights=, grads=, links=, block= or feedback "
+                             "(e.g. 'weights=int8,grads=int4,links=inter_node,feedback')")
+    CollectiveCodecs(str(out.get("weight_codec", "none")), str(out.get("grad_codec", "none")),
+                     str(out.get("codec_links", "all")), cast(int, out.get("codec_block", 256)),
+                     bool(out.get("grad_error_feedback", False)))
+    return out
