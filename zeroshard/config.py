@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from zeroshard.comm.codecs.options import CollectiveCodecs
 from zeroshard.resilience.options import PeerRedundancy, redundancy_options
 from zeroshard.units.tier import Tier
 
@@ -252,6 +253,16 @@ class ZeroConfig:
     partition of the parameters over its node (unit numel / node size per rank, model dtype),
     rebuilt at each step, so forward and backward gathers stay inside the node."""
 
+    weight_codec: str = "none"
+    """Quantized collectives (ZeRO++ qwZ/qgZ): the codec of stage-3 parameter gathers, of gradient
+    reductions, on which links, elements per scale, error feedback, per-step error log. Checked and
+    documented in ``zeroshard.comm.codecs.CollectiveCodecs`` (the ``codecs`` property)."""
+    grad_codec: str = "none"
+    codec_links: str = "all"
+    codec_block: int = 256
+    grad_error_feedback: bool = False
+    log_codec_error: bool = False
+
     overlap_step: Optional[bool] = None
     """Stage 3 with the optimizer state streamed from NVMe: ``step()`` returns once what needs
     the whole model is decided, and the units are updated in the background while the next
@@ -331,6 +342,7 @@ class ZeroConfig:
         if self.hpz and self.stage != 3:
             raise ValueError(f"hpz=True partitions stage-3 parameters a second time inside each node; it needs "
                              f"stage=3, got stage={self.stage} (hybrid sharding at stages 0-2 is mesh= alone)")
+        self.codecs.check_stage(self.stage)
         if self.hpz and self.offload_params == "nvme":
             raise ValueError("hpz=True keeps a secondary parameter partition in memory; it does not combine "
                              "with offload_params='nvme' (use offload_params='cpu' or None)")
@@ -427,6 +439,11 @@ class ZeroConfig:
     def automatic(self) -> bool:
         """``offload="auto"``: the planner places each unit's state against ``memory_budget``."""
         return self.offload == "auto"
+
+    @property
+    def codecs(self) -> CollectiveCodecs:
+        return CollectiveCodecs(self.weight_codec, self.grad_codec, self.codec_links, self.codec_block,
+                                self.grad_error_feedback, self.log_codec_error)
 
     @property
     def placement(self) -> Placement:

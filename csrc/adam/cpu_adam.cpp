@@ -199,6 +199,31 @@ at::Tensor sqnorm_f64(const at::Tensor& t) {
   const double total = sqnorm_f64_sum(t.data_ptr<float>(), t.numel(), at::get_num_threads());
   return at::scalar_tensor(total, at::TensorOptions().dtype(at::kDouble));
 }
+
+void int8_blocks_encode(const float* x, int64_t n, int64_t block, uint8_t* buf, int max_threads);  // codec_int8.cpp
+void int8_blocks_decode(const uint8_t* buf, int64_t n, int64_t block, float* out, int max_threads);
+
+static void check_codec(const at::Tensor& values, const at::Tensor& buf, int64_t block, const char* what) {
+  TORCH_CHECK(values.device().is_cpu() && buf.device().is_cpu(), "zeroshard ", what, ": tensors must be on CPU");
+  TORCH_CHECK(values.scalar_type() == at::kFloat && values.is_contiguous(), "zeroshard ", what,
+              ": values must be contiguous float32");
+  TORCH_CHECK(buf.scalar_type() == at::kByte && buf.is_contiguous(), "zeroshard ", what,
+              ": the buffer must be contiguous uint8");
+  TORCH_CHECK(block >= 2 && block % 2 == 0, "zeroshard ", what, ": block must be even and >= 2, got ", block);
+  const int64_t nb = (values.numel() + block - 1) / block;
+  TORCH_CHECK(buf.numel() >= 4 * nb + nb * block, "zeroshard ", what,
+              ": the buffer holds ", buf.numel(), " bytes, ", 4 * nb + nb * block, " needed");
+}
+
+void int8_encode(const at::Tensor& x, at::Tensor& buf, int64_t block) {
+  check_codec(x, buf, block, "int8_encode");
+  int8_blocks_encode(x.data_ptr<float>(), x.numel(), block, buf.data_ptr<uint8_t>(), at::get_num_threads());
+}
+
+void int8_decode(const at::Tensor& buf, at::Tensor& out, int64_t block) {
+  check_codec(out, buf, block, "int8_decode");
+  int8_blocks_decode(buf.data_ptr<uint8_t>(), out.numel(), block, out.data_ptr<float>(), at::get_num_threads());
+}
 }  // namespace cpu
 }  // namespace zeroshard
 
@@ -212,6 +237,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight_decay"), py::arg("adamw_mode"), py::arg("grad_scale"));
   m.def("copy_sweep", &zc::copy_sweep, release());
   m.def("sqnorm_f64", &zc::sqnorm_f64, release(), py::arg("tensor"));
+  m.def("int8_encode", &zc::int8_encode, release(), py::arg("values"), py::arg("buffer"), py::arg("block"));
+  m.def("int8_decode", &zc::int8_decode, release(), py::arg("buffer"), py::arg("out"), py::arg("block"));
   m.def("isa", []() { return zc::active_isa().name; });
   m.def("set_isa", &zc::set_isa, py::arg("name"));
   m.def("supported_isas", &zc::supported_isas);

@@ -60,6 +60,7 @@ class Snapshot:
     rng: dict
     dataloader: Any  # this rank's encoded data position (or None)
     header: dict = field(default_factory=dict)  # rank 0: world size, stage, groups, trainer
+    own: dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's alone (codec_residuals.py)
 
 
 def _fsync_dir(path: str) -> None:
@@ -82,6 +83,7 @@ def _write_rank_files(snap: Snapshot, tmp: str, rank: int) -> tuple[list[Written
         tensors.append((f"{name}|full", t))
         entries.append({"name": name, "start": 0, "stop": t.numel(), "file": fname,
                         "keys": {"param": f"{name}|full"}, "scalars": {}})
+    tensors += list(snap.own.items())
     _point("before_data")
     data = write_shard(os.path.join(tmp, fname), tensors, {"format": manifest.FORMAT, "rank": str(rank)},
                        on_chunk=(lambda: _point("data_chunk")) if fault_hook else None)

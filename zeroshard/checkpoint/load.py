@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from zeroshard.optim.registry import optimizer_for
-from zeroshard.checkpoint import frozen_base, group_names, jsontree, locate, stage_merge, tp_layout, trainer_state
+from zeroshard.checkpoint import codec_residuals, frozen_base, group_names, jsontree, locate, stage_merge, tp_layout, trainer_state
 from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map, stored_view
 from zeroshard.checkpoint.shard_file import COMPLEX_CODES, DTYPES, ShardReader, reap
@@ -462,6 +462,7 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
                                      "; ".join(f"{d}: {r}" for d, r in skipped))
     try:
         apply_phase(src, model, optimizer)
+        codec_residuals.restore(optimizer, src.reader, body["world_size"], comm.rank, comm.world_size)
     except (CheckpointError, OSError) as exc:  # only I/O can fail here: every value was checked
         raise CheckpointError(f"loading {step_dir} failed while writing the state in ({exc}); the model and "
                               "optimizer are partly loaded: load again before training") from exc

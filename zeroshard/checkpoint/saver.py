@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroshard.checkpoint import commit, frozen_base, jsontree, manifest, rng, stage_merge, validate
+from zeroshard.checkpoint import codec_residuals, commit, frozen_base, jsontree, manifest, rng, stage_merge, validate
 from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError, CheckpointError
 from zeroshard.checkpoint.pieces import PieceRecord, full_tensors, has_deferred, name_map, owned_pieces
 from zeroshard.checkpoint.shard_file import CODES, COMPLEX_CODES, Deferred
@@ -276,7 +276,8 @@ def _capture(step: int, model: Optional[nn.Module], opt: Any, scheduler: Any, da
         aliases = {k: v for k, v in aliases.items() if v not in base["tensors"]}
     if not writes_full:  # (rank 0; under pp each stage's first rank: Note [pipeline checkpoints])
         full = {}
-    snap = commit.Snapshot(step, records, full, rng.capture(), _encode_state(dataloader, "dataloader"))
+    snap = commit.Snapshot(step, records, full, rng.capture(), _encode_state(dataloader, "dataloader"),
+                           own=codec_residuals.residual_tensors(opt))
     # Every rank builds and checks the header (cheap, and all refuse alike); rank 0 writes it.
     names = name_map(model, opt) if opt is not None else {}
     groups = [{**{k: v for k, v in g.items() if k not in ("params", "optimizer_class")},  # (a class: the loader's own;

@@ -21,12 +21,15 @@ torch sorts the ranks of a process group, so the primary slice index is not the 
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from zeroshard.comm.process_group import Comm, Work, _Done
+
+if TYPE_CHECKING:
+    from zeroshard.comm.codecs.link_codecs import LinkCodecs
 
 
 class _Then:
@@ -65,27 +68,29 @@ class HierarchicalComm(Comm):
         n = full.numel() // self.node.world_size
         return full[self.node.rank * n:(self.node.rank + 1) * n]
 
-    def reduce_for_shard(self, full: torch.Tensor, shard_out: Optional[torch.Tensor]) -> Work:
+    def reduce_for_shard(self, full: torch.Tensor, shard_out: Optional[torch.Tensor],
+                         codecs: Optional["LinkCodecs"] = None, key: Optional[str] = None) -> Work:
         """As ``Comm.reduce_for_shard`` for slice ``shard_rank``: reduce-scatter in the node,
-        then of this rank's secondary slice across nodes."""
+        then of this rank's secondary slice across nodes (each level through its own link's
+        codec: Note [quantized collectives])."""
         part = self._secondary(full)
         mid = part if self.node.result_in_full else torch.empty_like(part)
-        first = self.node.reduce_for_shard(full, None if self.node.result_in_full else mid)
+        first = self.node.reduce_for_shard(full, None if self.node.result_in_full else mid, codecs, key)
 
         def across() -> Work:
             if self.inter.result_in_full:  # (summed in place; copied out where asked)
-                work = self.inter.reduce_for_shard(mid, None)
+                work = self.inter.reduce_for_shard(mid, None, codecs, key)
                 if shard_out is None:
                     return work
                 work.wait()
                 n = mid.numel() // self.inter.world_size
                 shard_out.copy_(mid[self.inter.rank * n:(self.inter.rank + 1) * n])
                 return _Done()
-            return self.inter.reduce_for_shard(mid, shard_out)
+            return self.inter.reduce_for_shard(mid, shard_out, codecs, key)
         return _Then(first, across)
 
-    def gather_shards(self, full: torch.Tensor) -> Work:
+    def gather_shards(self, full: torch.Tensor, codecs: Optional["LinkCodecs"] = None) -> Work:
         """As ``Comm.gather_shards`` with this rank's data in slice ``shard_rank``: across
         nodes into the secondary slice, then inside the node."""
-        first = self.inter.gather_shards(self._secondary(full))
-        return _Then(first, lambda: self.node.gather_shards(full))
+        first = self.inter.gather_shards(self._secondary(full), codecs)
+        return _Then(first, lambda: self.node.gather_shards(full, codecs))

@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional, Protocol, Union
+from typing import TYPE_CHECKING, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
 
 from zeroshard.comm.collective_names import all_gather_single, reduce_scatter_single
 from zeroshard.comm.clean_exit import watch  # (Note [clean exit]: groups destroyed at exit)
+from zeroshard.comm.codecs import coded
+
+if TYPE_CHECKING:
+    from zeroshard.comm.codecs.link_codecs import LinkCodecs
 
 
 class Work(Protocol):
@@ -195,16 +199,35 @@ class Comm:
             dist.barrier(group=self.group)
 
     # -- ZeRO building blocks ------------------------------------------------------------
-    def reduce_for_shard(self, full: torch.Tensor, shard_out: Optional[torch.Tensor]) -> Work:
+    def all_reduce_coded(self, tensor: torch.Tensor, codecs: Optional["LinkCodecs"], key: Optional[str] = None,
+                         async_op: bool = False) -> Work:
+        """``all_reduce`` (a sum) through the gradient codec of this group's link, if any (Note
+        [quantized collectives]); ``key`` names the residual of error feedback."""
+        codec = codecs.grads(self.dimension) if codecs is not None and self.world_size > 1 else None
+        if codec is None or codecs is None:
+            return self.all_reduce(tensor, async_op=async_op)
+        work = coded.all_reduce(self, tensor, codec, codecs, key)
+        if not async_op:
+            work.wait()
+        return work
+
+    def reduce_for_shard(self, full: torch.Tensor, shard_out: Optional[torch.Tensor],
+                         codecs: Optional["LinkCodecs"] = None, key: Optional[str] = None) -> Work:
         """Start summing ``full`` across ranks so this rank can read its equal slice.
 
         With the all-reduce emulation the sum lands in ``full`` (read the slice from there);
-        otherwise it lands in ``shard_out``. ``result_in_full`` says which applies.
+        otherwise it lands in ``shard_out``. ``result_in_full`` says which applies. ``codecs``:
+        through the gradient codec of this link, if any (Note [quantized collectives]).
         """
         if self.world_size == 1:
             if shard_out is not None and not self.result_in_full:
                 shard_out.copy_(full)
             return _Done()
+        codec = codecs.grads(self.dimension) if codecs is not None else None
+        if codec is not None and codecs is not None:
+            n = full.numel() // self.world_size
+            out = full[self.rank * n:(self.rank + 1) * n] if shard_out is None or self.result_in_full else shard_out
+            return coded.reduce_scatter(self, full, out, codec, codecs, key)
         self._count("reduce_scatter", _nbytes(full))
         if self.result_in_full:
             return dist.all_reduce(full, group=self.group, async_op=True)
@@ -216,11 +239,15 @@ class Comm:
     def result_in_full(self) -> bool:
         return self.world_size == 1 or self.emulate_collectives
 
-    def gather_shards(self, full: torch.Tensor) -> Work:
+    def gather_shards(self, full: torch.Tensor, codecs: Optional["LinkCodecs"] = None) -> Work:
         """Start an in-place all-gather: on entry each rank's own equal slice of ``full``
-        holds its data; on completion every slice does, on every rank."""
+        holds its data; on completion every slice does, on every rank. ``codecs``: parameters
+        through the weight codec of this link, if any (Note [quantized collectives])."""
         if self.world_size == 1:
             return _Done()
+        codec = codecs.weights(self.dimension) if codecs is not None else None
+        if codec is not None and codecs is not None:
+            return coded.gather(self, full, codec, codecs)
         self._count("all_gather", _nbytes(full))
         n = full.numel() // self.world_size
         lo, hi = self.rank * n, (self.rank + 1) * n

@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 from zeroshard.deepspeed_compat.engine import DeepSpeedEngine
 from zeroshard.optim.zero_optimizer import ZeroOptimizer
 from zeroshard.train.deepspeed_config import PLACEHOLDER, load_config, translate
+from zeroshard.train.deepspeed_zeropp import hpz_mesh
 from zeroshard.train.initialize_from_config import build_optimizer, check_model_parameters
 from zeroshard.train.initialize_from_config import initialize as zeroshard_initialize
 from zeroshard.train.schedules import build_schedule
@@ -173,7 +174,8 @@ def deepspeed_initialize(args: object = None, model: Optional[nn.Module] = None,
         opt_class, groups, opt_kwargs = _rebuild_optimizer(optimizer)
         check_model_parameters(model, groups)
         # module=: stage 3 partitions by module even when param groups are given.
-        zero_opt = ZeroOptimizer(groups, opt_class, module=model, **plan.zero, **opt_kwargs)
+        zero_opt = ZeroOptimizer(groups, opt_class, module=model, mesh=hpz_mesh(plan.hpz_partition_size),
+                                 **plan.zero, **opt_kwargs)
     else:  # the config's optimizer: the path zeroshard.initialize takes (Muon's recipe included)
         zero_opt = build_optimizer(model, model_parameters, plan)
     if lr_scheduler is not None:

@@ -116,7 +116,7 @@ class GatheredParameters:
             for ui in sorted({indices[id(unit)] for unit, _ in self._targets}):
                 if gatherer.state[ui] is UnitState.RELEASED:
                     self._gathered.append(ui)
-                gatherer.ensure(ui)
+                gatherer.ensure_exact(ui)
         for p, unit, seg in self._shown:  # the parameters read whole inside (Note [gathered reads])
             p.gathered = seg.bind(unit.flat[seg.offset:seg.end])
         return self

@@ -38,6 +38,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from zeroshard.comm import Comm, Work
+from zeroshard.comm.codecs.link_codecs import LinkCodecs
 from zeroshard.comm.tensor_parallel import local_grad
 from zeroshard.io.host_pool import HOST_POOL
 from zeroshard.layout import Segment, as_real
@@ -54,9 +55,12 @@ class _Pending:
 
 class GradientReducer:
     def __init__(self, units: Sequence[FlatUnit], comm: Comm, reduce_dtype: torch.dtype,
-                 max_inflight: int, replicas: Optional[Comm] = None) -> None:
+                 max_inflight: int, replicas: Optional[Comm] = None, codecs: Optional[LinkCodecs] = None) -> None:
         self.units = list(units)
         self.comm = comm
+        self.codecs = codecs
+        self._unit_index = {id(u): i for i, u in enumerate(self.units)}
+        """Quantized reductions, per link (Note [quantized collectives] in zeroshard/comm/codecs/coded.py)."""
         self.replicas = replicas
         """Hybrid sharding: the group of this rank's replicas (same shard, other shard groups)."""
         self.reduce_dtype = reduce_dtype
@@ -247,12 +251,12 @@ class GradientReducer:
             self._retire(self._inflight.popleft())
         shard_out, base = None, 0
         if not unit.policy.shard_gradients:  # stages 0-1 keep the whole reduced gradient
-            work = self.comm.all_reduce(bucket, async_op=True)
+            work = self.comm.all_reduce_coded(bucket, self.codecs, str(ui), async_op=True)
         else:
             if not self.comm.result_in_full:
                 base, hi = unit.layout.slice_of(self.comm.shard_rank)
                 shard_out = torch.empty(hi - base, dtype=bucket.dtype, device=bucket.device)
-            work = self.comm.reduce_for_shard(bucket, shard_out)
+            work = self.comm.reduce_for_shard(bucket, shard_out, self.codecs, str(ui))
         self._inflight.append(_Pending(unit, work, bucket, shard_out, base))
         self._buckets[ui] = None
         self._next = ui + 1
@@ -262,7 +266,7 @@ class GradientReducer:
     def _retire(self, p: _Pending) -> None:
         p.work.wait()
         if self.replicas is not None:  # hybrid: the shard group's sum, summed over replicas too
-            self.replicas.all_reduce(self._reduced_part(p))
+            self.replicas.all_reduce_coded(self._reduced_part(p), self.codecs, str(self._unit_index[id(p.unit)]))
         if p.bucket is p.unit.grad_store:  # reduced in place: already the sum
             p.unit.reduced_in_place(self.grad_factor)
             return

@@ -40,7 +40,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True, cpu: bool = True,
         if unit.frozen and not frozen:
             continue
         was_released = gatherer.state[ui] is UnitState.RELEASED
-        gatherer.ensure(ui)
+        gatherer.ensure_exact(ui)
         if keep:  # read the gathered buffer: live[key] is the sharded parameter shown between uses
             for key in by_unit.get(unit.layout.index, []):
                 seg = where[id(live[key])][1]

@@ -29,6 +29,7 @@ from torch import nn
 
 from zeroshard.comm import pipeline
 from zeroshard.optim.composition import check_composition
+from zeroshard.comm.codecs.link_codecs import LinkCodecs
 from zeroshard.comm.mesh import HybridMesh, MeshInfo, mesh_info
 from zeroshard.resilience.options import check_composition as check_redundancy, redundancy_options
 from zeroshard.resilience.memory_tier import MemoryTier
@@ -152,7 +153,8 @@ def assemble(owner: torch.optim.Optimizer, config: ZeroConfig, optimizer_class: 
                                                            allow_outside=config.stage < 3)
     params = [t for g in groups for t in g["params"]]
     attached.mesh = mesh_ = mesh_info(process_group, mesh, config, params, names)  # Note [hybrid sharding], [hpZ slice order]
-    sharding = Sharding(policy_for_stage(config.stage), mesh_, config)
+    codecs = LinkCodecs(config.codecs)  # (Note [quantized collectives] in zeroshard/comm/codecs/coded.py)
+    sharding = Sharding(policy_for_stage(config.stage), mesh_, config, codecs)
     trained = frozenset(id(t) for t in params if t.requires_grad)  # (left out of the groups: not trained)
     frozen = sharding.frozen(module, meta_shapes, trained)  # (Note [frozen units] in stages/stage3/frozen.py)
     whole = frozenset(i for i, g in enumerate(groups)
@@ -205,7 +207,8 @@ def assemble(owner: torch.optim.Optimizer, config: ZeroConfig, optimizer_class: 
                                     swapper, inflight),
                     module_guard=module_guard, teardown=teardown, record=attached, user_groups=user_groups,
                     memory_tier=_memory_tier(config, mesh_, placement),
-                    activations=activations)
+                    activations=activations,
+                    codecs=codecs)
 
     def finish() -> None:
         attached.snapshot.commit()
@@ -291,7 +294,7 @@ def _build_gradients(attached: construction.ConstructionRecord, config: ZeroConf
     """The reducer (gradients into the units as backward runs) and the ``.grad`` views torch code
     sees; their hooks attached (the reducer's subscribers are how the objects hear of a pass)."""
     reducer = GradientReducer(units, mesh.comm, precision.reduce_dtype, config.max_inflight_buckets,
-                              replicas=mesh.replicas)
+                              replicas=mesh.replicas, codecs=sharding.codecs)
     grad_links = GradLinks(units, mesh.comm, sharding.visible)
     grads = GradientFlow(units, reducer, grad_links, sharding.visible, precision, mesh.comm,
                          mesh.data_parallel_size, inflight)

@@ -59,7 +59,7 @@ def hand_back_stage3(gatherer: "ParameterGatherer", units: Sequence["FlatUnit"])
     """Stage 3 closing: every unit gathered once more and each parameter given its own full
     tensor, so the model works without the optimizer (a collective: all ranks call it)."""
     for ui in range(len(units)):
-        gatherer.ensure(ui)
+        gatherer.ensure_exact(ui)
     with torch.no_grad():
         for unit in units:
             for m, seg in zip(unit.members, unit.layout.segments):

@@ -94,6 +94,13 @@ class Stepper:
                     user[key] = value
 
     def step(self, user_groups: Sequence[dict], kwargs: dict) -> None:
+        try:
+            self._step(user_groups, kwargs)
+        finally:  # (the quantization errors of this step's collectives: Note [quantized collectives])
+            if self.sharding.codecs is not None:
+                self.sharding.codecs.end_step()
+
+    def _step(self, user_groups: Sequence[dict], kwargs: dict) -> None:
         overflow = self.grads.finalize()
         # (here, on the caller's thread: a step in flight overlaps the next forward, which may
         # be gathering a shard torch code had held: Note [parts held for torch code])

@@ -18,6 +18,7 @@ from torch import nn
 
 from zeroshard.layout import Segment
 
+from zeroshard.comm.codecs.link_codecs import LinkCodecs
 from zeroshard.comm.mesh import MeshInfo
 from zeroshard.comm.process_group import Comm
 from zeroshard.comm.tensor_parallel import TensorParallel
@@ -87,6 +88,9 @@ class Engine:
     """``redundancy="peer"``: the node-local memory tier (Note [peer memory tier])."""
     activations: Optional[ActivationOffloader] = None
     """Activation offload's hooks (``offload_activations=``; Note [activation offload])."""
+    codecs: LinkCodecs
+    """Quantized collectives: codecs per link, gradient residuals, per-step errors (Note
+    [quantized collectives] in zeroshard/comm/codecs/coded.py)."""
     # state
     closed: bool = False
     ready: bool = False

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from zeroshard.comm.codecs.link_codecs import LinkCodecs
 from zeroshard.comm.mesh import HpzMesh, MeshInfo
 from zeroshard.layout import NamedParam, UnitLayout, build_layouts, layouts_for
 from zeroshard.layout.bucketing import layouts_with_owners, owner_layouts
@@ -44,10 +45,13 @@ class UnitPlan:
 
 
 class Sharding:
-    def __init__(self, policy: StagePolicy, mesh: MeshInfo, config: ZeroConfig) -> None:
+    def __init__(self, policy: StagePolicy, mesh: MeshInfo, config: ZeroConfig,
+                 codecs: Optional[LinkCodecs] = None) -> None:
         self.policy = policy
         self.mesh = mesh
         self.config = config
+        self.codecs = codecs
+        """Quantized parameter gathers (Note [quantized collectives] in zeroshard/comm/codecs/coded.py)."""
         self.gatherer: Optional[ParameterGatherer] = None
         """Stage 3's on-demand gathers (zeroshard/stages/stage3/gatherer.py), from ``start``. Whether
         there is one is not the stage's answer (``shard_parameters`` is): read it through
@@ -103,9 +107,9 @@ class Sharding:
         if not self.policy.shard_parameters or module is None:
             return
         self.gatherer = ParameterGatherer(units, plan.modules + plan.frozen_modules, module, self.mesh.comm,
-                                          live_units or self.config.max_live_units or 2)
+                                          live_units or self.config.max_live_units or 2, codecs=self.codecs)
         if isinstance(self.mesh, HpzMesh):
-            self.gatherer.secondary = SecondaryPartition(units, self.mesh.comm)
+            self.gatherer.secondary = SecondaryPartition(units, self.mesh.comm, self.codecs)
 
     def visible(self, p: torch.Tensor) -> torch.Tensor:
         """The parameter torch code holds for ``p`` (stage 3: the sharded one between uses)."""

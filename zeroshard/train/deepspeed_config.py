@@ -30,6 +30,7 @@ import torch
 
 from zeroshard.config import Placement, ZeroConfig, check_int, check_real
 from zeroshard.optim.hyperparams import check_hyperparameters
+from zeroshard.train.deepspeed_zeropp import zeropp_options
 from zeroshard.optim.muon_recipe import ADAM_KEYS
 from zeroshard.train.deepspeed_activations import SECTION, read_section
 from zeroshard.train.schedules import check_schedule_params
@@ -104,6 +105,8 @@ class DeepSpeedPlan:
     steps_per_print: Optional[int] = None
     noted: dict = field(default_factory=dict)
     """Dotted path -> why it has no effect."""
+    hpz_partition_size: Optional[int] = None
+    """``zero_hpz_partition_size`` (> 1): the optimizer is built on ``hpz_mesh(...)`` (deepspeed_zeropp.py)."""
 
 
 MAX_CONFIG_BYTES = 16 << 20
@@ -459,6 +462,8 @@ def translate(config: Union[None, str, os.PathLike, Mapping], world_size: int = 
     unsupported: list[str] = []
     precision, scaler = _precision(r)
     zero = {**_zero(r, precision), "mixed_precision": precision, **scaler}
+    zeropp, hpz_size = zeropp_options(r.get, r.used.discard, world_size, zero["stage"])
+    zero.update(zeropp)
     comm_dtype = r.get("communication_data_type", None, override="reduce_dtype")
     if comm_dtype is not None:
         names = {"fp32": None, "float32": None, "fp16": "fp16", "float16": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
@@ -506,4 +511,4 @@ def translate(config: Union[None, str, os.PathLike, Mapping], world_size: int = 
     return DeepSpeedPlan(zero=zero, optimizer_class=opt_cls, optimizer_kwargs=opt_kwargs, scheduler=sched,
                          scheduler_params=sched_params, gradient_clipping=float(clip) if clip else None,
                          gradient_accumulation_steps=accum, micro_batch_size=micro, train_batch_size=total,
-                         steps_per_print=steps_per_print, noted=noted)
+                         steps_per_print=steps_per_print, noted=noted, hpz_partition_size=hpz_size)

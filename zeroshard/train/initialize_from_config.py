@@ -20,6 +20,7 @@ from zeroshard.optim.muon_recipe import recipe_groups
 from zeroshard.optim.params import ParamsLike
 from zeroshard.optim.zero_optimizer import ZeroOptimizer
 from zeroshard.train.deepspeed_config import DeepSpeedPlan, translate
+from zeroshard.train.deepspeed_zeropp import hpz_mesh
 from zeroshard.train.schedules import build_schedule
 
 
@@ -96,7 +97,8 @@ def build_optimizer(model: nn.Module, model_parameters: Optional[Iterable], plan
     if cls is torch.optim.Muon:  # Muon's recipe (Note [Muon from a config] in zeroshard/optim/muon_recipe.py)
         params, cls, kwargs = recipe_groups(model, given, kwargs)
     # module=: stage 3 plans its units by module, also when param groups are given.
-    return ZeroOptimizer(params, cls, process_group=process_group,
+    mesh = hpz_mesh(plan.hpz_partition_size, process_group)
+    return ZeroOptimizer(params, cls, process_group=process_group, mesh=mesh,
                          module=model if params is not model else None, **plan.zero, **kwargs)
 
 

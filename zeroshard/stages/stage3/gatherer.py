@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from zeroshard.comm import Comm
+from zeroshard.comm.codecs.link_codecs import LinkCodecs
 from zeroshard.io.buffers import held_bytes
 from zeroshard.units.flat_unit import FlatUnit, alloc_storage, free_storage, is_allocated
 from zeroshard.comm.tensor_parallel import as_sharded_parameter, local_of
@@ -75,13 +76,19 @@ __all__ = ["ParameterGatherer", "Stage3UsageError", "UnitState"]
 
 class ParameterGatherer:
     def __init__(self, units: Sequence[FlatUnit], modules: Sequence[Optional[nn.Module]],
-                 model: nn.Module, comm: Comm, max_live: int) -> None:
+                 model: nn.Module, comm: Comm, max_live: int, codecs: Optional[LinkCodecs] = None) -> None:
         if max_live < 1:
             raise ValueError(f"max_live_units={max_live} must be >= 1")
         self.units = list(units)
         self.modules = list(modules)
         self.model = model
         self.comm = comm
+        self.codecs = codecs
+        """Gathers through the weight codec of ``comm``'s link, if any (Note [quantized collectives]
+        in zeroshard/comm/codecs/coded.py): then no gather lends the shard, whose exact values
+        the decoded ones must not overwrite."""
+        self._exact: set[int] = set()
+        """Units gathered by ``ensure_exact`` (no codec, no hpZ secondary) and not released since."""
         self.max_live = max_live
         # Units of one module (its trainable and frozen units: Note [frozen units] in frozen.py)
         # are gathered and released together: a *group*. Group order follows the modules.
@@ -185,7 +192,9 @@ class ParameterGatherer:
                 "built on the meta device. Load weights with zeroshard.load_safetensors(model, path) "
                 "or initialise them with zeroshard.init_meta_weights(model) before the first forward.")
         unit.await_step(whole=self._waits_whole_step(unit))  # (Note [overlapped step])
-        if self.secondary is None and can_lend(unit, self.comm.world_size):  # Note [gather by alias]
+        quantized = self.codecs is not None and self.codecs.weights(self.comm.dimension) is not None \
+            and ui not in self._exact
+        if self.secondary is None and not quantized and can_lend(unit, self.comm.world_size):  # Note [gather by alias]
             lend(unit.flat, unit.shard)
             self._states.reserve(ui, lent=True)
             self._states.launch(ui, self.comm.gather_shards(unit.flat))  # (one rank: nothing to wait for)
@@ -195,7 +204,7 @@ class ParameterGatherer:
         swap = unit.swap_holding("shard")
         if swap is not None:  # the shard streams in from the swap file first; the
             lo, hi = unit.owned  # collective starts once it is here (_launch)
-            if self.secondary is None:
+            if self.secondary is None or ui in self._exact:
                 swap.fetch_for_gather(unit, unit.flat[lo:hi], backward=in_backward())
             else:
                 swap.fetch(unit, ("shard",))
@@ -204,7 +213,7 @@ class ParameterGatherer:
 
     def _launch(self, ui: int) -> None:
         """Starts READING unit ``ui``'s collective: GATHERING from here."""
-        if self.secondary is not None:  # hpZ: inside the node (Note [hpZ secondary partition])
+        if self.secondary is not None and ui not in self._exact:  # hpZ: inside the node (Note [hpZ secondary partition])
             self._states.launch(ui, self.secondary.gather(ui))
             return
         unit = self.units[ui]
@@ -214,7 +223,7 @@ class ParameterGatherer:
             swap.finish_gather(unit, unit.flat[lo:hi], backward=in_backward())
         else:
             unit.flat[lo:hi].copy_(unit.shard)
-        self._states.launch(ui, self.comm.gather_shards(unit.flat))
+        self._states.launch(ui, self.comm.gather_shards(unit.flat, None if ui in self._exact else self.codecs))
 
     def _waits_whole_step(self, unit: FlatUnit) -> bool:
         """A unit the parameter cache keeps waits for the whole step in flight: the cache and
@@ -261,7 +270,27 @@ class ParameterGatherer:
             self._states.arrive(ui)
             self.show(ui, sharded=False)
 
+    @property
+    def quantizes(self) -> bool:
+        """Whether some gather of a unit goes through a weight codec (then compute sees decoded
+        weights, and what reads weights out uses ``ensure_exact``)."""
+        if self.codecs is None:
+            return False
+        dims = ("shard", "replicate") if self.secondary is not None else (self.comm.dimension,)
+        return any(self.codecs.weights(d) is not None for d in dims)
+
+    def ensure_exact(self, ui: int) -> None:
+        """``ensure`` with the unit's exact values: gathered from the shards with no codec and
+        no hpZ secondary copy (a unit a quantized gather left gathered is gathered again). For
+        what reads weights out (state dicts, the hand-back at close, GatheredParameters), not
+        for compute (Note [quantized collectives] in zeroshard/comm/codecs/coded.py)."""
+        if self.quantizes and ui not in self._exact:
+            self.release(ui)
+            self._exact.add(ui)
+        self.ensure(ui)
+
     def release(self, ui: int) -> None:
+        self._exact.discard(ui)
         state = self._states[ui]
         if state is UnitState.RELEASED:
             return

@@ -22,11 +22,12 @@ dtype per rank (``memory_report().secondary``), on the model's device even under
 from __future__ import annotations
 
 import weakref
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from zeroshard.comm import Work
+from zeroshard.comm.codecs.link_codecs import LinkCodecs
 from zeroshard.comm.hierarchical import HierarchicalComm
 from zeroshard.memory import tensor_bytes
 from zeroshard.units.flat_unit import FlatUnit
@@ -44,8 +45,11 @@ def params_written(unit: FlatUnit) -> None:
 
 
 class SecondaryPartition:
-    def __init__(self, units: Sequence[FlatUnit], comm: HierarchicalComm) -> None:
+    def __init__(self, units: Sequence[FlatUnit], comm: HierarchicalComm, codecs: Optional[LinkCodecs] = None) -> None:
         self.units = list(units)
+        self.codecs = codecs
+        """The rebuild across nodes and the gathers inside them through their links' weight
+        codecs (Note [quantized collectives] in zeroshard/comm/codecs/coded.py)."""
         self.node, self.inter = comm.node, comm.inter
         self.index = {id(u): i for i, u in enumerate(self.units)}
         # On the model's device even when offload_params puts the shard on the host: the
@@ -69,7 +73,7 @@ class SecondaryPartition:
             unit, sec = self.units[ui], self.slices[ui]
             lo = unit.owned[0] - self._range(unit)[0]
             sec[lo:lo + unit.shard.numel()].copy_(unit.shard)
-            works.append(self.inter.gather_shards(sec))
+            works.append(self.inter.gather_shards(sec, self.codecs))
         for w in works:
             w.wait()
         for ui in todo:
@@ -82,7 +86,7 @@ class SecondaryPartition:
         unit = self.units[ui]
         lo, hi = self._range(unit)
         unit.flat[lo:hi].copy_(self.slices[ui])
-        return self.node.gather_shards(unit.flat)
+        return self.node.gather_shards(unit.flat, self.codecs)
 
     def nbytes(self) -> int:
         return sum(tensor_bytes(s) for s in self.slices)

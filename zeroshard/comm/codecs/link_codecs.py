@@ -1,0 +1,80 @@
+"""The codecs one ZeroOptimizer's collectives use, with the state they carry between steps.
+
+Lifecycle: built once by the assembly (zeroshard/optim/assembly.py) from ``ZeroConfig.codecs``
+and handed to the gatherer, the hpZ secondary partition and the gradient reducer, which pass it
+to the collectives they start (``Comm.gather_shards(full, codecs)``, ``reduce_for_shard(...,
+codecs, key)``); each collective asks it for the codec of its own group's dimension. It holds
+the gradient residuals (Note [gradient error feedback]) and the largest dequantization error
+seen since the last ``end_step``.
+
+Note [gradient error feedback]: with ``grad_error_feedback=True`` each rank adds, before it
+encodes a gradient for a quantized reduction, what the previous encoding of the same unit on
+the same link lost (``x + r`` is encoded, ``r <- (x + r) - decode(encode(x + r))``). The
+residual is this rank's own (its contribution, before the sum), one fp32 tensor per unit and
+quantized link, of the size of what that link reduces: the whole unit on a flat group, and
+1/k of it on the inter-node level of hybrid/hpZ meshes with ``codec_links="inter_node"`` (sharded
+like the gradient store there). Checkpoints save each rank's residuals
+(``state_dict``/``load_state_dict``: zeroshard/checkpoint) so a resume continues bit for bit at
+the same world size; at another world size (or another codec) the residuals are dropped, which
+costs one step's quantization error, not correctness.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from zeroshard.comm.codecs.formats import Codec, make_codec
+from zeroshard.comm.codecs.options import CollectiveCodecs
+
+_LOG = logging.getLogger("zeroshard.codecs")
+
+
+class LinkCodecs:
+    def __init__(self, options: CollectiveCodecs) -> None:
+        self.options = options
+        self._weights = make_codec(options.weights, options.block)
+        self._grads = make_codec(options.grads, options.block)
+        self.residuals: dict[str, torch.Tensor] = {}
+        """Gradient residuals by ``"<unit>@<dimension>"`` (Note [gradient error feedback])."""
+        self.step_error: dict[str, float] = {}
+        """Largest |x - decode(encode(x))| this rank saw since the last ``end_step``, by
+        ``"weights@<dimension>"`` / ``"grads@<dimension>"`` (each block's largest error, the max over blocks)."""
+        self.last_step_error: dict[str, float] = {}
+        self.steps = 0
+
+    def weights(self, dimension: str) -> Optional[Codec]:
+        return self._weights if self._weights is not None and self.options.applies_to(dimension) else None
+
+    def grads(self, dimension: str) -> Optional[Codec]:
+        return self._grads if self._grads is not None and self.options.applies_to(dimension) else None
+
+    def residual(self, key: Optional[str], numel: int, device: torch.device) -> Optional[torch.Tensor]:
+        """The residual of ``key`` (zeros at first), or None without error feedback."""
+        if not self.options.error_feedback or key is None:
+            return None
+        r = self.residuals.get(key)
+        if r is None or r.numel() != numel:
+            r = self.residuals[key] = torch.zeros(numel, dtype=torch.float32, device=device)
+        return r
+
+    def record(self, what: str, dimension: str, error: float) -> None:
+        key = f"{what}@{dimension}"
+        if error > self.step_error.get(key, -1.0) or error != error:
+            self.step_error[key] = error
+
+    def end_step(self) -> None:
+        """Closes a step's error statistics (logged where asked: ``log_codec_error=True``)."""
+        self.steps += 1
+        self.last_step_error, self.step_error = self.step_error, {}
+        if self.options.log_error and self.last_step_error:
+            _LOG.info("step %d: largest dequantization error %s", self.steps,
+                      ", ".join(f"{k} {v:.3e}" for k, v in sorted(self.last_step_error.items())))
+
+    # -- checkpoints (Note [gradient error feedback]) -------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in sorted(self.residuals.items())}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], device: torch.device) -> None:
+        self.residuals = {k: v.to(device=device, dtype=torch.float32).clone() for k, v in state.items()}
