@@ -287,3 +287,67 @@ def zs_convert(rank: int, world: int, out: str, fsdp_ck: str, native_root: str, 
         got.append({"state": zs_state(model, opt), "lr": sched.get_last_lr(), "step": info["step"]})
     torch.save(got, out + ".pt")
     json.dump({"codes": codes}, open(f"{out}.rank{rank}", "w"))
+
+
+class DropNet(DcpNet):
+    """DcpNet with dropout: a resume continues bitwise only if each rank's generator does."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(torch.tanh(self.norm(self.fc1(self.emb(tokens)))), 0.3, self.training) * self.gain
+        return F.cross_entropy(self.head(h)[..., :VOCAB].reshape(-1, VOCAB), tokens.roll(1, -1).reshape(-1))
+
+
+class Position:
+    """A per-rank data position (``state_dict``/``load_state_dict``)."""
+
+    def __init__(self, pos: int = 0) -> None:
+        self.pos = pos
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = state["pos"]
+
+
+def zs_rng_resume(rank: int, world: int, out: str, root: str) -> None:
+    """Trains DropNet 2 steps, saves DCP, trains 2 more (the uninterrupted run); then fresh
+    objects with other generator states load the checkpoint and train the same 2 steps."""
+    import random
+
+    import numpy as np
+
+    def fresh() -> tuple[nn.Module, Any]:
+        model = DropNet()
+        return model, zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, stage=2)
+
+    def steps(model: nn.Module, opt: Any, pos: Position, a: int, b: int) -> list[float]:
+        draws = []
+        for step in range(a, b):
+            model(local_batch(step, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+            pos.pos += 1
+            draws.append(random.random() + float(np.random.rand()))
+        return draws
+
+    torch.manual_seed(100 + rank)
+    random.seed(rank)
+    np.random.seed(rank)
+    model, opt = fresh()
+    pos = Position(10 * rank)
+    steps(model, opt, pos, 0, 2)
+    zeroshard.save_checkpoint(root, 2, model=model, optimizer=opt, dataloader=pos, format="dcp")
+    draws = steps(model, opt, pos, 2, 4)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(7)
+    random.seed(7)
+    np.random.seed(7)
+    model, opt = fresh()
+    pos2 = Position()
+    info = zeroshard.load_checkpoint(root, model=model, optimizer=opt, dataloader=pos2)
+    loaded_pos = pos2.pos
+    draws2 = steps(model, opt, pos2, 2, 4)
+    same = all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+    json.dump({"rng_restored": info["rng_restored"], "same": same, "draws": draws == draws2,
+               "pos": loaded_pos, "resharded": info["resharded"]}, open(f"{out}.rank{rank}", "w"))

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from zeroshard.checkpoint import commit, dcp_metadata, manifest
+from zeroshard.checkpoint import commit, dcp_metadata, jsontree, manifest, rng
 from zeroshard.checkpoint.checkpoint_errors import CheckpointError
 from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map, owned_pieces
 from zeroshard.checkpoint.saver import checkpoint_comm, wait_checkpoint
@@ -104,7 +104,7 @@ class _PiecesPlanner(DefaultSavePlanner):
 
 
 def state_dict(model: Optional[nn.Module], opt: "ZeroOptimizer", step: int, scheduler: "Optional[Stateful]",
-               dataloader: "Optional[Stateful]", extra: object, rank: int) -> dict:
+               dataloader: "Optional[Stateful]", extra: object, rank: int, world: int = 1) -> dict:
     """This rank's part of the checkpoint in torchtitan's layout (Note [DCP format mapping])."""
     names = name_map(model, opt)
     shapes = {names[seg.name]: tuple(seg.shape) for u in opt.engine.units for seg in u.layout.segments}
@@ -125,7 +125,12 @@ def state_dict(model: Optional[nn.Module], opt: "ZeroOptimizer", step: int, sche
         for k, v in rec.scalars.items():  # (Adam's step: FSDP2 keeps a float32 0-d tensor)
             optim_sd[f"state.{rec.name}.{k}"] = v.detach().clone().reshape(()) if isinstance(v, torch.Tensor) \
                 else torch.tensor(float(v), dtype=torch.float32)
-    out: dict[str, object] = {"model": model_sd, "optimizer": optim_sd}
+    # Each rank's RNG state and data position: JSON strings under per-rank keys (no rank's
+    # copy is another's, and a loader never unpickles them; Note [DCP format mapping]).
+    train: dict[str, object] = {"rng": {f"rank{rank}": json.dumps(rng.capture())}}
+    if dataloader is not None:
+        train["dataloader"] = {f"rank{rank}": json.dumps(jsontree.encode(dataloader.state_dict(), "dataloader"))}
+    out: dict[str, object] = {"model": model_sd, "optimizer": optim_sd, "train_state": train}
     if rank == 0:  # (the others' copies would be deduplicated anyway)
         model_sd.update({n: t.detach().cpu() for n, t in full_tensors(model, opt)[0].items()})
         for g in opt.param_groups:
@@ -134,7 +139,7 @@ def state_dict(model: Optional[nn.Module], opt: "ZeroOptimizer", step: int, sche
                 if p.requires_grad:
                     for k, v in options.items():
                         optim_sd[f"param_groups.{names[opt.engine.param_names[id(p)]]}.{k}"] = v
-        out["train_state"] = {"step": step, **({"extra": extra} if extra is not None else {})}
+        train.update({"step": step, "world_size": world, **({"extra": extra} if extra is not None else {})})
         if scheduler is not None:
             out["lr_scheduler"] = scheduler.state_dict()
         if dataloader is not None:
@@ -167,7 +172,7 @@ def save_dcp(root: str, step: int, model: Optional[nn.Module], opt: "ZeroOptimiz
     error, sums = None, {}
     try:
         opt.engine.inflight.check(f"save_checkpoint of step {step}")
-        sd = state_dict(model, opt, step, scheduler, dataloader, extra, comm.rank)
+        sd = state_dict(model, opt, step, scheduler, dataloader, extra, comm.rank, comm.world_size)
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
         dcp.save(sd, storage_writer=writer, planner=_PiecesPlanner(), process_group=comm.group,
                  no_dist=not dist.is_initialized())

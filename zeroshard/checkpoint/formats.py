@@ -37,7 +37,7 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
             raise ValueError("load_checkpoint needs model=... and/or optimizer=...")
         comm = optimizer.engine.comm if optimizer is not None else Comm(None)
         return dcp_read.load_dcp(os.fspath(path), model, optimizer, cast("Optional[Stateful]", scheduler),
-                                 cast("Optional[Stateful]", dataloader), comm)
+                                 cast("Optional[Stateful]", dataloader), comm, load_rng)
     return load.load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, dataloader=dataloader,
                                 load_rng=load_rng)
 
