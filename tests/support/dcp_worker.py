@@ -311,8 +311,10 @@ class Position:
 
 
 def zs_rng_resume(rank: int, world: int, out: str, root: str) -> None:
-    """Trains DropNet 2 steps, saves DCP, trains 2 more (the uninterrupted run); then fresh
-    objects with other generator states load the checkpoint and train the same 2 steps."""
+    """Trains DropNet 2 steps, saves DCP synchronously (``{root}/sync``) and asynchronously
+    (``{root}/async``, in flight while the next steps run), trains 2 more (the uninterrupted
+    run); then, for each, fresh objects with other generator states load it and train the same
+    2 steps."""
     import random
 
     import numpy as np
@@ -337,17 +339,23 @@ def zs_rng_resume(rank: int, world: int, out: str, root: str) -> None:
     model, opt = fresh()
     pos = Position(10 * rank)
     steps(model, opt, pos, 0, 2)
-    zeroshard.save_checkpoint(root, 2, model=model, optimizer=opt, dataloader=pos, format="dcp")
+    zeroshard.save_checkpoint(root + "/sync", 2, model=model, optimizer=opt, dataloader=pos, format="dcp")
+    handle = zeroshard.save_checkpoint(root + "/async", 2, model=model, optimizer=opt, dataloader=pos, format="dcp",
+                                       async_save=True)
     draws = steps(model, opt, pos, 2, 4)
+    handle.wait()
     want = {k: v.clone() for k, v in model.state_dict().items()}
-    torch.manual_seed(7)
-    random.seed(7)
-    np.random.seed(7)
-    model, opt = fresh()
-    pos2 = Position()
-    info = zeroshard.load_checkpoint(root, model=model, optimizer=opt, dataloader=pos2)
-    loaded_pos = pos2.pos
-    draws2 = steps(model, opt, pos2, 2, 4)
-    same = all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
-    json.dump({"rng_restored": info["rng_restored"], "same": same, "draws": draws == draws2,
-               "pos": loaded_pos, "resharded": info["resharded"]}, open(f"{out}.rank{rank}", "w"))
+    got = {}
+    for kind in ("sync", "async"):
+        torch.manual_seed(7)
+        random.seed(7)
+        np.random.seed(7)
+        model, opt = fresh()
+        pos2 = Position()
+        info = zeroshard.load_checkpoint(root + "/" + kind, model=model, optimizer=opt, dataloader=pos2)
+        loaded_pos = pos2.pos
+        draws2 = steps(model, opt, pos2, 2, 4)
+        same = all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+        got[kind] = {"rng_restored": info["rng_restored"], "same": same, "draws": draws == draws2,
+                     "pos": loaded_pos, "resharded": info["resharded"]}
+    json.dump(got, open(f"{out}.rank{rank}", "w"))

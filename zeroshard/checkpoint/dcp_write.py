@@ -11,12 +11,13 @@ which no loader reads and the next save removes (Note [DCP format mapping]).
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
 import shutil
 import uuid
-from typing import TYPE_CHECKING, Optional, cast
+from typing import TYPE_CHECKING, Callable, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -29,11 +30,13 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from zeroshard.checkpoint import commit, dcp_metadata, jsontree, manifest, rng
 from zeroshard.checkpoint.checkpoint_errors import CheckpointError
 from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map, owned_pieces
-from zeroshard.checkpoint.saver import checkpoint_comm, wait_checkpoint
+from zeroshard.checkpoint import saver
+from zeroshard.checkpoint.saver import PendingSave, checkpoint_comm, wait_checkpoint
 from zeroshard.checkpoint.shard_file import Deferred, _materialize
 
 if TYPE_CHECKING:
     from zeroshard.checkpoint.dcp_metadata import Stateful
+    from zeroshard.comm import Comm
     from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
 Box = tuple[tuple[int, ...], tuple[int, ...], int, int]
@@ -69,12 +72,20 @@ class Pieces:
 
     def __init__(self, size: tuple[int, ...], dtype: torch.dtype) -> None:
         self.size, self.dtype = torch.Size(size), dtype
-        self.chunks: dict[tuple[int, ...], tuple[tuple[int, ...], "torch.Tensor | Deferred", int, int]] = {}
+        self.flats: list["torch.Tensor | Deferred"] = []
+        self.chunks: dict[tuple[int, ...], tuple[tuple[int, ...], int, int, int]] = {}
 
     def add(self, start: int, stop: int, flat: "torch.Tensor | Deferred") -> None:
         """``flat`` holds elements ``[start, stop)`` of the tensor."""
+        self.flats.append(flat)
         for offsets, sizes, lo, hi in boxes(tuple(self.size), start, stop):
-            self.chunks[offsets] = (sizes, flat, lo - start, hi - start)
+            self.chunks[offsets] = (sizes, len(self.flats) - 1, lo - start, hi - start)
+
+    def stage(self, key: str, buffer: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
+        """Points the chunks at copies of the live tensors (an asynchronous save; a Deferred
+        streams from its swap file)."""
+        self.flats = [buffer(f"dcp|{key}|{i}", f) if isinstance(f, torch.Tensor) else f
+                      for i, f in enumerate(self.flats)]
 
     def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
         return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
@@ -87,9 +98,9 @@ class Pieces:
         return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, (s, _, _, _) in self.chunks.items()]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        sizes, flat, lo, hi = self.chunks[tuple(index.offset or ())]
+        sizes, i, lo, hi = self.chunks[tuple(index.offset or ())]
         commit._point("dcp-chunk")  # (the writer is about to write this chunk)
-        return _materialize(flat).reshape(-1)[lo:hi].to(self.dtype).reshape(sizes)
+        return _materialize(self.flats[i]).reshape(-1)[lo:hi].to(self.dtype).reshape(sizes)
 
 
 class _PiecesPlanner(DefaultSavePlanner):
@@ -148,8 +159,11 @@ def state_dict(model: Optional[nn.Module], opt: "ZeroOptimizer", step: int, sche
 
 
 def save_dcp(root: str, step: int, model: Optional[nn.Module], opt: "ZeroOptimizer", scheduler: "Optional[Stateful]",
-             dataloader: "Optional[Stateful]", extra: object) -> str:
-    """Writes ``root/step-NNNNNNNN`` as a DCP checkpoint (a collective); returns its path."""
+             dataloader: "Optional[Stateful]", extra: object, async_save: bool = False) -> PendingSave:
+    """Writes ``root/step-NNNNNNNN`` as a DCP checkpoint (a collective). Asynchronous: the
+    state is captured now (the small state as values, the tensors by reference), then the
+    saver's background thread copies the tensors into its staging buffers (the optimizer's
+    next step waits for that copy, as in a native async save) and writes and commits."""
     wait_checkpoint()
     if opt.engine.tp is not None or opt.engine.replicas is not None:
         raise ValueError("save_checkpoint(format='dcp') supports plain data parallelism (one shard group, no tensor "
@@ -169,10 +183,43 @@ def save_dcp(root: str, step: int, model: Optional[nn.Module], opt: "ZeroOptimiz
     if tmp.startswith("!"):
         raise CheckpointError(f"cannot create a step directory under {root!r}: {tmp[1:]}")
     commit._point("dcp-begin")
-    error, sums = None, {}
+    error, sd = None, {}
     try:
         opt.engine.inflight.check(f"save_checkpoint of step {step}")
         sd = state_dict(model, opt, step, scheduler, dataloader, extra, comm.rank, comm.world_size)
+        if async_save:  # (the small state as values: training changes the live objects next)
+            sd = {k: v if k in ("model", "optimizer") else copy.deepcopy(v) for k, v in sd.items()}
+    except Exception as exc:  # noqa: BLE001 - every rank hears of it below
+        error = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
+    errors = [e for e in comm.all_gather_object(error) if e]
+    if errors:
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"DCP checkpoint of step {step} was not saved ({errors[0]}); nothing was committed: "
+                              "the previous checkpoint is intact")
+    if not async_save:
+        return PendingSave(saver._SAVER, _write(sd, tmp, final, step, comm))
+    streamed = any(isinstance(f, Deferred) for part in sd.values() if isinstance(part, dict)
+                   for v in part.values() if isinstance(v, Pieces) for f in v.flats)
+    return saver._SAVER.background(opt, lambda: _stage(sd), lambda: _write(sd, tmp, final, step, comm), streamed)
+
+
+def _stage(sd: dict) -> None:
+    """Copies every live tensor of ``sd`` into the saver's reused staging buffers."""
+    pin = torch.cuda.is_available()
+    for section in ("model", "optimizer"):
+        part = sd[section]
+        for key, v in part.items():
+            if isinstance(v, Pieces):
+                v.stage(f"{section}.{key}", lambda k, t: saver._SAVER.buffer(k, t, pin))
+            elif isinstance(v, torch.Tensor):
+                part[key] = saver._SAVER.buffer(f"dcp|{section}.{key}", v, pin)
+
+
+def _write(sd: dict, tmp: str, final: str, step: int, comm: "Comm") -> str:
+    """torch's DCP writer, the checksums and the commit; returns the step directory."""
+    error, sums = None, {}
+    try:
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
         dcp.save(sd, storage_writer=writer, planner=_PiecesPlanner(), process_group=comm.group,
                  no_dist=not dist.is_initialized())
