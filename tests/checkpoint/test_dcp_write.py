@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.support import dcp_worker
+from zeroshard.checkpoint import dcp_metadata
 from tests.support.asserts import assert_same
 from tests.support.dist_results import run_ranks
 
@@ -27,6 +28,8 @@ def test_fsdp2_loads_what_zeroshard_saved_as_dcp(tmp_path):
     for (root, _, _), step_dir in zip(runs, paths):
         assert sorted(os.listdir(root)) == [os.path.basename(step_dir)]  # (no .tmp- left)
         assert {".metadata", "zeroshard-dcp.json"} <= set(os.listdir(step_dir))
+        # (sizes and CRC32s summed as torch wrote the files match the files)
+        assert dcp_metadata.verify(step_dir, full=True) is None
     saved = torch.load(str(tmp_path / "zs" / "res.pt"))
     run_ranks(dcp_worker.fsdp_load, 2, tmp_path / "fsdp", paths)
     for (_, stage, _), want, got in zip(runs, saved, torch.load(str(tmp_path / "fsdp" / "res.pt"))):

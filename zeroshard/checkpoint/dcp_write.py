@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from zeroshard.checkpoint import commit, dcp_metadata, jsontree, manifest, rng
 from zeroshard.checkpoint.checkpoint_errors import CheckpointError
+from zeroshard.checkpoint.dcp_summing import SummingFileSystem
 from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map, owned_pieces
 from zeroshard.checkpoint import saver
 from zeroshard.checkpoint.saver import PendingSave, checkpoint_comm, wait_checkpoint
@@ -100,7 +101,18 @@ class Pieces:
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         sizes, i, lo, hi = self.chunks[tuple(index.offset or ())]
         commit._point("dcp-chunk")  # (the writer is about to write this chunk)
-        return _materialize(self.flats[i]).reshape(-1)[lo:hi].to(self.dtype).reshape(sizes)
+        flat = _materialize(self.flats[i]).detach().reshape(-1)
+        if flat.dtype != self.dtype or not flat.is_cpu:
+            return flat[lo:hi].to(self.dtype).reshape(sizes)
+        return exact_view(flat, lo, hi).reshape(sizes)
+
+
+def exact_view(flat: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """``flat[lo:hi]`` as a tensor whose storage is exactly those elements, sharing memory.
+    Why: torch's writer clones a view whose storage is larger (``torch.save`` would write the
+    whole storage), a copy of every chunk of a flat partition; this view needs none."""
+    es = flat.element_size()
+    return torch.from_numpy(flat.view(torch.uint8).numpy()[lo * es:hi * es]).view(flat.dtype)
 
 
 class _PiecesPlanner(DefaultSavePlanner):
@@ -221,10 +233,19 @@ def _write(sd: dict, tmp: str, final: str, step: int, comm: "Comm") -> str:
     error, sums = None, {}
     try:
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
-        dcp.save(sd, storage_writer=writer, planner=_PiecesPlanner(), process_group=comm.group,
-                 no_dist=not dist.is_initialized())
+        fs = writer.fs = SummingFileSystem()
+        # torch.save's own CRC32 of each record is a second pass over the bytes that no reader
+        # checks by default; the checksum file beside .metadata covers every file (one pass).
+        crc = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            dcp.save(sd, storage_writer=writer, planner=_PiecesPlanner(), process_group=comm.group,
+                     no_dist=not dist.is_initialized())
+        finally:
+            torch.serialization.set_crc32_options(crc)
         commit._point("dcp-written")
-        sums = _checksums(tmp, comm.rank, comm.world_size)
+        sums = {n: {"size": size, "crc32": crc} for n, (size, crc) in fs.sums.items()
+                if n == dcp_metadata.METADATA or n.endswith(".distcp")}
     except Exception as exc:  # noqa: BLE001 - every rank hears of it below
         error = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
     gathered = comm.all_gather_object((error, sums))
@@ -241,14 +262,6 @@ def _write(sd: dict, tmp: str, final: str, step: int, comm: "Comm") -> str:
         raise CheckpointError(f"DCP checkpoint of step {step} was not saved ({errors[0]}); nothing was committed: "
                               "the previous checkpoint is intact")
     return final
-
-
-def _checksums(tmp: str, rank: int, world: int) -> dict[str, dict[str, int]]:
-    """Size and CRC32 of this rank's share of the files torch wrote (the files dealt round the
-    ranks, so the pass over the bytes, warm in the page cache, runs on every rank at once)."""
-    names = sorted(n for n in os.listdir(tmp) if n == dcp_metadata.METADATA or n.endswith(".distcp"))
-    return {n: {"size": os.path.getsize(os.path.join(tmp, n)), "crc32": dcp_metadata.crc32_of(os.path.join(tmp, n))}
-            for i, n in enumerate(names) if i % world == rank}
 
 
 def _seal(tmp: str, final: str, step: int, files: dict[str, dict[str, int]]) -> None:
