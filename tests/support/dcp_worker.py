@@ -359,3 +359,55 @@ def zs_rng_resume(rank: int, world: int, out: str, root: str) -> None:
         got[kind] = {"rng_restored": info["rng_restored"], "same": same, "draws": draws == draws2,
                      "pos": loaded_pos, "resharded": info["resharded"]}
     json.dump(got, open(f"{out}.rank{rank}", "w"))
+
+
+def zs_crash_many(rank: int, world: int, out: str, base: str, points: list[tuple[str, int]]) -> None:
+    """One process, many kills: saves step 1 as DCP into ``{base}/template`` (its weights:
+    the expectation), trains a step, then per kill point forks a child that saves step 2 into
+    a copy of the template and SIGKILLs itself at the ``n``-th ``point``
+    (``commit.fault_hook``); the parent then loads each root. Runs without a process group
+    (a forked child has no gloo threads), at world size 1."""
+    import os
+    import shutil
+    import signal
+
+    from zeroshard.checkpoint import commit
+    dist.destroy_process_group()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = DcpNet()
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, stage=1)
+    _train(model, opt, 1, 0, 1)
+    template = os.path.join(base, "template")
+    zeroshard.save_checkpoint(template, 1, model=model, optimizer=opt, format="dcp")
+    expect = {k: v.clone() for k, v in model.state_dict().items()}
+    _train(model, opt, 1, 0, 1)
+    report = []
+    for i, (point, n) in enumerate(points):
+        root = os.path.join(base, f"run{i}")
+        shutil.copytree(template, root)
+        pid = os.fork()
+        if pid == 0:  # the child: save step 2, die at the point
+            seen = {"n": 0}
+
+            def hook(name: str) -> None:
+                if name == point:
+                    seen["n"] += 1
+                    if seen["n"] == n:
+                        os.kill(os.getpid(), signal.SIGKILL)
+            commit.fault_hook = hook
+            try:
+                zeroshard.save_checkpoint(root, 2, model=model, optimizer=opt, format="dcp")
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        torn = any(".tmp-" in name for name in os.listdir(root))
+        torch.manual_seed(5)
+        fresh = DcpNet()
+        fopt = zeroshard.ZeroOptimizer(fresh, torch.optim.AdamW, lr=LR, stage=1)
+        info = zeroshard.load_checkpoint(root, model=fresh, optimizer=fopt)
+        same = all(torch.equal(v, expect[k]) for k, v in fresh.state_dict().items())
+        report.append({"point": point, "n": n, "killed": killed, "torn": torn, "step": info["step"],
+                       "path": os.path.basename(info["path"]), "same": same})
+    json.dump({"report": report}, open(f"{out}.rank{rank}", "w"))

@@ -18,6 +18,8 @@ from typing import Any, Generator
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from zeroshard.checkpoint import commit
+
 
 class _Summed(io.RawIOBase):
     """A binary file opened for writing, summed as it is written."""
@@ -68,8 +70,10 @@ class SummingFileSystem(FileSystem):
                 yield summed
             finally:
                 self.sums[Path(path).name] = summed.finish()
+        commit._point("dcp-file")  # (a data file or .metadata.tmp written; fsynced when sync_files)
 
     def rename(self, path: "str | os.PathLike", new_path: "str | os.PathLike") -> None:
+        commit._point("dcp-metadata-rename")
         super().rename(path, new_path)
         if Path(path).name in self.sums:
             self.sums[Path(new_path).name] = self.sums.pop(Path(path).name)

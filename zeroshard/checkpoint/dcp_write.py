@@ -271,6 +271,7 @@ def _seal(tmp: str, final: str, step: int, files: dict[str, dict[str, int]]) -> 
     with open(os.path.join(tmp, dcp_metadata.CHECKSUMS), "w") as f:
         json.dump({"format": "zeroshard-dcp", "version": 1, "step": step, "files": files}, f)
         f.flush()
+        commit._point("dcp-sums")
         os.fsync(f.fileno())
     commit._fsync_dir(tmp)
     commit._point("dcp-rename")
