@@ -182,7 +182,9 @@ def save_dcp(root: str, step: int, model: Optional[nn.Module], opt: "ZeroOptimiz
                          "parallelism); save the native format and convert with zeroshard convert-dcp")
     comm = checkpoint_comm(opt)
     final = os.path.join(os.fspath(root), manifest.step_dir_name(step))
-    made = None
+    # One collective before the write (an async save's stall): rank 0's new directory and
+    # every rank's verdict on building its part travel together.
+    made, error, sd = None, None, {}
     if comm.rank == 0:
         try:
             os.makedirs(root, exist_ok=True)
@@ -190,25 +192,24 @@ def save_dcp(root: str, step: int, model: Optional[nn.Module], opt: "ZeroOptimiz
             made = f"{final}.tmp-{uuid.uuid4().hex[:12]}"
             os.mkdir(made)
         except OSError as exc:
-            made = f"!{exc}"
-    tmp = str(comm.broadcast_object(made))
-    if tmp.startswith("!"):
-        raise CheckpointError(f"cannot create a step directory under {root!r}: {tmp[1:]}")
+            made, error = None, f"rank 0: cannot create a step directory under {root!r}: {exc}"
     commit._point("dcp-begin")
-    error, sd = None, {}
     try:
-        opt.engine.inflight.check(f"save_checkpoint of step {step}")
-        sd = state_dict(model, opt, step, scheduler, dataloader, extra, comm.rank, comm.world_size)
-        if async_save:  # (the small state as values: training changes the live objects next)
-            sd = {k: v if k in ("model", "optimizer") else copy.deepcopy(v) for k, v in sd.items()}
+        if error is None:
+            opt.engine.inflight.check(f"save_checkpoint of step {step}")
+            sd = state_dict(model, opt, step, scheduler, dataloader, extra, comm.rank, comm.world_size)
+            if async_save:  # (the small state as values: training changes the live objects next)
+                sd = {k: v if k in ("model", "optimizer") else copy.deepcopy(v) for k, v in sd.items()}
     except Exception as exc:  # noqa: BLE001 - every rank hears of it below
         error = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
-    errors = [e for e in comm.all_gather_object(error) if e]
-    if errors:
-        if comm.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"DCP checkpoint of step {step} was not saved ({errors[0]}); nothing was committed: "
-                              "the previous checkpoint is intact")
+    gathered = comm.all_gather_object((error, made))
+    errors = [e for e, _ in gathered if e]
+    tmp = gathered[0][1]
+    if errors or not isinstance(tmp, str):
+        if comm.rank == 0 and made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        raise CheckpointError(f"DCP checkpoint of step {step} was not saved ({errors[0] if errors else 'no directory'})"
+                              "; nothing was committed: the previous checkpoint is intact")
     if not async_save:
         return PendingSave(saver._SAVER, _write(sd, tmp, final, step, comm))
     streamed = any(isinstance(f, Deferred) for part in sd.values() if isinstance(part, dict)
@@ -219,13 +220,19 @@ def save_dcp(root: str, step: int, model: Optional[nn.Module], opt: "ZeroOptimiz
 def _stage(sd: dict) -> None:
     """Copies every live tensor of ``sd`` into the saver's reused staging buffers."""
     pin = torch.cuda.is_available()
+    used: set[str] = set()
+
+    def buffer(key: str, t: torch.Tensor) -> torch.Tensor:
+        used.add(key)
+        return saver._SAVER.buffer(key, t, pin)
     for section in ("model", "optimizer"):
         part = sd[section]
         for key, v in part.items():
             if isinstance(v, Pieces):
-                v.stage(f"{section}.{key}", lambda k, t: saver._SAVER.buffer(k, t, pin))
+                v.stage(f"{section}.{key}", buffer)
             elif isinstance(v, torch.Tensor):
-                part[key] = saver._SAVER.buffer(f"dcp|{section}.{key}", v, pin)
+                part[key] = buffer(f"dcp|{section}.{key}", v)
+    saver._SAVER.drop_unused(used, lambda key: key.startswith("dcp|"))
 
 
 def _write(sd: dict, tmp: str, final: str, step: int, comm: "Comm") -> str:

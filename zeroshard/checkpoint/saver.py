@@ -229,11 +229,17 @@ class CheckpointSaver:
         for name, t in list(snap.full.items()):
             snap.full[name] = self._buffer(f"{name}|full", t, pin)
             used.add(f"{name}|full")
-        for key in set(self._buffers) - used:  # layout changed: drop what is no longer needed
+        self.drop_unused(used, lambda key: not key.startswith("dcp|"))
+
+    def drop_unused(self, used: set[str], mine: Callable[[str], bool]) -> None:
+        """Layout changed: drops the buffers of one format's staging (``mine``) it no longer
+        uses; the other format's stay, so a run that saves both reuses both."""
+        for key in [k for k in self._buffers if mine(k) and k not in used]:
             del self._buffers[key]
 
     def buffer(self, key: str, t: torch.Tensor, pin: bool) -> torch.Tensor:
-        """A copy of ``t`` in a staging buffer reused across saves (another format's staging)."""
+        """A copy of ``t`` in a staging buffer reused across saves (another format's staging,
+        its keys starting ``dcp|``)."""
         return self._buffer(key, t, pin)
 
     def _buffer(self, key: str, t: torch.Tensor, pin: bool) -> torch.Tensor:
