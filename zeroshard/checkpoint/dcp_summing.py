@@ -14,7 +14,7 @@ import os
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Generator
+from typing import Generator
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -24,14 +24,14 @@ from zeroshard.checkpoint import commit
 class _Summed(io.RawIOBase):
     """A binary file opened for writing, summed as it is written."""
 
-    def __init__(self, f: Any) -> None:
+    def __init__(self, f: io.BufferedWriter) -> None:
         super().__init__()
         self.f, self.size, self.crc = f, 0, 0
 
     def writable(self) -> bool:
         return True
 
-    def write(self, b: Any) -> int:
+    def write(self, b: "bytes | bytearray | memoryview") -> int:  # type: ignore[override]
         view = memoryview(b).cast("B")
         self.crc = zlib.crc32(view, self.crc)
         n = self.f.write(view)

@@ -157,7 +157,7 @@ class CheckpointSaver:
                                                                                       keep_last),
                                streamed=has_deferred(snap.records))
 
-    def background(self, opt: Any, stage: Callable[[], None], write: Callable[[], str], streamed: bool) -> PendingSave:
+    def background(self, opt: Optional[torch.optim.Optimizer], stage: Callable[[], None], write: Callable[[], str], streamed: bool) -> PendingSave:
         """Runs an asynchronous save on the background thread: ``stage`` copies the tensors
         (the optimizer's next step waits for it; for the whole save when ``streamed``), then
         ``write`` commits and returns the step directory. Both formats' async saves go here."""
