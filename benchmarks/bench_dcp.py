@@ -8,7 +8,9 @@ it, saves ``format="dcp"`` and loads it; FSDP2 (``fully_shard`` per layer, AdamW
 step) saves with ``dcp.save`` of ``get_state_dict`` and loads with ``dcp.load`` +
 ``set_state_dict``. Times are wall clock between barriers (rank 0's), the page cache warm (the
 figures are the CPU path: serialization, checksums, copies; not the disk). Printed: the
-median throughput (checkpoint bytes / s) of each, and the ratios DCP / native and DCP / FSDP2.
+median throughput (checkpoint bytes / s) of each, and the ratios DCP / native and DCP / FSDP2;
+and the stall of an async save of each format (the call plus the wait for staging that an
+optimizer step right after it would have: no overlap, the worst case).
 """
 from __future__ import annotations
 
@@ -59,6 +61,19 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def _stall(save: Callable[[], "zeroshard.checkpoint.saver.PendingSave"]) -> float:
+    """How long an async save holds training up if the next optimizer step came at once: the
+    call plus the wait for staging (what the step's pre-hook waits for); then the commit."""
+    from zeroshard.checkpoint.saver import _SAVER
+    dist.barrier()
+    t0 = time.perf_counter()
+    handle = save()
+    _SAVER._staged.wait()
+    stall = time.perf_counter() - t0
+    handle.wait()
+    return stall
+
+
 def rank_main(rank: int, world: int, out: str, layers: int, width: int, rounds: int, scratch: str) -> None:
     model = _model(layers, width)
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, stage=2)
@@ -82,6 +97,11 @@ def rank_main(rank: int, world: int, out: str, layers: int, width: int, rounds: 
         times.setdefault("dcp load", []).append(_timed(lambda: zeroshard.load_checkpoint(
             ours, model=model, optimizer=opt)))
 
+        for fmt in ("native", "dcp"):
+            times.setdefault(f"{fmt} async stall", []).append(_stall(
+                lambda: zeroshard.save_checkpoint(f"{native if fmt == 'native' else ours}-async", 1, model=model,
+                                                  optimizer=opt, async_save=True, format=fmt)))
+
         def fsdp_save() -> None:
             msd, osd = get_state_dict(fmodel, fopt, options=FLAT)
             dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=theirs)
@@ -96,7 +116,7 @@ def rank_main(rank: int, world: int, out: str, layers: int, width: int, rounds: 
         times.setdefault("fsdp2 load", []).append(_timed(fsdp_load))
         if rank == 0:
             sizes = {"native": _size(native), "dcp": _size(ours), "fsdp2": _size(theirs)}
-            for p in (native, ours, theirs):
+            for p in (native, ours, theirs, native + "-async", ours + "-async"):
                 shutil.rmtree(p, ignore_errors=True)
         dist.barrier()
     if rank == 0:
@@ -121,12 +141,17 @@ def main() -> None:
     speed = {}
     for what, ts in res["times"].items():
         fmt = what.split()[0]
+        if what.endswith("stall"):
+            print(f"{what:17s} median {statistics.median(ts) * 1e3:.1f} ms of {len(ts)}")
+            continue
         speed[what] = res["sizes"][fmt] / statistics.median(ts)
         print(f"{what:12s} median {statistics.median(ts):.3f} s of {len(ts)} "
               f"({res['sizes'][fmt] / 2**20:.0f} MiB, {speed[what] / 2**20:.0f} MiB/s)")
     for op in ("save", "load"):
         print(f"{op}: dcp / native {speed[f'dcp {op}'] / speed[f'native {op}']:.2f}x, "
               f"dcp / fsdp2 {speed[f'dcp {op}'] / speed[f'fsdp2 {op}']:.2f}x")
+    stall = {f: statistics.median(res["times"][f"{f} async stall"]) for f in ("native", "dcp")}
+    print(f"async stall: dcp / native {stall['dcp'] / stall['native']:.2f}x")
 
 
 if __name__ == "__main__":

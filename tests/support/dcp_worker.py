@@ -287,3 +287,127 @@ def zs_convert(rank: int, world: int, out: str, fsdp_ck: str, native_root: str, 
         got.append({"state": zs_state(model, opt), "lr": sched.get_last_lr(), "step": info["step"]})
     torch.save(got, out + ".pt")
     json.dump({"codes": codes}, open(f"{out}.rank{rank}", "w"))
+
+
+class DropNet(DcpNet):
+    """DcpNet with dropout: a resume continues bitwise only if each rank's generator does."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(torch.tanh(self.norm(self.fc1(self.emb(tokens)))), 0.3, self.training) * self.gain
+        return F.cross_entropy(self.head(h)[..., :VOCAB].reshape(-1, VOCAB), tokens.roll(1, -1).reshape(-1))
+
+
+class Position:
+    """A per-rank data position (``state_dict``/``load_state_dict``)."""
+
+    def __init__(self, pos: int = 0) -> None:
+        self.pos = pos
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = state["pos"]
+
+
+def zs_rng_resume(rank: int, world: int, out: str, root: str) -> None:
+    """Trains DropNet 2 steps, saves DCP synchronously (``{root}/sync``) and asynchronously
+    (``{root}/async``, in flight while the next steps run), trains 2 more (the uninterrupted
+    run); then, for each, fresh objects with other generator states load it and train the same
+    2 steps."""
+    import random
+
+    import numpy as np
+
+    def fresh() -> tuple[nn.Module, Any]:
+        model = DropNet()
+        return model, zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, stage=2)
+
+    def steps(model: nn.Module, opt: Any, pos: Position, a: int, b: int) -> list[float]:
+        draws = []
+        for step in range(a, b):
+            model(local_batch(step, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+            pos.pos += 1
+            draws.append(random.random() + float(np.random.rand()))
+        return draws
+
+    torch.manual_seed(100 + rank)
+    random.seed(rank)
+    np.random.seed(rank)
+    model, opt = fresh()
+    pos = Position(10 * rank)
+    steps(model, opt, pos, 0, 2)
+    zeroshard.save_checkpoint(root + "/sync", 2, model=model, optimizer=opt, dataloader=pos, format="dcp")
+    handle = zeroshard.save_checkpoint(root + "/async", 2, model=model, optimizer=opt, dataloader=pos, format="dcp",
+                                       async_save=True)
+    draws = steps(model, opt, pos, 2, 4)
+    handle.wait()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    got = {}
+    for kind in ("sync", "async"):
+        torch.manual_seed(7)
+        random.seed(7)
+        np.random.seed(7)
+        model, opt = fresh()
+        pos2 = Position()
+        info = zeroshard.load_checkpoint(root + "/" + kind, model=model, optimizer=opt, dataloader=pos2)
+        loaded_pos = pos2.pos
+        draws2 = steps(model, opt, pos2, 2, 4)
+        same = all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+        got[kind] = {"rng_restored": info["rng_restored"], "same": same, "draws": draws == draws2,
+                     "pos": loaded_pos, "resharded": info["resharded"]}
+    json.dump(got, open(f"{out}.rank{rank}", "w"))
+
+
+def zs_crash_many(rank: int, world: int, out: str, base: str, points: list[tuple[str, int]]) -> None:
+    """One process, many kills: saves step 1 as DCP into ``{base}/template`` (its weights:
+    the expectation), trains a step, then per kill point forks a child that saves step 2 into
+    a copy of the template and SIGKILLs itself at the ``n``-th ``point``
+    (``commit.fault_hook``); the parent then loads each root. Runs without a process group
+    (a forked child has no gloo threads), at world size 1."""
+    import os
+    import shutil
+    import signal
+
+    from zeroshard.checkpoint import commit
+    dist.destroy_process_group()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = DcpNet()
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, stage=1)
+    _train(model, opt, 1, 0, 1)
+    template = os.path.join(base, "template")
+    zeroshard.save_checkpoint(template, 1, model=model, optimizer=opt, format="dcp")
+    expect = {k: v.clone() for k, v in model.state_dict().items()}
+    _train(model, opt, 1, 0, 1)
+    report = []
+    for i, (point, n) in enumerate(points):
+        root = os.path.join(base, f"run{i}")
+        shutil.copytree(template, root)
+        pid = os.fork()
+        if pid == 0:  # the child: save step 2, die at the point
+            seen = {"n": 0}
+
+            def hook(name: str) -> None:
+                if name == point:
+                    seen["n"] += 1
+                    if seen["n"] == n:
+                        os.kill(os.getpid(), signal.SIGKILL)
+            commit.fault_hook = hook
+            try:
+                zeroshard.save_checkpoint(root, 2, model=model, optimizer=opt, format="dcp")
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        torn = any(".tmp-" in name for name in os.listdir(root))
+        torch.manual_seed(5)
+        fresh = DcpNet()
+        fopt = zeroshard.ZeroOptimizer(fresh, torch.optim.AdamW, lr=LR, stage=1)
+        info = zeroshard.load_checkpoint(root, model=fresh, optimizer=fopt)
+        same = all(torch.equal(v, expect[k]) for k, v in fresh.state_dict().items())
+        report.append({"point": point, "n": n, "killed": killed, "torn": torn, "step": info["step"],
+                       "path": os.path.basename(info["path"]), "same": same})
+    json.dump({"report": report}, open(f"{out}.rank{rank}", "w"))

@@ -7,6 +7,7 @@ and the tensors are applied. Nothing of a checkpoint that fails a check reaches 
 """
 from __future__ import annotations
 
+import json
 import math
 from typing import TYPE_CHECKING, Optional
 
@@ -16,7 +17,7 @@ from torch.distributed.checkpoint import metadata as md
 from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from zeroshard.checkpoint import dcp_metadata, stage_merge
+from zeroshard.checkpoint import dcp_metadata, jsontree, rng, stage_merge
 from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zeroshard.checkpoint.load import _held, _needed, write_param
 from zeroshard.checkpoint.pieces import name_map
@@ -187,7 +188,7 @@ def saved_groups(src: DcpSource, opt: "ZeroOptimizer", names: dict[str, str]) ->
 
 
 def load_dcp(path: str, model: Optional[nn.Module], opt: "Optional[ZeroOptimizer]", scheduler: Optional[Stateful],
-             dataloader: Optional[Stateful], comm: "Comm") -> dict:
+             dataloader: Optional[Stateful], comm: "Comm", load_rng: bool = True) -> dict:
     """``load_checkpoint`` of a DCP directory (see the module docstring)."""
     error: Optional[tuple[str, str]] = None
     plan = None
@@ -202,6 +203,7 @@ def load_dcp(path: str, model: Optional[nn.Module], opt: "Optional[ZeroOptimizer
         src = DcpSource(path)
         check_model(src, model, opt)
         plan = _read(src, model, opt, scheduler, dataloader)
+        _per_rank(src, plan, dataloader, comm.rank, comm.world_size, load_rng)
     except CheckpointMismatchError as exc:
         error = ("mismatch", str(exc))
     except CheckpointError as exc:
@@ -215,13 +217,17 @@ def load_dcp(path: str, model: Optional[nn.Module], opt: "Optional[ZeroOptimizer
     if src is None or plan is None:  # (without an error, this rank read it all)
         raise RuntimeError(f"{path}: no rank reported an error, but this rank's read is incomplete")
     _apply(plan, model, opt, scheduler, dataloader)
-    train = plan["train_state"] if isinstance(plan["train_state"], dict) else {}
+    if plan["rng"] is not None:  # (last: nothing before draws from the generators)
+        rng.restore(plan["rng"])
+    train = {k: v for k, v in plan["train_state"].items() if k not in ("rng", "dataloader", "world_size")} \
+        if isinstance(plan["train_state"], dict) else {}
     step = train.get("step", 0)
     step = int(step.item() if isinstance(step, torch.Tensor) else step) if isinstance(step, (int, torch.Tensor)) else 0
     if opt is not None:
         state_restored(opt, step)
     return {"step": step, "path": path, "extra": train, "skipped": [], "world_size": None, "stage": None,
-            "format": "dcp", "resharded": True, "rng_restored": False, "bytes_read": src.bytes_read}
+            "format": "dcp", "resharded": plan["resharded"], "rng_restored": plan["rng"] is not None,
+            "bytes_read": src.bytes_read}
 
 
 def _read(src: DcpSource, model: Optional[nn.Module], opt: "Optional[ZeroOptimizer]", scheduler: Optional[Stateful],
@@ -259,6 +265,33 @@ def _read(src: DcpSource, model: Optional[nn.Module], opt: "Optional[ZeroOptimiz
             "scheduler": src.section("lr_scheduler") if scheduler is not None else None,
             "dataloader": src.section("dataloader") if dataloader is not None else None,
             "train_state": src.section("train_state")}
+
+
+def _per_rank(src: DcpSource, plan: dict, dataloader: Optional[Stateful], rank: int, world: int,
+              load_rng: bool) -> None:
+    """The RNG state and data position zeroshard saved per rank (``train_state.rng.rank{r}``,
+    ``train_state.dataloader.rank{r}``, JSON): every saved RNG state is checked; this rank's
+    are applied when the world size is the saving one (Note [DCP format mapping]). A checkpoint
+    FSDP2 wrote has none: the generators are left alone."""
+    train = plan["train_state"] if isinstance(plan["train_state"], dict) else {}
+    states, loaders = train.get("rng") or {}, train.get("dataloader") or {}
+    if not isinstance(states, dict) or not isinstance(loaders, dict):
+        raise CheckpointCorruptError(f"{src.dir}: train_state.rng / train_state.dataloader are not per-rank entries")
+    saved_world = train.get("world_size", len(states) or None)
+    same = saved_world == world and bool(states)
+    plan["resharded"], plan["rng"] = not same, None
+    for key, text in states.items():
+        where = f"{src.dir}: train_state.rng.{key}"
+        if not isinstance(text, str):
+            raise CheckpointCorruptError(f"{where} is not a JSON string")
+        checked = rng.check(json.loads(text), where)
+        if same and load_rng and key == f"rank{rank}":
+            plan["rng"] = checked
+    mine = loaders.get(f"rank{rank}")
+    if dataloader is not None and same and mine is not None:
+        if not isinstance(mine, str):
+            raise CheckpointCorruptError(f"{src.dir}: train_state.dataloader.rank{rank} is not a JSON string")
+        plan["dataloader"] = jsontree.decode(json.loads(mine), f"{src.dir}: train_state.dataloader.rank{rank}")
 
 
 def _apply(plan: dict, model: Optional[nn.Module], opt: "Optional[ZeroOptimizer]", scheduler: Optional[Stateful],

@@ -11,12 +11,13 @@ which no loader reads and the next save removes (Note [DCP format mapping]).
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
 import shutil
 import uuid
-from typing import TYPE_CHECKING, Optional, cast
+from typing import TYPE_CHECKING, Callable, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -26,14 +27,17 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from zeroshard.checkpoint import commit, dcp_metadata, manifest
+from zeroshard.checkpoint import commit, dcp_metadata, jsontree, manifest, rng
 from zeroshard.checkpoint.checkpoint_errors import CheckpointError
+from zeroshard.checkpoint.dcp_summing import SummingFileSystem
 from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map, owned_pieces
-from zeroshard.checkpoint.saver import checkpoint_comm, wait_checkpoint
+from zeroshard.checkpoint import saver
+from zeroshard.checkpoint.saver import PendingSave, checkpoint_comm, wait_checkpoint
 from zeroshard.checkpoint.shard_file import Deferred, _materialize
 
 if TYPE_CHECKING:
     from zeroshard.checkpoint.dcp_metadata import Stateful
+    from zeroshard.comm import Comm
     from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
 Box = tuple[tuple[int, ...], tuple[int, ...], int, int]
@@ -69,12 +73,20 @@ class Pieces:
 
     def __init__(self, size: tuple[int, ...], dtype: torch.dtype) -> None:
         self.size, self.dtype = torch.Size(size), dtype
-        self.chunks: dict[tuple[int, ...], tuple[tuple[int, ...], "torch.Tensor | Deferred", int, int]] = {}
+        self.flats: list["torch.Tensor | Deferred"] = []
+        self.chunks: dict[tuple[int, ...], tuple[tuple[int, ...], int, int, int]] = {}
 
     def add(self, start: int, stop: int, flat: "torch.Tensor | Deferred") -> None:
         """``flat`` holds elements ``[start, stop)`` of the tensor."""
+        self.flats.append(flat)
         for offsets, sizes, lo, hi in boxes(tuple(self.size), start, stop):
-            self.chunks[offsets] = (sizes, flat, lo - start, hi - start)
+            self.chunks[offsets] = (sizes, len(self.flats) - 1, lo - start, hi - start)
+
+    def stage(self, key: str, buffer: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
+        """Points the chunks at copies of the live tensors (an asynchronous save; a Deferred
+        streams from its swap file)."""
+        self.flats = [buffer(f"dcp|{key}|{i}", f) if isinstance(f, torch.Tensor) else f
+                      for i, f in enumerate(self.flats)]
 
     def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
         return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
@@ -87,9 +99,20 @@ class Pieces:
         return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, (s, _, _, _) in self.chunks.items()]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        sizes, flat, lo, hi = self.chunks[tuple(index.offset or ())]
+        sizes, i, lo, hi = self.chunks[tuple(index.offset or ())]
         commit._point("dcp-chunk")  # (the writer is about to write this chunk)
-        return _materialize(flat).reshape(-1)[lo:hi].to(self.dtype).reshape(sizes)
+        flat = _materialize(self.flats[i]).detach().reshape(-1)
+        if flat.dtype != self.dtype or not flat.is_cpu:
+            return flat[lo:hi].to(self.dtype).reshape(sizes)
+        return exact_view(flat, lo, hi).reshape(sizes)
+
+
+def exact_view(flat: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """``flat[lo:hi]`` as a tensor whose storage is exactly those elements, sharing memory.
+    Why: torch's writer clones a view whose storage is larger (``torch.save`` would write the
+    whole storage), a copy of every chunk of a flat partition; this view needs none."""
+    es = flat.element_size()
+    return torch.from_numpy(flat.view(torch.uint8).numpy()[lo * es:hi * es]).view(flat.dtype)
 
 
 class _PiecesPlanner(DefaultSavePlanner):
@@ -104,7 +127,7 @@ class _PiecesPlanner(DefaultSavePlanner):
 
 
 def state_dict(model: Optional[nn.Module], opt: "ZeroOptimizer", step: int, scheduler: "Optional[Stateful]",
-               dataloader: "Optional[Stateful]", extra: object, rank: int) -> dict:
+               dataloader: "Optional[Stateful]", extra: object, rank: int, world: int = 1) -> dict:
     """This rank's part of the checkpoint in torchtitan's layout (Note [DCP format mapping])."""
     names = name_map(model, opt)
     shapes = {names[seg.name]: tuple(seg.shape) for u in opt.engine.units for seg in u.layout.segments}
@@ -125,7 +148,12 @@ def state_dict(model: Optional[nn.Module], opt: "ZeroOptimizer", step: int, sche
         for k, v in rec.scalars.items():  # (Adam's step: FSDP2 keeps a float32 0-d tensor)
             optim_sd[f"state.{rec.name}.{k}"] = v.detach().clone().reshape(()) if isinstance(v, torch.Tensor) \
                 else torch.tensor(float(v), dtype=torch.float32)
-    out: dict[str, object] = {"model": model_sd, "optimizer": optim_sd}
+    # Each rank's RNG state and data position: JSON strings under per-rank keys (no rank's
+    # copy is another's, and a loader never unpickles them; Note [DCP format mapping]).
+    train: dict[str, object] = {"rng": {f"rank{rank}": json.dumps(rng.capture())}}
+    if dataloader is not None:
+        train["dataloader"] = {f"rank{rank}": json.dumps(jsontree.encode(dataloader.state_dict(), "dataloader"))}
+    out: dict[str, object] = {"model": model_sd, "optimizer": optim_sd, "train_state": train}
     if rank == 0:  # (the others' copies would be deduplicated anyway)
         model_sd.update({n: t.detach().cpu() for n, t in full_tensors(model, opt)[0].items()})
         for g in opt.param_groups:
@@ -134,7 +162,7 @@ def state_dict(model: Optional[nn.Module], opt: "ZeroOptimizer", step: int, sche
                 if p.requires_grad:
                     for k, v in options.items():
                         optim_sd[f"param_groups.{names[opt.engine.param_names[id(p)]]}.{k}"] = v
-        out["train_state"] = {"step": step, **({"extra": extra} if extra is not None else {})}
+        train.update({"step": step, "world_size": world, **({"extra": extra} if extra is not None else {})})
         if scheduler is not None:
             out["lr_scheduler"] = scheduler.state_dict()
         if dataloader is not None:
@@ -143,15 +171,20 @@ def state_dict(model: Optional[nn.Module], opt: "ZeroOptimizer", step: int, sche
 
 
 def save_dcp(root: str, step: int, model: Optional[nn.Module], opt: "ZeroOptimizer", scheduler: "Optional[Stateful]",
-             dataloader: "Optional[Stateful]", extra: object) -> str:
-    """Writes ``root/step-NNNNNNNN`` as a DCP checkpoint (a collective); returns its path."""
+             dataloader: "Optional[Stateful]", extra: object, async_save: bool = False) -> PendingSave:
+    """Writes ``root/step-NNNNNNNN`` as a DCP checkpoint (a collective). Asynchronous: the
+    state is captured now (the small state as values, the tensors by reference), then the
+    saver's background thread copies the tensors into its staging buffers (the optimizer's
+    next step waits for that copy, as in a native async save) and writes and commits."""
     wait_checkpoint()
     if opt.engine.tp is not None or opt.engine.replicas is not None:
         raise ValueError("save_checkpoint(format='dcp') supports plain data parallelism (one shard group, no tensor "
                          "parallelism); save the native format and convert with zeroshard convert-dcp")
     comm = checkpoint_comm(opt)
     final = os.path.join(os.fspath(root), manifest.step_dir_name(step))
-    made = None
+    # One collective before the write (an async save's stall): rank 0's new directory and
+    # every rank's verdict on building its part travel together.
+    made, error, sd = None, None, {}
     if comm.rank == 0:
         try:
             os.makedirs(root, exist_ok=True)
@@ -159,20 +192,67 @@ def save_dcp(root: str, step: int, model: Optional[nn.Module], opt: "ZeroOptimiz
             made = f"{final}.tmp-{uuid.uuid4().hex[:12]}"
             os.mkdir(made)
         except OSError as exc:
-            made = f"!{exc}"
-    tmp = str(comm.broadcast_object(made))
-    if tmp.startswith("!"):
-        raise CheckpointError(f"cannot create a step directory under {root!r}: {tmp[1:]}")
+            made, error = None, f"rank 0: cannot create a step directory under {root!r}: {exc}"
     commit._point("dcp-begin")
+    try:
+        if error is None:
+            opt.engine.inflight.check(f"save_checkpoint of step {step}")
+            sd = state_dict(model, opt, step, scheduler, dataloader, extra, comm.rank, comm.world_size)
+            if async_save:  # (the small state as values: training changes the live objects next)
+                sd = {k: v if k in ("model", "optimizer") else copy.deepcopy(v) for k, v in sd.items()}
+    except Exception as exc:  # noqa: BLE001 - every rank hears of it below
+        error = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
+    gathered = comm.all_gather_object((error, made))
+    errors = [e for e, _ in gathered if e]
+    tmp = gathered[0][1]
+    if errors or not isinstance(tmp, str):
+        if comm.rank == 0 and made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        raise CheckpointError(f"DCP checkpoint of step {step} was not saved ({errors[0] if errors else 'no directory'})"
+                              "; nothing was committed: the previous checkpoint is intact")
+    if not async_save:
+        return PendingSave(saver._SAVER, _write(sd, tmp, final, step, comm))
+    streamed = any(isinstance(f, Deferred) for part in sd.values() if isinstance(part, dict)
+                   for v in part.values() if isinstance(v, Pieces) for f in v.flats)
+    return saver._SAVER.background(opt, lambda: _stage(sd), lambda: _write(sd, tmp, final, step, comm), streamed)
+
+
+def _stage(sd: dict) -> None:
+    """Copies every live tensor of ``sd`` into the saver's reused staging buffers."""
+    pin = torch.cuda.is_available()
+    used: set[str] = set()
+
+    def buffer(key: str, t: torch.Tensor) -> torch.Tensor:
+        used.add(key)
+        return saver._SAVER.buffer(key, t, pin)
+    for section in ("model", "optimizer"):
+        part = sd[section]
+        for key, v in part.items():
+            if isinstance(v, Pieces):
+                v.stage(f"{section}.{key}", buffer)
+            elif isinstance(v, torch.Tensor):
+                part[key] = buffer(f"dcp|{section}.{key}", v)
+    saver._SAVER.drop_unused(used, lambda key: key.startswith("dcp|"))
+
+
+def _write(sd: dict, tmp: str, final: str, step: int, comm: "Comm") -> str:
+    """torch's DCP writer, the checksums and the commit; returns the step directory."""
     error, sums = None, {}
     try:
-        opt.engine.inflight.check(f"save_checkpoint of step {step}")
-        sd = state_dict(model, opt, step, scheduler, dataloader, extra, comm.rank)
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
-        dcp.save(sd, storage_writer=writer, planner=_PiecesPlanner(), process_group=comm.group,
-                 no_dist=not dist.is_initialized())
+        fs = writer.fs = SummingFileSystem()
+        # torch.save's own CRC32 of each record is a second pass over the bytes that no reader
+        # checks by default; the checksum file beside .metadata covers every file (one pass).
+        crc = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            dcp.save(sd, storage_writer=writer, planner=_PiecesPlanner(), process_group=comm.group,
+                     no_dist=not dist.is_initialized())
+        finally:
+            torch.serialization.set_crc32_options(crc)
         commit._point("dcp-written")
-        sums = _checksums(tmp, comm.rank, comm.world_size)
+        sums = {n: {"size": size, "crc32": crc} for n, (size, crc) in fs.sums.items()
+                if n == dcp_metadata.METADATA or n.endswith(".distcp")}
     except Exception as exc:  # noqa: BLE001 - every rank hears of it below
         error = f"rank {comm.rank}: {type(exc).__name__}: {exc}"
     gathered = comm.all_gather_object((error, sums))
@@ -191,14 +271,6 @@ def save_dcp(root: str, step: int, model: Optional[nn.Module], opt: "ZeroOptimiz
     return final
 
 
-def _checksums(tmp: str, rank: int, world: int) -> dict[str, dict[str, int]]:
-    """Size and CRC32 of this rank's share of the files torch wrote (the files dealt round the
-    ranks, so the pass over the bytes, warm in the page cache, runs on every rank at once)."""
-    names = sorted(n for n in os.listdir(tmp) if n == dcp_metadata.METADATA or n.endswith(".distcp"))
-    return {n: {"size": os.path.getsize(os.path.join(tmp, n)), "crc32": dcp_metadata.crc32_of(os.path.join(tmp, n))}
-            for i, n in enumerate(names) if i % world == rank}
-
-
 def _seal(tmp: str, final: str, step: int, files: dict[str, dict[str, int]]) -> None:
     """Rank 0, after torch wrote ``.metadata``: the checksum file, then the commit (rename)."""
     if dcp_metadata.METADATA not in files:
@@ -206,6 +278,7 @@ def _seal(tmp: str, final: str, step: int, files: dict[str, dict[str, int]]) -> 
     with open(os.path.join(tmp, dcp_metadata.CHECKSUMS), "w") as f:
         json.dump({"format": "zeroshard-dcp", "version": 1, "step": step, "files": files}, f)
         f.flush()
+        commit._point("dcp-sums")
         os.fsync(f.fileno())
     commit._fsync_dir(tmp)
     commit._point("dcp-rename")

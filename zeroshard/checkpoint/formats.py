@@ -37,7 +37,7 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
             raise ValueError("load_checkpoint needs model=... and/or optimizer=...")
         comm = optimizer.engine.comm if optimizer is not None else Comm(None)
         return dcp_read.load_dcp(os.fspath(path), model, optimizer, cast("Optional[Stateful]", scheduler),
-                                 cast("Optional[Stateful]", dataloader), comm)
+                                 cast("Optional[Stateful]", dataloader), comm, load_rng)
     return load.load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, dataloader=dataloader,
                                 load_rng=load_rng)
 
@@ -70,7 +70,7 @@ def save_checkpoint(root: str, step: int, *, model: Optional[nn.Module], optimiz
     """Saves the full training state as ``root/step-NNNNNNNN`` (a collective; see
     ``zeroshard.checkpoint.saver``). ``format="dcp"`` writes a torch Distributed Checkpoint in
     torchtitan's layout that FSDP2 loads with ``dcp.load`` (Note [DCP format mapping]):
-    synchronous, a ZeroOptimizer's state, without rotation."""
+    a ZeroOptimizer's state, without rotation; ``async_save`` as for the native format."""
     if format not in FORMATS:
         raise ValueError(f"format={format!r}: use 'native' (zeroshard's own, the default) or 'dcp' (torch "
                          "Distributed Checkpoint, for FSDP2/torchtitan)")
@@ -80,10 +80,11 @@ def save_checkpoint(root: str, step: int, *, model: Optional[nn.Module], optimiz
                                      save_frozen=save_frozen)
     if optimizer is None or not hasattr(optimizer, "engine"):
         raise TypeError(f"save_checkpoint(format='dcp') saves a ZeroOptimizer's state; got optimizer={optimizer!r}")
-    if async_save or keep_last is not None or save_frozen is False:
-        raise ValueError(f"save_checkpoint(format='dcp') is synchronous, keeps every step and writes frozen weights "
-                         f"(got async_save={async_save!r}, keep_last={keep_last!r}, save_frozen={save_frozen!r}): "
+    if keep_last is not None or save_frozen is False:
+        raise ValueError(f"save_checkpoint(format='dcp') keeps every step and writes frozen weights "
+                         f"(got keep_last={keep_last!r}, save_frozen={save_frozen!r}): "
                          "leave them at their defaults, or save the native format")
-    return PendingSave(saver._SAVER, dcp_write.save_dcp(os.fspath(root), step, model, optimizer,
-                                                        cast("Optional[Stateful]", scheduler),
-                                                        cast("Optional[Stateful]", dataloader), extra))
+    if not isinstance(async_save, bool):
+        raise TypeError(f"async_save={async_save!r} must be True or False")
+    return dcp_write.save_dcp(os.fspath(root), step, model, optimizer, cast("Optional[Stateful]", scheduler),
+                              cast("Optional[Stateful]", dataloader), extra, async_save)

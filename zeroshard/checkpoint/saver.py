@@ -20,7 +20,7 @@ import enum
 import json
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -151,13 +151,23 @@ class CheckpointSaver:
                 return PendingSave(self, commit.commit(snap, root, comm, shapes, keep_last))
             finally:
                 self.state = SaveState.IDLE
+        # State in swap files (Deferred) is not copied to memory: it streams from the files,
+        # so the next optimizer step, which rewrites them, waits for the whole write.
+        return self.background(opt, lambda: self._stage(snap), lambda: commit.commit(snap, root, comm, shapes,
+                                                                                      keep_last),
+                               streamed=has_deferred(snap.records))
+
+    def background(self, opt: Optional[torch.optim.Optimizer], stage: Callable[[], None], write: Callable[[], str], streamed: bool) -> PendingSave:
+        """Runs an asynchronous save on the background thread: ``stage`` copies the tensors
+        (the optimizer's next step waits for it; for the whole save when ``streamed``), then
+        ``write`` commits and returns the step directory. Both formats' async saves go here."""
         if opt is not None and id(opt) not in self._hooked:
             opt.register_step_pre_hook(self._before_step)
             self._hooked.add(id(opt))
         self._staged.clear()
         self.state = SaveState.STAGING
         handle = PendingSave(self)
-        self._thread = threading.Thread(target=self._run, args=(snap, root, comm, shapes, keep_last, handle),
+        self._thread = threading.Thread(target=self._run, args=(stage, write, streamed, handle),
                                         name="zeroshard-async-save")
         self._thread.start()
         if opt is None:  # no optimizer step to hook: the caller may change anything next
@@ -190,19 +200,15 @@ class CheckpointSaver:
         # The optimizer is about to modify the tensors being staged: wait for the copy.
         self._staged.wait()
 
-    def _run(self, snap: commit.Snapshot, root: str, comm: Comm, shapes: dict, keep_last: Optional[int],
-             handle: PendingSave) -> None:
-        # State in swap files (Deferred) is not copied to memory: it streams from the files,
-        # so the next optimizer step, which rewrites them, waits for the whole write.
-        streamed = has_deferred(snap.records)
+    def _run(self, stage: Callable[[], None], write: Callable[[], str], streamed: bool, handle: PendingSave) -> None:
         try:
             try:
-                self._stage(snap)
+                stage()
             finally:
                 if not streamed:
                     self._staged.set()
             self.state = SaveState.WRITING
-            handle.path = commit.commit(snap, root, comm, shapes, keep_last)
+            handle.path = write()
             self.state = SaveState.IDLE
         except BaseException as exc:  # noqa: BLE001 - surfaced by the next wait()
             self._error = exc
@@ -223,8 +229,18 @@ class CheckpointSaver:
         for name, t in list(snap.full.items()):
             snap.full[name] = self._buffer(f"{name}|full", t, pin)
             used.add(f"{name}|full")
-        for key in set(self._buffers) - used:  # layout changed: drop what is no longer needed
+        self.drop_unused(used, lambda key: not key.startswith("dcp|"))
+
+    def drop_unused(self, used: set[str], mine: Callable[[str], bool]) -> None:
+        """Layout changed: drops the buffers of one format's staging (``mine``) it no longer
+        uses; the other format's stay, so a run that saves both reuses both."""
+        for key in [k for k in self._buffers if mine(k) and k not in used]:
             del self._buffers[key]
+
+    def buffer(self, key: str, t: torch.Tensor, pin: bool) -> torch.Tensor:
+        """A copy of ``t`` in a staging buffer reused across saves (another format's staging,
+        its keys starting ``dcp|``)."""
+        return self._buffer(key, t, pin)
 
     def _buffer(self, key: str, t: torch.Tensor, pin: bool) -> torch.Tensor:
         buf = self._buffers.get(key)
