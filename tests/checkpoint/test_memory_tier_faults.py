@@ -113,3 +113,31 @@ def test_memory_report_counts_the_tier_and_options_are_checked(tier):
         zeroshard.ZeroOptimizer(other, torch.optim.AdamW, offload_optimizer="nvme", nvme_path=tier, redundancy="peer")
     with pytest.raises(ValueError, match="redundancy='peer'"):
         zeroshard.memory_checkpoint(1, model=other, optimizer=zeroshard.ZeroOptimizer(other, torch.optim.AdamW))
+
+
+def test_commit_holds_the_state_of_its_step_though_the_next_forward_and_step_change_it(tier, tmp_path):
+    """The copy runs on the tier's thread: buffers a forward changes are taken at the call, and
+    the next ``opt.step()`` waits for the copy (Note [peer memory tier])."""
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.BatchNorm1d(64),
+                                    torch.nn.Linear(64, 1 << 15))  # (state to copy: 2 M parameters, before the buffers)
+        return model, zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=2,
+                                              redundancy=zeroshard.PeerRedundancy(path=tier, run_id="bn"))
+    model, opt = make()
+    x = torch.randn(16, 8)
+    for step in range(1, 4):
+        opt.backward(model(x * step).square().mean())
+        opt.step()
+        opt.zero_grad()
+        zeroshard.memory_checkpoint(step, model=model, optimizer=opt)
+        if step == 3:
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.backward(model(x * 5).square().mean())  # changes the running statistics at once
+    opt.step()  # changes the parameters: waits for step 3's copy first
+    opt.engine.memory_tier.wait()
+    model2, opt2 = make()
+    info = zeroshard.load_checkpoint(str(tmp_path / "none"), model=model2, optimizer=opt2)
+    assert (info["step"], info["source"]) == (3, "memory")
+    got = model2.state_dict()
+    assert all(torch.equal(state[k], got[k]) for k in state), [k for k in state if not torch.equal(state[k], got[k])]

@@ -1,18 +1,27 @@
 """``MemoryTier``: each rank's committed training state in node-local shared memory, replicated
 to a buddy rank. Lifecycle: built with the engine (``redundancy="peer"``) -> ``commit`` per step
-(copy now, write and replicate on a thread) -> ``wait`` -> (``disabled`` after a write failed).
+(copy, checksum, stamp and replicate on a thread; the next step waits for the copy only) -> ``wait`` -> (``disabled`` after a write failed).
 
 Note [peer memory tier]:
 What is committed when. ``zeroshard.memory_checkpoint(step, ...)`` is called where a disk
 save would be (after ``opt.step(); sched.step()``); every ``every``-th step it captures what a
 disk checkpoint of that step holds (the same ``_capture``: owned pieces of parameters, fp32
 masters, moments and step counts; the scheduler, loss scaler, per-rank data position and RNG;
-rank 0's buffers) and copies the tensors into one staging buffer on the calling thread — the
-only part on the critical path. A thread then (a) writes the buffer into this rank's own slot
-pair, ``<root>/rank-<r>/own/slot-{0,1}``, and (b) swaps it with the ring over a side gloo group:
-rank r sends to its buddy (r + 1 mod world on one node; over nodes the same local rank on the
-next node, r + LOCAL_WORLD_SIZE) and receives from the rank whose buddy it is, writing that into
-``<root>/rank-<r>/replica-<source>/slot-{0,1}``. The next commit waits for the thread. A slot
+rank 0's buffers; the small state encoded now) and hands the tensors to a thread. The
+thread (a) copies them straight into this rank's own slot, ``<root>/rank-<r>/own/slot-{0,1}``
+(each slot's data file reserved with fallocate — a full tmpfs says ENOSPC there, where a store
+through a mapping would SIGBUS — and mapped once for the run), the one pass over the state
+the training loop may wait for: ``ZeroOptimizer.step`` (and ``load_state_dict``,
+``load_checkpoint``) waits for that copy (``copied``) before changing the state, so the copy
+overlaps the next step's forward and backward; then (b) the crc32 of the slot's data, and (c)
+swaps it with the ring over a side gloo group: rank r sends to its buddy (r + 1 mod world on
+one node; over nodes the same local rank on the next node, r + LOCAL_WORLD_SIZE) and receives
+from the rank whose buddy it is straight into the mapped
+``<root>/rank-<r>/replica-<source>/slot-{0,1}``, while stamping its own slot; last (d) the
+ranks all-gather any write failure over the side group. No staging buffer: a slot that is not
+a regular file (no mapping) takes a buffer in process memory, written by ``write``. Code
+that changes the state otherwise between ``memory_checkpoint`` and the next step calls
+``opt.engine.memory_tier.copied()`` first. The next commit waits for the thread. A slot
 write removes the stamp of the older slot first and writes it last (checksum of header and
 data, run id, model digest, step, world size, owner): a kill at any point of the copy leaves
 the other slot, with the previous step, valid.
