@@ -108,6 +108,7 @@ def main() -> None:
     dump(model, opt, os.path.join(a.out, f"final-{rank}.pt"))
     if a.ref_root is not None:  # the disk resume of the same step, in a fresh model, optimizer and tier
         model, opt, sched = build(a.ref_tier, a.stage)
+        torch.manual_seed(100 + rank)  # as a fresh process (a resharding load keeps this rank's RNG)
         start = resume(a.ref_root, model, opt, sched, opened, os.path.join(a.out, f"ref-resume-{rank}.json"))
         train(model, opt, sched, xs, ys, start, a.steps)
         dump(model, opt, os.path.join(a.out, f"ref-final-{rank}.pt"))

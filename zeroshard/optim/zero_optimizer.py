@@ -123,11 +123,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ZeroRedundancyOptimizer passes them to its local optimizer."""
         if self.closed:
             raise RuntimeError("this ZeroOptimizer was closed (close()); build a new one to train on")
-        inflight = self.engine.inflight
-        inflight.join()
+        inflight = self.engine.settled().inflight
         inflight.check("optimizer.step()")  # (Note [failed steps])
-        if self.engine.memory_tier is not None:  # its commit copies the state on a thread (Note [peer memory tier])
-            self.engine.memory_tier.copied()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -218,8 +215,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not isinstance(state_dict, dict):
             raise TypeError(f"load_state_dict takes a dict (optimizer.state_dict()), got {type(state_dict).__name__}")
         state_dict = state_dict.copy()  # (torch's contract: the hooks work on a shallow copy)
-        if self.engine.memory_tier is not None:
-            self.engine.memory_tier.copied()
+        self.engine.settled()
         for pre in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre(self, state_dict)
             state_dict = result if result is not None else state_dict

@@ -12,7 +12,7 @@ thread (a) copies them straight into this rank's own slot, ``<root>/rank-<r>/own
 (each slot's data file reserved with fallocate — a full tmpfs says ENOSPC there, where a store
 through a mapping would SIGBUS — and mapped once for the run), the one pass over the state
 the training loop may wait for: ``ZeroOptimizer.step`` (and ``load_state_dict``,
-``load_checkpoint``) waits for that copy (``copied``) before changing the state, so the copy
+``load_checkpoint``) waits for that copy (``engine.settled()`` -> ``copied``) before changing the state, so the copy
 overlaps the next step's forward and backward; then (b) the crc32 of the slot's data, and (c)
 swaps it with the ring over a side gloo group: rank r sends to its buddy (r + 1 mod world on
 one node; over nodes the same local rank on the next node, r + LOCAL_WORLD_SIZE) and receives
