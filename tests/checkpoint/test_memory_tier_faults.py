@@ -4,7 +4,9 @@ loaded), a full tmpfs turns the tier off with a warning while training goes on; 
 from __future__ import annotations
 
 import os
+import resource
 import shutil
+import signal
 import uuid
 
 import pytest
@@ -141,3 +143,19 @@ def test_commit_holds_the_state_of_its_step_though_the_next_forward_and_step_cha
     assert (info["step"], info["source"]) == (3, "memory")
     got = model2.state_dict()
     assert all(torch.equal(state[k], got[k]) for k in state), [k for k in state if not torch.equal(state[k], got[k])]
+
+
+def test_no_room_for_a_mapped_slot_turns_the_tier_off_without_a_sigbus(tier):
+    """The slots are mapped: their space is reserved first (fallocate), so a tmpfs without room
+    answers an error there, not a SIGBUS at a store through the mapping (here the room is cut by
+    RLIMIT_FSIZE: EFBIG on the same path as ENOSPC)."""
+    model, opt, sched = build(tier, width=4096)  # (about 0.5 MB of state per slot)
+    old_limit, old_handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 18, old_limit[1]))
+    try:
+        with pytest.warns(UserWarning, match="File too large.*Training goes on"):
+            seen = train(model, opt, sched, 3)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert opt.engine.memory_tier.disabled is not None and len(seen) == 3
