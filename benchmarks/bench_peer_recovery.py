@@ -1,7 +1,7 @@
 """The memory tier's figures (issue 45), 2 gloo ranks on loopback, one session:
 
-- per-step overhead of ``memory_checkpoint`` every step (copy on the step's thread; write and
-  replica swap on a background thread) on the step time, median over alternating blocks of
+- per-step overhead of ``memory_checkpoint`` every step (the copy into the mapped slot, the
+  crc, stamps and replica swap on the tier's thread; the next step waits for the copy only) on the step time, median over alternating blocks of
   steps with and without it (goal <= 5%);
 - disk bytes a recovery opens (files under the disk checkpoint, counted by an audit hook);
 - the load part of recovery: ``load_checkpoint`` from the memory tiers vs from the disk

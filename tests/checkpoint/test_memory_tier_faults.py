@@ -4,7 +4,9 @@ loaded), a full tmpfs turns the tier off with a warning while training goes on; 
 from __future__ import annotations
 
 import os
+import resource
 import shutil
+import signal
 import uuid
 
 import pytest
@@ -100,8 +102,10 @@ def test_memory_report_counts_the_tier_and_options_are_checked(tier):
     assert opt.memory_report().memory_tier == 0
     train(model, opt, sched, 2)
     held = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(tier, "rank-0")) for f in fs)
-    staging = opt.engine.memory_tier._staging.numel()
-    assert opt.memory_report().memory_tier == held + staging and held > 2 * staging
+    data = sum(os.path.getsize(os.path.join(tier, "rank-0", "own", s, "data.bin")) for s in ("slot-0", "slot-1"))
+    # the state is copied straight into the mapped slots: no staging buffer besides them
+    assert opt.engine.memory_tier.buffer_bytes() == 0 and opt.engine.memory_tier._staging is None
+    assert opt.memory_report().memory_tier == held and held > data > 0
     with pytest.raises(ValueError, match="every=0"):
         zeroshard.PeerRedundancy(every=0)
     with pytest.raises(ValueError, match="redundancy='mirror'"):
@@ -111,3 +115,47 @@ def test_memory_report_counts_the_tier_and_options_are_checked(tier):
         zeroshard.ZeroOptimizer(other, torch.optim.AdamW, offload_optimizer="nvme", nvme_path=tier, redundancy="peer")
     with pytest.raises(ValueError, match="redundancy='peer'"):
         zeroshard.memory_checkpoint(1, model=other, optimizer=zeroshard.ZeroOptimizer(other, torch.optim.AdamW))
+
+
+def test_commit_holds_the_state_of_its_step_though_the_next_forward_and_step_change_it(tier, tmp_path):
+    """The copy runs on the tier's thread: buffers a forward changes are taken at the call, and
+    the next ``opt.step()`` waits for the copy (Note [peer memory tier])."""
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.BatchNorm1d(64),
+                                    torch.nn.Linear(64, 1 << 15))  # (state to copy: 2 M parameters, before the buffers)
+        return model, zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=2,
+                                              redundancy=zeroshard.PeerRedundancy(path=tier, run_id="bn"))
+    model, opt = make()
+    x = torch.randn(16, 8)
+    for step in range(1, 4):
+        opt.backward(model(x * step).square().mean())
+        opt.step()
+        opt.zero_grad()
+        zeroshard.memory_checkpoint(step, model=model, optimizer=opt)
+        if step == 3:
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.backward(model(x * 5).square().mean())  # changes the running statistics at once
+    opt.step()  # changes the parameters: waits for step 3's copy first
+    opt.engine.memory_tier.wait()
+    model2, opt2 = make()
+    info = zeroshard.load_checkpoint(str(tmp_path / "none"), model=model2, optimizer=opt2)
+    assert (info["step"], info["source"]) == (3, "memory")
+    got = model2.state_dict()
+    assert all(torch.equal(state[k], got[k]) for k in state), [k for k in state if not torch.equal(state[k], got[k])]
+
+
+def test_no_room_for_a_mapped_slot_turns_the_tier_off_without_a_sigbus(tier):
+    """The slots are mapped: their space is reserved first (fallocate), so a tmpfs without room
+    answers an error there, not a SIGBUS at a store through the mapping (here the room is cut by
+    RLIMIT_FSIZE: EFBIG on the same path as ENOSPC)."""
+    model, opt, sched = build(tier, width=4096)  # (about 0.5 MB of state per slot)
+    old_limit, old_handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 18, old_limit[1]))
+    try:
+        with pytest.warns(UserWarning, match="File too large.*Training goes on"):
+            seen = train(model, opt, sched, 3)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert opt.engine.memory_tier.disabled is not None and len(seen) == 3

@@ -27,11 +27,11 @@ def launch(nproc: int, out: str, *args: str, restarts: int = 0) -> subprocess.Co
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
 
 
-def merged(out: str, world: int) -> dict[str, torch.Tensor]:
+def merged(out: str, world: int, prefix: str = "final") -> dict[str, torch.Tensor]:
     """Every (parameter, kind) as one tensor over all ranks' pieces (scalars: rank 0's first piece)."""
     parts: dict[str, list] = {}
     for r in range(world):
-        for key, t in torch.load(os.path.join(out, f"final-{r}.pt")).items():
+        for key, t in torch.load(os.path.join(out, f"{prefix}-{r}.pt")).items():
             name, start, _stop, kind = key.split("|")
             parts.setdefault(f"{name}|{kind}", []).append((int(start), t))
     return {k: torch.cat([t.reshape(-1) for _, t in sorted(v, key=lambda p: p[0])]) if not k.split("|")[1].startswith("scalar")
@@ -44,8 +44,8 @@ def assert_bitwise(a: dict, b: dict) -> None:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
-def resume_info(out: str, rank: int) -> dict:
-    with open(os.path.join(out, f"resume-{rank}.json")) as f:
+def resume_info(out: str, rank: int, prefix: str = "resume") -> dict:
+    with open(os.path.join(out, f"{prefix}-{rank}.json")) as f:
         return json.load(f)
 
 
@@ -53,25 +53,29 @@ def tier_path() -> str:
     return f"/dev/shm/zeroshard-test-{uuid.uuid4().hex[:10]}"
 
 
+# Each test is one torchrun job: after the run under test, the same processes resume a fresh
+# model, optimizer and (empty) tier from the disk checkpoint of the same step and train to the
+# end: the reference (--ref-root; ref-*.pt), compared bitwise.
+
 def test_sigkilled_rank_resumes_from_memory_same_world(tmp_path):
     tier, fresh = tier_path(), tier_path()
     try:
-        disk, run, ref = (str(tmp_path / n) for n in ("disk", "run", "ref"))
-        common = ["--steps", "6", "--stage", "2"]
+        disk, run = str(tmp_path / "disk"), str(tmp_path / "run")
         proc = launch(2, run, "--tier", tier, "--load-root", disk, "--save-root", disk, "--save-at", "3",
-                      "--kill-rank", "1", "--kill-at", "3", *common, restarts=1)
+                      "--kill-rank", "1", "--kill-at", "3", "--steps", "6", "--stage", "2",
+                      "--ref-root", disk, "--ref-tier", fresh, restarts=1)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "Signals.SIGKILL" in proc.stderr or "exitcode: -9" in proc.stderr, proc.stderr[-3000:]
         for r in range(2):  # the restarted workers took step 3 from memory and read nothing from disk
             assert resume_info(run, r) == {"step": 3, "source": "memory", "disk_bytes_read": 0, "world_size": 2,
                                            "resharded": False}
         # reference: the disk checkpoint of step 3 resumed at the same world size (no tier to find)
-        proc = launch(2, ref, "--tier", fresh, "--load-root", disk, *common)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert "loading from the disk checkpoint" in proc.stdout
-        assert resume_info(ref, 0)["source"] is None and resume_info(ref, 0)["step"] == 3
-        assert resume_info(ref, 0)["disk_bytes_read"] > 0  # (the count sees a disk load)
-        assert_bitwise(merged(run, 2), merged(ref, 2))
+        # (each rank says it twice: in the first attempt, no tier yet, and in the reference)
+        assert proc.stdout.count("loading from the disk checkpoint") == 4, proc.stdout[-3000:]
+        ref = resume_info(run, 0, "ref-resume")
+        assert ref["source"] is None and ref["step"] == 3
+        assert ref["disk_bytes_read"] > 0  # (the count sees a disk load)
+        assert_bitwise(merged(run, 2), merged(run, 2, "ref-final"))
     finally:
         shutil.rmtree(tier, ignore_errors=True)
         shutil.rmtree(fresh, ignore_errors=True)
@@ -80,21 +84,21 @@ def test_sigkilled_rank_resumes_from_memory_same_world(tmp_path):
 def test_lost_node_resumes_from_buddy_replicas_at_smaller_world(tmp_path):
     tier, fresh = tier_path(), tier_path()
     try:
-        disk, run, rerun, ref = (str(tmp_path / n) for n in ("disk", "run", "rerun", "ref"))
+        disk, run, rerun = (str(tmp_path / n) for n in ("disk", "run", "rerun"))
         common = ["--steps", "6", "--stage", "3"]
         proc = launch(3, run, "--tier", tier, "--load-root", str(tmp_path / "none"), "--save-root", disk,
                       "--save-at", "3", "--kill-rank", "2", "--kill-at", "3", *common)
         assert proc.returncode != 0 and os.path.isdir(os.path.join(tier, "rank-2", "own"))
         shutil.rmtree(os.path.join(tier, "rank-2"))  # rank 2's node and its memory are gone
-        proc = launch(2, rerun, "--tier", tier, "--load-root", str(tmp_path / "none"), *common)
+        proc = launch(2, rerun, "--tier", tier, "--load-root", str(tmp_path / "none"), *common,
+                      "--ref-root", disk, "--ref-tier", fresh)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         for r in range(2):
             assert resume_info(rerun, r) == {"step": 3, "source": "memory", "disk_bytes_read": 0, "world_size": 3,
                                              "resharded": True}
-        proc = launch(2, ref, "--tier", fresh, "--load-root", disk, *common)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert resume_info(ref, 0)["step"] == 3 and resume_info(ref, 0)["source"] is None
-        assert_bitwise(merged(rerun, 2), merged(ref, 2))
+        ref = resume_info(rerun, 0, "ref-resume")
+        assert ref["step"] == 3 and ref["source"] is None
+        assert_bitwise(merged(rerun, 2), merged(rerun, 2, "ref-final"))
     finally:
         shutil.rmtree(tier, ignore_errors=True)
         shutil.rmtree(fresh, ignore_errors=True)

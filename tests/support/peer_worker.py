@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,54 @@ import zeroshard
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.checkpoint.pieces import owned_pieces
 from zeroshard.train.finetune import setup_distributed
+
+
+def build(tier: str, stage: int) -> tuple[torch.nn.Module, zeroshard.ZeroOptimizer, object]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 8))
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=stage, bucket_size_mb=0.001,
+                                  redundancy=zeroshard.PeerRedundancy(path=tier, run_id="peer-test"))
+    return model, opt, torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+
+
+def resume(root: str, model, opt, sched, opened: list[str], out: str) -> int:
+    """``load_checkpoint`` (memory tiers first); what it found goes to ``out``; the step resumed."""
+    opened.clear()
+    try:
+        info = zeroshard.load_checkpoint(root, model=model, optimizer=opt, scheduler=sched)
+    except CheckpointError:
+        return 0
+    with open(out, "w") as f:
+        json.dump({**{k: info.get(k) for k in ("step", "source", "world_size", "resharded")},
+                   "disk_bytes_read": sum(os.path.getsize(p) for p in set(opened) if os.path.isfile(p))}, f)
+    return info["step"]
+
+
+def dump(model, opt, out: str) -> None:
+    """This rank's owned pieces (tensors and scalars) after the last step, for a bitwise comparison."""
+    opt.engine.memory_tier.wait()
+    final = {}
+    for rec in owned_pieces(model, opt):
+        for kind, t in rec.tensors.items():
+            final[f"{rec.name}|{rec.start}|{rec.stop}|{kind}"] = t.detach().clone()
+        for k, v in rec.scalars.items():
+            final[f"{rec.name}|{rec.start}|{rec.stop}|scalar.{k}"] = torch.as_tensor(v).clone()
+    torch.save(final, out)
+
+
+def train(model, opt, sched, xs: torch.Tensor, ys: torch.Tensor, start: int, steps: int,
+          after: Callable[[int], None] = lambda done: None) -> None:
+    """Steps ``start`` .. ``steps`` (rank-dependent batches), each committed to the memory tier."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(start, steps):
+        i = (step * world + rank) * 4 % 512
+        loss = ((model(xs[i:i + 4]) - ys[i:i + 4]) ** 2).mean()
+        opt.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        zeroshard.memory_checkpoint(step + 1, model=model, optimizer=opt, scheduler=sched)
+        after(step + 1)
 
 
 def main() -> None:
@@ -30,55 +79,39 @@ def main() -> None:
     ap.add_argument("--save-at", type=int, default=-1)
     ap.add_argument("--kill-rank", type=int, default=-1)
     ap.add_argument("--kill-at", type=int, default=-1)
+    ap.add_argument("--ref-root", default=None, help="then, in the same processes: the reference, resumed from this "
+                    "disk checkpoint with a fresh tier (--ref-tier), trained to --steps (ref-*.pt/json)")
+    ap.add_argument("--ref-tier", default=None)
     a = ap.parse_args()
     setup_distributed(120.0)  # (each torchrun attempt in its own store key space)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 8))
-    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=a.stage, bucket_size_mb=0.001,
-                                  redundancy=zeroshard.PeerRedundancy(path=a.tier, run_id="peer-test"))
-    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    model, opt, sched = build(a.tier, a.stage)
     gen = torch.Generator().manual_seed(123)
     xs, ys = torch.randn(512, 16, generator=gen), torch.randn(512, 8, generator=gen)
     torch.manual_seed(100 + rank)  # each rank's dropout differs (the RNG is part of the state)
-    start = 0
-    disk = os.path.realpath(a.load_root) + os.sep
-    opened: list[str] = []  # files under the disk root this process opens (Python's audit events)
+    roots = [os.path.realpath(r) + os.sep for r in (a.load_root, a.ref_root) if r]
+    opened: list[str] = []  # files under the disk roots this process opens (Python's audit events)
     sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" and args and isinstance(
-        args[0], (str, bytes, os.PathLike)) and os.path.realpath(os.fsdecode(args[0])).startswith(disk) else None)
-    try:
-        info = zeroshard.load_checkpoint(a.load_root, model=model, optimizer=opt, scheduler=sched)
-        start = info["step"]
-        with open(os.path.join(a.out, f"resume-{rank}.json"), "w") as f:
-            json.dump({**{k: info.get(k) for k in ("step", "source", "world_size", "resharded")},
-                       "disk_bytes_read": sum(os.path.getsize(p) for p in set(opened) if os.path.isfile(p))}, f)
-    except CheckpointError:
-        pass
-    for step in range(start, a.steps):
-        i = (step * world + rank) * 4 % 512
-        loss = ((model(xs[i:i + 4]) - ys[i:i + 4]) ** 2).mean()
-        opt.backward(loss)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        done = step + 1
+        args[0], (str, bytes, os.PathLike)) and os.path.realpath(os.fsdecode(args[0])).startswith(tuple(roots)) else None)
+    start = resume(a.load_root, model, opt, sched, opened, os.path.join(a.out, f"resume-{rank}.json"))
+
+    def save_or_kill(done: int) -> None:
         if first and done == a.save_at:
             zeroshard.save_checkpoint(a.save_root, done, model=model, optimizer=opt, scheduler=sched)
-        zeroshard.memory_checkpoint(done, model=model, optimizer=opt, scheduler=sched)
         if first and done == a.kill_at:
             opt.engine.memory_tier.wait()  # (the test kills after step k is committed everywhere)
             dist.barrier()
             if rank == a.kill_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
-    opt.engine.memory_tier.wait()
-    final = {}
-    for rec in owned_pieces(model, opt):
-        for kind, t in rec.tensors.items():
-            final[f"{rec.name}|{rec.start}|{rec.stop}|{kind}"] = t.detach().clone()
-        for k, v in rec.scalars.items():
-            final[f"{rec.name}|{rec.start}|{rec.stop}|scalar.{k}"] = torch.as_tensor(v).clone()
-    torch.save(final, os.path.join(a.out, f"final-{rank}.pt"))
+    train(model, opt, sched, xs, ys, start, a.steps, save_or_kill)
+    dump(model, opt, os.path.join(a.out, f"final-{rank}.pt"))
+    if a.ref_root is not None:  # the disk resume of the same step, in a fresh model, optimizer and tier
+        model, opt, sched = build(a.ref_tier, a.stage)
+        torch.manual_seed(100 + rank)  # as a fresh process (a resharding load keeps this rank's RNG)
+        start = resume(a.ref_root, model, opt, sched, opened, os.path.join(a.out, f"ref-resume-{rank}.json"))
+        train(model, opt, sched, xs, ys, start, a.steps)
+        dump(model, opt, os.path.join(a.out, f"ref-final-{rank}.pt"))
     dist.destroy_process_group()
 
 

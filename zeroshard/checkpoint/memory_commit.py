@@ -65,8 +65,11 @@ def memory_checkpoint(step: int, *, model: Optional[nn.Module], optimizer: objec
                 raise RuntimeError("the memory tier cannot hold state kept in swap files")
             keys[kind] = place(t)
         pieces.append({"name": rec.name, "start": rec.start, "stop": rec.stop, "keys": keys, "scalars": rec.scalars})
+    # A forward changes buffers (BatchNorm's running statistics) before the next step waits for
+    # the tier's copy (Note [peer memory tier]): what is not a frozen weight is copied now (small).
+    fixed = {p.data_ptr() for p in model.parameters() if not p.requires_grad} if model is not None else set()
     for name, t in snap.full.items():
-        full[name] = place(t)
+        full[name] = place(t if t.numel() and t.data_ptr() in fixed else t.detach().clone())
     header = {"pieces": pieces, "full": full, "rng": snap.rng, "dataloader": snap.dataloader,
               "header": snap.header, "shapes": shapes}
     tier.commit({"digest": digest, "step": step}, header, tensors, size)

@@ -23,6 +23,8 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
                     scheduler: object = None, dataloader: object = None, load_rng: bool = True) -> dict:
     engine = engine_of(optimizer)
     tier = engine.memory_tier if engine is not None else None
+    if tier is not None:  # (a commit in flight still reads the state this load replaces)
+        tier.wait()
     # (a root: the memory tiers where they hold a step at least as new; a step directory names its step)
     if tier is not None and isinstance(path, (str, os.PathLike)) and not locate.is_step_dir(os.fspath(path)):
         path = os.fspath(path)

@@ -156,6 +156,14 @@ class Engine:
         self.inflight.join()
         return self
 
+    def settled(self) -> "Engine":
+        """``joined``, and a memory-tier commit in flight holds its copy of the state: code about
+        to change the state (a step, a load) asks through this (Note [peer memory tier])."""
+        self.inflight.join()
+        if self.memory_tier is not None:
+            self.memory_tier.copied()
+        return self
+
     def segment_index(self) -> dict[int, tuple[FlatUnit, Segment]]:
         """id(param) -> (unit, segment) for every managed parameter (frozen ones too), also under
         the sharded parameters torch code sees between uses (stage 3)."""

@@ -123,8 +123,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ZeroRedundancyOptimizer passes them to its local optimizer."""
         if self.closed:
             raise RuntimeError("this ZeroOptimizer was closed (close()); build a new one to train on")
-        inflight = self.engine.inflight
-        inflight.join()
+        inflight = self.engine.settled().inflight
         inflight.check("optimizer.step()")  # (Note [failed steps])
         loss = None
         if closure is not None:
@@ -216,6 +215,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not isinstance(state_dict, dict):
             raise TypeError(f"load_state_dict takes a dict (optimizer.state_dict()), got {type(state_dict).__name__}")
         state_dict = state_dict.copy()  # (torch's contract: the hooks work on a shallow copy)
+        self.engine.settled()
         for pre in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre(self, state_dict)
             state_dict = result if result is not None else state_dict

@@ -1,18 +1,27 @@
 """``MemoryTier``: each rank's committed training state in node-local shared memory, replicated
 to a buddy rank. Lifecycle: built with the engine (``redundancy="peer"``) -> ``commit`` per step
-(copy now, write and replicate on a thread) -> ``wait`` -> (``disabled`` after a write failed).
+(copy, checksum, stamp and replicate on a thread; the next step waits for the copy only) -> ``wait`` -> (``disabled`` after a write failed).
 
 Note [peer memory tier]:
 What is committed when. ``zeroshard.memory_checkpoint(step, ...)`` is called where a disk
 save would be (after ``opt.step(); sched.step()``); every ``every``-th step it captures what a
 disk checkpoint of that step holds (the same ``_capture``: owned pieces of parameters, fp32
 masters, moments and step counts; the scheduler, loss scaler, per-rank data position and RNG;
-rank 0's buffers) and copies the tensors into one staging buffer on the calling thread — the
-only part on the critical path. A thread then (a) writes the buffer into this rank's own slot
-pair, ``<root>/rank-<r>/own/slot-{0,1}``, and (b) swaps it with the ring over a side gloo group:
-rank r sends to its buddy (r + 1 mod world on one node; over nodes the same local rank on the
-next node, r + LOCAL_WORLD_SIZE) and receives from the rank whose buddy it is, writing that into
-``<root>/rank-<r>/replica-<source>/slot-{0,1}``. The next commit waits for the thread. A slot
+rank 0's buffers; the small state encoded now) and hands the tensors to a thread. The
+thread (a) copies them straight into this rank's own slot, ``<root>/rank-<r>/own/slot-{0,1}``
+(each slot's data file reserved with fallocate — a full tmpfs says ENOSPC there, where a store
+through a mapping would SIGBUS — and mapped once for the run), the one pass over the state
+the training loop may wait for: ``ZeroOptimizer.step`` (and ``load_state_dict``,
+``load_checkpoint``) waits for that copy (``engine.settled()`` -> ``copied``) before changing the state, so the copy
+overlaps the next step's forward and backward; then (b) the crc32 of the slot's data, and (c)
+swaps it with the ring over a side gloo group: rank r sends to its buddy (r + 1 mod world on
+one node; over nodes the same local rank on the next node, r + LOCAL_WORLD_SIZE) and receives
+from the rank whose buddy it is straight into the mapped
+``<root>/rank-<r>/replica-<source>/slot-{0,1}``, while stamping its own slot; last (d) the
+ranks all-gather any write failure over the side group. No staging buffer: a slot that is not
+a regular file (no mapping) takes a buffer in process memory, written by ``write``. Code
+that changes the state otherwise between ``memory_checkpoint`` and the next step calls
+``opt.engine.memory_tier.copied()`` first. The next commit waits for the thread. A slot
 write removes the stamp of the older slot first and writes it last (checksum of header and
 data, run id, model digest, step, world size, owner): a kill at any point of the copy leaves
 the other slot, with the previous step, valid.
@@ -40,6 +49,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import errno
 import json
 import os
 import shutil
@@ -85,9 +95,15 @@ class MemoryTier:
         self.committed: Optional[int] = None
         """The newest step this rank's commit thread finished (own slot written, replica swapped)."""
         self._thread: Optional[threading.Thread] = None
+        self._copy_done: Optional[threading.Event] = None
         self._error: Optional[BaseException] = None
         self._write_failed: Optional[str] = None
+        self._failed: list[str] = []
+        """Every rank's write failure of the last commit, agreed on by its thread."""
+        self._maps: dict[str, slots.Mapped] = {}
+        """Each slot's data file, mapped once and refilled at every commit into that slot."""
         self._staging: Optional[torch.Tensor] = None
+        self._received: Optional[torch.Tensor] = None
         self._side: Optional[dist.ProcessGroup] = None
         # The last commit's thread may still be writing or swapping as the script ends: the
         # interpreter waits for it (a gloo send cut off by finalization aborts the process).
@@ -115,70 +131,125 @@ class MemoryTier:
             raise RuntimeError(f"the memory tier's commit failed: {err}") from err
 
     def ready(self, step: int) -> bool:
-        """Whether step ``step`` is to be committed: waits for the previous commit, and agrees with
-        every rank whether some write failed (then the tier turns off, with a warning)."""
+        """Whether step ``step`` is to be committed: waits for the previous commit, whose thread
+        agreed with every rank whether some write failed (then the tier turns off, with a warning)."""
         if self.disabled is not None or step % self.options.every:
             return False
         self.wait()
-        failed = self.comm.all_gather_object(self._write_failed) if self.world > 1 else [self._write_failed]
-        failed = [f"rank {r}: {f}" for r, f in enumerate(failed) if f]
-        if failed:
-            self.disabled = failed[0]
-            warnings.warn(f"the memory tier under {self.root!r} is off from step {step}: {failed[0]}. Training "
+        if self._failed:
+            self.disabled = self._failed[0]
+            warnings.warn(f"the memory tier under {self.root!r} is off from step {step}: {self._failed[0]}. Training "
                           "goes on; only the disk checkpoints cover it now (free the tmpfs, or set "
                           "PeerRedundancy(path=...) elsewhere, and restart to have it back)", stacklevel=4)
+            self._release()
             return False
         return True
 
     def commit(self, stamp: dict, header: dict, tensors: list[tuple[int, torch.Tensor]], size: int) -> None:
-        """Copies ``tensors`` (at their byte offsets) into the staging buffer now, then writes and
-        replicates it with ``header`` on a thread (Note [peer memory tier]); after ``ready``."""
+        """Starts the commit of ``tensors`` (each to its byte offset) with ``header`` on a thread,
+        after ``ready``: it copies them straight into this rank's own slot, then checksums, stamps
+        and replicates it (Note [peer memory tier]). Until ``copied`` returns the tensors must
+        not change: ``ZeroOptimizer.step`` and the loads wait for it."""
         size = max(size, ALIGN)  # (a rank owning nothing still swaps a buffer: every send has its receive)
-        if self._staging is None or self._staging.numel() != size:
-            self._staging = torch.empty(size, dtype=torch.uint8)
-        buf = self._staging
-        with torch.no_grad():
-            for off, t in tensors:
-                n = t.numel() * t.element_size()
-                buf[off:off + n].view(t.dtype).copy_(t.detach().reshape(-1))
         stamp = {**stamp, "run_id": self.run_id, "world_size": self.world, "owner": self.rank}
-        self._thread = threading.Thread(target=self._run, args=(stamp, header, buf), name="zeroshard-memory-tier",
-                                        daemon=True)
+        self._copy_done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(stamp, header, tensors, size, self._copy_done),
+                                        name="zeroshard-memory-tier", daemon=True)
         self._thread.start()
 
-    def _write(self, directory: str, stamp: dict, raw: bytes, data: torch.Tensor, crc: int) -> None:
-        if self._write_failed is not None:
+    def copied(self) -> None:
+        """Blocks until the commit in flight holds its copy of the state (the state may change then)."""
+        done = self._copy_done
+        if done is not None:
+            done.wait()
+
+    def _target(self, directory: str, size: int) -> tuple[Optional[str], torch.Tensor]:
+        """(slot to stamp, or None after a failure; the ``size`` bytes to fill): the older slot of
+        ``directory`` mapped, else (not a regular file) a reused in-memory buffer written by ``write``."""
+        slot: Optional[str] = None
+        if self._write_failed is None:
+            try:
+                slot = slots.begin(directory)
+                mapped = self._maps.get(slot)
+                if mapped is None or not mapped.current(size):
+                    self._maps.pop(slot, None)
+                    mapped = self._maps[slot] = slots.Mapped(slot, size)
+                return slot, mapped.tensor
+            except OSError as exc:
+                if exc.errno != errno.ENOTSUP or slot is None:
+                    self._fail(directory, exc)
+                    slot = None
+        buffers = self._staging if directory == self.own_dir else self._received
+        if buffers is None or buffers.numel() != size:
+            buffers = torch.empty(size, dtype=torch.uint8)
+            if directory == self.own_dir:
+                self._staging = buffers
+            else:
+                self._received = buffers
+        return slot, buffers
+
+    def _fail(self, directory: str, exc: OSError) -> None:
+        """Records a write error (a full tmpfs: ENOSPC); the ranks agree on it at the commit's end."""
+        if self._write_failed is None:
+            self._write_failed = f"writing {directory!r} failed ({exc.strerror or exc})"
+        for name in slots.SLOTS:  # the torn slot's bytes are given back; the other stays valid
+            partial = os.path.join(directory, name)
+            if slots.read_stamp(partial) is None:
+                self._maps.pop(partial, None)
+                shutil.rmtree(partial, ignore_errors=True)
+
+    def _release(self) -> None:
+        self._maps.clear()
+        self._staging = self._received = None
+
+    def _stamp(self, directory: str, slot: Optional[str], stamp: dict, raw: bytes, buf: torch.Tensor,
+               crc: int) -> None:
+        if slot is None or self._write_failed is not None:
             return
         try:
-            slots.write(directory, stamp, raw, data.numpy().data, crc)
-        except OSError as exc:  # (a full tmpfs: ENOSPC) the others learn it at the next commit
-            self._write_failed = f"writing {directory!r} failed ({exc.strerror or exc})"
-            for name in slots.SLOTS:  # the torn slot's bytes are given back; the other stays valid
-                partial = os.path.join(directory, name)
-                if slots.read_stamp(partial) is None:
-                    shutil.rmtree(partial, ignore_errors=True)
+            if self._maps.get(slot) is None:  # (not mapped: the data goes by write)
+                slots.write_data(slot, buf.numpy().data)
+            slots.finish(slot, stamp, raw, buf.numel(), crc)
+        except OSError as exc:
+            self._fail(directory, exc)
 
-    def _run(self, stamp: dict, header: dict, buf: torch.Tensor) -> None:
+    def _run(self, stamp: dict, header: dict, tensors: list[tuple[int, torch.Tensor]], size: int,
+             copy_done: threading.Event) -> None:
         try:
+            try:
+                slot, buf = self._target(self.own_dir, size)
+                with torch.no_grad():
+                    for off, t in tensors:
+                        n = t.numel() * t.element_size()
+                        buf[off:off + n].view(t.dtype).copy_(t.detach().reshape(-1))
+            finally:
+                copy_done.set()  # (the next optimizer step may change the state from here)
+            del tensors
             raw = json.dumps(header, separators=(",", ":")).encode()
             crc = zlib.crc32(buf.numpy().data)  # (once: the buddy stores the owner's checksum with its replica)
             swap = None
-            if self._side is not None:  # the replica travels while this rank writes its own slot
+            if self._side is not None:  # the replica travels while this rank stamps its own slot
                 meta = json.dumps({"stamp": stamp, "data_crc32": crc}).encode() + b"\0" + raw
                 swap = self._swap(torch.frombuffer(bytearray(meta), dtype=torch.uint8), buf)
-            self._write(self.own_dir, stamp, raw, buf, crc)
+            self._stamp(self.own_dir, slot, stamp, raw, buf, crc)
+            failed = [self._write_failed]
             if swap is not None:
-                got_meta, got_data = swap()
+                got_meta, got_slot, got_data = swap()
                 head, _, got_raw = bytes(got_meta.numpy()).partition(b"\0")
                 theirs = json.loads(head)
-                self._write(self.replica_dir, theirs["stamp"], got_raw, got_data, theirs["data_crc32"])
+                self._stamp(self.replica_dir, got_slot, theirs["stamp"], got_raw, got_data, theirs["data_crc32"])
+                failed = [None] * self.world  # every rank learns of any write failure (off together)
+                dist.all_gather_object(failed, self._write_failed, group=self._side)
+            self._failed = [f"rank {r}: {f}" for r, f in enumerate(failed) if f]
             self.committed = stamp["step"]
         except BaseException as exc:  # noqa: BLE001 - raised by the next wait()
             self._error = exc
 
-    def _swap(self, meta: torch.Tensor, data: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    def _swap(self, meta: torch.Tensor, data: torch.Tensor
+              ) -> Callable[[], tuple[torch.Tensor, Optional[str], torch.Tensor]]:
         """Starts sending (meta, data) to the buddy and receiving the source's over the side
-        group; the returned function waits for both and gives what was received."""
+        group, the data straight into the older replica slot; the returned function waits for
+        both and gives what was received (its meta, its slot or None, its data)."""
         group = self._side
         if group is None:
             raise RuntimeError("the memory tier swaps replicas only between ranks of a process group")
@@ -188,19 +259,24 @@ class MemoryTier:
         for w in (dist.isend(sizes, to, group=group), dist.irecv(theirs, frm, group=group)):
             if w is not None:
                 w.wait()
-        got = (torch.empty(int(theirs[0]), dtype=torch.uint8), torch.empty(int(theirs[1]), dtype=torch.uint8))
-        works = [dist.isend(meta, to, group=group, tag=1), dist.irecv(got[0], frm, group=group, tag=1),
-                 dist.isend(data, to, group=group, tag=2), dist.irecv(got[1], frm, group=group, tag=2)]
+        slot, into = self._target(self.replica_dir, int(theirs[1]))
+        got = torch.empty(int(theirs[0]), dtype=torch.uint8)
+        works = [dist.isend(meta, to, group=group, tag=1), dist.irecv(got, frm, group=group, tag=1),
+                 dist.isend(data, to, group=group, tag=2), dist.irecv(into, frm, group=group, tag=2)]
 
-        def finish() -> tuple[torch.Tensor, torch.Tensor]:
+        def finish() -> tuple[torch.Tensor, Optional[str], torch.Tensor]:
             for w in works:
                 if w is not None:
                     w.wait()
-            return got
+            return got, slot, into
         return finish
 
     # -- reports ---------------------------------------------------------------------------
+    def buffer_bytes(self) -> int:
+        """Process memory the tier holds besides its slots: none while the slots are mapped (the
+        state is copied straight into them); a buffer per copy whose slot is not a regular file."""
+        return sum(b.numel() for b in (self._staging, self._received) if b is not None)
+
     def bytes_held(self) -> int:
-        """Shared memory this rank's slots take (own and replica, two slots each) plus its staging buffer."""
-        staging = self._staging.numel() if self._staging is not None else 0
-        return staging + slots.slot_bytes(os.path.join(self.root, f"rank-{self.rank}"))
+        """Shared memory this rank's slots take (own and replica, two slots each) plus ``buffer_bytes``."""
+        return self.buffer_bytes() + slots.slot_bytes(os.path.join(self.root, f"rank-{self.rank}"))

@@ -8,8 +8,11 @@ it, is not valid, and the other slot still holds the previous step (Note [peer m
 """
 from __future__ import annotations
 
+import errno
 import json
+import mmap
 import os
+import stat
 import zlib
 from dataclasses import dataclass
 from typing import Optional
@@ -126,29 +129,65 @@ def _write_file(path: str, *parts: bytes | memoryview) -> None:
             f.write(p)
 
 
-def write(directory: str, stamp: dict, raw: bytes, data: memoryview, data_crc: int) -> str:
-    """Writes one step (``raw``: the header's JSON; ``data_crc``: crc32 of ``data``, computed once
-    by the owner and sent with a replica) into the slot that does not hold the newest valid
-    step; returns it."""
+def begin(directory: str) -> str:
+    """Picks the slot of ``directory`` that does not hold the newest valid step (the older, or
+    an empty one) and removes its stamp: invalid from here until ``finish`` stamps it."""
     os.makedirs(directory, exist_ok=True)
     held = {name: read_stamp(os.path.join(directory, name)) for name in SLOTS}
     steps = {name: (s["step"] if s is not None and isinstance(s.get("step"), int) else -1) for name, s in held.items()}
-    target = min(SLOTS, key=lambda n: (steps[n], n))  # the older (or empty) slot
-    slot = os.path.join(directory, target)
+    slot = os.path.join(directory, min(SLOTS, key=lambda n: (steps[n], n)))
     os.makedirs(slot, exist_ok=True)
     try:
-        os.unlink(os.path.join(slot, _STAMP))  # invalid from here until the new stamp lands
+        os.unlink(os.path.join(slot, _STAMP))
     except FileNotFoundError:
         pass
-    view = data.cast("B")
-    _write_file(os.path.join(slot, _DATA), view)
+    return slot
+
+
+class Mapped:
+    """A slot's ``data.bin`` of a fixed size, its space reserved (fallocate: a full tmpfs says
+    ENOSPC here, where a store through the mapping would SIGBUS) and mapped for the life of the
+    tier, so a commit copies the state straight into it (Note [peer memory tier])."""
+
+    def __init__(self, slot: str, size: int) -> None:
+        self.path, self.size = os.path.join(slot, _DATA), size
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.ENOTSUP, f"{self.path} is not a regular file")
+            if st.st_size != size:
+                os.ftruncate(fd, 0)  # (another size: the old pages are given back first)
+            os.posix_fallocate(fd, 0, size)
+            os.ftruncate(fd, size)
+            self.ino = os.fstat(fd).st_ino
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def current(self, size: int) -> bool:
+        """Whether this mapping is still the slot's file at ``size`` bytes."""
+        try:
+            return size == self.size and os.stat(self.path, follow_symlinks=False).st_ino == self.ino
+        except OSError:
+            return False
+
+
+def write_data(slot: str, data: memoryview) -> None:
+    """The data of a slot that cannot be mapped (not a regular file), by ``write``."""
+    _write_file(os.path.join(slot, _DATA), data.cast("B"))
+
+
+def finish(slot: str, stamp: dict, raw: bytes, data_bytes: int, data_crc: int) -> None:
+    """Stamps a slot whose data is written (``raw``: the header's JSON; ``data_crc``: crc32 of the
+    data, computed once by the owner and sent with a replica): the header, then the stamp last."""
     _write_file(os.path.join(slot, _HEADER), raw)
-    full = {**stamp, "format": FORMAT, "version": VERSION, "header_bytes": len(raw), "data_bytes": view.nbytes,
+    full = {**stamp, "format": FORMAT, "version": VERSION, "header_bytes": len(raw), "data_bytes": data_bytes,
             "crc32": zlib.crc32(raw), "data_crc32": data_crc}
     tmp = os.path.join(slot, _STAMP + ".tmp")
     _write_file(tmp, json.dumps(full).encode())
     os.replace(tmp, os.path.join(slot, _STAMP))
-    return slot
 
 
 def slot_bytes(directory: str) -> int:
