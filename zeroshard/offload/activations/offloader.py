@@ -269,7 +269,7 @@ class ActivationOffloader:
         first = record.state is RecordState.OUT or record.state is RecordState.LOADING
         try:
             out = record.tensor(saved.index, self._io_of(record))
-        except RuntimeError:  # (the backward is abandoned: its pass's files go now, not when the graph does)
+        except BaseException:  # (the backward is abandoned, a SIGINT too: its pass's files go now, not when the graph does)
             for ref in record.neighbours:
                 r = ref()
                 if r is not None:
