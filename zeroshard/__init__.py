@@ -6,6 +6,7 @@ See docs/design.md for the architecture and README.md for the quick start.
 """
 from zeroshard.config import AutoOffload, CPUOffload, NVMeOffload, ZeroConfig
 from zeroshard.offload.activations import ActivationOffload
+from zeroshard.offload.activations.workload import PlannedActivations
 from zeroshard.memory import MemoryReport, zero_formula
 from zeroshard.optim.zero_optimizer import ZeroOptimizer
 from zeroshard.model.full_state import full_state_dict
@@ -18,7 +19,7 @@ from zeroshard.checkpoint.memory_commit import memory_checkpoint
 
 __version__ = "0.1.0"
 
-__all__ = ["ZeroOptimizer", "ZeroConfig", "ActivationOffload", "CPUOffload", "NVMeOffload", "AutoOffload", "MemoryReport", "zero_formula",
+__all__ = ["ZeroOptimizer", "ZeroConfig", "ActivationOffload", "PlannedActivations", "CPUOffload", "NVMeOffload", "AutoOffload", "MemoryReport", "zero_formula",
            "full_state_dict", "init_meta_weights", "load_safetensors", "ShardOnlySaveWarning", "__version__"]
 __all__ += ["save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint", "wait_checkpoint"]
 __all__ += ["PeerRedundancy", "memory_checkpoint"]

@@ -276,7 +276,8 @@ class ZeroConfig:
     (``CPUOffload(pin_memory=...)``)."""
 
     offload_activations: object = None
-    """None, "cpu", "nvme" or ``zeroshard.ActivationOffload(...)``: the tensors autograd saves in the
+    """None, "cpu", "nvme", ``zeroshard.ActivationOffload(...)`` or (with offload="auto")
+    ``zeroshard.PlannedActivations(micro_batch=, seq_len=)``: the tensors autograd saves in the
     model's blocks (a checkpointed block's input) wait for backward in host memory or NVMe files
     under ``nvme_path`` (zeroshard/offload/activations/options.py)."""
 
@@ -312,7 +313,13 @@ class ZeroConfig:
         if self.nvme_path is not None and not uses_nvme:
             raise ValueError(f"nvme_path={self.nvme_path!r} is only used by NVMe offload; pass "
                              "offload_optimizer='nvme' to use it, or drop nvme_path")
-        activation_options(self.offload_activations, self.nvme_path)  # (checked here: fails at construction)
+        from zeroshard.offload.activations.workload import PlannedActivations
+        if isinstance(self.offload_activations, PlannedActivations):  # (Note [activations under the budget])
+            if self.offload != "auto" or self.memory_budget is None:
+                raise ValueError(f"offload_activations={self.offload_activations!r} is planned under the budget: "
+                                 "pass offload='auto' and memory_budget=..., or offload_activations='cpu'|'nvme'")
+        else:
+            activation_options(self.offload_activations, self.nvme_path)  # (checked here: fails at construction)
         if not _member(self.mixed_precision, _PRECISIONS):
             raise ValueError(
                 f"mixed_precision={self.mixed_precision!r} is not supported; use one of {_PRECISIONS}")

@@ -102,3 +102,35 @@ def test_full_nvme_directory_during_forward(tmp_path):
         assert_same(dict(model.named_parameters()), before, "weights")
         _step(model, opt, 0, batch=2)  # a batch that fits trains on
         opt.close()
+
+
+def test_sigint_in_backward_loses_nothing(tmp_path):
+    """A KeyboardInterrupt (SIGINT) while backward brings a block back: the backward is abandoned,
+    its activation files go, and after zero_grad() the step runs again like an undisturbed run."""
+    ref, ref_opt = _build(str(tmp_path / "ref"))
+    for step in range(3):
+        _step(ref, ref_opt, step)
+    want = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    ref_opt.close()
+    model, opt = _build(str(tmp_path / "run"))
+    _step(model, opt, 0)
+    _step(model, opt, 1)
+    a = opt.engine.activations
+    io_of, calls = a._io_of, []
+
+    def interrupted(record):  # (the first record backward brings back: the prefetch's wait is interrupted)
+        calls.append(record.block)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return io_of(record)
+    loss = model(*synthetic_batch(2, 4, CFG))
+    a._io_of = interrupted  # (after the forward, whose end starts the last blocks' prefetch)
+    with pytest.raises(KeyboardInterrupt):
+        loss.backward()
+    assert os.listdir(a.directory) == []  # the abandoned backward's files are gone at once, the graph still held
+    del loss
+    a._io_of = io_of
+    opt.zero_grad()
+    _step(model, opt, 2)
+    assert_same(dict(model.named_parameters()), want, "weights after the interrupted step, run again")
+    opt.close()

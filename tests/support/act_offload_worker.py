@@ -53,6 +53,29 @@ def train(stage: int, where: Optional[str], checkpointing: bool, steps: int = 3,
     return {"grads": grads, "weights": weights, "report": report, "memory": memory}
 
 
+def train_planned(budget: int, directory: str, planned: bool, steps: int = 8) -> dict:
+    """As ``train`` (stage 2, checkpointed blocks), under offload="auto" with ``memory_budget`` (reserve 0:
+    the state's plan does not depend on the process) and, if ``planned``, the activations planned
+    with it (``PlannedActivations``)."""
+    cfg = replace(CFG, activation_checkpointing=True)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    extra = {"offload_activations": zeroshard.PlannedActivations(micro_batch=BATCH, seq_len=cfg.seq_len)} if planned else {}
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=2, offload="auto",
+                                  memory_budget={"host": budget, "reserve": 0}, nvme_path=directory, **extra)
+    torch.manual_seed(1)
+    grads = []
+    for step in range(steps):
+        model(*synthetic_batch(step, BATCH, cfg)).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+        opt.zero_grad()
+    report = opt.placement_report().get("activations")
+    weights = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    opt.close()
+    return {"grads": grads, "weights": weights, "report": report}
+
+
 def predicted_bytes(checkpointing: bool, world: int = 1) -> int:
     """Bytes a checkpointed TinyGPT step moves off the device: each block's input (fp32)."""
     tokens = BATCH // world * CFG.seq_len
@@ -65,7 +88,7 @@ CASES = [(0, "cpu", True), (2, "nvme", False), (3, "nvme", True), (3, "cpu", Fal
 def parity_on_ranks(rank: int, world: int, out: str) -> None:
     res: dict = {}
     for stage, where, ckpt in CASES:
-        want, got = train(stage, None, ckpt), train(stage, where, ckpt)
+        want, got = train(stage, None, ckpt, steps=8), train(stage, where, ckpt, steps=8)
         same_grads = all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
                          for a, b in zip(got["grads"], want["grads"]))
         same_weights = all(torch.equal(got["weights"][k], want["weights"][k]) for k in want["weights"])

@@ -38,14 +38,19 @@ from zeroshard.config import ZeroConfig
 from zeroshard.layout import NamedParam
 from zeroshard.offload import NvmeOptimizerState
 from zeroshard.offload.nvme_generic_state import probe_layouts
-from zeroshard.offload.activations.offloader import ActivationOffloader
-from zeroshard.offload.activations.options import activation_options
+from zeroshard.offload.activations.offloader import ActivationOffloader, covered_blocks
+from zeroshard.offload.activations.options import ActivationOffload, activation_options
+from zeroshard.offload.activations.planned import moved_blocks, offload_options, plan_for_run, plan_report
+from zeroshard.offload.activations.workload import PlannedActivations
+from zeroshard.offload.placement_auto import AutoPlacement
+from zeroshard.planner.auto_placement import MemoryBudget
 from zeroshard.offload.placement import StatePlacement
 from zeroshard.offload.placement_choice import placement_class
 from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.ops import FusedAdam
 from zeroshard.optim import construction, ddp_check, kernel_choice, ownership, registry, reports
 from zeroshard.optim.zero_engine import Engine
+from zeroshard.units.tier import Tier
 from zeroshard.units.run import Run
 from zeroshard.units.step_in_flight import StepInFlight
 from zeroshard.units.flat_unit import FlatUnit
@@ -196,7 +201,9 @@ def assemble(owner: torch.optim.Optimizer, config: ZeroConfig, optimizer_class: 
                    for g, ig in zip(groups, inner.param_groups)]
     reducer, grad_links, grads = _build_gradients(attached, config, mesh_, sharding, precision, placement, units,
                                                   module, params, inflight)
-    activations = _build_activations(attached, config, module, mesh_.comm.rank, inflight)
+    activations = _build_activations(attached, config, module, mesh_.comm.rank, inflight, placement, param_dtype)
+    if activations is not None:  # (Note [activation offload under torch.compile])
+        reducer.on_pass_start.append(activations.at_backward)
     module_guard, teardown = _attach(owner, attached, module, mesh_, sharding, reducer, units, all_units, inflight,
                                      (placement.store, swapper))
     engine = Engine(config=config, optimizer_class=optimizer_class, mesh=mesh_, sharding=sharding, placement=placement,
@@ -314,9 +321,13 @@ def _build_gradients(attached: construction.ConstructionRecord, config: ZeroConf
 
 
 def _build_activations(attached: construction.ConstructionRecord, config: ZeroConfig, module: Optional[nn.Module],
-                       rank: int, inflight: StepInFlight) -> Optional[ActivationOffloader]:
+                       rank: int, inflight: StepInFlight, placement: StatePlacement,
+                       param_dtype: torch.dtype) -> Optional[ActivationOffloader]:
     """Activation offload's hooks on the model (Note [activation offload]), after stage 3's, so a
-    block's parameters are gathered when its hooks look at them."""
+    block's parameters are gathered when its hooks look at them; under offload="auto" with
+    ``PlannedActivations``, on the blocks the plan offloads (Note [activations under the budget])."""
+    if isinstance(config.offload_activations, PlannedActivations):
+        return _planned_activations(config, config.offload_activations, module, rank, inflight, placement, param_dtype)
     options = activation_options(config.offload_activations, config.nvme_path)
     if options is None:
         return None
@@ -326,6 +337,25 @@ def _build_activations(attached: construction.ConstructionRecord, config: ZeroCo
     device = next((p.device for p in module.parameters()), torch.device(_DEVICE))
     offloader = ActivationOffloader(options, module, rank, device, lambda: inflight.steps)
     attached.removers.append(offloader.remove)
+    return offloader
+
+
+def _planned_activations(config: ZeroConfig, wanted: PlannedActivations, module: Optional[nn.Module], rank: int,
+                         inflight: StepInFlight, placement: StatePlacement,
+                         param_dtype: torch.dtype) -> ActivationOffloader:
+    if module is None or not isinstance(placement, AutoPlacement):
+        raise ValueError("offload_activations=PlannedActivations(...) is planned by offload='auto' on the model's "
+                         "blocks: pass offload='auto' with memory_budget, and the model (an nn.Module)")
+    blocks = covered_blocks(module, None)
+    plan, places, left = plan_for_run(wanted, module, blocks, placement.plan, MemoryBudget.parse(config.memory_budget),
+                                      placement.accelerator, config.nvme_path, param_dtype)
+    options = offload_options(places, wanted, config.nvme_path)
+    device = next((p.device for p in module.parameters()), torch.device(_DEVICE))
+    tiers = moved_blocks(places)
+    moved = {k: n for k, n in blocks.items() if n in tiers}
+    offloader = ActivationOffloader(options or ActivationOffload(where="cpu"), module, rank, device,
+                                    lambda: inflight.steps, planned=plan_report(plan, places, wanted, left), cover=moved,
+                                    host_blocks=frozenset(n for n, t in tiers.items() if t is Tier.HOST))
     return offloader
 
 

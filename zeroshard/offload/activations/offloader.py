@@ -19,6 +19,15 @@ bringing back the ``prefetch`` records before it in forward order; the end of th
 starts the last ones. Bytes are copied exactly, RNG is not touched (checkpointing keeps its
 own RNG state), so gradients are the same bits as without offload.
 
+Note [activation offload under torch.compile]: dynamo graph-breaks at the offloader's hooks
+(they take a lock and enter ``saved_tensors_hooks``), so they run eagerly between compiled
+pieces: the blocks move and gradients are the same bits (torch 2.13, aot_eager; tests/offload/
+test_activation_offload_auto.py). But dynamo does not guard a compiled module call on the
+module's hooks: a graph compiled before the offloader existed (for this model, or another
+instance of its class) is reused and the hooks silently never run. Each backward therefore
+checks that its forward ran the hooks (``at_backward``, on the reducer's pass start) and
+refuses with the fix (``torch._dynamo.reset()`` after building the optimizer) when it did not.
+
 Note [activation copies on a GPU]: on CUDA the copies out run on a side stream after the
 compute stream's work so far (``wait_stream``), the source tensors are marked used there
 (``record_stream``), so the caching allocator reuses their memory only after the copy; the
@@ -102,11 +111,17 @@ def _storages(module: nn.Module) -> set[int]:
 
 class ActivationOffloader:
     def __init__(self, options: ActivationOffload, model: nn.Module, rank: int, device: torch.device,
-                 steps_done: Callable[[], int]) -> None:
+                 steps_done: Callable[[], int], host_blocks: frozenset[str] = frozenset(),
+                 planned: Optional[dict] = None, cover: Optional[dict[int, str]] = None) -> None:
         self.options = options
+        self.host_blocks = host_blocks
+        """Under "nvme", the blocks whose inputs the plan puts in host memory instead (Note
+        [activations under the budget] in planned.py)."""
+        self.planned = planned
+        """``offload="auto"``'s activation plan, for the report."""
         self.model = model
         self.device = device
-        self.blocks = covered_blocks(model, options.blocks)
+        self.blocks = covered_blocks(model, options.blocks) if cover is None else cover
         self._steps_done = steps_done
         self._io: Optional[AsyncIO] = None
         self.directory: Optional[str] = None
@@ -124,13 +139,15 @@ class ActivationOffloader:
         self._pass: list[BlockActivations] = []
         self._pass_refs: list[weakref.ref] = []
         self._calls = 0
+        self._forwards = 0
+        self._model_forwards = 0
         self._param_storages: set[int] = set()
         self._window_step = -1
         self._out = self._in = 0
         self.last_step_bytes = (0, 0)
         """(bytes moved off the device, bytes brought back) in the last whole step."""
         self.blocks_moved = 0
-        self._handles: list[RemovableHandle] = [
+        self._handles: list[RemovableHandle] = [] if not self.blocks else [  # (a plan that moves nothing: no hooks)
             model.register_forward_pre_hook(self._model_pre),
             model.register_forward_hook(self._model_post, always_call=True)]
         for m in model.modules():
@@ -145,6 +162,7 @@ class ActivationOffloader:
         self._depth += 1
         if self._depth > 1:
             return
+        self._model_forwards += 1
         steps = self._steps_done()
         if steps != self._window_step:
             if self._window_step >= 0:
@@ -178,13 +196,14 @@ class ActivationOffloader:
                 r.discard()
             raise
         for r in records[-self.options.prefetch:]:
-            r.prefetch(self._io)
+            r.prefetch(self._io_of(r))
 
     # -- a covered block's forward ---------------------------------------------------------------
     def _block_pre(self, module: nn.Module, args: tuple) -> None:
         if self._depth == 0 or self._current is not None:  # (recomputation in backward; a block inside one)
             return
         self._calls += 1
+        self._forwards += 1
         record = BlockActivations(self.blocks[id(module)], self._calls, self.device, self._stream)
         self._param_storages |= _storages(module)  # (stage 3: gathered by now)
         inputs = [a for a in args if isinstance(a, torch.Tensor)]
@@ -207,7 +226,8 @@ class ActivationOffloader:
         self._pass.append(record)
         self._pass_refs.append(weakref.ref(record))
         try:
-            record.move_out(self._io, self.directory)
+            to_file = self._io is not None and record.block not in self.host_blocks
+            record.move_out(self._io if to_file else None, self.directory if to_file else None)
             # (writes in flight are bounded: each holds a staging buffer of its block)
             for r in self._pass[:-self.options.prefetch]:
                 r.written(wait=True)
@@ -248,8 +268,8 @@ class ActivationOffloader:
             return saved.tensor
         first = record.state is RecordState.OUT or record.state is RecordState.LOADING
         try:
-            out = record.tensor(saved.index, self._io)
-        except RuntimeError:  # (the backward is abandoned: its pass's files go now, not when the graph does)
+            out = record.tensor(saved.index, self._io_of(record))
+        except BaseException:  # (the backward is abandoned, a SIGINT too: its pass's files go now, not when the graph does)
             for ref in record.neighbours:
                 r = ref()
                 if r is not None:
@@ -261,8 +281,25 @@ class ActivationOffloader:
             for ref in record.neighbours[max(0, record.position - self.options.prefetch):record.position]:
                 r = ref()
                 if r is not None:
-                    r.prefetch(self._io)
+                    r.prefetch(self._io_of(r))
         return out
+
+    def _io_of(self, record: BlockActivations) -> Optional[AsyncIO]:
+        return self._io if record.path is not None else None  # (a record the plan kept in host memory: no file)
+
+    def at_backward(self) -> None:
+        """A backward starts: its forward must have run our blocks' hooks (Note [activation offload under
+        torch.compile]); a RuntimeError naming the fix when it did not."""
+        seen, self._forwards = self._forwards, 0
+        ran, self._model_forwards = self._model_forwards, 0
+        if self.blocks and ran and not seen:  # (no forward since the last backward: retain_graph, nothing to check)
+            raise RuntimeError(
+                f"activation offload: a backward started, but the forward before it did not run the offloader's "
+                f"hooks on {type(self.model).__name__}'s blocks, so nothing was offloaded. This happens under torch.compile "
+                "when a graph compiled before the ZeroOptimizer was built (for this model or another of its class) "
+                "is reused: dynamo does not guard a compiled call on module hooks. Call torch._dynamo.reset() "
+                "after building the ZeroOptimizer (or build it before the first torch.compile call), or call the "
+                "model itself rather than its forward()")
 
     # -- reports and lifetime --------------------------------------------------------------------
     def report(self) -> dict:
@@ -274,7 +311,8 @@ class ActivationOffloader:
         return {"where": self.options.where, "blocks": sorted(set(self.blocks.values())),
                 "prefetch": self.options.prefetch, "directory": self.directory,
                 "bytes_out_last_step": last[0], "bytes_in_last_step": last[1], "bytes_moved_last_step": sum(last),
-                "bytes_out_this_step": now[0], "bytes_in_this_step": now[1]}
+                "bytes_out_this_step": now[0], "bytes_in_this_step": now[1],
+                **({"plan": self.planned} if self.planned is not None else {})}
 
     def remove(self) -> None:
         """Detaches from the model and closes the I/O engine; the activation files go with it."""

@@ -1,0 +1,100 @@
+"""offload="auto" plans activations with the state under one memory_budget
+(Note [activations under the budget]): a budget that makes the plan offload some blocks' inputs
+trains bit-identically to the run without it over 8 steps, placement_report() names those
+blocks and the bytes moved are the plan's; a budget below the fully offloaded plan is refused
+naming the longest sequence and the smallest budget that fit."""
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+import zeroshard
+from zeroshard.offload.activations.planned import least_device, shape_of
+from zeroshard.offload.activations.workload import PlannedActivations
+from zeroshard.testing.toy import TinyGPT, synthetic_batch
+
+from tests.support import act_offload_worker as w
+from tests.support.asserts import assert_same
+
+
+@pytest.mark.filterwarnings("ignore:offload='auto'")  # (reserve 0: the step's peak is over it, by design)
+def test_auto_plan_offloads_some_blocks_same_bits_and_refuses_too_small(tmp_path):
+    big = 1 << 30
+    roomy = w.train_planned(big, str(tmp_path), True, steps=1)["report"]["plan"]
+    assert roomy["counts"] == {"keep": w.CFG.n_layers} and roomy["moved_per_step"] == 0
+    state = big - roomy["memory_left"]["device"]  # (what the state's plan holds: the same under any budget that fits it)
+    cfg = replace(w.CFG, activation_checkpointing=True)
+    shape = shape_of(TinyGPT(cfg), cfg.n_layers)
+    wanted = PlannedActivations(micro_batch=w.BATCH, seq_len=cfg.seq_len)
+    least = least_device(shape, wanted, 4, {"host": 0})
+    inp = w.BATCH * cfg.seq_len * cfg.d_model * 4  # (one block's input, fp32)
+    budget = state + least + inp + inp // 2  # room for one checkpointed input beside the fully offloaded plan
+
+    want = w.train_planned(budget, str(tmp_path), False)
+    got = w.train_planned(budget, str(tmp_path), True)
+    plan = got["report"]["plan"]
+    assert plan["blocks"] == {"blocks.0": "checkpoint", "blocks.1": "nvme", "blocks.2": "nvme"}, plan
+    assert plan["offloaded"] and got["report"]["blocks"] == plan["offloaded"]
+    assert got["report"]["bytes_moved_last_step"] == plan["moved_per_step"] == 2 * len(plan["offloaded"]) * inp
+    assert len(want["grads"]) == len(got["grads"]) == 8
+    for step, (g, r) in enumerate(zip(got["grads"], want["grads"])):
+        assert_same(g, r, f"gradients of step {step}")
+    assert_same(got["weights"], want["weights"], "weights after 8 steps")
+
+    too_small = state + least - inp
+    with pytest.raises(ValueError, match=r"longest sequence that fits is (\d+) tokens, and the smallest "
+                                         r"memory_budget that holds 16 tokens is") as err:
+        w.train_planned(too_small, str(tmp_path), True, steps=1)
+    assert int(re.search(r"longest sequence that fits is (\d+)", str(err.value)).group(1)) < cfg.seq_len
+    w.train_planned(state + least, str(tmp_path), True, steps=1)  # the smallest budget named fits
+
+
+def test_planned_activations_need_offload_auto():
+    with pytest.raises(ValueError, match="offload='auto' and memory_budget"):
+        zeroshard.ZeroConfig(offload_activations=PlannedActivations(micro_batch=1, seq_len=8))
+    with pytest.raises(ValueError, match="checkpointed=False"):
+        PlannedActivations(micro_batch=1, seq_len=8, checkpointed=False)
+    with pytest.raises(ValueError, match="seq_len=0"):
+        PlannedActivations(micro_batch=1, seq_len=0)
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")
+def test_torch_compile_refuses_stale_graph_then_same_bits():
+    """torch.compile (aot_eager here, for time) reuses a graph compiled before the offloader's
+    hooks existed and would skip them silently: the backward refuses naming the fix; after
+    torch._dynamo.reset() the hooks run between compiled pieces, the blocks move each step and
+    the gradients are the same bits, dropout on (Note [activation offload under torch.compile])."""
+    cfg = replace(w.CFG, activation_checkpointing=True)
+
+    def run(offload: bool, reset: bool) -> tuple[list, list]:
+        torch.manual_seed(0)
+        model = TinyGPT(cfg)
+        kw = {"offload_activations": zeroshard.ActivationOffload(where="cpu", min_bytes=0)} if offload else {}
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.SGD, lr=0.1, stage=1, **kw)
+        if reset:
+            torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager")
+        torch.manual_seed(1)
+        grads, moved = [], []
+        try:
+            for step in range(3):
+                compiled(*synthetic_batch(step, w.BATCH, cfg)).backward()
+                grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+                if offload:
+                    moved.append(opt.placement_report()["activations"]["bytes_out_this_step"])
+                opt.step()
+                opt.zero_grad()
+        finally:
+            opt.close()
+        return grads, moved
+
+    torch._dynamo.reset()
+    want, _ = run(False, False)
+    with pytest.raises(RuntimeError, match=r"did not run the offloader's hooks.*torch._dynamo.reset\(\)"):
+        run(True, False)
+    got, moved = run(True, True)
+    assert moved == [w.predicted_bytes(True)] * 3  # every step, every block's input
+    for step, (g, r) in enumerate(zip(got, want)):
+        assert_same(g, r, f"gradients of step {step} under torch.compile")

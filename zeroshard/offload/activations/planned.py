@@ -1,0 +1,135 @@
+"""``PlannedActivations``: ``offload="auto"`` places activations too, under the same
+``memory_budget`` as the state (Note [activations under the budget]).
+
+Note [activations under the budget]: with ``offload_activations=PlannedActivations(micro_batch=,
+seq_len=)`` the automatic placement, once it has placed the state (Note [automatic placement] in
+zeroshard/planner/auto_placement.py), plans the activations of one micro-batch of that shape
+within what the state leaves of the budget (Note [planning activations] in
+zeroshard/planner/activation_plan.py): on a CPU-only machine the device and the host are one
+memory, so moving activations to host memory frees nothing and the places are keep /
+checkpoint / NVMe; with an accelerator, the device budget's remainder holds what stays and
+the host budget's remainder what moves to host memory. The per-block choice is applied by the
+one activation offloader (Note [activation offload] in offloader.py), which covers exactly the
+blocks planned "host" or "nvme" (a "checkpoint" block keeps its input: the model's own
+``torch.utils.checkpoint`` does that). The state is planned first and the activations take
+what is left, so a budget that cannot hold even the fully offloaded plan is refused naming the
+longest sequence that fits and the smallest ``memory_budget`` that holds this sequence.
+The blocks must be checkpointed by the model (``checkpointed=True``, the default) for the
+planner's sizes to be what moves: without checkpointing each covered block moves every saved
+tensor, which the plan does not count, so ``checkpointed=False`` is refused with the fix.
+"""
+from __future__ import annotations
+
+import shutil
+from typing import Optional
+
+import torch
+from torch import nn
+
+from zeroshard.offload.activations.options import ActivationOffload
+from zeroshard.offload.activations.workload import PlannedActivations
+from zeroshard.planner.activation_plan import ActivationPlan, longest_sequence, plan_activations
+from zeroshard.planner.auto_placement import MemoryBudget, Plan
+from zeroshard.planner.model_shape import ModelShape
+from zeroshard.planner.sizes import fmt_bytes
+from zeroshard.units.tier import Tier
+
+_MOVED = {"host": Tier.HOST, "nvme": Tier.NVME}  # (the plan's places that leave the device: their tier)
+
+
+def shape_of(model: nn.Module, n_blocks: int) -> ModelShape:
+    """The model's shape for the activation planner, from its ``config`` (a TinyGPT's or a Hugging
+    Face model's); a ValueError naming the fix when it has none."""
+    cfg = getattr(model, "config", None)
+
+    def get(*names: str) -> int:
+        return next((int(getattr(cfg, k)) for k in names if isinstance(getattr(cfg, k, None), int)), 0)
+    d, vocab = get("d_model", "hidden_size", "n_embd"), get("vocab", "vocab_size")
+    if not d or not vocab:
+        raise ValueError(
+            f"offload_activations=PlannedActivations(...): {type(model).__name__} has no config giving its width "
+            "and vocabulary (d_model/hidden_size, vocab/vocab_size), which the activation plan needs; choose the "
+            "blocks by hand: offload_activations=ActivationOffload(where='cpu'|'nvme', blocks=(...))")
+    n = max(1, sum(p.numel() for p in model.parameters()))
+    return ModelShape(n_params=n, n_layers=n_blocks, d_model=d, n_heads=get("n_heads", "num_attention_heads",
+                                                                            "n_head") or 1,
+                      vocab=vocab, d_ff=get("d_ff", "intermediate_size", "n_inner"))
+
+
+def memory_left(state: Plan, budget: MemoryBudget, accelerator: bool, nvme_path: Optional[str]) -> dict[str, int]:
+    """What the state's plan leaves of the budget for activations: device, host, NVMe bytes."""
+    used = state.memory()
+    if accelerator:
+        device, host = budget.device - used["device"], budget.host - used["host"]
+    else:  # (one memory: host copies would free nothing)
+        device, host = budget.device + budget.host - used["host"], 0
+    nvme = shutil.disk_usage(str(nvme_path)).free if nvme_path else 0
+    return {"device": device, "host": max(0, host), "nvme": nvme}  # (device < 0: the state alone is over it)
+
+
+def plan_for_run(options: PlannedActivations, model: nn.Module, blocks: dict[int, str], state: Plan,
+                 budget: MemoryBudget, accelerator: bool, nvme_path: Optional[str],
+                 act_dtype: torch.dtype) -> tuple[ActivationPlan, dict[str, str], dict[str, int]]:
+    """The activation plan within what ``state`` leaves, each block's place by name, and the memory
+    it was planned in; a ValueError naming the longest sequence and smallest budget that fit."""
+    shape = shape_of(model, len(blocks))
+    left = memory_left(state, budget, accelerator, nvme_path)
+    act_bytes = torch.empty((), dtype=act_dtype).element_size()
+    try:
+        plan = plan_activations(shape, options.micro_batch, options.seq_len, act_bytes, device=left["device"],
+                                host=left["host"], nvme=left["nvme"])
+    except ValueError as exc:
+        # (the device memory the fully offloaded plan needs, over what the state left: the budget must grow by it)
+        grow = max(0, least_device(shape, options, act_bytes, left) - left["device"])
+        where = "device" if accelerator else "host"
+        smallest = (budget.device if accelerator else budget.device + budget.host) + grow
+        longest = longest_sequence(shape, options.micro_batch, act_bytes, below=options.seq_len, device=left["device"],
+                                   host=left["host"], nvme=left["nvme"])
+        raise ValueError(
+            f"offload='auto': memory_budget ({budget}) leaves {fmt_bytes(left['device'])} for activations after the "
+            f"state ({fmt_bytes(state.memory()[where])}), which cannot hold a micro-batch of {options.micro_batch} x "
+            f"{options.seq_len} tokens even with every block's input offloaded: the longest sequence that fits is "
+            f"{longest} tokens, and the smallest memory_budget that holds {options.seq_len} tokens is "
+            f"{fmt_bytes(smallest)} ({where}). ({exc})") from None
+    names = [blocks[k] for k in blocks]
+    return plan, dict(zip(names, plan.blocks)), left
+
+
+def least_device(shape: ModelShape, options: PlannedActivations, act_bytes: int, left: dict[str, int]) -> int:
+    """Device bytes the fully offloaded plan needs (what stays whatever the plan: the embeddings'
+    and logits' activations and one block's saved tensors)."""
+    low, high = 0, plan_activations(shape, options.micro_batch, options.seq_len, act_bytes, device=1 << 62,
+                                    host=0, nvme=1 << 62).device_bytes
+    while high - low > 1:  # (the least device memory with any plan, by bisection: the planner's own test)
+        mid = (low + high) // 2
+        try:
+            plan_activations(shape, options.micro_batch, options.seq_len, act_bytes, device=mid, host=left["host"],
+                             nvme=1 << 62)
+            high = mid
+        except ValueError:
+            low = mid
+    return high
+
+
+def moved_blocks(places: dict[str, str]) -> dict[str, Tier]:
+    """The blocks the plan moves off the device, and where to."""
+    return {n: _MOVED[p] for n, p in places.items() if p in _MOVED}
+
+
+def offload_options(places: dict[str, str], options: PlannedActivations,
+                    nvme_path: Optional[str]) -> Optional[ActivationOffload]:
+    """The offloader's options for the planned places (None: nothing moves)."""
+    moved = moved_blocks(places)
+    if not moved:
+        return None
+    nvme = Tier.NVME in moved.values()
+    return ActivationOffload(where="nvme" if nvme else "cpu", blocks=tuple(moved), path=str(nvme_path) if nvme else None,
+                             prefetch=options.prefetch, min_bytes=0)
+
+
+def plan_report(plan: ActivationPlan, places: dict[str, str], options: PlannedActivations,
+                left: dict[str, int]) -> dict:
+    return {"micro_batch": options.micro_batch, "seq_len": options.seq_len, "blocks": places,
+            "counts": plan.counts(), "offloaded": list(moved_blocks(places)),
+            "device_bytes": plan.device_bytes, "host_bytes": plan.host_bytes, "nvme_bytes": plan.nvme_bytes,
+            "moved_per_step": plan.moved_per_step, "memory_left": left, "summary": plan.summary()}
