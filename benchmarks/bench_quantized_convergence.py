@@ -28,7 +28,7 @@ VOCAB, SEQ, N_SEQ, BATCH = 64, 16, 2400, 8
 
 
 def configs(world: int, specs: list[str]) -> list[tuple[str, dict]]:
-    from zeroshard.comm.codecs.options import codec_kwargs
+    from zeroshard.comm.codecs.codec_options import codec_kwargs
     out = [("fp32", {}),
            ("qwZ int8 + qgZ int8", {"weight_codec": "int8", "grad_codec": "int8"}),
            ("qwZ int8 + qgZ int4, error feedback", {"weight_codec": "int8", "grad_codec": "int4",
@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--world-size", type=int, default=2, choices=(2, 4))
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--codec", action="append", default=[],
-                    help="add a configuration: a codec spec (zeroshard.comm.codecs.options.codec_kwargs), "
+                    help="add a configuration: a codec spec (zeroshard.comm.codecs.codec_options.codec_kwargs), "
                          "e.g. 'weights=fp8,grads=int8,feedback'")
     args = ap.parse_args()
     from zeroshard.testing.launch import spawn

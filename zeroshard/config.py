@@ -13,8 +13,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from zeroshard.comm.codecs.options import CollectiveCodecs
-from zeroshard.resilience.options import PeerRedundancy, redundancy_options
+from zeroshard.comm.codecs.codec_options import CollectiveCodecs
+from zeroshard.resilience.redundancy_options import PeerRedundancy, redundancy_options
 from zeroshard.units.tier import Tier
 
 _STAGES = (0, 1, 2, 3)
@@ -279,7 +279,7 @@ class ZeroConfig:
     """None, "cpu", "nvme", ``zeroshard.ActivationOffload(...)`` or (with offload="auto")
     ``zeroshard.PlannedActivations(micro_batch=, seq_len=)``: the tensors autograd saves in the
     model's blocks (a checkpointed block's input) wait for backward in host memory or NVMe files
-    under ``nvme_path`` (zeroshard/offload/activations/options.py)."""
+    under ``nvme_path`` (zeroshard/offload/activations/activation_options.py)."""
 
     placement_policy: Optional[type] = None
     """A placement policy of your own: a subclass of ``zeroshard.offload.placement.StatePlacement``
@@ -303,7 +303,7 @@ class ZeroConfig:
             raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; use one of {_STAGES} (an int)")
         check_offload(self.stage, self.offload_optimizer, self.offload_params)
         self._check_auto()
-        from zeroshard.offload.activations.options import activation_options, takes_nvme_path
+        from zeroshard.offload.activations.activation_options import activation_options, takes_nvme_path
         uses_nvme = "nvme" in (self.offload_optimizer, self.offload_params) or self.offload == "auto"
         uses_nvme = uses_nvme or takes_nvme_path(self.offload_activations)
         if self.nvme_path is not None and not isinstance(self.nvme_path, (str, os.PathLike)):

@@ -9,7 +9,7 @@ import pytest
 
 from tests.support import quant_worker as qw
 from tests.support.dist_results import run_ranks
-from zeroshard.comm.codecs.formats import Int4Codec, Int8Codec
+from zeroshard.comm.codecs.codec_formats import Int4Codec, Int8Codec
 from zeroshard.planner.codec_traffic import inter_node_bytes
 from zeroshard.planner.traffic import measured_links
 

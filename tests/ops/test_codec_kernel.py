@@ -3,7 +3,7 @@ decodes to the same values, at any thread count (Note [codec error bounds])."""
 import pytest
 import torch
 
-from zeroshard.comm.codecs.formats import Int8Codec, _int8_kernel, _ScaledCodec
+from zeroshard.comm.codecs.codec_formats import Int8Codec, _int8_kernel, _ScaledCodec
 
 
 def _kernel_or_skip():

@@ -1,12 +1,12 @@
 """The codecs of quantized collectives keep their stated per-block error bound (Note [codec error
-bounds] in zeroshard/comm/codecs/formats.py), pad sizes that do not divide the block, and keep a
+bounds] in zeroshard/comm/codecs/codec_formats.py), pad sizes that do not divide the block, and keep a
 non-finite value visible."""
 import math
 
 import pytest
 import torch
 
-from zeroshard.comm.codecs.formats import Bf16Codec, Codec, Fp8Codec, Int4Codec, Int8Codec, make_codec
+from zeroshard.comm.codecs.codec_formats import Bf16Codec, Codec, Fp8Codec, Int4Codec, Int8Codec, make_codec
 
 CODECS = [Codec(), Bf16Codec(), Fp8Codec(block=64), Int8Codec(block=32), Int8Codec(block=256),
           Int4Codec(block=16), Int4Codec(block=128)]
@@ -157,7 +157,7 @@ def test_an_overflowing_step_does_not_poison_the_residual():
 
 
 def test_codec_spec_of_a_launcher_becomes_optimizer_options():
-    from zeroshard.comm.codecs.options import codec_kwargs
+    from zeroshard.comm.codecs.codec_options import codec_kwargs
     assert codec_kwargs("none") == {}
     assert codec_kwargs("weights=int8,grads=int4,links=inter_node,block=64,feedback") == {
         "weight_codec": "int8", "grad_codec": "int4", "codec_links": "inter_node", "codec_block": 64,

@@ -31,7 +31,7 @@ from zeroshard.comm import pipeline
 from zeroshard.optim.composition import check_composition
 from zeroshard.comm.codecs.link_codecs import LinkCodecs
 from zeroshard.comm.mesh import HybridMesh, MeshInfo, mesh_info
-from zeroshard.resilience.options import check_composition as check_redundancy, redundancy_options
+from zeroshard.resilience.redundancy_options import check_composition as check_redundancy, redundancy_options
 from zeroshard.resilience.memory_tier import MemoryTier
 from zeroshard.comm.tensor_parallel import local_of
 from zeroshard.config import ZeroConfig
@@ -39,7 +39,7 @@ from zeroshard.layout import NamedParam
 from zeroshard.offload import NvmeOptimizerState
 from zeroshard.offload.nvme_generic_state import probe_layouts
 from zeroshard.offload.activations.offloader import ActivationOffloader, covered_blocks
-from zeroshard.offload.activations.options import ActivationOffload, activation_options
+from zeroshard.offload.activations.activation_options import ActivationOffload, activation_options
 from zeroshard.offload.activations.planned import moved_blocks, offload_options, plan_for_run, plan_report
 from zeroshard.offload.activations.workload import PlannedActivations
 from zeroshard.offload.placement_auto import AutoPlacement

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-from zeroshard.comm.codecs.formats import Codec
+from zeroshard.comm.codecs.codec_formats import Codec
 
 
 def _enc(codec: Optional[Codec], n: int, width: int) -> int:

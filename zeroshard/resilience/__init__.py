@@ -6,6 +6,6 @@ Files, one object or concern each:
 - ``tier``: ``MemoryTier``, the per-rank commit (copy, write, replicate to the buddy rank);
 - ``recovery``: finding the newest step the tiers cover together and loading it at any world size.
 """
-from zeroshard.resilience.options import PeerRedundancy
+from zeroshard.resilience.redundancy_options import PeerRedundancy
 
 __all__ = ["PeerRedundancy"]

@@ -64,7 +64,7 @@ import torch.distributed as dist
 
 from zeroshard.comm import Comm
 from zeroshard.resilience import slots
-from zeroshard.resilience.options import PeerRedundancy
+from zeroshard.resilience.redundancy_options import PeerRedundancy
 
 ALIGN = 64
 """Byte alignment of each tensor in a slot's data (any dtype's view stays aligned)."""

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from zeroshard.comm.codecs.formats import Codec
+from zeroshard.comm.codecs.codec_formats import Codec
 from zeroshard.comm.collective_names import all_gather_single
 
 if TYPE_CHECKING:

@@ -25,8 +25,8 @@ from typing import Optional
 
 import torch
 
-from zeroshard.comm.codecs.formats import Codec, make_codec
-from zeroshard.comm.codecs.options import CollectiveCodecs
+from zeroshard.comm.codecs.codec_formats import Codec, make_codec
+from zeroshard.comm.codecs.codec_options import CollectiveCodecs
 
 _LOG = logging.getLogger("zeroshard.codecs")
 

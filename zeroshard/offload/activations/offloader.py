@@ -49,7 +49,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zeroshard.io.aio_engine import AsyncIO
 from zeroshard.offload.activations.block_record import BlockActivations, RecordState, dense_span
-from zeroshard.offload.activations.options import ActivationOffload
+from zeroshard.offload.activations.activation_options import ActivationOffload
 from zeroshard.stages.stage3.units import _repeated_blocks
 from zeroshard.units.tier import Tier
 

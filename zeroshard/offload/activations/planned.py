@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from zeroshard.offload.activations.options import ActivationOffload
+from zeroshard.offload.activations.activation_options import ActivationOffload
 from zeroshard.offload.activations.workload import PlannedActivations
 from zeroshard.planner.activation_plan import ActivationPlan, longest_sequence, plan_activations
 from zeroshard.planner.auto_placement import MemoryBudget, Plan

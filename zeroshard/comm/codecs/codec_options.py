@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import cast
 
-from zeroshard.comm.codecs.formats import CODEC_NAMES
+from zeroshard.comm.codecs.codec_formats import CODEC_NAMES
 
 WEIGHT_CODECS = ("none", "bf16", "fp8", "int8")
 GRAD_CODECS = CODEC_NAMES
