@@ -17,6 +17,8 @@ import pathlib
 
 import pytest
 
+from tests.support import background_mypy
+
 # Each test rank gets its share of the cores; collectives time out instead of hanging CI.
 os.environ.setdefault("ZEROSHARD_PG_TIMEOUT", "120")
 # Ranks fork from one server that imported torch once (Note [start method] in zeroshard/testing/launch.py).
@@ -123,6 +125,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     # After collection (so --collect-only stays instant): build or load the kernels once.
     if session.config.option.collectonly or not session.items:
         return
+    if len(session.items) > 1 and any(i.nodeid == background_mypy.MYPY_TEST for i in session.items):
+        background_mypy.start()  # Note [mypy in the background]
     capman = session.config.pluginmanager.getplugin("capturemanager")
     with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():
         from zeroshard.io._native import native
@@ -130,3 +134,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
         REGISTRY.cpu()
         native()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    background_mypy.stop()

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.support import background_mypy
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Measured 2026-12-05 (`python benchmarks/structure_metrics.py`); issue 26's and 44's targets in comments.
@@ -42,11 +44,11 @@ def test_ruff_finds_no_undefined_or_unused_names():
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
-def test_mypy_finds_no_type_errors(tmp_path):
+def test_mypy_finds_no_type_errors():
     pytest.importorskip("mypy", reason="mypy comes with the test extras: pip install -e '.[test]'")
-    proc = subprocess.run([sys.executable, "-m", "mypy", "--config-file", os.path.join(".ci", "mypy.ini"),
-                           "--cache-dir", str(tmp_path), "zeroshard"], cwd=REPO, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    # (started at collection when the session runs this test: Note [mypy in the background])
+    code, output = background_mypy.result()
+    assert code == 0, output
 
 
 def test_structure_figures_do_not_rise():
