@@ -1,5 +1,5 @@
 """Encode + decode throughput of the C++ block codecs against the torch-op path they equal bit
-for bit (zeroshard/comm/codecs/codec_formats.py; csrc/adam/codec_int8.cpp, codec_int8_avx2.cpp,
+for bit (zeroshard/comm/codecs/codec_formats.py; csrc/adam/codec_int8.cpp, codec_blocks_avx2.cpp,
 codec_fp8_int4.cpp), and against a plain fp32 copy of the same values (the memory ceiling's
 peer: a codec reads the values and writes about a quarter of their bytes, twice).
 
@@ -53,7 +53,7 @@ def main() -> None:
             c.encode(x, b)
             c.decode(b, o)
         paths[f"{codec.name} torch"] = torch_path
-        if codec.name == "int8" and isa != "scalar":
+        if codec.name in ("int8", "int4") and isa != "scalar":
             def scalar_path(c=codec, b=buf, o=out) -> None:
                 kernel.set_isa("scalar")
                 try:
@@ -61,8 +61,8 @@ def main() -> None:
                     c.decode(b, o)
                 finally:
                     kernel.set_isa(isa)
-            paths["int8 C++ portable"] = scalar_path
-        paths[f"{codec.name} C++" + (f" {isa}" if codec.name == "int8" else "")] = kernel_path
+            paths[f"{codec.name} C++ portable"] = scalar_path
+        paths[f"{codec.name} C++" + (f" {isa}" if codec.name != "fp8" else "")] = kernel_path
     for fn in paths.values():  # (warm: page faults, the kernel's first call)
         fn()
     times: dict[str, list[float]] = {k: [] for k in paths}
@@ -70,7 +70,7 @@ def main() -> None:
         for name, fn in paths.items():
             times[name].append(_timed(fn))
     print(f"{n:,} fp32 values ({args.mb:g} MB), block {args.block}, {torch.get_num_threads()} threads, "
-          f"int8 dispatch {isa}, median of {args.rounds} rounds")
+          f"int8/int4 dispatch {isa}, median of {args.rounds} rounds")
     print("| path (encode + decode) | median ms | GB/s of fp32 values | ÷ torch path (same codec) | ÷ fp32 copy |")
     print("|---|---|---|---|---|")
     for name, ts in times.items():

@@ -1,4 +1,4 @@
-// What the block codecs (codec_int8.cpp, codec_int8_avx2.cpp, codec_fp8_int4.cpp) share: the
+// What the block codecs (codec_int8.cpp, codec_blocks_avx2.cpp, codec_fp8_int4.cpp) share: the
 // block's scale and divisor, as the torch path computes them (zeroshard/comm/codecs/codec_formats.py,
 // _ScaledCodec._scaled): a = the block's largest magnitude, scale = a / qmax (NaN if the block
 // holds a NaN: torch's amax propagates it), divisor = scale if scale > 0 else 1 (so a NaN scale

@@ -14,7 +14,8 @@
 //   what torch's float -> uint8 conversion gives on x86 (the block decodes to NaN anyway: its
 //   scale is NaN or inf). Padding to whole blocks encodes zeros (fp8 0x00, int4 code 8).
 //
-// No torch headers here (the binding is in cpu_adam.cpp: Note [compile time]).
+// int4 has an AVX2 build too (codec_blocks_avx2.cpp, equal byte for byte; the binding picks it as
+// it picks int8's). No torch headers here (the binding is in cpu_adam.cpp: Note [compile time]).
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>

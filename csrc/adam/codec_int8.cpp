@@ -7,7 +7,7 @@
 // depend on the thread count. A NaN's code is 0 (what torch's float -> int8 conversion gives on
 // x86); a block holding inf or NaN has a non-finite scale and decodes to NaN.
 //
-// This is the portable path; codec_int8_avx2.cpp is the AVX2 one, equal to it byte for byte
+// This is the portable path; codec_blocks_avx2.cpp is the AVX2 one, equal to it byte for byte
 // (the binding picks it where the CPU has AVX2 and ZEROSHARD_CPU_ISA allows it).
 // No torch headers here (the binding is in cpu_adam.cpp: Note [compile time]).
 #include <math.h>

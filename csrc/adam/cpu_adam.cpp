@@ -200,7 +200,7 @@ at::Tensor sqnorm_f64(const at::Tensor& t) {
   return at::scalar_tensor(total, at::TensorOptions().dtype(at::kDouble));
 }
 
-// The block codecs of quantized collectives (codec_int8.cpp, codec_int8_avx2.cpp, codec_fp8_int4.cpp).
+// The block codecs of quantized collectives (codec_int8.cpp, codec_blocks_avx2.cpp, codec_fp8_int4.cpp).
 using EncodeFn = void (*)(const float*, int64_t, int64_t, uint8_t*, int);
 using DecodeFn = void (*)(const uint8_t*, int64_t, int64_t, float*, int);
 void int8_blocks_encode(const float* x, int64_t n, int64_t block, uint8_t* buf, int max_threads);
@@ -211,6 +211,8 @@ void fp8_blocks_encode(const float* x, int64_t n, int64_t block, uint8_t* buf, i
 void fp8_blocks_decode(const uint8_t* buf, int64_t n, int64_t block, float* out, int max_threads);
 void int4_blocks_encode(const float* x, int64_t n, int64_t block, uint8_t* buf, int max_threads);
 void int4_blocks_decode(const uint8_t* buf, int64_t n, int64_t block, float* out, int max_threads);
+void int4_blocks_encode_avx2(const float* x, int64_t n, int64_t block, uint8_t* buf, int max_threads);
+void int4_blocks_decode_avx2(const uint8_t* buf, int64_t n, int64_t block, float* out, int max_threads);
 
 // payload_den: elements per payload byte (int4: 2).
 static void check_codec(const at::Tensor& values, const at::Tensor& buf, int64_t block, int64_t payload_den,
@@ -226,8 +228,8 @@ static void check_codec(const at::Tensor& values, const at::Tensor& buf, int64_t
   TORCH_CHECK(buf.numel() >= need, "zeroshard ", what, ": the buffer holds ", buf.numel(), " bytes, ", need, " needed");
 }
 
-// The int8 codec takes the AVX2 build where the active instruction set (set_isa, ZEROSHARD_CPU_ISA) is not scalar.
-static bool int8_avx2() { return active_isa().name != "scalar"; }
+// int8 and int4 take their AVX2 builds where the active instruction set (set_isa, ZEROSHARD_CPU_ISA) is not scalar.
+static bool codec_avx2() { return active_isa().name != "scalar"; }
 
 template <int64_t kDen>
 void encode_with(EncodeFn fn, const char* what, const at::Tensor& x, at::Tensor& buf, int64_t block) {
@@ -242,10 +244,10 @@ void decode_with(DecodeFn fn, const char* what, const at::Tensor& buf, at::Tenso
 }
 
 void int8_encode(const at::Tensor& x, at::Tensor& buf, int64_t block) {
-  encode_with<1>(int8_avx2() ? int8_blocks_encode_avx2 : int8_blocks_encode, "int8_encode", x, buf, block);
+  encode_with<1>(codec_avx2() ? int8_blocks_encode_avx2 : int8_blocks_encode, "int8_encode", x, buf, block);
 }
 void int8_decode(const at::Tensor& buf, at::Tensor& out, int64_t block) {
-  decode_with<1>(int8_avx2() ? int8_blocks_decode_avx2 : int8_blocks_decode, "int8_decode", buf, out, block);
+  decode_with<1>(codec_avx2() ? int8_blocks_decode_avx2 : int8_blocks_decode, "int8_decode", buf, out, block);
 }
 void fp8_encode(const at::Tensor& x, at::Tensor& buf, int64_t block) {
   encode_with<1>(fp8_blocks_encode, "fp8_encode", x, buf, block);
@@ -254,10 +256,10 @@ void fp8_decode(const at::Tensor& buf, at::Tensor& out, int64_t block) {
   decode_with<1>(fp8_blocks_decode, "fp8_decode", buf, out, block);
 }
 void int4_encode(const at::Tensor& x, at::Tensor& buf, int64_t block) {
-  encode_with<2>(int4_blocks_encode, "int4_encode", x, buf, block);
+  encode_with<2>(codec_avx2() ? int4_blocks_encode_avx2 : int4_blocks_encode, "int4_encode", x, buf, block);
 }
 void int4_decode(const at::Tensor& buf, at::Tensor& out, int64_t block) {
-  decode_with<2>(int4_blocks_decode, "int4_decode", buf, out, block);
+  decode_with<2>(codec_avx2() ? int4_blocks_decode_avx2 : int4_blocks_decode, "int4_decode", buf, out, block);
 }
 }  // namespace cpu
 }  // namespace zeroshard

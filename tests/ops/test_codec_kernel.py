@@ -1,7 +1,7 @@
-"""The C++ block codecs (csrc/adam/codec_int8.cpp, codec_int8_avx2.cpp, codec_fp8_int4.cpp) write
+"""The C++ block codecs (csrc/adam/codec_int8.cpp, codec_blocks_avx2.cpp, codec_fp8_int4.cpp) write
 the same bytes as the torch path and decode to the same values, at any thread count, on odd
-sizes, padding, zero and constant blocks and blocks holding inf or NaN; the AVX2 int8 path
-equals the portable one (Note [codec error bounds])."""
+sizes, padding, zero and constant blocks and blocks holding inf or NaN; the AVX2 int8 and int4
+paths equal the portable ones (Note [codec error bounds])."""
 import pytest
 import torch
 
@@ -78,13 +78,14 @@ def test_fp8_kernel_converts_every_value_as_torch_does():
     assert torch.equal(got, want)
 
 
-def test_avx2_int8_equals_the_portable_path():
-    k = _kernel_or_skip("int8")
+@pytest.mark.parametrize("name,block", [("int8", 64), ("int8", 34), ("int4", 64), ("int4", 34)])
+def test_avx2_codecs_equal_the_portable_path(name, block):
+    k = _kernel_or_skip(name)
     if "avx2" not in k.supported_isas():
         pytest.skip("this CPU has no AVX2")
     before = k.isa()
-    codec = Int8Codec(block=64)
-    x = _data(100_003, 64, non_finite=True)
+    codec = CODECS[name](block=block)
+    x = _data(100_003, block, non_finite=True)
     outs = {}
     try:
         for isa in ("scalar", "avx2"):

@@ -166,7 +166,7 @@ class _ScaledCodec(Codec):
 
 
 def _codec_kernel(name: str, *tensors: torch.Tensor) -> Optional[ModuleType]:
-    """The CPU kernels' module (csrc/adam/codec_int8.cpp, codec_int8_avx2.cpp, codec_fp8_int4.cpp)
+    """The CPU kernels' module (csrc/adam/codec_int8.cpp, codec_blocks_avx2.cpp, codec_fp8_int4.cpp)
     where it has codec ``name``'s and takes these tensors: CPU, contiguous, float32 values; else
     None (the torch path, which it equals bit for bit)."""
     if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) or tensors[0].dtype != torch.float32:
