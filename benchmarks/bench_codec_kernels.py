@@ -1,6 +1,6 @@
 """Encode + decode throughput of the C++ block codecs against the torch-op path they equal bit
-for bit (zeroshard/comm/codecs/codec_formats.py; csrc/adam/codec_int8.cpp, codec_blocks_avx2.cpp,
-codec_fp8_int4.cpp), and against a plain fp32 copy of the same values (the memory ceiling's
+for bit (zeroshard/comm/codecs/codec_formats.py; csrc/adam/codec_int8.cpp, codec_fp8_int4.cpp and their AVX2
+builds in codec_blocks_avx2.cpp), and against a plain fp32 copy of the same values (the memory ceiling's
 peer: a codec reads the values and writes about a quarter of their bytes, twice).
 
     python benchmarks/bench_codec_kernels.py                 # 4M values, block 256, 9 rounds
@@ -53,7 +53,7 @@ def main() -> None:
             c.encode(x, b)
             c.decode(b, o)
         paths[f"{codec.name} torch"] = torch_path
-        if codec.name in ("int8", "int4") and isa != "scalar":
+        if isa != "scalar":
             def scalar_path(c=codec, b=buf, o=out) -> None:
                 kernel.set_isa("scalar")
                 try:
@@ -62,7 +62,7 @@ def main() -> None:
                 finally:
                     kernel.set_isa(isa)
             paths[f"{codec.name} C++ portable"] = scalar_path
-        paths[f"{codec.name} C++" + (f" {isa}" if codec.name != "fp8" else "")] = kernel_path
+        paths[f"{codec.name} C++ {isa}"] = kernel_path
     for fn in paths.values():  # (warm: page faults, the kernel's first call)
         fn()
     times: dict[str, list[float]] = {k: [] for k in paths}
@@ -70,7 +70,7 @@ def main() -> None:
         for name, fn in paths.items():
             times[name].append(_timed(fn))
     print(f"{n:,} fp32 values ({args.mb:g} MB), block {args.block}, {torch.get_num_threads()} threads, "
-          f"int8/int4 dispatch {isa}, median of {args.rounds} rounds")
+          f"C++ dispatch {isa}, median of {args.rounds} rounds")
     print("| path (encode + decode) | median ms | GB/s of fp32 values | ÷ torch path (same codec) | ÷ fp32 copy |")
     print("|---|---|---|---|---|")
     for name, ts in times.items():

@@ -14,8 +14,8 @@
 //   what torch's float -> uint8 conversion gives on x86 (the block decodes to NaN anyway: its
 //   scale is NaN or inf). Padding to whole blocks encodes zeros (fp8 0x00, int4 code 8).
 //
-// int4 has an AVX2 build too (codec_blocks_avx2.cpp, equal byte for byte; the binding picks it as
-// it picks int8's). No torch headers here (the binding is in cpu_adam.cpp: Note [compile time]).
+// Both have AVX2 builds too (codec_blocks_avx2.cpp, equal byte for byte; the binding picks them
+// as it picks int8's). No torch headers here (the binding is in cpu_adam.cpp: Note [compile time]).
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -80,10 +80,6 @@ struct E4m3Table {
   }
 };
 
-const E4m3Table& e4m3_table() {
-  static const E4m3Table table;
-  return table;
-}
 
 inline float clamp_q(float v, float qmax) { return v < -qmax ? -qmax : (v > qmax ? qmax : v); }
 
@@ -92,6 +88,15 @@ inline uint8_t int4_code(float v) {
 }
 
 }  // namespace
+
+// (not inline, not in the anonymous namespace: the AVX2 build calls it for a block's tail)
+uint8_t e4m3_code(float v) { return e4m3_from_float(clamp_q(v, 448.0f)); }
+
+// (not inline, not in the anonymous namespace: the AVX2 decode gathers from it too)
+const float* e4m3_decode_table() {
+  static const E4m3Table table;
+  return table.v;
+}
 
 void fp8_blocks_encode(const float* x, int64_t n, int64_t block, uint8_t* buf, int max_threads) {
   const int64_t nb = (n + block - 1) / block;
@@ -102,7 +107,7 @@ void fp8_blocks_encode(const float* x, int64_t n, int64_t block, uint8_t* buf, i
     const float scale = block_scale(x, lo, hi, 448.0f);
     memcpy(buf + 4 * b, &scale, 4);
     const float d = divisor_of(scale);
-    for (int64_t i = lo; i < hi; ++i) q[i] = e4m3_from_float(clamp_q(x[i] / d, 448.0f));
+    for (int64_t i = lo; i < hi; ++i) q[i] = e4m3_code(x[i] / d);
     for (int64_t i = hi; i < lo + block; ++i) q[i] = 0;
   }
 }
@@ -110,7 +115,7 @@ void fp8_blocks_encode(const float* x, int64_t n, int64_t block, uint8_t* buf, i
 void fp8_blocks_decode(const uint8_t* buf, int64_t n, int64_t block, float* out, int max_threads) {
   const int64_t nb = (n + block - 1) / block;
   const uint8_t* q = buf + 4 * nb;
-  const float* table = e4m3_table().v;
+  const float* table = e4m3_decode_table();
 #pragma omp parallel for num_threads(codec_threads(max_threads, nb)) schedule(static)
   for (int64_t b = 0; b < nb; ++b) {
     float scale;

@@ -209,6 +209,8 @@ void int8_blocks_encode_avx2(const float* x, int64_t n, int64_t block, uint8_t* 
 void int8_blocks_decode_avx2(const uint8_t* buf, int64_t n, int64_t block, float* out, int max_threads);
 void fp8_blocks_encode(const float* x, int64_t n, int64_t block, uint8_t* buf, int max_threads);
 void fp8_blocks_decode(const uint8_t* buf, int64_t n, int64_t block, float* out, int max_threads);
+void fp8_blocks_encode_avx2(const float* x, int64_t n, int64_t block, uint8_t* buf, int max_threads);
+void fp8_blocks_decode_avx2(const uint8_t* buf, int64_t n, int64_t block, float* out, int max_threads);
 void int4_blocks_encode(const float* x, int64_t n, int64_t block, uint8_t* buf, int max_threads);
 void int4_blocks_decode(const uint8_t* buf, int64_t n, int64_t block, float* out, int max_threads);
 void int4_blocks_encode_avx2(const float* x, int64_t n, int64_t block, uint8_t* buf, int max_threads);
@@ -228,7 +230,7 @@ static void check_codec(const at::Tensor& values, const at::Tensor& buf, int64_t
   TORCH_CHECK(buf.numel() >= need, "zeroshard ", what, ": the buffer holds ", buf.numel(), " bytes, ", need, " needed");
 }
 
-// int8 and int4 take their AVX2 builds where the active instruction set (set_isa, ZEROSHARD_CPU_ISA) is not scalar.
+// The codecs take their AVX2 builds where the active instruction set (set_isa, ZEROSHARD_CPU_ISA) is not scalar.
 static bool codec_avx2() { return active_isa().name != "scalar"; }
 
 template <int64_t kDen>
@@ -250,10 +252,10 @@ void int8_decode(const at::Tensor& buf, at::Tensor& out, int64_t block) {
   decode_with<1>(codec_avx2() ? int8_blocks_decode_avx2 : int8_blocks_decode, "int8_decode", buf, out, block);
 }
 void fp8_encode(const at::Tensor& x, at::Tensor& buf, int64_t block) {
-  encode_with<1>(fp8_blocks_encode, "fp8_encode", x, buf, block);
+  encode_with<1>(codec_avx2() ? fp8_blocks_encode_avx2 : fp8_blocks_encode, "fp8_encode", x, buf, block);
 }
 void fp8_decode(const at::Tensor& buf, at::Tensor& out, int64_t block) {
-  decode_with<1>(fp8_blocks_decode, "fp8_decode", buf, out, block);
+  decode_with<1>(codec_avx2() ? fp8_blocks_decode_avx2 : fp8_blocks_decode, "fp8_decode", buf, out, block);
 }
 void int4_encode(const at::Tensor& x, at::Tensor& buf, int64_t block) {
   encode_with<2>(codec_avx2() ? int4_blocks_encode_avx2 : int4_blocks_encode, "int4_encode", x, buf, block);
