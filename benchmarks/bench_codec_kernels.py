@@ -1,7 +1,8 @@
 """Encode + decode throughput of the C++ block codecs against the torch-op path they equal bit
-for bit (zeroshard/comm/codecs/codec_formats.py; csrc/adam/codec_int8.cpp, codec_fp8_int4.cpp and their AVX2
-builds in codec_blocks_avx2.cpp), and against a plain fp32 copy of the same values (the memory ceiling's
-peer: a codec reads the values and writes about a quarter of their bytes, twice).
+for bit (zeroshard/comm/codecs/codec_formats.py; csrc/adam/codec_int8.cpp, codec_fp8_int4.cpp
+and their AVX2 builds in codec_blocks_avx2.cpp), and against a plain fp32 copy of the same
+values (the memory ceiling's peer: a codec reads the values and writes about a quarter of their
+bytes, twice).
 
     python benchmarks/bench_codec_kernels.py                 # 4M values, block 256, 9 rounds
     python benchmarks/bench_codec_kernels.py --mb 4 --rounds 5
