@@ -13,10 +13,11 @@ the same link lost (``x + r`` is encoded, ``r <- (x + r) - decode(encode(x + r))
 residual is this rank's own (its contribution, before the sum), one fp32 tensor per unit and
 quantized link, of the size of what that link reduces: the whole unit on a flat group, and
 1/k of it on the inter-node level of hybrid/hpZ meshes with ``codec_links="inter_node"`` (sharded
-like the gradient store there). Checkpoints save each rank's residuals
-(``state_dict``/``load_state_dict``: zeroshard/checkpoint) so a resume continues bit for bit at
-the same world size; at another world size (or another codec) the residuals are dropped, which
-costs one step's quantization error, not correctness.
+like the gradient store there). Checkpoints save each rank's residuals, every hybrid replica's
+(``state_dict``/``load_state_dict``: zeroshard/checkpoint/codec_residuals.py, Note [residuals of
+every replica]) so a resume continues bit for bit on the same mesh; on another mesh (or with
+another codec) the residuals start at zero with a warning, which costs one step's quantization
+error, not correctness.
 
 Note [residuals under a moving loss scale]: under fp16 the reductions carry gradients of the
 loss times the loss scale, so a residual is in those units. When the scaler moves the scale
