@@ -200,10 +200,25 @@ at::Tensor sqnorm_f64(const at::Tensor& t) {
   return at::scalar_tensor(total, at::TensorOptions().dtype(at::kDouble));
 }
 
-void int8_blocks_encode(const float* x, int64_t n, int64_t block, uint8_t* buf, int max_threads);  // codec_int8.cpp
+// The block codecs of quantized collectives (codec_int8.cpp, codec_blocks_avx2.cpp, codec_fp8_int4.cpp).
+using EncodeFn = void (*)(const float*, int64_t, int64_t, uint8_t*, int);
+using DecodeFn = void (*)(const uint8_t*, int64_t, int64_t, float*, int);
+void int8_blocks_encode(const float* x, int64_t n, int64_t block, uint8_t* buf, int max_threads);
 void int8_blocks_decode(const uint8_t* buf, int64_t n, int64_t block, float* out, int max_threads);
+void int8_blocks_encode_avx2(const float* x, int64_t n, int64_t block, uint8_t* buf, int max_threads);
+void int8_blocks_decode_avx2(const uint8_t* buf, int64_t n, int64_t block, float* out, int max_threads);
+void fp8_blocks_encode(const float* x, int64_t n, int64_t block, uint8_t* buf, int max_threads);
+void fp8_blocks_decode(const uint8_t* buf, int64_t n, int64_t block, float* out, int max_threads);
+void fp8_blocks_encode_avx2(const float* x, int64_t n, int64_t block, uint8_t* buf, int max_threads);
+void fp8_blocks_decode_avx2(const uint8_t* buf, int64_t n, int64_t block, float* out, int max_threads);
+void int4_blocks_encode(const float* x, int64_t n, int64_t block, uint8_t* buf, int max_threads);
+void int4_blocks_decode(const uint8_t* buf, int64_t n, int64_t block, float* out, int max_threads);
+void int4_blocks_encode_avx2(const float* x, int64_t n, int64_t block, uint8_t* buf, int max_threads);
+void int4_blocks_decode_avx2(const uint8_t* buf, int64_t n, int64_t block, float* out, int max_threads);
 
-static void check_codec(const at::Tensor& values, const at::Tensor& buf, int64_t block, const char* what) {
+// payload_den: elements per payload byte (int4: 2).
+static void check_codec(const at::Tensor& values, const at::Tensor& buf, int64_t block, int64_t payload_den,
+                        const char* what) {
   TORCH_CHECK(values.device().is_cpu() && buf.device().is_cpu(), "zeroshard ", what, ": tensors must be on CPU");
   TORCH_CHECK(values.scalar_type() == at::kFloat && values.is_contiguous(), "zeroshard ", what,
               ": values must be contiguous float32");
@@ -211,18 +226,42 @@ static void check_codec(const at::Tensor& values, const at::Tensor& buf, int64_t
               ": the buffer must be contiguous uint8");
   TORCH_CHECK(block >= 2 && block % 2 == 0, "zeroshard ", what, ": block must be even and >= 2, got ", block);
   const int64_t nb = (values.numel() + block - 1) / block;
-  TORCH_CHECK(buf.numel() >= 4 * nb + nb * block, "zeroshard ", what,
-              ": the buffer holds ", buf.numel(), " bytes, ", 4 * nb + nb * block, " needed");
+  const int64_t need = 4 * nb + nb * block / payload_den;
+  TORCH_CHECK(buf.numel() >= need, "zeroshard ", what, ": the buffer holds ", buf.numel(), " bytes, ", need, " needed");
+}
+
+// The codecs take their AVX2 builds where the active instruction set (set_isa, ZEROSHARD_CPU_ISA) is not scalar.
+static bool codec_avx2() { return active_isa().name != "scalar"; }
+
+template <int64_t kDen>
+void encode_with(EncodeFn fn, const char* what, const at::Tensor& x, at::Tensor& buf, int64_t block) {
+  check_codec(x, buf, block, kDen, what);
+  fn(x.data_ptr<float>(), x.numel(), block, buf.data_ptr<uint8_t>(), at::get_num_threads());
+}
+
+template <int64_t kDen>
+void decode_with(DecodeFn fn, const char* what, const at::Tensor& buf, at::Tensor& out, int64_t block) {
+  check_codec(out, buf, block, kDen, what);
+  fn(buf.data_ptr<uint8_t>(), out.numel(), block, out.data_ptr<float>(), at::get_num_threads());
 }
 
 void int8_encode(const at::Tensor& x, at::Tensor& buf, int64_t block) {
-  check_codec(x, buf, block, "int8_encode");
-  int8_blocks_encode(x.data_ptr<float>(), x.numel(), block, buf.data_ptr<uint8_t>(), at::get_num_threads());
+  encode_with<1>(codec_avx2() ? int8_blocks_encode_avx2 : int8_blocks_encode, "int8_encode", x, buf, block);
 }
-
 void int8_decode(const at::Tensor& buf, at::Tensor& out, int64_t block) {
-  check_codec(out, buf, block, "int8_decode");
-  int8_blocks_decode(buf.data_ptr<uint8_t>(), out.numel(), block, out.data_ptr<float>(), at::get_num_threads());
+  decode_with<1>(codec_avx2() ? int8_blocks_decode_avx2 : int8_blocks_decode, "int8_decode", buf, out, block);
+}
+void fp8_encode(const at::Tensor& x, at::Tensor& buf, int64_t block) {
+  encode_with<1>(codec_avx2() ? fp8_blocks_encode_avx2 : fp8_blocks_encode, "fp8_encode", x, buf, block);
+}
+void fp8_decode(const at::Tensor& buf, at::Tensor& out, int64_t block) {
+  decode_with<1>(codec_avx2() ? fp8_blocks_decode_avx2 : fp8_blocks_decode, "fp8_decode", buf, out, block);
+}
+void int4_encode(const at::Tensor& x, at::Tensor& buf, int64_t block) {
+  encode_with<2>(codec_avx2() ? int4_blocks_encode_avx2 : int4_blocks_encode, "int4_encode", x, buf, block);
+}
+void int4_decode(const at::Tensor& buf, at::Tensor& out, int64_t block) {
+  decode_with<2>(codec_avx2() ? int4_blocks_decode_avx2 : int4_blocks_decode, "int4_decode", buf, out, block);
 }
 }  // namespace cpu
 }  // namespace zeroshard
@@ -239,6 +278,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sqnorm_f64", &zc::sqnorm_f64, release(), py::arg("tensor"));
   m.def("int8_encode", &zc::int8_encode, release(), py::arg("values"), py::arg("buffer"), py::arg("block"));
   m.def("int8_decode", &zc::int8_decode, release(), py::arg("buffer"), py::arg("out"), py::arg("block"));
+  m.def("fp8_encode", &zc::fp8_encode, release(), py::arg("values"), py::arg("buffer"), py::arg("block"));
+  m.def("fp8_decode", &zc::fp8_decode, release(), py::arg("buffer"), py::arg("out"), py::arg("block"));
+  m.def("int4_encode", &zc::int4_encode, release(), py::arg("values"), py::arg("buffer"), py::arg("block"));
+  m.def("int4_decode", &zc::int4_decode, release(), py::arg("buffer"), py::arg("out"), py::arg("block"));
   m.def("isa", []() { return zc::active_isa().name; });
   m.def("set_isa", &zc::set_isa, py::arg("name"));
   m.def("supported_isas", &zc::supported_isas);

@@ -148,7 +148,29 @@ def test_inter_node_bytes_per_codec_equal_the_formula_and_cut_to_030(four, name,
 def test_resume_with_error_feedback_is_bitwise(four):
     for r in (x["resume"] for x in four):
         assert r["residuals"] and max(r["residuals"].values()) > 0, r
-        assert r["equal"], "resume with the saved residuals differs from the uninterrupted run"
+        assert r["restored"] and r["equal"], "resume with the saved residuals differs from the uninterrupted run"
         assert r["differs_without"], "dropping the residuals changed nothing: the test cannot see them"
         acc = r["accumulated_error"]
         assert acc["with"] * 5 < acc["without"], acc
+
+
+def test_hybrid_resume_restores_every_replicas_residuals_bitwise(four):
+    """Note [residuals of every replica]: the first replica writes, every replica's residuals resume."""
+    for r in (x["resume_hybrid"] for x in four):
+        assert {k.split("@")[1] for k in r["residuals"]} == {"shard", "replicate", "replicate/sum"}, r["residuals"]
+        assert r["replicas_differ"], "the replicas' residuals are equal: the test cannot tell them apart"
+        assert r["restored"] and r["equal"], "a hybrid resume with error feedback differs from the uninterrupted run"
+        assert r["differs_without"], "dropping the later replicas' residuals changed nothing"
+    elsewhere = [x["resume_hybrid"]["other_mesh"] for x in four]  # (a flat mesh of the same 4 ranks)
+    assert all(o["residuals"] == 0 for o in elsewhere), elsewhere
+    said = elsewhere[0]["warnings"]
+    assert len(said) == 1 and "mesh2x2" in said[0] and "mesh1x4" in said[0], said
+    assert not any(o["warnings"] for o in elsewhere[1:]), elsewhere
+
+
+def test_a_loss_scale_change_rescales_the_residuals(four):
+    """Note [residuals under a moving loss scale]: x2 after each clean step, x0.5 after the overflow."""
+    for r in (x["rescale"] for x in four):
+        moves = [(c["old"], c["new"]) for c in r["checks"]]
+        assert moves == [(256.0, 512.0), (512.0, 1024.0), (1024.0, 512.0)], moves
+        assert all(c["rescaled"] and c["nonzero"] > 0 for c in r["checks"]), r["checks"]

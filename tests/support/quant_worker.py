@@ -4,6 +4,7 @@ and codec, with tiny parameters; the bytes per link per codec; a bitwise resume 
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -58,11 +59,17 @@ def _run(kind: str, kwargs: dict, rank: int, world: int, steps: int) -> dict:
 
 def train_worker(rank: int, world: int, out_path: str, cells: list[tuple[str, str, int, dict, int]],
                  resume: Optional[tuple[str, int, dict]] = None) -> None:
-    """Each cell: (name, model, stage/scope spec, codec kwargs, steps); then ``_resume``'s
-    run where ``resume`` gives its (checkpoint directory, stage, codec kwargs)."""
+    """Each cell: (name, model, stage/scope spec, codec kwargs, steps); then, where ``resume``
+    gives its (checkpoint directory, stage, codec kwargs), ``_resume``'s runs on the flat mesh
+    and on a hybrid one (every replica's residuals) and ``_rescaled_residuals``."""
     results: dict[str, Any] = {}
     if resume is not None:
-        results["resume"] = _resume(rank, world, *resume)
+        ckpt, stage, codec_kwargs = resume
+        results["resume"] = _resume(rank, world, ckpt, {"stage": stage}, codec_kwargs)
+        results["rescale"] = _rescaled_residuals(rank, world)
+        if world == 4:
+            results["resume_hybrid"] = _resume(rank, world, ckpt + "-hybrid", scope_kwargs("hybrid", stage),
+                                               {**codec_kwargs, "codec_links": "all"})
     for name, kind, spec, codec_kwargs, steps in cells:
         scope, stage = spec.split("-")[0], int(spec.split("-")[1])
         kwargs = {**(scope_kwargs(scope, stage) if world == 4 else {"stage": stage}), **codec_kwargs}
@@ -71,13 +78,17 @@ def train_worker(rank: int, world: int, out_path: str, cells: list[tuple[str, st
         json.dump(results, f)
 
 
-def _resume(rank: int, world: int, ckpt: str, stage: int, codec_kwargs: dict) -> dict:
+def _resume(rank: int, world: int, ckpt: str, mesh_kwargs: dict, codec_kwargs: dict) -> dict:
     """3 steps, save, 3 more; a fresh optimizer loads the step-3 checkpoint and does the same 3:
-    the weights must agree bit for bit (the residuals of error feedback are in the checkpoint)."""
+    the weights must agree bit for bit (the residuals of error feedback are in the checkpoint).
+    The same resume with the residuals dropped (on a hybrid mesh: those of the replicas after
+    the first, which the first replica's files held none of before) must differ."""
+    stage = mesh_kwargs["stage"]
+
     def fresh() -> tuple[Any, Any]:
         torch.manual_seed(0)
         m = gpt2()
-        return m, zeroshard.ZeroOptimizer(m, torch.optim.AdamW, lr=1e-2, stage=stage, **codec_kwargs)
+        return m, zeroshard.ZeroOptimizer(m, torch.optim.AdamW, lr=1e-2, **mesh_kwargs, **codec_kwargs)
 
     def steps(m: Any, o: Any, a: int, b: int) -> None:
         per = GLOBAL_BATCH // world
@@ -90,22 +101,71 @@ def _resume(rank: int, world: int, ckpt: str, stage: int, codec_kwargs: dict) ->
     steps(m1, o1, 0, 3)
     zeroshard.save_checkpoint(ckpt, 3, model=m1, optimizer=o1)
     residuals = {k: float(v.abs().max()) for k, v in o1.engine.codecs.residuals.items()}
+    saved = {k: v.clone() for k, v in o1.engine.codecs.residuals.items()}
     steps(m1, o1, 3, 6)
     m2, o2 = fresh()
     zeroshard.load_checkpoint(ckpt, model=m2, optimizer=o2)
+    loaded = {k: v.clone() for k, v in o2.engine.codecs.residuals.items()}
     steps(m2, o2, 3, 6)
     a, b = weights(m1, stage), weights(m2, stage)
     m3, o3 = fresh()  # the same resume with the residuals dropped: must differ (they matter)
     zeroshard.load_checkpoint(ckpt, model=m3, optimizer=o3)
-    o3.engine.codecs.residuals.clear()
+    replicas = o3.engine.replicas
+    if replicas is None or replicas.rank > 0:
+        o3.engine.codecs.residuals.clear()
     steps(m3, o3, 3, 6)
     c = weights(m3, stage)
     out = {"equal": all(torch.equal(a[n], b[n]) for n in a), "residuals": residuals,
-           "differs_without": any(not torch.equal(a[n], c[n]) for n in a),
-           "accumulated_error": _accumulated_error(o1.engine.mesh.comm, rank)}
+           "restored": sorted(saved) == sorted(loaded) and all(torch.equal(saved[k], loaded[k]) for k in saved),
+           "differs_without": any(not torch.equal(a[n], c[n]) for n in a)}
+    if replicas is None:
+        out["accumulated_error"] = _accumulated_error(o1.engine.mesh.comm, rank)
+    else:  # (the replicas' residuals differ: a checkpoint of the first replica's alone cannot resume them)
+        mine = torch.cat([saved[k] for k in sorted(saved)])
+        theirs = [torch.empty_like(mine) for _ in range(replicas.world_size)]
+        torch.distributed.all_gather(theirs, mine, group=replicas.group)
+        out["replicas_differ"] = not torch.equal(theirs[0], theirs[1])
+        m4 = gpt2()  # the hybrid checkpoint on the flat mesh of the same ranks: its residuals do not apply, said so
+        o4 = zeroshard.ZeroOptimizer(m4, torch.optim.AdamW, lr=1e-2, stage=stage, **codec_kwargs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            zeroshard.load_checkpoint(ckpt, model=m4, optimizer=o4)
+        out["other_mesh"] = {"warnings": [str(w.message) for w in caught if "residuals" in str(w.message)],
+                             "residuals": len(o4.engine.codecs.residuals)}
+        o4.close()
     for o in (o1, o2, o3):
         o.close()
     return out
+
+
+def _rescaled_residuals(rank: int, world: int) -> dict:
+    """fp16 with the loss scale doubling after every clean step: the residuals after a step
+    that moved the scale are those its reduction left, times new/old (Note [residuals under a
+    moving loss scale]); a later step that halves it (an overflow) does the same."""
+    torch.manual_seed(0)
+    model = gpt2()
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=2, mixed_precision="fp16",
+                                  initial_loss_scale=2.0 ** 8, loss_scale_growth_interval=1, grad_codec="int8",
+                                  codec_block=32, grad_error_feedback=True, bucket_size_mb=0.02)
+    per = GLOBAL_BATCH // world
+    checks = []
+    last = model.transformer.ln_f.bias  # (an overflow in one unit: the others keep their residuals)
+    for s in range(3):
+        batch = tokens(s)[rank * per:(rank + 1) * per]
+        hook = last.register_hook(lambda g: g * float("inf")) if s == 2 and rank == 0 else None
+        opt.backward(model(input_ids=batch, labels=batch).loss)
+        if hook is not None:
+            hook.remove()
+        opt.engine.grads.finalize()  # (the reductions done: the residuals as this step left them)
+        before, old = {k: v.clone() for k, v in opt.engine.codecs.residuals.items()}, opt.loss_scale
+        opt.step()
+        opt.zero_grad()
+        after, new = opt.engine.codecs.residuals, opt.loss_scale
+        checks.append({"old": old, "new": new, "nonzero": sum(int(v.count_nonzero()) for v in after.values()),
+                       "rescaled": sorted(after) == sorted(before) and
+                       all(torch.equal(after[k], before[k] * (new / old)) for k in before)})
+    opt.close()
+    return {"checks": checks}
 
 
 def _accumulated_error(comm: Any, rank: int, rounds: int = 20) -> dict[str, float]:

@@ -166,3 +166,20 @@ def test_codec_spec_of_a_launcher_becomes_optimizer_options():
         codec_kwargs("weights=int4")
     with pytest.raises(ValueError, match="speed=3"):
         codec_kwargs("grads=int8,speed=3")
+
+
+def test_a_loaded_loss_scale_rescales_the_live_residuals():
+    """Note [residuals under a moving loss scale]: a scaler state loaded into a running optimizer
+    moves the scale its residuals were made under (one process: the residual is set by hand)."""
+    import zeroshard
+    from tests.support.models import TinyNet
+    opt = zeroshard.ZeroOptimizer(TinyNet(), torch.optim.AdamW, lr=1e-2, stage=2, mixed_precision="fp16",
+                                  initial_loss_scale=2.0 ** 10, grad_codec="int8", grad_error_feedback=True)
+    sd = opt.state_dict()
+    r = opt.engine.codecs.residual("0@dp", 8, torch.device("cpu"))
+    r.copy_(torch.arange(8.0) - 3.5)
+    sd["loss_scaler"] = {**sd["loss_scaler"], "scale": 2.0 ** 12}
+    opt.load_state_dict(sd)
+    assert opt.loss_scale == 2.0 ** 12
+    assert torch.equal(opt.engine.codecs.residuals["0@dp"], (torch.arange(8.0) - 3.5) * 4)
+    opt.close()

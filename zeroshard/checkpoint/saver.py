@@ -111,7 +111,8 @@ class CheckpointSaver:
 
     def save(self, root: str, step: int, model: Optional[nn.Module], opt: Any, scheduler: Any,
              dataloader: Any, extra: Any, async_save: bool, keep_last: Optional[int],
-             first_replica: bool = False, save_frozen: bool = False) -> PendingSave:
+             first_replica: bool = False, save_frozen: bool = False,
+             residuals: Optional[dict[str, torch.Tensor]] = None) -> PendingSave:
         self.wait()
         root = _check_arguments(root, step, keep_last, async_save)
         comm = self._comm(opt)
@@ -132,7 +133,7 @@ class CheckpointSaver:
             if engine is not None:  # a step that failed part way left no state worth saving (Note [failed steps])
                 engine.inflight.check(f"save_checkpoint of step {step}")
             snap = _capture(step, model, opt, scheduler, dataloader, extra, comm.world_size, save_frozen,
-                            writes_full=pp.writes_full if pp is not None else comm.rank == 0)
+                            writes_full=pp.writes_full if pp is not None else comm.rank == 0, residuals=residuals)
             shapes = _shapes(model, opt, save_frozen)
         except (TypeError, ValueError, RuntimeError) as exc:  # (CheckpointError is one)
             error = exc
@@ -179,13 +180,15 @@ class CheckpointSaver:
                          save_frozen: bool) -> PendingSave:
         """Hybrid sharding: replica 0's shard group writes the checkpoint (synchronously) while
         the other replicas wait for its commit, so every rank returns with it committed. The
-        RNG files are replica 0's: on resume every replica continues from them."""
+        RNG files are replica 0's: on resume every replica continues from them. The gradient
+        residuals are every replica's (Note [residuals of every replica] in codec_residuals.py)."""
         handle = PendingSave(self)
         failed = False
+        residuals = codec_residuals.replica_tensors(opt, replicas)
         if replicas.rank == 0:
             try:
                 handle = self.save(root, step, model, opt, scheduler, dataloader, extra, False, keep_last,
-                                   first_replica=True, save_frozen=save_frozen)
+                                   first_replica=True, save_frozen=save_frozen, residuals=residuals)
             except BaseException:
                 failed = True
                 replicas.any_true(True)
@@ -278,7 +281,8 @@ def full_names(model: Optional[nn.Module], opt: Optional["ZeroOptimizer"], save_
 
 
 def _capture(step: int, model: Optional[nn.Module], opt: Any, scheduler: Any, dataloader: Any,
-             extra: Any, world_size: int, save_frozen: bool = False, writes_full: bool = True) -> commit.Snapshot:
+             extra: Any, world_size: int, save_frozen: bool = False, writes_full: bool = True,
+             residuals: Optional[dict[str, torch.Tensor]] = None) -> commit.Snapshot:
     records: list[PieceRecord] = owned_pieces(model, opt) if opt is not None else []
     if save_frozen:
         records += frozen_base.frozen_pieces(opt)
@@ -293,7 +297,7 @@ def _capture(step: int, model: Optional[nn.Module], opt: Any, scheduler: Any, da
     if not writes_full:  # (rank 0; under pp each stage's first rank: Note [pipeline checkpoints])
         full = {}
     snap = commit.Snapshot(step, records, full, rng.capture(), _encode_state(dataloader, "dataloader"),
-                           own=codec_residuals.residual_tensors(opt))
+                           own=codec_residuals.residual_tensors(opt) if residuals is None else residuals)
     # Every rank builds and checks the header (cheap, and all refuse alike); rank 0 writes it.
     names = name_map(model, opt) if opt is not None else {}
     groups = [{**{k: v for k, v in g.items() if k not in ("params", "optimizer_class")},  # (a class: the loader's own;

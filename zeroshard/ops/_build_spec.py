@@ -12,7 +12,8 @@ identically) but costs a third of the compile time and 12 MB of library.
 
 Note [compile time]: the build is dominated by torch's headers, so only the binding
 (cpu_adam.cpp) includes them, and only the ones it uses; grad_sqnorm.cpp and the ISA files
-include none (codec_int8.cpp: the int8 codec of quantized collectives, bound there too). The
+include none (codec_int8.cpp, codec_blocks_avx2.cpp, codec_fp8_int4.cpp: the block codecs of
+quantized collectives, bound there too). The
 five Adam files compile in ~25 s on 2 cores, most of it cpu_adam.cpp.
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ CPU_ADAM = KernelSpec(
     name="_cpu_adam",
     jit_name="zeroshard_cpu_adam",
     sources=("adam/cpu_adam.cpp", "adam/adam_avx512.cpp", "adam/adam_avx2.cpp", "adam/adam_scalar.cpp",
-             "adam/grad_sqnorm.cpp", "adam/codec_int8.cpp"),
+             "adam/grad_sqnorm.cpp", "adam/codec_int8.cpp", "adam/codec_blocks_avx2.cpp", "adam/codec_fp8_int4.cpp"),
     cflags=("-O3", "-fno-math-errno", "-fopenmp", "-g0"),
     ldflags=("-fopenmp",),
 )

@@ -131,8 +131,10 @@ def apply_loss_scaler(opt: "EngineOwner", state: dict) -> None:
     if engine.scaler is None:
         raise ValueError("the state holds an fp16 loss scaler's state, and this optimizer has no loss scaler "
                          "(mixed_precision is not 'fp16'): load it into ZeroOptimizer(..., mixed_precision='fp16')")
+    before = engine.scaler.scale
     engine.scaler.load_state_dict(state)
     engine.grads.set_grad_factor()
+    engine.codecs.rescale(before, engine.scaler.scale)  # (Note [residuals under a moving loss scale])
 
 
 def load_sharded(opt: "EngineOwner", sd: dict) -> None:

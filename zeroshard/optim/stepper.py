@@ -106,8 +106,11 @@ class Stepper:
         # be gathering a shard torch code had held: Note [parts held for torch code])
         self.placement.release_held()
         if self.precision.scaler is not None:
+            before = self.precision.scaler.scale
             self.precision.update(overflow)
             self.grads.set_grad_factor()
+            if self.sharding.codecs is not None:  # (Note [residuals under a moving loss scale])
+                self.sharding.codecs.rescale(before, self.precision.scaler.scale)
         if overflow or not any(u.grad_valid for u in self.units):  # no gradient: torch.optim skips too
             self.clip_coef = 1.0
             return

@@ -133,12 +133,25 @@ class _ScaledCodec(Codec):
         return v / safe[:, None], scale
 
     def encode(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        kernel = _codec_kernel(self.name, x, out)
+        if kernel is None:
+            return self.reference_encode(x, out)
+        getattr(kernel, f"{self.name}_encode")(x.reshape(-1), out, self.block)
+
+    def decode(self, buf: torch.Tensor, out: torch.Tensor) -> None:
+        kernel = _codec_kernel(self.name, out, buf)
+        if kernel is None:
+            return self.reference_decode(buf, out)
+        getattr(kernel, f"{self.name}_decode")(buf, out, self.block)
+
+    def reference_encode(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """The torch path (any device and float dtype), which the C++ kernels equal bit for bit."""
         nb = self.blocks(x.numel())
         v, scale = self._scaled(x)
         out[:4 * nb].view(torch.float32).copy_(scale)
         self._pack(v.clamp_(-self.qmax, self.qmax), out[4 * nb:4 * nb + self._payload(nb)])
 
-    def decode(self, buf: torch.Tensor, out: torch.Tensor) -> None:
+    def reference_decode(self, buf: torch.Tensor, out: torch.Tensor) -> None:
         n = out.numel()
         nb = self.blocks(n)
         scale = buf[:4 * nb].view(torch.float32)
@@ -152,31 +165,20 @@ class _ScaledCodec(Codec):
         raise NotImplementedError
 
 
-def _int8_kernel(*tensors: torch.Tensor) -> Optional[ModuleType]:
-    """The CPU kernel's module (csrc/adam/codec_int8.cpp) where it takes these tensors: CPU,
-    contiguous, float32 values; else None (the torch path, which it equals bit for bit)."""
+def _codec_kernel(name: str, *tensors: torch.Tensor) -> Optional[ModuleType]:
+    """The CPU kernels' module (csrc/adam/codec_int8.cpp, codec_blocks_avx2.cpp, codec_fp8_int4.cpp)
+    where it has codec ``name``'s and takes these tensors: CPU, contiguous, float32 values; else
+    None (the torch path, which it equals bit for bit)."""
     if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) or tensors[0].dtype != torch.float32:
         return None
     from zeroshard.ops._loader import REGISTRY
     module = REGISTRY.cpu().module
-    return module if module is not None and hasattr(module, "int8_encode") else None
+    return module if module is not None and hasattr(module, f"{name}_encode") else None
 
 
 @dataclass(frozen=True)
 class Int8Codec(_ScaledCodec):
     name: ClassVar[str] = "int8"
-
-    def encode(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        kernel = _int8_kernel(x, out)
-        if kernel is None:
-            return super().encode(x, out)
-        kernel.int8_encode(x.reshape(-1), out, self.block)
-
-    def decode(self, buf: torch.Tensor, out: torch.Tensor) -> None:
-        kernel = _int8_kernel(out, buf)
-        if kernel is None:
-            return super().decode(buf, out)
-        kernel.int8_decode(buf, out, self.block)
 
     def _pack(self, v: torch.Tensor, payload: torch.Tensor) -> None:
         payload.view(torch.int8).copy_(v.round_().view(-1))

@@ -13,10 +13,20 @@ the same link lost (``x + r`` is encoded, ``r <- (x + r) - decode(encode(x + r))
 residual is this rank's own (its contribution, before the sum), one fp32 tensor per unit and
 quantized link, of the size of what that link reduces: the whole unit on a flat group, and
 1/k of it on the inter-node level of hybrid/hpZ meshes with ``codec_links="inter_node"`` (sharded
-like the gradient store there). Checkpoints save each rank's residuals
-(``state_dict``/``load_state_dict``: zeroshard/checkpoint) so a resume continues bit for bit at
-the same world size; at another world size (or another codec) the residuals are dropped, which
-costs one step's quantization error, not correctness.
+like the gradient store there). Checkpoints save each rank's residuals, every hybrid replica's
+(``state_dict``/``load_state_dict``: zeroshard/checkpoint/codec_residuals.py, Note [residuals of
+every replica]) so a resume continues bit for bit on the same mesh; on another mesh (or with
+another codec) the residuals start at zero with a warning, which costs one step's quantization
+error, not correctness.
+
+Note [residuals under a moving loss scale]: under fp16 the reductions carry gradients of the
+loss times the loss scale, so a residual is in those units. When the scaler moves the scale
+(halved after an overflow, doubled after ``loss_scale_growth_interval`` clean steps) the next
+step's gradients are in the new units, and a residual left as it was would be added 2x too
+large (or too small) for one step. So the step that moves the scale multiplies every residual
+by new/old (``rescale``; the same where a loaded scaler state replaces the scale): a power of
+two, exact in fp32, so the codec's arithmetic, itself exact under a power-of-two scaling, sees
+the same values it would have seen with the new scale all along.
 """
 from __future__ import annotations
 
@@ -58,6 +68,15 @@ class LinkCodecs:
         if r is None or r.numel() != numel:
             r = self.residuals[key] = torch.zeros(numel, dtype=torch.float32, device=device)
         return r
+
+    def rescale(self, old_scale: float, new_scale: float) -> None:
+        """The fp16 loss scale moved from ``old_scale`` to ``new_scale``: the residuals, made of
+        gradients of a loss scaled by the old one, are brought to the new one (Note [residuals
+        under a moving loss scale])."""
+        if new_scale != old_scale:
+            factor = new_scale / old_scale
+            for r in self.residuals.values():
+                r.mul_(factor)
 
     def record(self, what: str, dimension: str, error: float) -> None:
         key = f"{what}@{dimension}"
