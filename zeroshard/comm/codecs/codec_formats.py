@@ -29,6 +29,7 @@ Buffer layout of the block codecs: ``[fp32 scale per block][payload]``, one ``ui
 """
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass
 from types import ModuleType
@@ -113,7 +114,7 @@ class Bf16Codec(Codec):
 
 
 @dataclass(frozen=True)
-class _ScaledCodec(Codec):
+class _ScaledCodec(Codec, abc.ABC):
     """Block-wise symmetric codecs: an fp32 scale per block, then a payload of codes."""
     qmax: ClassVar[float] = 127.0
     bytes_per_block_num: ClassVar[int] = 1  # payload bytes per element = num / den
@@ -158,11 +159,13 @@ class _ScaledCodec(Codec):
         v = self._unpack(buf[4 * nb:4 * nb + self._payload(nb)]).view(nb, self.block) * scale[:, None]
         out.copy_(v.view(-1)[:n])
 
+    @abc.abstractmethod
     def _pack(self, v: torch.Tensor, payload: torch.Tensor) -> None:
-        raise NotImplementedError
+        """Writes the clamped scaled values ``v`` (blocks x block) as this codec's codes."""
 
+    @abc.abstractmethod
     def _unpack(self, payload: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The codes of ``payload`` as float32 values (before the block scale)."""
 
 
 def _codec_kernel(name: str, *tensors: torch.Tensor) -> Optional[ModuleType]:
