@@ -129,3 +129,36 @@ def test_handoff_commits_the_agreed_step_past_every_and_reports_the_grace(tier, 
     with pytest.raises(ValueError, match="redundancy='peer'"):
         zeroshard.memory_handoff(3, preemption=preemption, model=model, optimizer=zeroshard.ZeroOptimizer(
             torch.nn.Linear(2, 2), torch.optim.AdamW))
+
+
+def test_train_loop_preempted_hands_off_then_resumes_from_memory_without_the_disk(tier, tmp_path):
+    """``TrainLoop`` (``zeroshard finetune``'s loop) with ``redundancy="peer"``: the agreed
+    preemption hands the step to the memory tier before its disk save, and a new loop resumes
+    it from memory with the disk checkpoint gone (Note [preemption handoff])."""
+    from zeroshard.data.sampler import ResumableSampler
+    from zeroshard.train.faults import Fault
+    from zeroshard.train.loop import LoopSettings, TrainLoop
+    from zeroshard.train.progress import Progress
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 4))
+    root, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+
+    def make(preemption: PreemptionHandler, fault=None):
+        model, opt = build(tier)
+        sampler = ResumableSampler(data, num_replicas=1, rank=0, seed=0)
+        loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+        return model, TrainLoop(LoopSettings(max_steps=6, checkpoint_root=root, save_interval=100), model, opt, sched,
+                                loader, sampler, lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(),
+                                Progress(out, 0, 6, 4, bar=False), preemption, fault=fault)
+    with PreemptionHandler(signals=(signal.SIGUSR1,)) as preemption:  # (a real signal, mid-step 3)
+        model, loop = make(preemption, Fault("sigusr1", 0, 3))
+        assert loop.resume() is None and loop.run() == "preempted" and loop.step == 3
+    loop.progress.close()
+    with open(os.path.join(out, "logs", "rank-00000.log")) as f:
+        assert "step 3 handed to the memory tiers" in f.read()
+    shutil.rmtree(root)  # the disk checkpoint the loop saved after the handoff is gone
+    with PreemptionHandler() as preemption:
+        model2, loop2 = make(preemption)
+        assert loop2.resume() == f"memory:{tier}" and loop2.step == 3
+    loop2.progress.close()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
