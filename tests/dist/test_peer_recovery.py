@@ -59,11 +59,11 @@ def tier_path() -> str:
 def test_preempted_node_hands_off_then_a_sigkill_at_the_smaller_world_resumes_from_memory(tmp_path):
     """One check per phase, two torchrun jobs (Note [preemption handoff] in
     zeroshard/checkpoint/memory_handoff.py, Note [peer memory tier]):
-    A. world 3, stage 3, a commit every 2nd step: ranks 1 and 2 (a node) get a real SIGTERM in
+    A. world 3, stage 2, a commit every 2nd step: ranks 1 and 2 (a node) get a real SIGTERM in
        step 3; the ranks agree on step 3, commit it (forced: not a 2nd step) and hand it over
        (rank 1's buddy, 2, leaves too: rank 1 sends its slot to rank 0); every rank exits 0.
        Then the node's memory is deleted (rank-1, rank-2).
-    B. world 2, stage 2, ``--max-restarts 1``: the workers resume step 3 from rank 0's tier
+    B. world 2, stage 3, ``--max-restarts 1``: the workers resume step 3 from rank 0's tier
        (resharded 3 -> 2, no disk read though the disk holds step 3), train, rank 1 is SIGKILLed
        after step 4's commit, the restarted workers resume step 4 from memory (same world, no
        disk read) and train to the end; then, in the same processes, the reference: step 3's
@@ -72,7 +72,7 @@ def test_preempted_node_hands_off_then_a_sigkill_at_the_smaller_world_resumes_fr
     try:
         disk, run, rerun = (str(tmp_path / n) for n in ("disk", "run", "rerun"))
         proc = launch(3, run, "--tier", tier, "--load-root", str(tmp_path / "none"), "--save-root", disk,
-                      "--save-at", "3", "--term-ranks", "1,2", "--term-at", "3", "--every", "2", "--stage", "3")
+                      "--save-at", "3", "--term-ranks", "1,2", "--term-at", "3", "--every", "2", "--stage", "2")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         for r in range(3):  # every rank agreed on step 3 and handed it over
             with open(os.path.join(run, f"handoff-{r}.json")) as f:
@@ -82,7 +82,7 @@ def test_preempted_node_hands_off_then_a_sigkill_at_the_smaller_world_resumes_fr
         for r in (1, 2):  # the preempted node and its memory are gone
             shutil.rmtree(os.path.join(tier, f"rank-{r}"))
         proc = launch(2, rerun, "--tier", tier, "--load-root", disk, "--kill-rank", "1", "--kill-at", "4",
-                      "--every", "2", "--steps", "6", "--stage", "2", "--ref-root", disk, "--ref-tier", fresh,
+                      "--every", "2", "--steps", "6", "--stage", "3", "--ref-root", disk, "--ref-tier", fresh,
                       restarts=1)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "Signals.SIGKILL" in proc.stderr or "exitcode: -9" in proc.stderr, proc.stderr[-3000:]
