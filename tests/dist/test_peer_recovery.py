@@ -1,6 +1,7 @@
-"""A rank SIGKILLed after step k: torchrun restarts the workers and they resume from the memory
-tiers (no disk read), at the same or a smaller world size, bitwise equal to a disk resume of
-step k (issue 45, Note [peer memory tier] in zeroshard/resilience/memory_tier.py)."""
+"""A node preempted (SIGTERM) hands its ranks' state to the peers' memory tiers and a rank
+SIGKILLed after step k is restarted by torchrun: the workers resume from the memory tiers (no
+disk read), at a smaller or the same world size, bitwise equal to a disk resume of that step
+(issue 45, Note [peer memory tier] in zeroshard/resilience/memory_tier.py)."""
 from __future__ import annotations
 
 import json
@@ -9,9 +10,11 @@ import shutil
 import subprocess
 import sys
 import uuid
+from typing import Optional
 
 import torch
 
+from zeroshard.resilience import slots
 from zeroshard.testing.launch import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,8 +47,8 @@ def assert_bitwise(a: dict, b: dict) -> None:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
-def resume_info(out: str, rank: int, prefix: str = "resume") -> dict:
-    with open(os.path.join(out, f"{prefix}-{rank}.json")) as f:
+def resume_info(out: str, rank: int, prefix: str, attempt: Optional[int] = None) -> dict:
+    with open(os.path.join(out, f"{prefix}-{rank}{'' if attempt is None else f'-{attempt}'}.json")) as f:
         return json.load(f)
 
 
@@ -53,51 +56,46 @@ def tier_path() -> str:
     return f"/dev/shm/zeroshard-test-{uuid.uuid4().hex[:10]}"
 
 
-# Each test is one torchrun job: after the run under test, the same processes resume a fresh
-# model, optimizer and (empty) tier from the disk checkpoint of the same step and train to the
-# end: the reference (--ref-root; ref-*.pt), compared bitwise.
-
-def test_sigkilled_rank_resumes_from_memory_same_world(tmp_path):
-    tier, fresh = tier_path(), tier_path()
-    try:
-        disk, run = str(tmp_path / "disk"), str(tmp_path / "run")
-        proc = launch(2, run, "--tier", tier, "--load-root", disk, "--save-root", disk, "--save-at", "3",
-                      "--kill-rank", "1", "--kill-at", "3", "--steps", "6", "--stage", "2",
-                      "--ref-root", disk, "--ref-tier", fresh, restarts=1)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert "Signals.SIGKILL" in proc.stderr or "exitcode: -9" in proc.stderr, proc.stderr[-3000:]
-        for r in range(2):  # the restarted workers took step 3 from memory and read nothing from disk
-            assert resume_info(run, r) == {"step": 3, "source": "memory", "disk_bytes_read": 0, "world_size": 2,
-                                           "resharded": False}
-        # reference: the disk checkpoint of step 3 resumed at the same world size (no tier to find)
-        # (each rank says it twice: in the first attempt, no tier yet, and in the reference)
-        assert proc.stdout.count("loading from the disk checkpoint") == 4, proc.stdout[-3000:]
-        ref = resume_info(run, 0, "ref-resume")
-        assert ref["source"] is None and ref["step"] == 3
-        assert ref["disk_bytes_read"] > 0  # (the count sees a disk load)
-        assert_bitwise(merged(run, 2), merged(run, 2, "ref-final"))
-    finally:
-        shutil.rmtree(tier, ignore_errors=True)
-        shutil.rmtree(fresh, ignore_errors=True)
-
-
-def test_lost_node_resumes_from_buddy_replicas_at_smaller_world(tmp_path):
+def test_preempted_node_hands_off_then_a_sigkill_at_the_smaller_world_resumes_from_memory(tmp_path):
+    """One check per phase, two torchrun jobs (Note [preemption handoff] in
+    zeroshard/checkpoint/memory_handoff.py, Note [peer memory tier]):
+    A. world 3, stage 2, a commit every 2nd step: ranks 1 and 2 (a node) get a real SIGTERM in
+       step 3; the ranks agree on step 3, commit it (forced: not a 2nd step) and hand it over
+       (rank 1's buddy, 2, leaves too: rank 1 sends its slot to rank 0); every rank exits 0.
+       Then the node's memory is deleted (rank-1, rank-2).
+    B. world 2, stage 3, ``--max-restarts 1``: the workers resume step 3 from rank 0's tier
+       (resharded 3 -> 2, no disk read though the disk holds step 3), train, rank 1 is SIGKILLed
+       after step 4's commit, the restarted workers resume step 4 from memory (same world, no
+       disk read) and train to the end; then, in the same processes, the reference: step 3's
+       disk checkpoint resumed at world 2 with a fresh tier and trained as far, compared bitwise."""
     tier, fresh = tier_path(), tier_path()
     try:
         disk, run, rerun = (str(tmp_path / n) for n in ("disk", "run", "rerun"))
-        common = ["--steps", "6", "--stage", "3"]
         proc = launch(3, run, "--tier", tier, "--load-root", str(tmp_path / "none"), "--save-root", disk,
-                      "--save-at", "3", "--kill-rank", "2", "--kill-at", "3", *common)
-        assert proc.returncode != 0 and os.path.isdir(os.path.join(tier, "rank-2", "own"))
-        shutil.rmtree(os.path.join(tier, "rank-2"))  # rank 2's node and its memory are gone
-        proc = launch(2, rerun, "--tier", tier, "--load-root", str(tmp_path / "none"), *common,
-                      "--ref-root", disk, "--ref-tier", fresh)
+                      "--save-at", "3", "--term-ranks", "1,2", "--term-at", "3", "--every", "2", "--stage", "2")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        for r in range(2):
-            assert resume_info(rerun, r) == {"step": 3, "source": "memory", "disk_bytes_read": 0, "world_size": 3,
-                                             "resharded": True}
+        for r in range(3):  # every rank agreed on step 3 and handed it over
+            with open(os.path.join(run, f"handoff-{r}.json")) as f:
+                assert json.load(f) == {"step": 3, "handed_off": True, "leaving": [1, 2], "pairs": [[1, 0]]}
+            assert not os.path.exists(os.path.join(run, f"final-{r}.pt"))  # (it stopped at step 3)
+        handed = slots.read_stamp(os.path.join(tier, "rank-0", "replica-1", "slot-0"))
+        assert handed is not None and handed["step"] == 3, "rank 1's slot did not reach rank 0 (its buddy left too)"
+        for r in (1, 2):  # the preempted node and its memory are gone
+            shutil.rmtree(os.path.join(tier, f"rank-{r}"))
+        proc = launch(2, rerun, "--tier", tier, "--load-root", disk, "--kill-rank", "1", "--kill-at", "4",
+                      "--every", "2", "--steps", "6", "--stage", "3", "--ref-root", disk, "--ref-tier", fresh,
+                      restarts=1)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "Signals.SIGKILL" in proc.stderr or "exitcode: -9" in proc.stderr, proc.stderr[-3000:]
+        for r in range(2):  # no disk read in either attempt (the disk's step 3 is not newer than the tiers')
+            assert resume_info(rerun, r, "resume", 0) == {"step": 3, "source": "memory", "disk_bytes_read": 0,
+                                                         "world_size": 3, "resharded": True}
+            assert resume_info(rerun, r, "resume", 1) == {"step": 4, "source": "memory", "disk_bytes_read": 0,
+                                                         "world_size": 2, "resharded": False}
+        assert proc.stdout.count("loading from the disk checkpoint") == 2, proc.stdout[-3000:]  # (the reference's)
         ref = resume_info(rerun, 0, "ref-resume")
-        assert ref["step"] == 3 and ref["source"] is None
+        assert ref["source"] is None and ref["step"] == 3 and ref["world_size"] == 3
+        assert ref["disk_bytes_read"] > 0  # (the count sees a disk load)
         assert_bitwise(merged(rerun, 2), merged(rerun, 2, "ref-final"))
     finally:
         shutil.rmtree(tier, ignore_errors=True)

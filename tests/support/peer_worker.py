@@ -1,7 +1,8 @@
 """A torchrun worker for the memory-tier tests (tests/dist/test_peer_recovery.py): trains a small
-model with ``redundancy="peer"``, optionally saves to disk at one step and SIGKILLs one rank
-after another step's commit (first attempt only), resumes through ``load_checkpoint`` (memory
-tiers first) and dumps its final owned pieces for a bitwise comparison."""
+model with ``redundancy="peer"``, optionally saves to disk at one step, SIGKILLs one rank after
+another step's commit, or SIGTERMs some ranks mid-step (a preemption: the ranks agree, hand the
+step to the peers' tiers and exit 0) (first attempt only), resumes through ``load_checkpoint``
+(memory tiers first) and dumps its final owned pieces for a bitwise comparison."""
 from __future__ import annotations
 
 import argparse
@@ -17,14 +18,16 @@ import torch.distributed as dist
 import zeroshard
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.checkpoint.pieces import owned_pieces
+from zeroshard.train.faults import Fault
 from zeroshard.train.finetune import setup_distributed
+from zeroshard.train.preemption import PreemptionHandler
 
 
-def build(tier: str, stage: int) -> tuple[torch.nn.Module, zeroshard.ZeroOptimizer, object]:
+def build(tier: str, stage: int, every: int = 1) -> tuple[torch.nn.Module, zeroshard.ZeroOptimizer, object]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 8))
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=stage, bucket_size_mb=0.001,
-                                  redundancy=zeroshard.PeerRedundancy(path=tier, run_id="peer-test"))
+                                  redundancy=zeroshard.PeerRedundancy(path=tier, run_id="peer-test", every=every))
     return model, opt, torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
 
 
@@ -54,18 +57,23 @@ def dump(model, opt, out: str) -> None:
 
 
 def train(model, opt, sched, xs: torch.Tensor, ys: torch.Tensor, start: int, steps: int,
-          after: Callable[[int], None] = lambda done: None) -> None:
-    """Steps ``start`` .. ``steps`` (rank-dependent batches), each committed to the memory tier."""
+          after: Callable[[int], bool] = lambda done: False, faults: tuple[Fault, ...] = ()) -> bool:
+    """Steps ``start`` .. ``steps`` (rank-dependent batches), each committed to the memory tier
+    (every K-th: ``every``); ``after`` says whether to stop (a handoff). True when stopped."""
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in range(start, steps):
         i = (step * world + rank) * 4 % 512
         loss = ((model(xs[i:i + 4]) - ys[i:i + 4]) ** 2).mean()
+        for fault in faults:  # mid-step, after the forward: the scheduler's SIGTERM
+            fault.maybe_fire(rank, step + 1)
         opt.backward(loss)
         opt.step()
         sched.step()
         opt.zero_grad()
         zeroshard.memory_checkpoint(step + 1, model=model, optimizer=opt, scheduler=sched)
-        after(step + 1)
+        if after(step + 1):
+            return True
+    return False
 
 
 def main() -> None:
@@ -79,14 +87,18 @@ def main() -> None:
     ap.add_argument("--save-at", type=int, default=-1)
     ap.add_argument("--kill-rank", type=int, default=-1)
     ap.add_argument("--kill-at", type=int, default=-1)
+    ap.add_argument("--every", type=int, default=1)
+    ap.add_argument("--term-ranks", default="", help="ranks that get SIGTERM mid-step --term-at (comma-separated)")
+    ap.add_argument("--term-at", type=int, default=-1)
     ap.add_argument("--ref-root", default=None, help="then, in the same processes: the reference, resumed from this "
                     "disk checkpoint with a fresh tier (--ref-tier), trained to --steps (ref-*.pt/json)")
     ap.add_argument("--ref-tier", default=None)
     a = ap.parse_args()
     setup_distributed(120.0)  # (each torchrun attempt in its own store key space)
     rank = dist.get_rank()
-    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    model, opt, sched = build(a.tier, a.stage)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    first = attempt == "0"
+    model, opt, sched = build(a.tier, a.stage, a.every)
     gen = torch.Generator().manual_seed(123)
     xs, ys = torch.randn(512, 16, generator=gen), torch.randn(512, 8, generator=gen)
     torch.manual_seed(100 + rank)  # each rank's dropout differs (the RNG is part of the state)
@@ -94,9 +106,11 @@ def main() -> None:
     opened: list[str] = []  # files under the disk roots this process opens (Python's audit events)
     sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" and args and isinstance(
         args[0], (str, bytes, os.PathLike)) and os.path.realpath(os.fsdecode(args[0])).startswith(tuple(roots)) else None)
-    start = resume(a.load_root, model, opt, sched, opened, os.path.join(a.out, f"resume-{rank}.json"))
+    start = resume(a.load_root, model, opt, sched, opened, os.path.join(a.out, f"resume-{rank}-{attempt}.json"))
+    preemption = PreemptionHandler(grace_s=60).install()
+    faults = tuple(Fault("sigterm", int(r), a.term_at) for r in a.term_ranks.split(",") if r) if first else ()
 
-    def save_or_kill(done: int) -> None:
+    def save_or_kill(done: int) -> bool:
         if first and done == a.save_at:
             zeroshard.save_checkpoint(a.save_root, done, model=model, optimizer=opt, scheduler=sched)
         if first and done == a.kill_at:
@@ -104,7 +118,17 @@ def main() -> None:
             dist.barrier()
             if rank == a.kill_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
-    train(model, opt, sched, xs, ys, start, a.steps, save_or_kill)
+        stop, _ = preemption.agree()  # (the loop's step boundary: every rank sees the same answer)
+        if stop:
+            info = zeroshard.memory_handoff(done, preemption=preemption, model=model, optimizer=opt, scheduler=sched)
+            with open(os.path.join(a.out, f"handoff-{rank}.json"), "w") as f:
+                json.dump({k: info[k] for k in ("step", "handed_off", "leaving", "pairs")}, f)
+            if not info["handed_off"]:
+                zeroshard.save_checkpoint(a.save_root, done, model=model, optimizer=opt, scheduler=sched)
+        return stop
+    if train(model, opt, sched, xs, ys, start, a.steps, save_or_kill, faults):
+        dist.destroy_process_group()
+        return  # (preempted: exit 0)
     dump(model, opt, os.path.join(a.out, f"final-{rank}.pt"))
     if a.ref_root is not None:  # the disk resume of the same step, in a fresh model, optimizer and tier
         model, opt, sched = build(a.ref_tier, a.stage)

@@ -38,6 +38,13 @@ def memory_checkpoint(step: int, *, model: Optional[nn.Module], optimizer: objec
     thread. Returns False when skipped (not a K-th step, or the tier turned off after a write failed).
     ``load_checkpoint`` loads from the tiers when they hold a step at least as new as the disk's
     (Note [peer memory tier] in zeroshard/resilience/memory_tier.py)."""
+    return commit_step(step, force=False, model=model, optimizer=optimizer, scheduler=scheduler,
+                       dataloader=dataloader, extra=extra)
+
+
+def commit_step(step: int, *, force: bool, model: Optional[nn.Module], optimizer: object, scheduler: object = None,
+                dataloader: object = None, extra: object = None) -> bool:
+    """``memory_checkpoint``; ``force``: past ``every`` (a handoff's agreed step)."""
     engine = engine_of(optimizer)
     if engine is None or engine.memory_tier is None:
         raise ValueError("memory_checkpoint needs the ZeroOptimizer built with redundancy='peer' "
@@ -45,7 +52,9 @@ def memory_checkpoint(step: int, *, model: Optional[nn.Module], optimizer: objec
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step={step!r} must be an int >= 0")
     tier = engine.memory_tier
-    if not tier.ready(step):
+    if model is not None:
+        tier.guard(model)
+    if not tier.ready(step, force):
         return False
     snap = _capture(step, model, optimizer, scheduler, dataloader, extra, tier.world,
                     frozen_base.save_frozen_default(model, optimizer), writes_full=tier.rank == 0)

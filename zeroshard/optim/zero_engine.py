@@ -164,6 +164,14 @@ class Engine:
             self.memory_tier.copied()
         return self
 
+    def quiet(self) -> "Engine":
+        """``joined``, and a memory-tier commit in flight has finished (copied, stamped and
+        replicated): before the engine lets go of its state (``close``)."""
+        self.inflight.join()
+        if self.memory_tier is not None:
+            self.memory_tier.wait()
+        return self
+
     def segment_index(self) -> dict[int, tuple[FlatUnit, Segment]]:
         """id(param) -> (unit, segment) for every managed parameter (frozen ones too), also under
         the sharded parameters torch code sees between uses (stage 3)."""

@@ -182,7 +182,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         e = self.engine
         if e.closed:
             return
-        e.inflight.join()
+        e.quiet()
         e.reducer.finalize()
         if e.shards_parameters:
             ownership.hand_back_stage3(e.stage3_gatherer, e.all_units)

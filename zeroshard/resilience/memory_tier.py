@@ -20,7 +20,10 @@ from the rank whose buddy it is straight into the mapped
 ``<root>/rank-<r>/replica-<source>/slot-{0,1}``, while stamping its own slot; last (d) the
 ranks all-gather any write failure over the side group. No staging buffer: a slot that is not
 a regular file (no mapping) takes a buffer in process memory, written by ``write``. Code
-that changes the state otherwise between ``memory_checkpoint`` and the next step calls
+that changes the state otherwise between ``memory_checkpoint`` and the next step waits too:
+``load_state_dict`` on the model or any of its modules by a pre-hook (``guard``, registered
+by ``memory_checkpoint``), ``opt.close()`` by waiting for the whole commit; a hand write to the
+parameters (under ``torch.no_grad``) cannot be seen and calls
 ``opt.engine.memory_tier.copied()`` first. The next commit waits for the thread. A slot
 write removes the stamp of the older slot first and writes it last (checksum of header and
 data, run id, model digest, step, world size, owner): a kill at any point of the copy leaves
@@ -77,6 +80,13 @@ def _join_at_exit(ref: "weakref.ref[MemoryTier]") -> None:
         thread.join()
 
 
+def _next_staying(rank: int, world: int, leaving: list[bool]) -> Optional[int]:
+    """The first staying rank after ``rank`` along the ring (then in rank order), or None."""
+    step = ring(0, world)[0] or 1
+    order = [(rank + i * step) % world for i in range(1, world)] + list(range(world))
+    return next((r for r in order if not leaving[r]), None)
+
+
 def ring(rank: int, world: int) -> tuple[int, int]:
     """(buddy this rank sends to, source it receives from): over nodes the same local rank on
     the next node, on one node the next rank."""
@@ -105,6 +115,10 @@ class MemoryTier:
         self._staging: Optional[torch.Tensor] = None
         self._received: Optional[torch.Tensor] = None
         self._side: Optional[dist.ProcessGroup] = None
+        self._guarded: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+        """The modules whose ``load_state_dict`` waits for the copy in flight (``guard``)."""
+        self._last: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        """(meta, data) of the last commit's own slot as the buddy got them: what a handoff sends."""
         # The last commit's thread may still be writing or swapping as the script ends: the
         # interpreter waits for it (a gloo send cut off by finalization aborts the process).
         atexit.register(_join_at_exit, weakref.ref(self))
@@ -130,10 +144,11 @@ class MemoryTier:
         if err is not None:
             raise RuntimeError(f"the memory tier's commit failed: {err}") from err
 
-    def ready(self, step: int) -> bool:
-        """Whether step ``step`` is to be committed: waits for the previous commit, whose thread
-        agreed with every rank whether some write failed (then the tier turns off, with a warning)."""
-        if self.disabled is not None or step % self.options.every:
+    def ready(self, step: int, force: bool = False) -> bool:
+        """Whether step ``step`` is to be committed (every ``every``-th, or ``force``: a handoff):
+        waits for the previous commit, whose thread agreed with every rank whether some write
+        failed (then the tier turns off, with a warning)."""
+        if self.disabled is not None or (step % self.options.every and not force):
             return False
         self.wait()
         if self._failed:
@@ -156,6 +171,24 @@ class MemoryTier:
         self._thread = threading.Thread(target=self._run, args=(stamp, header, tensors, size, self._copy_done),
                                         name="zeroshard-memory-tier", daemon=True)
         self._thread.start()
+
+    def guard(self, model: torch.nn.Module) -> None:
+        """Makes ``load_state_dict`` on ``model`` or any of its modules wait for the copy in flight
+        (``copied``) before it writes: a load between ``memory_checkpoint`` and the next step
+        would otherwise change the state the copy is reading (once per module; the hook holds
+        the tier weakly)."""
+        if model in self._guarded:
+            return
+        ref = weakref.ref(self)
+
+        def wait_for_copy(*_args: object, **_kw: object) -> None:
+            tier = ref()
+            if tier is not None:
+                tier.copied()
+        for m in model.modules():
+            if m not in self._guarded:
+                m.register_load_state_dict_pre_hook(wait_for_copy)
+                self._guarded.add(m)
 
     def copied(self) -> None:
         """Blocks until the commit in flight holds its copy of the state (the state may change then)."""
@@ -227,49 +260,103 @@ class MemoryTier:
             del tensors
             raw = json.dumps(header, separators=(",", ":")).encode()
             crc = zlib.crc32(buf.numpy().data)  # (once: the buddy stores the owner's checksum with its replica)
+            meta = torch.frombuffer(bytearray(json.dumps({"stamp": stamp, "data_crc32": crc}).encode() + b"\0" + raw),
+                                    dtype=torch.uint8)
+            self._last = None
             swap = None
             if self._side is not None:  # the replica travels while this rank stamps its own slot
-                meta = json.dumps({"stamp": stamp, "data_crc32": crc}).encode() + b"\0" + raw
-                swap = self._swap(torch.frombuffer(bytearray(meta), dtype=torch.uint8), buf)
+                swap = self._exchange(meta, buf, self.buddy, self.source, self.replica_dir)
             self._stamp(self.own_dir, slot, stamp, raw, buf, crc)
             failed = [self._write_failed]
             if swap is not None:
-                got_meta, got_slot, got_data = swap()
-                head, _, got_raw = bytes(got_meta.numpy()).partition(b"\0")
-                theirs = json.loads(head)
-                self._stamp(self.replica_dir, got_slot, theirs["stamp"], got_raw, got_data, theirs["data_crc32"])
+                self._keep(*swap())
                 failed = [None] * self.world  # every rank learns of any write failure (off together)
                 dist.all_gather_object(failed, self._write_failed, group=self._side)
             self._failed = [f"rank {r}: {f}" for r, f in enumerate(failed) if f]
             self.committed = stamp["step"]
+            self._last = (meta, buf)
         except BaseException as exc:  # noqa: BLE001 - raised by the next wait()
             self._error = exc
 
-    def _swap(self, meta: torch.Tensor, data: torch.Tensor
-              ) -> Callable[[], tuple[torch.Tensor, Optional[str], torch.Tensor]]:
-        """Starts sending (meta, data) to the buddy and receiving the source's over the side
-        group, the data straight into the older replica slot; the returned function waits for
-        both and gives what was received (its meta, its slot or None, its data)."""
+    def _keep(self, got_meta: Optional[torch.Tensor], got_slot: Optional[str], got_data: Optional[torch.Tensor],
+              directory: str) -> None:
+        """Stamps a received replica (its meta: the owner's stamp, data checksum and header)."""
+        if got_meta is None or got_data is None:
+            return
+        head, _, got_raw = bytes(got_meta.numpy()).partition(b"\0")
+        theirs = json.loads(head)
+        self._stamp(directory, got_slot, theirs["stamp"], got_raw, got_data, theirs["data_crc32"])
+
+    def _exchange(self, meta: Optional[torch.Tensor], data: Optional[torch.Tensor], to: Optional[int],
+                  frm: Optional[int], directory: str) -> Callable[[], tuple[
+                      Optional[torch.Tensor], Optional[str], Optional[torch.Tensor], str]]:
+        """Starts sending (meta, data) to rank ``to`` and receiving rank ``frm``'s over the side
+        group (either may be None), the data straight into the older slot of ``directory``; the
+        returned function waits for both and gives what was received (its meta, its slot or
+        None, its data, ``directory``)."""
         group = self._side
         if group is None:
             raise RuntimeError("the memory tier swaps replicas only between ranks of a process group")
-        to, frm = (dist.get_global_rank(group, r) for r in (self.buddy, self.source))
-        sizes = torch.tensor([meta.numel(), data.numel()], dtype=torch.int64)
+        to_g = dist.get_global_rank(group, to) if to is not None else None
+        frm_g = dist.get_global_rank(group, frm) if frm is not None else None
+        works: list = []
+        sizes = None
+        if to_g is not None and meta is not None and data is not None:
+            sizes = torch.tensor([meta.numel(), data.numel()], dtype=torch.int64)
+            works.append(dist.isend(sizes, to_g, group=group))
         theirs = torch.empty(2, dtype=torch.int64)
-        for w in (dist.isend(sizes, to, group=group), dist.irecv(theirs, frm, group=group)):
-            if w is not None:
-                w.wait()
-        slot, into = self._target(self.replica_dir, int(theirs[1]))
-        got = torch.empty(int(theirs[0]), dtype=torch.uint8)
-        works = [dist.isend(meta, to, group=group, tag=1), dist.irecv(got, frm, group=group, tag=1),
-                 dist.isend(data, to, group=group, tag=2), dist.irecv(into, frm, group=group, tag=2)]
+        if frm_g is not None:
+            got_sizes = dist.irecv(theirs, frm_g, group=group)
+            if got_sizes is not None:
+                got_sizes.wait()
+        slot, into, got = None, None, None
+        if frm_g is not None:
+            slot, into = self._target(directory, int(theirs[1]))
+            got = torch.empty(int(theirs[0]), dtype=torch.uint8)
+            works += [dist.irecv(got, frm_g, group=group, tag=1), dist.irecv(into, frm_g, group=group, tag=2)]
+        if to_g is not None and meta is not None and data is not None:
+            works += [dist.isend(meta, to_g, group=group, tag=1), dist.isend(data, to_g, group=group, tag=2)]
+        sizes_kept = [sizes, meta, data]
 
-        def finish() -> tuple[torch.Tensor, Optional[str], torch.Tensor]:
+        def finish() -> tuple[Optional[torch.Tensor], Optional[str], Optional[torch.Tensor], str]:
+            del sizes_kept[:]  # (kept alive until the sends are done)
             for w in works:
                 if w is not None:
                     w.wait()
-            return got, slot, into
+            return got, slot, into, directory
         return finish
+
+    def hand_over(self, leaving: bool) -> tuple[list[int], list[tuple[int, int]]]:
+        """A handoff after the commit of the agreed step (a collective of the side group; Note
+        [preemption handoff] in zeroshard/checkpoint/memory_handoff.py): the ranks gather which
+        of them leave; each leaving rank whose buddy leaves too sends its last commit's own slot
+        to the next staying rank along the ring, which keeps it as a replica. Returns (the
+        leaving ranks, the (leaving rank, receiving rank) pairs), the same on every rank."""
+        self.wait()
+        flags: list[bool] = [leaving]
+        if self._side is not None:
+            flags = [False] * self.world
+            dist.all_gather_object(flags, bool(leaving), group=self._side)
+        pairs = [(r, to) for r in range(self.world) if flags[r] and flags[ring(r, self.world)[0]]
+                 for to in [_next_staying(r, self.world, flags)] if to is not None]
+        gone = [r for r in range(self.world) if flags[r]]
+        if self._side is None or not pairs:
+            return gone, pairs
+        if self.disabled is not None or self._last is None:
+            raise RuntimeError(f"the memory tier has no commit to hand over ({self.disabled or 'nothing committed'})")
+        meta, data = self._last
+        for r, to in pairs:  # senders leave and receivers stay: no rank waits on a rank that waits on it
+            if self.rank == r:
+                self._exchange(meta, data, to, None, self.replica_dir)()
+            elif self.rank == to:
+                self._keep(*self._exchange(None, None, None, r, os.path.join(
+                    self.root, f"rank-{self.rank}", f"replica-{r}"))())
+        failed: list[Optional[str]] = [None] * self.world
+        dist.all_gather_object(failed, self._write_failed, group=self._side)
+        bad = [f"rank {r}: {f}" for r, f in enumerate(failed) if f]
+        if bad:
+            raise RuntimeError(f"the memory tier's handoff failed: {bad[0]}")
+        return gone, pairs
 
     # -- reports ---------------------------------------------------------------------------
     def buffer_bytes(self) -> int:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import zeroshard
+from zeroshard.checkpoint import CheckpointError
 from zeroshard.train.failures import StepWatchdog
 from zeroshard.train.faults import Fault
 from zeroshard.train.preemption import PreemptionHandler, signal_name
@@ -67,10 +68,16 @@ class TrainLoop:
     # -- checkpoints -------------------------------------------------------------------------
     def resume(self) -> Optional[str]:
         """Loads the newest valid checkpoint, if there is one; returns its directory."""
-        if zeroshard.latest_checkpoint(self.s.checkpoint_root) is None:
+        on_disk = zeroshard.latest_checkpoint(self.s.checkpoint_root) is not None
+        if not on_disk and self.opt.engine.memory_tier is None:
             return None
-        info = zeroshard.load_checkpoint(self.s.checkpoint_root, model=self.model, optimizer=self.opt,
-                                         scheduler=self.sched, dataloader=self.sampler)
+        try:  # (with redundancy="peer" the memory tiers may hold a step the disk does not)
+            info = zeroshard.load_checkpoint(self.s.checkpoint_root, model=self.model, optimizer=self.opt,
+                                             scheduler=self.sched, dataloader=self.sampler)
+        except CheckpointError:
+            if on_disk:
+                raise
+            return None
         self.step = self.saved_step = int(info["step"])
         self.resumed_from = info["path"]
         for path, reason in info.get("skipped", []):
@@ -145,6 +152,13 @@ class TrainLoop:
             if stop:
                 who = signal_name(self.preemption.received) if self.preemption.requested else "another rank"
                 self.progress.log(f"preemption requested ({who}): saving step {self.step} and exiting", echo=True)
+                if self.opt.engine.memory_tier is not None:  # the handoff first (Note [preemption handoff])
+                    info = zeroshard.memory_handoff(self.step, preemption=self.preemption, model=self.model,
+                                                    optimizer=self.opt, scheduler=self.sched, dataloader=self.sampler,
+                                                    extra={"run": self.extra})
+                    self.progress.log(f"step {self.step} handed to the memory tiers in {info['seconds']:.2f} s "
+                                      f"(leaving ranks {info['leaving']}, slots sent {info['pairs']})"
+                                      if info["handed_off"] else "the memory tier is off: no handoff", echo=True)
                 self.save(wait=True)
                 self.opt.engine.comm.barrier()
                 return "preempted"

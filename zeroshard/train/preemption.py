@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from types import FrameType
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -26,10 +27,18 @@ class PreemptionHandler:
     """Records preemption signals; ``agree`` turns them into one decision for all ranks."""
 
     def __init__(self, signals: Sequence[signal.Signals] = DEFAULT_SIGNALS,
-                 on_signal: Optional[Callable[[int], None]] = None) -> None:
+                 on_signal: Optional[Callable[[int], None]] = None, grace_s: Optional[float] = None) -> None:
+        if grace_s is not None and (isinstance(grace_s, bool) or not isinstance(grace_s, (int, float)) or grace_s <= 0):
+            raise ValueError(f"PreemptionHandler(grace_s={grace_s!r}) must be a number of seconds > 0 (how long "
+                             "the scheduler waits between its signal and its kill), or None")
         self.signals = tuple(signals)
+        self.grace_s = grace_s
+        """Seconds between the signal and the scheduler's kill (None: not known); a handoff
+        (``zeroshard.memory_handoff``) reports the time it took against it."""
         self.received: Optional[int] = None
         """The first preemption signal this process got, or None."""
+        self.received_at: Optional[float] = None
+        """``time.monotonic()`` when it came."""
         self._on_signal = on_signal
         self._previous: dict[int, _Handler] = {}
 
@@ -55,7 +64,7 @@ class PreemptionHandler:
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         # Only record: the step in progress finishes, the boundary decides (module docstring).
         if self.received is None:
-            self.received = signum
+            self.received, self.received_at = signum, time.monotonic()
             if self._on_signal is not None:
                 self._on_signal(signum)
 
