@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -225,7 +226,12 @@ def load_dcp(path: str, model: Optional[nn.Module], opt: "Optional[ZeroOptimizer
     step = int(step.item() if isinstance(step, torch.Tensor) else step) if isinstance(step, (int, torch.Tensor)) else 0
     if opt is not None:
         state_restored(opt, step)
-    return {"step": step, "path": path, "extra": train, "skipped": [], "world_size": None, "stage": None,
+    # A checkpoint zeroshard wrote (its checksum file beside .metadata) gives back the ``extra``
+    # it was saved with, as the native format does; FSDP2's or torchtitan's own train_state
+    # (their counters) is handed back whole, less what zeroshard reads itself.
+    extra = train.get("extra") if os.path.lexists(os.path.join(path, dcp_metadata.CHECKSUMS)) else \
+        ({k: v for k, v in train.items() if k != "step"} or None)
+    return {"step": step, "path": path, "extra": extra, "skipped": [], "world_size": None, "stage": None,
             "format": "dcp", "resharded": plan["resharded"], "rng_restored": plan["rng"] is not None,
             "bytes_read": src.bytes_read}
 

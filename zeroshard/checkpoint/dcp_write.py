@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from zeroshard.checkpoint import commit, dcp_metadata, jsontree, manifest, rng
 from zeroshard.checkpoint.checkpoint_errors import CheckpointError
+from zeroshard.checkpoint.dcp_stream_writer import StreamingWriter
 from zeroshard.checkpoint.dcp_summing import SummingFileSystem
 from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map, owned_pieces
 from zeroshard.checkpoint import saver
@@ -239,17 +240,11 @@ def _write(sd: dict, tmp: str, final: str, step: int, comm: "Comm") -> str:
     """torch's DCP writer, the checksums and the commit; returns the step directory."""
     error, sums = None, {}
     try:
-        writer = dcp.FileSystemWriter(tmp, sync_files=True)
-        fs = writer.fs = SummingFileSystem()
-        # torch.save's own CRC32 of each record is a second pass over the bytes that no reader
-        # checks by default; the checksum file beside .metadata covers every file (one pass).
-        crc = torch.serialization.get_crc32_options()
-        torch.serialization.set_crc32_options(False)
-        try:
-            dcp.save(sd, storage_writer=writer, planner=_PiecesPlanner(), process_group=comm.group,
-                     no_dist=not dist.is_initialized())
-        finally:
-            torch.serialization.set_crc32_options(crc)
+        fs = SummingFileSystem()
+        # (chunk blobs written one at a time without torch.save's process-wide CRC32 switch:
+        # Note [DCP streaming writer])
+        dcp.save(sd, storage_writer=StreamingWriter(tmp, fs), planner=_PiecesPlanner(), process_group=comm.group,
+                 no_dist=not dist.is_initialized())
         commit._point("dcp-written")
         sums = {n: {"size": size, "crc32": crc} for n, (size, crc) in fs.sums.items()
                 if n == dcp_metadata.METADATA or n.endswith(".distcp")}
