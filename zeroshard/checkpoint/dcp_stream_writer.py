@@ -16,9 +16,9 @@ writer given the option directly: same bytes, same loader, no global touched.
 """
 from __future__ import annotations
 
-import io
 import os
 import pickle
+from typing import IO, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystemWriter, _StorageInfo
@@ -29,7 +29,7 @@ from torch.futures import Future
 from zeroshard.checkpoint.dcp_summing import SummingFileSystem
 
 
-def save_blob(tensor: torch.Tensor, stream: io.IOBase) -> None:
+def save_blob(tensor: torch.Tensor, stream: IO[bytes]) -> None:
     """``torch.save(tensor, stream)`` without the per-record CRC32, leaving torch's switch alone."""
     writer = torch._C.PyTorchFileWriter(stream, False, torch.serialization._get_storage_alignment())
     torch.serialization._save(tensor, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
@@ -59,7 +59,7 @@ class StreamingWriter(FileSystemWriter):
                     tensor = data.detach().cpu()  # type: ignore[union-attr]
                     if tensor.untyped_storage().size() != tensor.nbytes:  # (torch.save writes whole storages)
                         tensor = tensor.clone()
-                    save_blob(tensor, stream)
+                    save_blob(tensor, cast(IO[bytes], stream))
                     del tensor
                 del data  # (one chunk at a time: a conversion's chunk read from disk goes now)
                 length = stream.tell() - offset

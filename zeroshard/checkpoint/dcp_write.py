@@ -35,10 +35,10 @@ from zeroshard.checkpoint.pieces import MASTER, PARAM, full_tensors, name_map, o
 from zeroshard.checkpoint import saver
 from zeroshard.checkpoint.saver import PendingSave, checkpoint_comm, wait_checkpoint
 from zeroshard.checkpoint.shard_file import Deferred, _materialize
+from zeroshard.comm import Comm
 
 if TYPE_CHECKING:
     from zeroshard.checkpoint.dcp_metadata import Stateful
-    from zeroshard.comm import Comm
     from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
 Box = tuple[tuple[int, ...], tuple[int, ...], int, int]
@@ -216,6 +216,17 @@ def save_dcp(root: str, step: int, model: Optional[nn.Module], opt: "ZeroOptimiz
     streamed = any(isinstance(f, Deferred) for part in sd.values() if isinstance(part, dict)
                    for v in part.values() if isinstance(v, Pieces) for f in v.flats)
     return saver._SAVER.background(opt, lambda: _stage(sd), lambda: _write(sd, tmp, final, step, comm), streamed)
+
+
+def write_state(root: str, step: int, sd: dict) -> str:
+    """Writes state dict ``sd`` (tensors, ``Pieces``, values) as ``root/step-N`` in this one
+    process, with the commit protocol of ``save_dcp`` (an offline conversion's writer)."""
+    final = os.path.join(root, manifest.step_dir_name(step))
+    os.makedirs(root, exist_ok=True)
+    commit._remove_stale(root)
+    tmp = f"{final}.tmp-{uuid.uuid4().hex[:12]}"
+    os.mkdir(tmp)
+    return _write(sd, tmp, final, step, Comm(None))
 
 
 def _stage(sd: dict) -> None:
