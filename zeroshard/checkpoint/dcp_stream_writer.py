@@ -8,9 +8,10 @@ Note [DCP streaming writer]: why not torch's own ``write_data``:
   the writer asks would hold the whole state;
 - it writes each chunk with ``torch.save``, whose per-record CRC32 (a second pass over the
   bytes that no reader checks by default; the checksum file beside ``.metadata`` covers every
-  file) can only be turned off process-wide (``torch.serialization.set_crc32_options`` sets a
-  module global), which would change every other ``torch.save`` of the process meanwhile
-  (an asynchronous save runs on a background thread while training goes on).
+  file) can only be turned off through a global switch (``torch.serialization.set_crc32_options``:
+  a module global in older torch, which every thread's ``torch.save`` would see meanwhile;
+  context-local in torch 2.13, where it still changes every ``torch.save`` of the saving
+  thread and of contexts copied from it until restored).
 Each blob here is what ``torch.save`` writes with the CRC32 off, through torch's own zip
 writer given the option directly: same bytes, same loader, no global touched.
 """

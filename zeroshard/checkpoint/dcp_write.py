@@ -252,7 +252,7 @@ def _write(sd: dict, tmp: str, final: str, step: int, comm: "Comm") -> str:
     error, sums = None, {}
     try:
         fs = SummingFileSystem()
-        # (chunk blobs written one at a time without torch.save's process-wide CRC32 switch:
+        # (chunk blobs written one at a time without touching torch.save's global CRC32 switch:
         # Note [DCP streaming writer])
         dcp.save(sd, storage_writer=StreamingWriter(tmp, fs), planner=_PiecesPlanner(), process_group=comm.group,
                  no_dist=not dist.is_initialized())
