@@ -12,6 +12,7 @@ import torch
 
 import zeroshard
 from tests.support import dcp_convert_in_memory
+from tests.support.asserts import assert_same
 from tests.support.dcp_convert_check import assert_same_checkpoint, contents
 from zeroshard.checkpoint.dcp_convert import convert_dcp
 
@@ -38,6 +39,22 @@ def test_streamed_conversion_equals_the_in_memory_one_both_ways(tmp_path):
     assert_same_checkpoint(streamed, dcp_convert_in_memory.convert_dcp(native, str(tmp_path / "dcp-ref")))
     back = convert_dcp(streamed, str(tmp_path / "native2"))
     assert_same_checkpoint(back, dcp_convert_in_memory.convert_dcp(streamed, str(tmp_path / "native2-ref")))
+
+
+def test_streamed_conversion_equals_the_in_memory_one_for_other_optimizer_classes(tmp_path):
+    """SGD's momentum buffers, Adam's (not AdamW's) options, RMSprop's square averages."""
+    for i, (cls, options) in enumerate([(torch.optim.SGD, dict(lr=0.1, momentum=0.9)), (torch.optim.Adam, dict(lr=0.01)),
+                                        (torch.optim.RMSprop, dict(lr=0.01))]):
+        torch.manual_seed(i)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+        opt = zeroshard.ZeroOptimizer(model, cls, stage=1, **options)
+        model(torch.randn(4, 6)).sum().backward()
+        opt.step()
+        native = zeroshard.save_checkpoint(str(tmp_path / f"{i}"), 1, model=model, optimizer=opt).wait()
+        streamed = convert_dcp(native, str(tmp_path / f"{i}-dcp"))
+        assert_same_checkpoint(streamed, dcp_convert_in_memory.convert_dcp(native, str(tmp_path / f"{i}-dcp-ref")))
+        back = convert_dcp(streamed, str(tmp_path / f"{i}-native"))
+        assert_same_checkpoint(back, dcp_convert_in_memory.convert_dcp(streamed, str(tmp_path / f"{i}-native-ref")))
 
 
 # Each conversion's growth of this process's peak RSS (VmHWM, reset between the two through
@@ -80,4 +97,5 @@ def test_convert_dcp_streams_both_ways_in_bounded_memory(tmp_path):
     grew = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
     assert all(g < BOUND_MIB for g in grew), f"conversions grew RSS by {grew} MiB for a {size >> 20} MiB checkpoint"
     want, got = contents(native)[0], contents(os.path.join(back, "step-00000001"))[0]
-    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert sorted(got) == sorted(want)
+    assert_same(got, want, "native -> DCP -> native, streamed")
