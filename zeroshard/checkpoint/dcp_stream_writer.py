@@ -30,7 +30,7 @@ from torch.futures import Future
 from zeroshard.checkpoint.dcp_summing import SummingFileSystem
 
 
-def save_blob(tensor: torch.Tensor, stream: IO[bytes]) -> None:
+def save_blob(tensor: object, stream: IO[bytes]) -> None:
     """``torch.save(tensor, stream)`` without the per-record CRC32, leaving torch's switch alone."""
     writer = torch._C.PyTorchFileWriter(stream, False, torch.serialization._get_storage_alignment())
     torch.serialization._save(tensor, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
