@@ -4,6 +4,7 @@ same checkpoints. Each rank 0 writes its tensors with ``torch.save`` to ``{out}.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Optional
 
 import torch
@@ -278,6 +279,13 @@ def zs_convert(rank: int, world: int, out: str, fsdp_ck: str, native_root: str, 
     line, in this process), then what a ZeroOptimizer loads from each (``{out}.pt``)."""
     from zeroshard.cli import main
     codes = [main(["convert-dcp", fsdp_ck, native_root]), main(["convert-dcp", native_root, dcp_root])]
+    # (streamed; each equal, tensor for tensor, to the in-memory conversion of the same source)
+    from tests.support import dcp_convert_in_memory
+    from tests.support.dcp_convert_check import assert_same_checkpoint
+    native_step = zeroshard.latest_checkpoint(native_root)
+    assert_same_checkpoint(native_step, dcp_convert_in_memory.convert_dcp(fsdp_ck, native_root + "-ref"))
+    assert_same_checkpoint(os.path.join(dcp_root, os.path.basename(native_step)),
+                           dcp_convert_in_memory.convert_dcp(native_step, dcp_root + "-ref"))
     got = []
     for root in (native_root, dcp_root):
         model = DcpNet()

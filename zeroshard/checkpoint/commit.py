@@ -20,6 +20,7 @@ ignore and the next save removes; the previous step stays loadable.
 """
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import threading
@@ -81,7 +82,7 @@ def _write_rank_files(snap: Snapshot, tmp: str, rank: int) -> tuple[list[Written
     tensors += _run_major(snap.records)
     for name, t in snap.full.items():
         tensors.append((f"{name}|full", t))
-        entries.append({"name": name, "start": 0, "stop": t.numel(), "file": fname,
+        entries.append({"name": name, "start": 0, "stop": math.prod(t.shape), "file": fname,  # (t may be Deferred)
                         "keys": {"param": f"{name}|full"}, "scalars": {}})
     tensors += list(snap.own.items())
     _point("before_data")

@@ -1,12 +1,12 @@
 """``zeroshard convert-dcp SRC DST``: a native checkpoint to a torch Distributed Checkpoint, or
 back, offline in one process.
 
-Both directions go through the loaders and savers the training path uses, at world size 1: a
-model holding the checkpoint's names and shapes is built from its table of contents (the
-manifest, or the DCP metadata), a ZeroOptimizer of the optimizer class the saved param groups
-name is put over it, ``load_checkpoint`` reads SRC into them (every check of a resume) and
-``save_checkpoint`` writes DST. This holds the whole state in memory once (weights, master and
-moments of every parameter), unlike ``export_hf``, which streams a shard at a time.
+Streamed (Note [streaming DCP conversion]): the writer of DST asks for one tensor at a time
+and it is read then from the chunks or pieces of SRC that hold it, so memory holds about one
+tensor, not the state. What is written is what loading SRC into a world-1, stage-1
+ZeroOptimizer of the saved optimizer class and saving it in the other format writes; the
+small state (param groups as that optimizer holds them) comes from such an optimizer built
+over one-element stand-ins.
 """
 from __future__ import annotations
 
@@ -19,42 +19,12 @@ from torch import nn
 
 from zeroshard.checkpoint import dcp_metadata, jsontree, locate
 from zeroshard.checkpoint.dcp_read import DcpSource
-from zeroshard.checkpoint.formats import load_checkpoint, save_checkpoint
-from zeroshard.checkpoint.shard_file import DTYPES
+from zeroshard.checkpoint.dcp_to_native import to_native
+from zeroshard.checkpoint.native_to_dcp import to_dcp
 from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
 CLASSES = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad, torch.optim.RMSprop)
 """The optimizer classes a converted checkpoint may name (by the options its groups keep)."""
-
-
-class _Model(nn.Module):
-    """Parameters and buffers under the checkpoint's dotted names."""
-
-    def put(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, trainable: bool) -> None:
-        *path, leaf = name.split(".")
-        module: nn.Module = self
-        for part in path:
-            if part not in module._modules:
-                module.add_module(part, nn.Module())
-            module = module._modules[part]  # type: ignore[assignment]
-        value = torch.zeros(shape, dtype=dtype)
-        if trainable:
-            module.register_parameter(leaf, nn.Parameter(value))
-        else:
-            module.register_buffer(leaf, value)
-
-
-class _Kept:
-    """Stands in for the scheduler (or data loader): keeps the state it is given, hands it on."""
-
-    def __init__(self) -> None:
-        self.state: Optional[dict] = None
-
-    def state_dict(self) -> dict:
-        return self.state if self.state is not None else {}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.state = state_dict
 
 
 def optimizer_class(options: dict) -> type:
@@ -75,81 +45,98 @@ def optimizer_class(options: dict) -> type:
     return found[0]
 
 
-def _groups(model: _Model, per_param: dict[str, dict]) -> list[dict]:
-    """Param groups: parameters with the same saved options together, in model order."""
-    groups: list[dict] = []
-    for name, p in model.named_parameters():
+def _option_groups(names: list[str], per_param: dict[str, dict]) -> list[tuple[dict, list[str]]]:
+    """Param groups: parameters with the same saved options together, in the order given."""
+    groups: list[tuple[dict, list[str]]] = []
+    for name in names:
         options = {k: v for k, v in per_param[name].items() if k != "initial_lr"}
-        for g in groups:
-            if g["options"] == options:
-                g["params"].append(p)
+        for held, members in groups:
+            if held == options:
+                members.append(name)
                 break
         else:
-            groups.append({"options": options, "params": [p]})
+            groups.append((options, [name]))
     return groups
 
 
-def _optimizer(model: _Model, per_param: dict[str, dict]) -> ZeroOptimizer:
-    groups = _groups(model, per_param)
-    cls = optimizer_class(groups[0]["options"])
+def _live_groups(groups: list[tuple[dict, list[str]]]) -> tuple[list[dict], str, Optional[str]]:
+    """Each group's options as a ZeroOptimizer of the saved class (world 1, stage 1) holds them
+    once built with the saved options, its inner optimizer's class name and its mixed
+    precision: what a load into it and a save would write. Built over one-element stand-ins,
+    so it costs nothing of the model's size."""
+    cls = optimizer_class(groups[0][0])
     known = set(cls([torch.zeros(1, requires_grad=True)]).defaults) - {"foreach", "fused", "capturable",
                                                                            "differentiable"}
-    return ZeroOptimizer([{"params": g["params"], **{k: v for k, v in g["options"].items() if k in known}}
-                          for g in groups], cls, stage=1, module=model)
+    stand_ins = [nn.Parameter(torch.zeros(1)) for _ in groups]
+    opt = ZeroOptimizer([{"params": [p], **{k: v for k, v in options.items() if k in known}}
+                         for p, (options, _) in zip(stand_ins, groups)], cls, stage=1)
+    try:
+        live = [{k: v for k, v in g.items() if k not in ("params", "param_names", "optimizer_class")}
+                for g in opt.param_groups]
+        return live, type(opt.engine.joined().inner).__name__, opt.engine.config.mixed_precision
+    finally:
+        opt.close()
 
 
-def _from_dcp(src: str) -> tuple[_Model, ZeroOptimizer]:
+def module_order(names: list[str]) -> list[str]:
+    """``names`` in the order ``named_parameters`` of a module built by registering them in
+    this order would list them: a module's own tensors, then its submodules' in turn."""
+    root: tuple[list[str], dict] = ([], {})
+    for name in names:
+        node = root
+        for part in name.split(".")[:-1]:
+            node = node[1].setdefault(part, ([], {}))
+        node[0].append(name)
+    out: list[str] = []
+
+    def walk(node: tuple[list[str], dict]) -> None:
+        out.extend(node[0])
+        for child in node[1].values():
+            walk(child)
+    walk(root)
+    return out
+
+
+def _from_dcp(src: str, dst: str) -> str:
     source = DcpSource(src)
-    model = _Model()
-    saved = source.model_names()
     per_param: dict[str, dict] = {}
     for key in source.entries:
         if key.startswith("optimizer.param_groups."):
             fqn, option = key[len("optimizer.param_groups."):].rsplit(".", 1)
             per_param.setdefault(fqn, {})[option] = source.value(key)
-    for name, entry in saved.items():
-        model.put(name, tuple(entry.size), entry.properties.dtype, name in per_param)
     if not per_param:
         raise ValueError(f"{src} holds no optimizer param groups (optimizer.param_groups.*): only a model; "
                          "nothing to resume from")
-    return model, _optimizer(model, per_param)
+    trained = [n for n in module_order(list(source.model_names())) if n in per_param]
+    groups = _option_groups(trained, per_param)
+    live, inner, precision = _live_groups(groups)
+    return to_native(src, dst, per_param, [members for _, members in groups], live, inner, precision)
 
 
-def _from_native(step_dir: str) -> tuple[_Model, ZeroOptimizer]:
+def _from_native(step_dir: str, dst: str) -> str:
     body = locate.check_step(step_dir)
-    groups = jsontree.decode(body.get("param_groups", []), f"{step_dir}: param_groups")
-    per_param = {n: {k: v for k, v in g.items() if k != "params"} for g in groups for n in g["params"]}
-    model = _Model()
-    for name, meta in body["tensors"].items():
-        model.put(name, tuple(meta["shape"]), DTYPES[meta["dtype"]], name in per_param)
-    return model, _optimizer(model, per_param)
+    saved = jsontree.decode(body.get("param_groups", []), f"{step_dir}: param_groups")
+    per_param = {n: {k: v for k, v in g.items() if k != "params"} for g in saved for n in g["params"]}
+    trained = [n for n in body["tensors"] if n in per_param]
+    if not trained:
+        raise ValueError(f"{step_dir} holds no optimizer param groups: nothing to convert")
+    groups = _option_groups(trained, per_param)
+    live = _live_groups(groups)[0]
+    options = {n: {**live[gi], **per_param[n]} for gi, (_, members) in enumerate(groups) for n in members}
+    return to_dcp(step_dir, body, dst, options)
 
 
 def convert_dcp(src: str, dst: str) -> str:
     """Converts ``src`` (a DCP directory, or a native root or step directory) into the other
-    format under the root ``dst``; returns the step directory written."""
+    format under the root ``dst``, streamed (Note [streaming DCP conversion]); returns the
+    step directory written."""
     src = os.fspath(src)
-    to_native = dcp_metadata.is_dcp_dir(src)
-    if not to_native:
-        found = src if locate.is_step_dir(src) else locate.latest_checkpoint(src)
-        if found is None:
-            raise ValueError(f"{src!r} is neither a DCP directory (.metadata) nor a zeroshard checkpoint")
-        src = found
-    model, opt = _from_dcp(src) if to_native else _from_native(src)
-    sched, data = _Kept(), _Kept()
-    if to_native:
-        info = load_checkpoint(src, model=model, optimizer=opt, scheduler=sched, dataloader=data)
-    else:  # (the native loader refuses to hand a scheduler state it does not hold; the data
-        # position is per rank there and is not carried over)
-        trainer = locate.check_step(src).get("trainer") or {}
-        info = load_checkpoint(src, model=model, optimizer=opt,
-                               scheduler=sched if trainer.get("scheduler") is not None else None)
-    path = save_checkpoint(os.fspath(dst), int(info["step"]), model=model, optimizer=opt,
-                           scheduler=sched if sched.state is not None else None,
-                           dataloader=data if data.state is not None else None,
-                           extra=info.get("extra"), format="native" if to_native else "dcp").wait()
-    opt.close()
-    return path
+    if dcp_metadata.is_dcp_dir(src):
+        return _from_dcp(src, os.fspath(dst))
+    found = src if locate.is_step_dir(src) else locate.latest_checkpoint(src)
+    if found is None:
+        raise ValueError(f"{src!r} is neither a DCP directory (.metadata) nor a zeroshard checkpoint")
+    return _from_native(found, os.fspath(dst))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -41,8 +42,9 @@ IMPLEMENTATION_OPTIONS = frozenset({"foreach", "fused", "capturable", "different
 class DcpSource:
     """One DCP checkpoint: its checked metadata and the chunks this rank has read."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, keep_chunks: bool = True) -> None:
         self.dir = directory
+        self.keep_chunks = keep_chunks  # False: each chunk is read again when needed (a streamed conversion)
         self.meta = dcp_metadata.read_metadata(directory)
         self.entries = self.meta.state_dict_metadata
         self.where: dict[tuple[str, tuple[int, ...]], _StorageInfo] = {
@@ -82,6 +84,8 @@ class DcpSource:
                 got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise CheckpointCorruptError(f"{self.dir}: {key!r} chunk at {list(c.offsets)} holds {got}, the "
                                              f"metadata says {entry.properties.dtype} {list(c.sizes)}")
+            if not self.keep_chunks:
+                return t
             self._chunks[(key, i)] = t
         return self._chunks[(key, i)]
 
@@ -219,15 +223,29 @@ def load_dcp(path: str, model: Optional[nn.Module], opt: "Optional[ZeroOptimizer
     _apply(plan, model, opt, scheduler, dataloader)
     if plan["rng"] is not None:  # (last: nothing before draws from the generators)
         rng.restore(plan["rng"])
-    train = {k: v for k, v in plan["train_state"].items() if k not in ("rng", "dataloader", "world_size")} \
-        if isinstance(plan["train_state"], dict) else {}
-    step = train.get("step", 0)
-    step = int(step.item() if isinstance(step, torch.Tensor) else step) if isinstance(step, (int, torch.Tensor)) else 0
+    train = plan["train_state"] if isinstance(plan["train_state"], dict) else {}
+    step = saved_step(train)
     if opt is not None:
         state_restored(opt, step)
-    return {"step": step, "path": path, "extra": train, "skipped": [], "world_size": None, "stage": None,
+    return {"step": step, "path": path, "extra": saved_extra(path, train), "skipped": [], "world_size": None, "stage": None,
             "format": "dcp", "resharded": plan["resharded"], "rng_restored": plan["rng"] is not None,
             "bytes_read": src.bytes_read}
+
+
+def saved_step(train: dict) -> int:
+    """``train_state.step`` (an int, or a tensor as some trainers keep it; 0 without one)."""
+    step = train.get("step", 0)
+    return int(step.item() if isinstance(step, torch.Tensor) else step) if isinstance(step, (int, torch.Tensor)) else 0
+
+
+def saved_extra(path: str, train: dict) -> object:
+    """What a load hands back as ``extra``: a checkpoint zeroshard wrote (its checksum file
+    beside .metadata) gives back the ``extra`` it was saved with, as the native format does;
+    FSDP2's or torchtitan's own train_state (their counters) comes back whole, less what
+    zeroshard reads itself."""
+    if os.path.lexists(os.path.join(path, dcp_metadata.CHECKSUMS)):
+        return train.get("extra")
+    return {k: v for k, v in train.items() if k not in ("rng", "dataloader", "world_size", "step")} or None
 
 
 def _read(src: DcpSource, model: Optional[nn.Module], opt: "Optional[ZeroOptimizer]", scheduler: Optional[Stateful],
