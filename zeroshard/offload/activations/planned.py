@@ -17,6 +17,15 @@ longest sequence that fits and the smallest ``memory_budget`` that holds this se
 The blocks must be checkpointed by the model (``checkpointed=True``, the default) for the
 planner's sizes to be what moves: without checkpointing each covered block moves every saved
 tensor, which the plan does not count, so ``checkpointed=False`` is refused with the fix.
+The micro-batch's shape is declared (``PlannedActivations(micro_batch=, seq_len=)``: planned at
+construction, refused there) or, by default, measured: the offloader hooks every repeated block,
+and at each forward's first block the ``ForwardPlanner`` (plan_at_forward.py) reads that block's
+input (tokens = its elements / d_model, the micro-batch its first dimension) and plans before any
+block has run, so the first step already runs under the plan (no unplanned step: same bits, and
+within the budget). A later forward with more tokens than the plan's is planned again there, before
+its first block (more blocks move), or refused with the same error naming the longest sequence that
+fits, never run over the budget; one with as many or fewer keeps the plan (memory grows with the
+tokens, so it still fits).
 """
 from __future__ import annotations
 
@@ -26,7 +35,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from zeroshard.offload.activations.activation_options import ActivationOffload
 from zeroshard.offload.activations.workload import PlannedActivations
 from zeroshard.planner.activation_plan import ActivationPlan, longest_sequence, plan_activations
 from zeroshard.planner.auto_placement import MemoryBudget, Plan
@@ -67,12 +75,13 @@ def memory_left(state: Plan, budget: MemoryBudget, accelerator: bool, nvme_path:
     return {"device": device, "host": max(0, host), "nvme": nvme}  # (device < 0: the state alone is over it)
 
 
-def plan_for_run(options: PlannedActivations, model: nn.Module, blocks: dict[int, str], state: Plan,
+def plan_for_run(options: PlannedActivations, shape: ModelShape, names: list[str], state: Plan,
                  budget: MemoryBudget, accelerator: bool, nvme_path: Optional[str],
                  act_dtype: torch.dtype) -> tuple[ActivationPlan, dict[str, str], dict[str, int]]:
-    """The activation plan within what ``state`` leaves, each block's place by name, and the memory
-    it was planned in; a ValueError naming the longest sequence and smallest budget that fit."""
-    shape = shape_of(model, len(blocks))
+    """The activation plan of a micro-batch of ``options``' (known) shape within what ``state``
+    leaves, each block's place by name (``names``: the model's blocks in order), and the memory it
+    was planned in; a ValueError naming the longest sequence and smallest budget that fit."""
+    assert options.micro_batch is not None and options.seq_len is not None  # (declared or measured by now)
     left = memory_left(state, budget, accelerator, nvme_path)
     act_bytes = torch.empty((), dtype=act_dtype).element_size()
     try:
@@ -91,13 +100,13 @@ def plan_for_run(options: PlannedActivations, model: nn.Module, blocks: dict[int
             f"{options.seq_len} tokens even with every block's input offloaded: the longest sequence that fits is "
             f"{longest} tokens, and the smallest memory_budget that holds {options.seq_len} tokens is "
             f"{fmt_bytes(smallest)} ({where}). ({exc})") from None
-    names = [blocks[k] for k in blocks]
     return plan, dict(zip(names, plan.blocks)), left
 
 
 def least_device(shape: ModelShape, options: PlannedActivations, act_bytes: int, left: dict[str, int]) -> int:
     """Device bytes the fully offloaded plan needs (what stays whatever the plan: the embeddings'
     and logits' activations and one block's saved tensors)."""
+    assert options.micro_batch is not None and options.seq_len is not None
     low, high = 0, plan_activations(shape, options.micro_batch, options.seq_len, act_bytes, device=1 << 62,
                                     host=0, nvme=1 << 62).device_bytes
     while high - low > 1:  # (the least device memory with any plan, by bisection: the planner's own test)
@@ -116,20 +125,9 @@ def moved_blocks(places: dict[str, str]) -> dict[str, Tier]:
     return {n: _MOVED[p] for n, p in places.items() if p in _MOVED}
 
 
-def offload_options(places: dict[str, str], options: PlannedActivations,
-                    nvme_path: Optional[str]) -> Optional[ActivationOffload]:
-    """The offloader's options for the planned places (None: nothing moves)."""
-    moved = moved_blocks(places)
-    if not moved:
-        return None
-    nvme = Tier.NVME in moved.values()
-    return ActivationOffload(where="nvme" if nvme else "cpu", blocks=tuple(moved), path=str(nvme_path) if nvme else None,
-                             prefetch=options.prefetch, min_bytes=0)
-
-
 def plan_report(plan: ActivationPlan, places: dict[str, str], options: PlannedActivations,
                 left: dict[str, int]) -> dict:
-    return {"micro_batch": options.micro_batch, "seq_len": options.seq_len, "blocks": places,
+    return {"shape": "declared" if options.declared else "measured", "micro_batch": options.micro_batch, "seq_len": options.seq_len, "blocks": places,
             "counts": plan.counts(), "offloaded": list(moved_blocks(places)),
             "device_bytes": plan.device_bytes, "host_bytes": plan.host_bytes, "nvme_bytes": plan.nvme_bytes,
             "moved_per_step": plan.moved_per_step, "memory_left": left, "summary": plan.summary()}
