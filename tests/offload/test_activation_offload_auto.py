@@ -45,6 +45,7 @@ def test_auto_plan_offloads_some_blocks_same_bits_and_refuses_too_small(tmp_path
     assert plan["blocks"] == {"blocks.0": "checkpoint", "blocks.1": "nvme", "blocks.2": "nvme"}, plan
     assert plan["shape"] == "measured" and (plan["micro_batch"], plan["seq_len"]) == (w.BATCH, w.CFG.seq_len)
     assert got["plans"][0] == plan, "planned at the first step's forward, applied from that step on"
+    assert got["hooks_left"] == 0, "close() removes the planned offloader's hooks"
     assert plan["offloaded"] and got["report"]["blocks"] == plan["offloaded"]
     assert got["report"]["bytes_moved_last_step"] == plan["moved_per_step"] == 2 * len(plan["offloaded"]) * inp
     assert len(want["grads"]) == len(got["grads"]) == 8

@@ -82,7 +82,8 @@ def train_planned(budget: int, directory: str, planned: bool, steps: int = 8, de
         weights = {n: p.detach().clone() for n, p in model.state_dict().items()}
     finally:
         opt.close()
-    return {"grads": grads, "weights": weights, "report": report, "plans": plans}
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    return {"grads": grads, "weights": weights, "report": report, "plans": plans, "hooks_left": hooks}
 
 
 def predicted_bytes(checkpointing: bool, world: int = 1) -> int:
