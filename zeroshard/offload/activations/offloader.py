@@ -341,7 +341,9 @@ class ActivationOffloader:
         last, now = self.last_step_bytes, (self._out, self._in)
         if self._window_step >= 0 and self._steps_done() != self._window_step:  # (a step ended since the forward)
             last, now = now, (0, 0)
-        where = self.options.where if self.planner is None else "nvme" if set(self.blocks.values()) - self.host_blocks else "cpu"
+        where = self.options.where
+        if self.planner is not None:  # (the plan in force says: any block to files, or all in host memory)
+            where = "nvme" if set(self.blocks.values()) - self.host_blocks else "cpu"
         return {"where": where, "blocks": sorted(set(self.blocks.values())),
                 "prefetch": self.options.prefetch, "directory": self.directory,
                 "bytes_out_last_step": last[0], "bytes_in_last_step": last[1], "bytes_moved_last_step": sum(last),

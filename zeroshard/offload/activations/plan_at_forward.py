@@ -49,13 +49,15 @@ class ForwardPlanner:
         host = frozenset(n for n, t in tiers.items() if t is Tier.HOST)
         self.tokens, self.plans = micro_batch * seq_len, self.plans + 1
         report = plan_report(plan, places, options, left)
-        report["shape"] = "declared" if declared else "measured"
+        report["shape"], report["plans"] = "declared" if declared else "measured", self.plans
         return cover, host, report
 
     def initial(self) -> Optional[Placed]:
         """The plan of a declared shape (at construction), or None: measured at the first forward."""
         w = self.wanted
-        return self.plan(w.micro_batch, w.seq_len, True) if w.micro_batch is not None and w.seq_len is not None else None
+        if w.micro_batch is None or w.seq_len is None:
+            return None
+        return self.plan(w.micro_batch, w.seq_len, True)
 
     def at_forward(self, first: Optional[torch.Tensor]) -> Optional[Placed]:
         """A forward reached its first block, whose first tensor input is ``first``: the plan to apply

@@ -127,7 +127,7 @@ def moved_blocks(places: dict[str, str]) -> dict[str, Tier]:
 
 def plan_report(plan: ActivationPlan, places: dict[str, str], options: PlannedActivations,
                 left: dict[str, int]) -> dict:
-    return {"shape": "declared" if options.declared else "measured", "micro_batch": options.micro_batch, "seq_len": options.seq_len, "blocks": places,
+    return {"micro_batch": options.micro_batch, "seq_len": options.seq_len, "blocks": places,
             "counts": plan.counts(), "offloaded": list(moved_blocks(places)),
             "device_bytes": plan.device_bytes, "host_bytes": plan.host_bytes, "nvme_bytes": plan.nvme_bytes,
             "moved_per_step": plan.moved_per_step, "memory_left": left, "summary": plan.summary()}

@@ -39,8 +39,3 @@ class PlannedActivations:
                 "holds only for checkpointed blocks; checkpoint the model's blocks (torch.utils.checkpoint, "
                 "use_reentrant=False), or choose the blocks by hand: offload_activations=ActivationOffload("
                 "where='cpu'|'nvme', blocks=(...))")
-
-    @property
-    def declared(self) -> bool:
-        """The shape was declared (planned at construction), not measured at the first forward."""
-        return self.micro_batch is not None
