@@ -54,21 +54,22 @@ def train(stage: int, where: Optional[str], checkpointing: bool, steps: int = 3,
 
 
 def train_planned(budget: int, directory: str, planned: bool, steps: int = 8, declared: bool = True,
-                  seq_lens: Optional[list[int]] = None) -> dict:
+                  seq_lens: Optional[list[int]] = None, checkpointed: bool = True, prefetch: int = 2) -> dict:
     """As ``train`` (stage 2, checkpointed blocks), under offload="auto" with ``memory_budget`` (reserve 0:
     the state's plan does not depend on the process) and, if ``planned``, the activations planned
     with it (``PlannedActivations``: the shape declared, or measured at the first forward); step i
     runs the first ``seq_lens[i]`` tokens of each sequence (default: all), and the plan in force
     after each step is kept."""
-    cfg = replace(CFG, activation_checkpointing=True)
+    cfg = replace(CFG, activation_checkpointing=checkpointed)
     torch.manual_seed(0)
     model = TinyGPT(cfg)
     shape = {"micro_batch": BATCH, "seq_len": cfg.seq_len} if declared else {}
-    extra = {"offload_activations": zeroshard.PlannedActivations(**shape)} if planned else {}
+    extra = {"offload_activations": zeroshard.PlannedActivations(**shape, checkpointed=checkpointed,
+                                                                       prefetch=prefetch)} if planned else {}
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=2, offload="auto",
                                   memory_budget={"host": budget, "reserve": 0}, nvme_path=directory, **extra)
     torch.manual_seed(1)
-    grads, plans = [], []
+    grads, plans, moved = [], [], []
     try:
         for step in range(steps):
             x, y = synthetic_batch(step, BATCH, cfg)
@@ -78,12 +79,13 @@ def train_planned(budget: int, directory: str, planned: bool, steps: int = 8, de
             opt.step()
             opt.zero_grad()
             plans.append((opt.placement_report().get("activations") or {}).get("plan"))
+            moved.append((opt.placement_report().get("activations") or {}).get("bytes_moved_last_step"))
         report = opt.placement_report().get("activations")
         weights = {n: p.detach().clone() for n, p in model.state_dict().items()}
     finally:
         opt.close()
     hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
-    return {"grads": grads, "weights": weights, "report": report, "plans": plans, "hooks_left": hooks}
+    return {"grads": grads, "weights": weights, "report": report, "plans": plans, "moved": moved, "hooks_left": hooks}
 
 
 def predicted_bytes(checkpointing: bool, world: int = 1) -> int:

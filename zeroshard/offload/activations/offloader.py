@@ -222,6 +222,9 @@ class ActivationOffloader:
             raise
         for r in records[-self.options.prefetch:]:
             r.prefetch(self._io_of(r))
+        placed = self.planner.after_forward([r.moved for r in records]) if self.planner is not None else None
+        if placed is not None:  # (the blocks' saved bytes measured: planned with them from the next forward)
+            self.apply(*placed)
 
     # -- a covered block's forward ---------------------------------------------------------------
     def _block_pre(self, module: nn.Module, args: tuple) -> None:

@@ -8,6 +8,7 @@ yet), plans it and gives the offloader the blocks to move.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Callable, Optional
 
@@ -37,13 +38,18 @@ class ForwardPlanner:
         """Tokens per micro-batch the plan in force holds (0: none yet)."""
         self.plans = 0
         """Plans made so far (a measured shape: one at the first forward, one per longer micro-batch)."""
+        self._per_token: Optional[float] = None
+        """Blocks not checkpointed: the largest block's saved bytes per token, measured (None: not yet)."""
+        self._shape_now = (0, 0)
 
     def plan(self, micro_batch: int, seq_len: int, declared: bool) -> Placed:
         """The plan of a ``micro_batch x seq_len`` micro-batch in what the state's plan leaves now; a
         ValueError naming the longest sequence and the smallest budget that fit."""
         options = replace(self.wanted, micro_batch=micro_batch, seq_len=seq_len)
+        block = None if self._per_token is None else math.ceil(self._per_token * micro_batch * seq_len)
         plan, places, left = plan_for_run(options, self.shape, list(self.candidates.values()), self._state(),
-                                          self._budget, self._accelerator, self._nvme_path, self._act_dtype)
+                                          self._budget, self._accelerator, self._nvme_path, self._act_dtype, block)
+        self._shape_now = (micro_batch, seq_len)
         tiers = moved_blocks(places)
         cover = {k: n for k, n in self.candidates.items() if n in tiers}
         host = frozenset(n for n, t in tiers.items() if t is Tier.HOST)
@@ -75,3 +81,12 @@ class ForwardPlanner:
         if tokens <= self.tokens:
             return None
         return self.plan(micro_batch, max(1, tokens // micro_batch), False)
+
+    def after_forward(self, moved: list[int]) -> Optional[Placed]:
+        """A forward ended having moved these blocks' saved bytes. Blocks not checkpointed, first
+        measurement (every block moved): the plan with it, for the next forward; else None."""
+        if self.wanted.checkpointed or self._per_token is not None or not moved or not self.tokens:
+            return None
+        micro_batch, seq_len = self._shape_now
+        self._per_token = max(moved) / (micro_batch * seq_len)
+        return self.plan(micro_batch, seq_len, self.wanted.micro_batch is not None)

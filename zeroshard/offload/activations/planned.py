@@ -14,9 +14,12 @@ blocks planned "host" or "nvme" (a "checkpoint" block keeps its input: the model
 ``torch.utils.checkpoint`` does that). The state is planned first and the activations take
 what is left, so a budget that cannot hold even the fully offloaded plan is refused naming the
 longest sequence that fits and the smallest ``memory_budget`` that holds this sequence.
-The blocks must be checkpointed by the model (``checkpointed=True``, the default) for the
-planner's sizes to be what moves: without checkpointing each covered block moves every saved
-tensor, which the plan does not count, so ``checkpointed=False`` is refused with the fix.
+Blocks the model checkpoints (``checkpointed=True``, the default) move their inputs, which is
+what the plan counts, exactly. With ``checkpointed=False`` a block keeps its saved tensors or moves
+them all (``plan_saved``): the estimate of their size is not exact for every model, so the first
+forward moves every block (the least device memory any plan has), the offloader measures the
+largest block's saved bytes, and the next forward is planned with that measurement (per token,
+so a longer sequence later scales it): from then on the bytes moved are the plan's.
 The micro-batch's shape is declared (``PlannedActivations(micro_batch=, seq_len=)``: planned at
 construction, refused there) or, by default, measured: the offloader hooks every repeated block,
 and at each forward's first block the ``ForwardPlanner`` (plan_at_forward.py) reads that block's
@@ -36,7 +39,7 @@ import torch
 from torch import nn
 
 from zeroshard.offload.activations.workload import PlannedActivations
-from zeroshard.planner.activation_plan import ActivationPlan, longest_sequence, plan_activations
+from zeroshard.planner.activation_plan import ActivationPlan, longest_sequence, plan_activations, plan_saved
 from zeroshard.planner.auto_placement import MemoryBudget, Plan
 from zeroshard.planner.model_shape import ModelShape
 from zeroshard.planner.sizes import fmt_bytes
@@ -76,14 +79,24 @@ def memory_left(state: Plan, budget: MemoryBudget, accelerator: bool, nvme_path:
 
 
 def plan_for_run(options: PlannedActivations, shape: ModelShape, names: list[str], state: Plan,
-                 budget: MemoryBudget, accelerator: bool, nvme_path: Optional[str],
-                 act_dtype: torch.dtype) -> tuple[ActivationPlan, dict[str, str], dict[str, int]]:
+                 budget: MemoryBudget, accelerator: bool, nvme_path: Optional[str], act_dtype: torch.dtype,
+                 block_bytes: Optional[int] = None) -> tuple[ActivationPlan, dict[str, str], dict[str, int]]:
     """The activation plan of a micro-batch of ``options``' (known) shape within what ``state``
     leaves, each block's place by name (``names``: the model's blocks in order), and the memory it
-    was planned in; a ValueError naming the longest sequence and smallest budget that fit."""
+    was planned in; a ValueError naming the longest sequence and smallest budget that fit. Blocks
+    not checkpointed: every block moves until ``block_bytes`` (one block's saved tensors) is measured."""
     assert options.micro_batch is not None and options.seq_len is not None  # (declared or measured by now)
     left = memory_left(state, budget, accelerator, nvme_path)
     act_bytes = torch.empty((), dtype=act_dtype).element_size()
+    if not options.checkpointed:
+        try:
+            plan = plan_saved(shape, options.micro_batch, options.seq_len, act_bytes, device=left["device"],
+                              host=left["host"], nvme=left["nvme"], block_bytes=block_bytes, prefetch=options.prefetch,
+                              most_kept=shape.n_layers if block_bytes is not None else 0)
+        except ValueError as exc:
+            raise ValueError(f"offload='auto': memory_budget ({budget}) leaves {fmt_bytes(left['device'])} for "
+                             f"activations after the state; {exc}") from None
+        return plan, dict(zip(names, plan.blocks)), left
     try:
         plan = plan_activations(shape, options.micro_batch, options.seq_len, act_bytes, device=left["device"],
                                 host=left["host"], nvme=left["nvme"])

@@ -18,7 +18,8 @@ class PlannedActivations:
     seq_len: Optional[int] = None
     """Tokens per sequence; None: measured at the first forward."""
     checkpointed: bool = True
-    """The model runs its blocks under ``torch.utils.checkpoint(use_reentrant=False)``."""
+    """The model runs its blocks under ``torch.utils.checkpoint(use_reentrant=False)`` (their inputs
+    move); False: it does not, and a block keeps its saved tensors or moves them all."""
     prefetch: int = 2
     """As ``ActivationOffload.prefetch``."""
 
@@ -33,9 +34,5 @@ class PlannedActivations:
         if (self.micro_batch is None) != (self.seq_len is None):
             raise ValueError(f"PlannedActivations(micro_batch={self.micro_batch!r}, seq_len={self.seq_len!r}): "
                              "declare both, or neither (both measured at the first forward)")
-        if self.checkpointed is not True:
-            raise ValueError(
-                "PlannedActivations(checkpointed=False): the plan counts a block's input as what moves, which "
-                "holds only for checkpointed blocks; checkpoint the model's blocks (torch.utils.checkpoint, "
-                "use_reentrant=False), or choose the blocks by hand: offload_activations=ActivationOffload("
-                "where='cpu'|'nvme', blocks=(...))")
+        if not isinstance(self.checkpointed, bool):
+            raise TypeError(f"PlannedActivations(checkpointed={self.checkpointed!r}) must be a bool")
