@@ -130,6 +130,19 @@ def _least(shape: ModelShape, batch: int, seq: int) -> int:
             + tokens * shape.vocab * 12)
 
 
+def _per_token(shape: ModelShape, seq: int, act_bytes: int) -> dict:
+    """Bytes per token of a micro-batch of one ``seq`` sequence: what checkpointing keeps (the
+    blocks' inputs), and what stays on the device whatever the plan (one recomputed block's saved
+    tensors; embeddings and logits, as the planner counts them); ``bound``: the ratio offload can give
+    at most, (inputs + what stays) / what stays."""
+    from zeroshard.planner.activations import block_activation_elements
+    inputs = shape.n_layers * shape.d_model * act_bytes
+    block = block_activation_elements(shape, seq, seq, False) * act_bytes // seq
+    fixed = 2 * shape.d_model * act_bytes + shape.vocab * (act_bytes + 8)
+    return {"inputs": inputs, "one_block": block, "embeddings_and_logits": fixed,
+            "bound": (inputs + block + fixed) / (block + fixed)}
+
+
 def part_longest(args: argparse.Namespace) -> dict:
     cfg = _config(args, True)
     model = TinyGPT(cfg)
@@ -137,8 +150,18 @@ def part_longest(args: argparse.Namespace) -> dict:
     budget = int(args.budget_mib * 2**20)
     before = longest_sequence(shape, args.batch, 4, device=budget, host=0, nvme=0)
     after = longest_sequence(shape, args.batch, 4, device=budget, host=0, nvme=1 << 40)
+    # (beside it, not instead: a 7B-class decoder in bf16 under a budget of the same proportion to its
+    # per-token bytes, micro-batch 1; what bounds the ratio is the same there)
+    big = ModelShape(n_params=6_740_000_000, n_layers=32, d_model=4096, n_heads=32, vocab=32000, d_ff=11008,
+                     name="7B-class (Llama-2 shape)")
+    big_budget = 16 * 2**30
+    big_before = longest_sequence(big, 1, 2, device=big_budget, host=0, nvme=0)
+    big_after = longest_sequence(big, 1, 2, device=big_budget, host=0, nvme=1 << 44)
     return {"part": "longest sequence (planner)", "budget": budget, "checkpointing_alone": before,
-            "with_offload": after, "ratio": after / max(1, before)}
+            "with_offload": after, "ratio": after / max(1, before),
+            "per_token_bytes": _per_token(shape, after, 4),
+            "7b_class_bf16": {"budget": big_budget, "checkpointing_alone": big_before, "with_offload": big_after,
+                              "ratio": big_after / max(1, big_before), "per_token_bytes": _per_token(big, big_after, 2)}}
 
 
 def part_cgroup(args: argparse.Namespace) -> dict:

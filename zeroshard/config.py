@@ -277,9 +277,9 @@ class ZeroConfig:
 
     offload_activations: object = None
     """None, "cpu", "nvme", ``zeroshard.ActivationOffload(...)`` or (with offload="auto")
-    ``zeroshard.PlannedActivations(micro_batch=, seq_len=)``: the tensors autograd saves in the
-    model's blocks (a checkpointed block's input) wait for backward in host memory or NVMe files
-    under ``nvme_path`` (zeroshard/offload/activations/activation_options.py)."""
+    ``zeroshard.PlannedActivations()`` (shape measured at the first forward, or declared): the
+    tensors autograd saves in the model's blocks (a checkpointed block's input) wait for backward
+    in host memory or NVMe files under ``nvme_path`` (zeroshard/offload/activations/activation_options.py)."""
 
     placement_policy: Optional[type] = None
     """A placement policy of your own: a subclass of ``zeroshard.offload.placement.StatePlacement``

@@ -20,11 +20,11 @@ from tests.support.dist_results import run_ranks
 @pytest.mark.parametrize("stage,where,ckpt", [(0, "nvme", False), (1, "cpu", True), (2, "nvme", True),
                                               (3, "nvme", False)])
 def test_same_bits_as_without_offload_one_rank(stage, where, ckpt, tmp_path):
-    want = w.train(stage, None, ckpt, steps=8)
-    got = w.train(stage, where, ckpt, steps=8, directory=str(tmp_path))
+    want = w.train(stage, None, ckpt, steps=4)  # (8 steps on two ranks below)
+    got = w.train(stage, where, ckpt, steps=4, directory=str(tmp_path))
     for step, (g, r) in enumerate(zip(got["grads"], want["grads"])):
         assert_same(g, r, f"gradients of step {step}")
-    assert_same(got["weights"], want["weights"], "weights after 8 steps")
+    assert_same(got["weights"], want["weights"], "weights after 4 steps")
     moved = got["report"]["bytes_out_last_step"]
     if ckpt:  # exactly each block's input
         assert moved == w.predicted_bytes(True)

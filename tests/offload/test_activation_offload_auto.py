@@ -1,8 +1,9 @@
 """offload="auto" plans activations with the state under one memory_budget
 (Note [activations under the budget]): a budget that makes the plan offload some blocks' inputs
-trains bit-identically to the run without it over 8 steps, placement_report() names those
-blocks and the bytes moved are the plan's; a budget below the fully offloaded plan is refused
-naming the longest sequence and the smallest budget that fit."""
+trains bit-identically to the run without it over 8 steps (the shape measured at the first
+forward, or declared), placement_report() names those blocks and the bytes moved are the plan's;
+a longer sequence later is planned again or refused; a budget below the fully offloaded plan is
+refused naming the longest sequence and the smallest budget that fit."""
 from __future__ import annotations
 
 import re
@@ -19,45 +20,113 @@ from tests.support import act_offload_worker as w
 from tests.support.asserts import assert_same
 
 
-@pytest.mark.filterwarnings("ignore:offload='auto'")  # (reserve 0: the step's peak is over it, by design)
-def test_auto_plan_offloads_some_blocks_same_bits_and_refuses_too_small(tmp_path):
+def _budgets(directory: str) -> tuple[int, int, int]:
+    """(the state's bytes under offload="auto", the fully offloaded plan's device bytes at the worker's
+    shape, one block's input): the budgets below are built from these."""
     big = 1 << 30
-    roomy = w.train_planned(big, str(tmp_path), True, steps=1)["report"]["plan"]
+    roomy = w.train_planned(big, directory, True, steps=1)["report"]["plan"]
     assert roomy["counts"] == {"keep": w.CFG.n_layers} and roomy["moved_per_step"] == 0
+    assert roomy["shape"] == "declared"
     state = big - roomy["memory_left"]["device"]  # (what the state's plan holds: the same under any budget that fits it)
     cfg = replace(w.CFG, activation_checkpointing=True)
     shape = shape_of(TinyGPT(cfg), cfg.n_layers)
-    wanted = PlannedActivations(micro_batch=w.BATCH, seq_len=cfg.seq_len)
-    least = least_device(shape, wanted, 4, {"host": 0})
-    inp = w.BATCH * cfg.seq_len * cfg.d_model * 4  # (one block's input, fp32)
+    least = least_device(shape, PlannedActivations(micro_batch=w.BATCH, seq_len=cfg.seq_len), 4, {"host": 0})
+    return state, least, w.BATCH * cfg.seq_len * cfg.d_model * 4  # (one block's input, fp32)
+
+
+@pytest.mark.filterwarnings("ignore:offload='auto'")  # (reserve 0: the step's peak is over it, by design)
+def test_auto_plan_offloads_some_blocks_same_bits_and_refuses_too_small(tmp_path):
+    state, least, inp = _budgets(str(tmp_path))
     budget = state + least + inp + inp // 2  # room for one checkpointed input beside the fully offloaded plan
 
     want = w.train_planned(budget, str(tmp_path), False)
-    got = w.train_planned(budget, str(tmp_path), True)
+    got = w.train_planned(budget, str(tmp_path), True, declared=False)  # the shape measured at the first forward
     plan = got["report"]["plan"]
     assert plan["blocks"] == {"blocks.0": "checkpoint", "blocks.1": "nvme", "blocks.2": "nvme"}, plan
+    assert plan["shape"] == "measured" and (plan["micro_batch"], plan["seq_len"]) == (w.BATCH, w.CFG.seq_len)
+    assert got["plans"][0] == plan, "planned at the first step's forward, applied from that step on"
+    assert got["hooks_left"] == 0, "close() removes the planned offloader's hooks"
     assert plan["offloaded"] and got["report"]["blocks"] == plan["offloaded"]
     assert got["report"]["bytes_moved_last_step"] == plan["moved_per_step"] == 2 * len(plan["offloaded"]) * inp
     assert len(want["grads"]) == len(got["grads"]) == 8
     for step, (g, r) in enumerate(zip(got["grads"], want["grads"])):
         assert_same(g, r, f"gradients of step {step}")
     assert_same(got["weights"], want["weights"], "weights after 8 steps")
+    declared = w.train_planned(budget, str(tmp_path), True, steps=2)  # the same plan, from construction
+    same = ("blocks", "micro_batch", "seq_len", "device_bytes", "moved_per_step")  # (not the disk's free space)
+    assert {k: declared["report"]["plan"][k] for k in same} == {k: plan[k] for k in same}
+    for step, (g, r) in enumerate(zip(declared["grads"], want["grads"])):
+        assert_same(g, r, f"gradients of step {step}, shape declared")
 
     too_small = state + least - inp
     with pytest.raises(ValueError, match=r"longest sequence that fits is (\d+) tokens, and the smallest "
                                          r"memory_budget that holds 16 tokens is") as err:
         w.train_planned(too_small, str(tmp_path), True, steps=1)
-    assert int(re.search(r"longest sequence that fits is (\d+)", str(err.value)).group(1)) < cfg.seq_len
+    assert int(re.search(r"longest sequence that fits is (\d+)", str(err.value)).group(1)) < w.CFG.seq_len
     w.train_planned(state + least, str(tmp_path), True, steps=1)  # the smallest budget named fits
+
+
+@pytest.mark.filterwarnings("ignore:offload='auto'")
+def test_measured_shape_plans_again_for_a_longer_sequence_or_refuses(tmp_path):
+    """The shape measured at the first forward (8 tokens) is planned again at a forward with more
+    tokens (16), before its first block, and applied there: same bits as without offload; a budget
+    that holds 8 tokens but not 16 refuses that forward naming the longest sequence that fits."""
+    state, least, inp = _budgets(str(tmp_path))
+    budget, lens = state + least + inp + inp // 2, [8, 16, 8]
+    want = w.train_planned(budget, str(tmp_path), False, steps=3, seq_lens=lens)
+    got = w.train_planned(budget, str(tmp_path), True, steps=3, declared=False, seq_lens=lens)
+    first, longer, shorter = got["plans"]
+    assert first["seq_len"] == 8 and "nvme" not in first["blocks"].values(), first
+    assert longer["seq_len"] == 16 and longer["blocks"] == {"blocks.0": "checkpoint", "blocks.1": "nvme",
+                                                            "blocks.2": "nvme"}, longer
+    assert shorter == longer, "a shorter sequence keeps the plan (it holds fewer tokens)"
+    for step, (g, r) in enumerate(zip(got["grads"], want["grads"])):
+        assert_same(g, r, f"gradients of step {step} (sequence {lens[step]})")
+    assert_same(got["weights"], want["weights"], "weights after 3 steps")
+
+    with pytest.raises(ValueError, match=r"cannot hold a micro-batch of 4 x 16 tokens.*longest sequence that "
+                                         r"fits is (\d+) tokens") as err:
+        w.train_planned(state + least - inp, str(tmp_path), True, steps=2, declared=False, seq_lens=[8, 16])
+    assert 8 <= int(re.search(r"longest sequence that fits is (\d+)", str(err.value)).group(1)) < 16
+
+
+@pytest.mark.filterwarnings("ignore:offload='auto'")
+def test_blocks_not_checkpointed_move_all_first_then_as_measured(tmp_path):
+    """checkpointed=False: the first forward moves every block's saved tensors (the least device memory
+    of any plan) and measures them; the next forward is planned with that measurement: a roomy budget
+    keeps them all, one below keeping them all moves them all with the same bits, the bytes moved
+    are the plan's; one below that is refused at the first forward."""
+    big = 1 << 30
+    roomy = w.train_planned(big, str(tmp_path), True, steps=2, declared=False, checkpointed=False, prefetch=1)
+    block = roomy["moved"][0] // (2 * w.CFG.n_layers)  # (step 1: every block off the device and back)
+    assert block > 5 * w.predicted_bytes(True) // w.CFG.n_layers, "saved tensors, not only the inputs"
+    assert roomy["moved"][1] == 0 and roomy["plans"][0]["counts"] == {"keep": w.CFG.n_layers}
+    state = big - roomy["plans"][0]["memory_left"]["device"]
+    tokens = w.BATCH * w.CFG.seq_len
+    fixed = 2 * tokens * w.CFG.d_model * 4 + tokens * w.CFG.vocab * 12  # (embeddings and logits, as planned)
+    budget = state + fixed + 2 * block + block // 2  # (every block moved, prefetch 1: two blocks on the device)
+
+    want = w.train_planned(budget, str(tmp_path), False, steps=4, checkpointed=False)
+    got = w.train_planned(budget, str(tmp_path), True, steps=4, declared=False, checkpointed=False, prefetch=1)
+    assert [p["counts"] for p in got["plans"]] == [{"nvme": w.CFG.n_layers}] * 4
+    assert got["moved"] == [2 * w.CFG.n_layers * block] * 4 == [got["plans"][-1]["moved_per_step"]] * 4
+    for step, (g, r) in enumerate(zip(got["grads"], want["grads"])):
+        assert_same(g, r, f"gradients of step {step}, blocks not checkpointed")
+    assert_same(got["weights"], want["weights"], "weights after 4 steps")
+    with pytest.raises(ValueError, match="blocks not checkpointed, do not fit .* checkpoint the blocks"):
+        w.train_planned(state + fixed + block, str(tmp_path), True, steps=1, declared=False, checkpointed=False,
+                        prefetch=1)
 
 
 def test_planned_activations_need_offload_auto():
     with pytest.raises(ValueError, match="offload='auto' and memory_budget"):
         zeroshard.ZeroConfig(offload_activations=PlannedActivations(micro_batch=1, seq_len=8))
-    with pytest.raises(ValueError, match="checkpointed=False"):
-        PlannedActivations(micro_batch=1, seq_len=8, checkpointed=False)
+    with pytest.raises(TypeError, match=r"checkpointed='no'\) must be a bool"):
+        PlannedActivations(checkpointed="no")
     with pytest.raises(ValueError, match="seq_len=0"):
         PlannedActivations(micro_batch=1, seq_len=0)
+    with pytest.raises(ValueError, match="declare both, or neither"):
+        PlannedActivations(micro_batch=1)
 
 
 @pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace")
@@ -79,13 +148,15 @@ def test_torch_compile_refuses_stale_graph_then_same_bits():
         torch.manual_seed(1)
         grads, moved = [], []
         try:
-            for step in range(3):
+            for step in range(2):
                 compiled(*synthetic_batch(step, w.BATCH, cfg)).backward()
                 grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
                 if offload:
                     moved.append(opt.placement_report()["activations"]["bytes_out_this_step"])
                 opt.step()
                 opt.zero_grad()
+                if offload:  # (after the step: the whole step's bytes, off the device and back)
+                    moved.append(opt.placement_report()["activations"]["bytes_moved_last_step"])
         finally:
             opt.close()
         return grads, moved
@@ -95,6 +166,6 @@ def test_torch_compile_refuses_stale_graph_then_same_bits():
     with pytest.raises(RuntimeError, match=r"did not run the offloader's hooks.*torch._dynamo.reset\(\)"):
         run(True, False)
     got, moved = run(True, True)
-    assert moved == [w.predicted_bytes(True)] * 3  # every step, every block's input
+    assert moved == [w.predicted_bytes(True), 2 * w.predicted_bytes(True)] * 2  # every step, every block's input
     for step, (g, r) in enumerate(zip(got, want)):
         assert_same(g, r, f"gradients of step {step} under torch.compile")

@@ -53,27 +53,39 @@ def train(stage: int, where: Optional[str], checkpointing: bool, steps: int = 3,
     return {"grads": grads, "weights": weights, "report": report, "memory": memory}
 
 
-def train_planned(budget: int, directory: str, planned: bool, steps: int = 8) -> dict:
+def train_planned(budget: int, directory: str, planned: bool, steps: int = 8, declared: bool = True,
+                  seq_lens: Optional[list[int]] = None, checkpointed: bool = True, prefetch: int = 2) -> dict:
     """As ``train`` (stage 2, checkpointed blocks), under offload="auto" with ``memory_budget`` (reserve 0:
     the state's plan does not depend on the process) and, if ``planned``, the activations planned
-    with it (``PlannedActivations``)."""
-    cfg = replace(CFG, activation_checkpointing=True)
+    with it (``PlannedActivations``: the shape declared, or measured at the first forward); step i
+    runs the first ``seq_lens[i]`` tokens of each sequence (default: all), and the plan in force
+    after each step is kept."""
+    cfg = replace(CFG, activation_checkpointing=checkpointed)
     torch.manual_seed(0)
     model = TinyGPT(cfg)
-    extra = {"offload_activations": zeroshard.PlannedActivations(micro_batch=BATCH, seq_len=cfg.seq_len)} if planned else {}
+    shape = {"micro_batch": BATCH, "seq_len": cfg.seq_len} if declared else {}
+    extra = {"offload_activations": zeroshard.PlannedActivations(**shape, checkpointed=checkpointed,
+                                                                       prefetch=prefetch)} if planned else {}
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=2, offload="auto",
                                   memory_budget={"host": budget, "reserve": 0}, nvme_path=directory, **extra)
     torch.manual_seed(1)
-    grads = []
-    for step in range(steps):
-        model(*synthetic_batch(step, BATCH, cfg)).backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        opt.step()
-        opt.zero_grad()
-    report = opt.placement_report().get("activations")
-    weights = {n: p.detach().clone() for n, p in model.state_dict().items()}
-    opt.close()
-    return {"grads": grads, "weights": weights, "report": report}
+    grads, plans, moved = [], [], []
+    try:
+        for step in range(steps):
+            x, y = synthetic_batch(step, BATCH, cfg)
+            n = seq_lens[step] if seq_lens else cfg.seq_len
+            model(x[:, :n], y[:, :n]).backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            opt.step()
+            opt.zero_grad()
+            plans.append((opt.placement_report().get("activations") or {}).get("plan"))
+            moved.append((opt.placement_report().get("activations") or {}).get("bytes_moved_last_step"))
+        report = opt.placement_report().get("activations")
+        weights = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    finally:
+        opt.close()
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    return {"grads": grads, "weights": weights, "report": report, "plans": plans, "moved": moved, "hooks_left": hooks}
 
 
 def predicted_bytes(checkpointing: bool, world: int = 1) -> int:

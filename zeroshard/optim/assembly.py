@@ -40,7 +40,7 @@ from zeroshard.offload import NvmeOptimizerState
 from zeroshard.offload.nvme_generic_state import probe_layouts
 from zeroshard.offload.activations.offloader import ActivationOffloader, covered_blocks
 from zeroshard.offload.activations.activation_options import ActivationOffload, activation_options
-from zeroshard.offload.activations.planned import moved_blocks, offload_options, plan_for_run, plan_report
+from zeroshard.offload.activations.plan_at_forward import ForwardPlanner
 from zeroshard.offload.activations.workload import PlannedActivations
 from zeroshard.offload.placement_auto import AutoPlacement
 from zeroshard.planner.auto_placement import MemoryBudget
@@ -50,7 +50,6 @@ from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.ops import FusedAdam
 from zeroshard.optim import construction, ddp_check, kernel_choice, ownership, registry, reports
 from zeroshard.optim.zero_engine import Engine
-from zeroshard.units.tier import Tier
 from zeroshard.units.run import Run
 from zeroshard.units.step_in_flight import StepInFlight
 from zeroshard.units.flat_unit import FlatUnit
@@ -327,7 +326,9 @@ def _build_activations(attached: construction.ConstructionRecord, config: ZeroCo
     block's parameters are gathered when its hooks look at them; under offload="auto" with
     ``PlannedActivations``, on the blocks the plan offloads (Note [activations under the budget])."""
     if isinstance(config.offload_activations, PlannedActivations):
-        return _planned_activations(config, config.offload_activations, module, rank, inflight, placement, param_dtype)
+        offloader = _planned_activations(config, config.offload_activations, module, rank, inflight, placement, param_dtype)
+        attached.removers.append(offloader.remove)  # (the hooks go with the optimizer, as below)
+        return offloader
     options = activation_options(config.offload_activations, config.nvme_path)
     if options is None:
         return None
@@ -346,17 +347,13 @@ def _planned_activations(config: ZeroConfig, wanted: PlannedActivations, module:
     if module is None or not isinstance(placement, AutoPlacement):
         raise ValueError("offload_activations=PlannedActivations(...) is planned by offload='auto' on the model's "
                          "blocks: pass offload='auto' with memory_budget, and the model (an nn.Module)")
-    blocks = covered_blocks(module, None)
-    plan, places, left = plan_for_run(wanted, module, blocks, placement.plan, MemoryBudget.parse(config.memory_budget),
-                                      placement.accelerator, config.nvme_path, param_dtype)
-    options = offload_options(places, wanted, config.nvme_path)
+    nvme = config.nvme_path  # (the planner puts inputs on NVMe only where there is a directory)
+    options = ActivationOffload(where="nvme" if nvme else "cpu", path=str(nvme) if nvme else None,
+                                prefetch=wanted.prefetch, min_bytes=0)
+    planner = ForwardPlanner(wanted, module, covered_blocks(module, None), lambda: placement.plan,
+                             MemoryBudget.parse(config.memory_budget), placement.accelerator, nvme, param_dtype)
     device = next((p.device for p in module.parameters()), torch.device(_DEVICE))
-    tiers = moved_blocks(places)
-    moved = {k: n for k, n in blocks.items() if n in tiers}
-    offloader = ActivationOffloader(options or ActivationOffload(where="cpu"), module, rank, device,
-                                    lambda: inflight.steps, planned=plan_report(plan, places, wanted, left), cover=moved,
-                                    host_blocks=frozenset(n for n, t in tiers.items() if t is Tier.HOST))
-    return offloader
+    return ActivationOffloader(options, module, rank, device, lambda: inflight.steps, planner=planner)
 
 
 def _attach(owner: torch.optim.Optimizer, attached: construction.ConstructionRecord, module: Optional[nn.Module],

@@ -11,7 +11,10 @@ every split is tried and the one with the least predicted extra time per step ke
 costs the block's forward (2 x block parameters x tokens FLOPs at ``flops``), a move the input's
 bytes twice (out and back) at the link's bandwidth. A budget that cannot hold even the plan
 with every input on NVMe is refused naming the longest sequence, and the smallest device
-budget, that fit.
+budget, that fit. Blocks the model does not checkpoint (``plan_saved``) can only keep their
+saved tensors or move them all (to host or NVMe): no recompute, so the plan keeps as many as fit
+and moves the rest; beside what stays, the block running and the blocks prefetched ahead of its
+backward are on the device.
 """
 from __future__ import annotations
 
@@ -98,6 +101,49 @@ def _best(s: _Sizes, n_layers: int, device: int, host: int, nvme: int, links: Li
         if best is None or plan.extra_seconds < best.extra_seconds:
             best = plan
     return best
+
+
+def _best_saved(s: _Sizes, n_layers: int, device: int, host: int, nvme: int, links: Links,
+                prefetch: int, most_kept: int) -> Optional[ActivationPlan]:
+    """Blocks not checkpointed (Note [planning activations]): each keeps its saved tensors ("keep")
+    or moves them all ("host", "nvme"); the least moved that fits (no recompute: a move is the only
+    cost). Besides what stays, the block running and the ``prefetch`` blocks brought back ahead of
+    its backward are on the device."""
+    for keep in range(min(n_layers, most_kept), -1, -1):
+        moved = n_layers - keep
+        working = s.fixed + keep * s.block + ((1 + prefetch) * s.block if moved else 0)
+        if working > device:
+            continue
+        on_host = min(moved, host // max(1, s.block))
+        on_nvme = moved - on_host
+        if on_nvme * s.block > nvme:
+            continue
+        seconds = (on_host * 2 * s.block / links.host_bandwidth
+                   + on_nvme * 2 * s.block * (1 / links.nvme_bandwidth + 1 / links.host_bandwidth))
+        return ActivationPlan(("keep",) * keep + ("host",) * on_host + ("nvme",) * on_nvme, working,
+                              on_host * s.block, on_nvme * s.block, 2 * moved * s.block, seconds)
+    return None
+
+
+def plan_saved(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int, *, device: int, host: int,
+               nvme: int = 0, links: Links = Links(), block_bytes: Optional[int] = None,
+               prefetch: int = 2, most_kept: int = 1 << 30) -> ActivationPlan:
+    """As ``plan_activations`` for blocks the model does not checkpoint: keep, or move all their saved
+    tensors; ``block_bytes`` (one block's saved tensors, measured) replaces the estimate, and at most
+    ``most_kept`` blocks keep theirs (0: every block moves, before a measurement). A ValueError
+    naming the device memory needed when even every block moved does not fit."""
+    s = _sizes(shape, micro_batch, seq_len, act_bytes, links, False)
+    if block_bytes is not None:
+        s = _Sizes(block_bytes, s.input, s.fixed, s.recompute)
+    found = _best_saved(s, shape.n_layers, device, host, nvme, links, prefetch, most_kept)
+    if found is None:
+        raise ValueError(
+            f"activations of a micro-batch of {micro_batch} x {seq_len} tokens, blocks not checkpointed, do not fit "
+            f"{device / 2**30:.2f} GiB of device memory even with every block's saved tensors moved (host "
+            f"{host / 2**30:.2f} GiB, NVMe {nvme / 2**30:.2f} GiB): the device needs at least "
+            f"{(s.fixed + (1 + prefetch) * s.block) / 2**30:.2f} GiB; checkpoint the blocks "
+            "(torch.utils.checkpoint, use_reentrant=False, and PlannedActivations(checkpointed=True)) to need less")
+    return found
 
 
 def plan_activations(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int, *, device: int,

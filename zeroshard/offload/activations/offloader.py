@@ -41,7 +41,7 @@ import os
 import shutil
 import threading
 import weakref
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import nn
@@ -52,6 +52,9 @@ from zeroshard.offload.activations.block_record import BlockActivations, RecordS
 from zeroshard.offload.activations.activation_options import ActivationOffload
 from zeroshard.stages.stage3.units import _repeated_blocks
 from zeroshard.units.tier import Tier
+
+if TYPE_CHECKING:
+    from zeroshard.offload.activations.plan_at_forward import ForwardPlanner
 
 
 _ACTIVE = [0]  # (how many offloaders' hooks are pushed now: deepspeed.checkpointing leaves the inputs to them)
@@ -111,25 +114,26 @@ def _storages(module: nn.Module) -> set[int]:
 
 class ActivationOffloader:
     def __init__(self, options: ActivationOffload, model: nn.Module, rank: int, device: torch.device,
-                 steps_done: Callable[[], int], host_blocks: frozenset[str] = frozenset(),
-                 planned: Optional[dict] = None, cover: Optional[dict[int, str]] = None) -> None:
+                 steps_done: Callable[[], int], planner: Optional["ForwardPlanner"] = None) -> None:
         self.options = options
-        self.host_blocks = host_blocks
+        self.host_blocks: frozenset[str] = frozenset()
         """Under "nvme", the blocks whose inputs the plan puts in host memory instead (Note
         [activations under the budget] in planned.py)."""
-        self.planned = planned
-        """``offload="auto"``'s activation plan, for the report."""
+        self.planned: Optional[dict] = None
+        """``offload="auto"``'s activation plan in force, for the report."""
         self.model = model
         self.device = device
-        self.blocks = covered_blocks(model, options.blocks) if cover is None else cover
+        self.planner = planner
+        """``offload="auto"``: plans (again) at a forward's first block; the blocks then come from it."""
+        self.blocks: dict[int, str] = covered_blocks(model, options.blocks) if planner is None else {}
+        """The blocks whose saved tensors move now (id -> name)."""
+        self._hooked = self.blocks if planner is None else planner.candidates
         self._steps_done = steps_done
         self._io: Optional[AsyncIO] = None
         self.directory: Optional[str] = None
-        if options.tier is Tier.NVME:
-            assert options.path is not None
-            self.directory = os.path.join(str(options.path), f"activations-rank{rank:05d}")
-            os.makedirs(self.directory, exist_ok=True)
-            self._io = AsyncIO()  # (O_DIRECT where the file system takes it: the page cache would hold the bytes moved)
+        self._rank = rank
+        if options.tier is Tier.NVME and planner is None:
+            self._open_files()
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._lock = threading.Lock()
         self._hooks_ctx: Optional[torch.autograd.graph.saved_tensors_hooks] = None
@@ -147,13 +151,33 @@ class ActivationOffloader:
         self.last_step_bytes = (0, 0)
         """(bytes moved off the device, bytes brought back) in the last whole step."""
         self.blocks_moved = 0
-        self._handles: list[RemovableHandle] = [] if not self.blocks else [  # (a plan that moves nothing: no hooks)
+        self._planned_this_pass = False
+        self._handles: list[RemovableHandle] = [] if not self._hooked else [
             model.register_forward_pre_hook(self._model_pre),
             model.register_forward_hook(self._model_post, always_call=True)]
         for m in model.modules():
-            if id(m) in self.blocks:
+            if id(m) in self._hooked:
                 self._handles.append(m.register_forward_pre_hook(self._block_pre))
                 self._handles.append(m.register_forward_hook(self._block_post, always_call=True))
+        placed = planner.initial() if planner is not None else None
+        if placed is not None:
+            self.apply(*placed)
+
+    def _open_files(self) -> None:
+        assert self.options.path is not None
+        self.directory = os.path.join(str(self.options.path), f"activations-rank{self._rank:05d}")
+        os.makedirs(self.directory, exist_ok=True)
+        self._io = AsyncIO()  # (O_DIRECT where the file system takes it: the page cache would hold the bytes moved)
+
+    def apply(self, cover: dict[int, str], host_blocks: frozenset[str], planned: dict) -> None:
+        """A plan (Note [activations under the budget] in planned.py): from the next block on, the
+        blocks in ``cover`` move, to host memory for those in ``host_blocks``, else to NVMe files."""
+        if any(n not in host_blocks for n in cover.values()) and self._io is None:
+            if self.options.tier is not Tier.NVME:
+                raise RuntimeError(f"activation offload: the plan puts blocks on NVMe ({sorted(cover.values())}) but "
+                                   "no nvme_path was given; pass nvme_path=<directory>")
+            self._open_files()
+        self.blocks, self.host_blocks, self.planned = dict(cover), host_blocks, planned
 
     # -- the model's forward ---------------------------------------------------------------------
     def _model_pre(self, module: nn.Module, args: tuple) -> None:
@@ -169,6 +193,7 @@ class ActivationOffloader:
                 self.last_step_bytes = (self._out, self._in)
             self._window_step, self._out, self._in = steps, 0, 0
         self._param_storages = _storages(self.model)
+        self._planned_this_pass = False
         self._pass = []
         self._pass_refs = []  # (weak: a record must go with the graph that holds it)
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -197,13 +222,24 @@ class ActivationOffloader:
             raise
         for r in records[-self.options.prefetch:]:
             r.prefetch(self._io_of(r))
+        placed = self.planner.after_forward([r.moved for r in records]) if self.planner is not None else None
+        if placed is not None:  # (the blocks' saved bytes measured: planned with them from the next forward)
+            self.apply(*placed)
 
     # -- a covered block's forward ---------------------------------------------------------------
     def _block_pre(self, module: nn.Module, args: tuple) -> None:
         if self._depth == 0 or self._current is not None:  # (recomputation in backward; a block inside one)
             return
-        self._calls += 1
         self._forwards += 1
+        if self.planner is not None and not self._planned_this_pass:  # (before any block: the plan holds all of them)
+            self._planned_this_pass = True
+            placed = self.planner.at_forward(next((a for a in args if isinstance(a, torch.Tensor)), None))
+            if placed is not None:
+                self.apply(*placed)
+        if id(module) not in self.blocks:  # (a block the plan leaves on the device)
+            self._pending = []
+            return
+        self._calls += 1
         record = BlockActivations(self.blocks[id(module)], self._calls, self.device, self._stream)
         self._param_storages |= _storages(module)  # (stage 3: gathered by now)
         inputs = [a for a in args if isinstance(a, torch.Tensor)]
@@ -292,7 +328,7 @@ class ActivationOffloader:
         torch.compile]); a RuntimeError naming the fix when it did not."""
         seen, self._forwards = self._forwards, 0
         ran, self._model_forwards = self._model_forwards, 0
-        if self.blocks and ran and not seen:  # (no forward since the last backward: retain_graph, nothing to check)
+        if self._hooked and ran and not seen:  # (no forward since the last backward: retain_graph, nothing to check)
             raise RuntimeError(
                 f"activation offload: a backward started, but the forward before it did not run the offloader's "
                 f"hooks on {type(self.model).__name__}'s blocks, so nothing was offloaded. This happens under torch.compile "
@@ -308,7 +344,10 @@ class ActivationOffloader:
         last, now = self.last_step_bytes, (self._out, self._in)
         if self._window_step >= 0 and self._steps_done() != self._window_step:  # (a step ended since the forward)
             last, now = now, (0, 0)
-        return {"where": self.options.where, "blocks": sorted(set(self.blocks.values())),
+        where = self.options.where
+        if self.planner is not None:  # (the plan in force says: any block to files, or all in host memory)
+            where = "nvme" if set(self.blocks.values()) - self.host_blocks else "cpu"
+        return {"where": where, "blocks": sorted(set(self.blocks.values())),
                 "prefetch": self.options.prefetch, "directory": self.directory,
                 "bytes_out_last_step": last[0], "bytes_in_last_step": last[1], "bytes_moved_last_step": sum(last),
                 "bytes_out_this_step": now[0], "bytes_in_this_step": now[1],

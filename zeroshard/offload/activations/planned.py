@@ -14,9 +14,21 @@ blocks planned "host" or "nvme" (a "checkpoint" block keeps its input: the model
 ``torch.utils.checkpoint`` does that). The state is planned first and the activations take
 what is left, so a budget that cannot hold even the fully offloaded plan is refused naming the
 longest sequence that fits and the smallest ``memory_budget`` that holds this sequence.
-The blocks must be checkpointed by the model (``checkpointed=True``, the default) for the
-planner's sizes to be what moves: without checkpointing each covered block moves every saved
-tensor, which the plan does not count, so ``checkpointed=False`` is refused with the fix.
+Blocks the model checkpoints (``checkpointed=True``, the default) move their inputs, which is
+what the plan counts, exactly. With ``checkpointed=False`` a block keeps its saved tensors or moves
+them all (``plan_saved``): the estimate of their size is not exact for every model, so the first
+forward moves every block (the least device memory any plan has), the offloader measures the
+largest block's saved bytes, and the next forward is planned with that measurement (per token,
+so a longer sequence later scales it): from then on the bytes moved are the plan's.
+The micro-batch's shape is declared (``PlannedActivations(micro_batch=, seq_len=)``: planned at
+construction, refused there) or, by default, measured: the offloader hooks every repeated block,
+and at each forward's first block the ``ForwardPlanner`` (plan_at_forward.py) reads that block's
+input (tokens = its elements / d_model, the micro-batch its first dimension) and plans before any
+block has run, so the first step already runs under the plan (no unplanned step: same bits, and
+within the budget). A later forward with more tokens than the plan's is planned again there, before
+its first block (more blocks move), or refused with the same error naming the longest sequence that
+fits, never run over the budget; one with as many or fewer keeps the plan (memory grows with the
+tokens, so it still fits).
 """
 from __future__ import annotations
 
@@ -26,9 +38,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from zeroshard.offload.activations.activation_options import ActivationOffload
 from zeroshard.offload.activations.workload import PlannedActivations
-from zeroshard.planner.activation_plan import ActivationPlan, longest_sequence, plan_activations
+from zeroshard.planner.activation_plan import ActivationPlan, longest_sequence, plan_activations, plan_saved
 from zeroshard.planner.auto_placement import MemoryBudget, Plan
 from zeroshard.planner.model_shape import ModelShape
 from zeroshard.planner.sizes import fmt_bytes
@@ -67,14 +78,25 @@ def memory_left(state: Plan, budget: MemoryBudget, accelerator: bool, nvme_path:
     return {"device": device, "host": max(0, host), "nvme": nvme}  # (device < 0: the state alone is over it)
 
 
-def plan_for_run(options: PlannedActivations, model: nn.Module, blocks: dict[int, str], state: Plan,
-                 budget: MemoryBudget, accelerator: bool, nvme_path: Optional[str],
-                 act_dtype: torch.dtype) -> tuple[ActivationPlan, dict[str, str], dict[str, int]]:
-    """The activation plan within what ``state`` leaves, each block's place by name, and the memory
-    it was planned in; a ValueError naming the longest sequence and smallest budget that fit."""
-    shape = shape_of(model, len(blocks))
+def plan_for_run(options: PlannedActivations, shape: ModelShape, names: list[str], state: Plan,
+                 budget: MemoryBudget, accelerator: bool, nvme_path: Optional[str], act_dtype: torch.dtype,
+                 block_bytes: Optional[int] = None) -> tuple[ActivationPlan, dict[str, str], dict[str, int]]:
+    """The activation plan of a micro-batch of ``options``' (known) shape within what ``state``
+    leaves, each block's place by name (``names``: the model's blocks in order), and the memory it
+    was planned in; a ValueError naming the longest sequence and smallest budget that fit. Blocks
+    not checkpointed: every block moves until ``block_bytes`` (one block's saved tensors) is measured."""
+    assert options.micro_batch is not None and options.seq_len is not None  # (declared or measured by now)
     left = memory_left(state, budget, accelerator, nvme_path)
     act_bytes = torch.empty((), dtype=act_dtype).element_size()
+    if not options.checkpointed:
+        try:
+            plan = plan_saved(shape, options.micro_batch, options.seq_len, act_bytes, device=left["device"],
+                              host=left["host"], nvme=left["nvme"], block_bytes=block_bytes, prefetch=options.prefetch,
+                              most_kept=shape.n_layers if block_bytes is not None else 0)
+        except ValueError as exc:
+            raise ValueError(f"offload='auto': memory_budget ({budget}) leaves {fmt_bytes(left['device'])} for "
+                             f"activations after the state; {exc}") from None
+        return plan, dict(zip(names, plan.blocks)), left
     try:
         plan = plan_activations(shape, options.micro_batch, options.seq_len, act_bytes, device=left["device"],
                                 host=left["host"], nvme=left["nvme"])
@@ -91,13 +113,13 @@ def plan_for_run(options: PlannedActivations, model: nn.Module, blocks: dict[int
             f"{options.seq_len} tokens even with every block's input offloaded: the longest sequence that fits is "
             f"{longest} tokens, and the smallest memory_budget that holds {options.seq_len} tokens is "
             f"{fmt_bytes(smallest)} ({where}). ({exc})") from None
-    names = [blocks[k] for k in blocks]
     return plan, dict(zip(names, plan.blocks)), left
 
 
 def least_device(shape: ModelShape, options: PlannedActivations, act_bytes: int, left: dict[str, int]) -> int:
     """Device bytes the fully offloaded plan needs (what stays whatever the plan: the embeddings'
     and logits' activations and one block's saved tensors)."""
+    assert options.micro_batch is not None and options.seq_len is not None
     low, high = 0, plan_activations(shape, options.micro_batch, options.seq_len, act_bytes, device=1 << 62,
                                     host=0, nvme=1 << 62).device_bytes
     while high - low > 1:  # (the least device memory with any plan, by bisection: the planner's own test)
@@ -114,17 +136,6 @@ def least_device(shape: ModelShape, options: PlannedActivations, act_bytes: int,
 def moved_blocks(places: dict[str, str]) -> dict[str, Tier]:
     """The blocks the plan moves off the device, and where to."""
     return {n: _MOVED[p] for n, p in places.items() if p in _MOVED}
-
-
-def offload_options(places: dict[str, str], options: PlannedActivations,
-                    nvme_path: Optional[str]) -> Optional[ActivationOffload]:
-    """The offloader's options for the planned places (None: nothing moves)."""
-    moved = moved_blocks(places)
-    if not moved:
-        return None
-    nvme = Tier.NVME in moved.values()
-    return ActivationOffload(where="nvme" if nvme else "cpu", blocks=tuple(moved), path=str(nvme_path) if nvme else None,
-                             prefetch=options.prefetch, min_bytes=0)
 
 
 def plan_report(plan: ActivationPlan, places: dict[str, str], options: PlannedActivations,

@@ -1,33 +1,38 @@
-"""``PlannedActivations``: the micro-batch shape ``offload="auto"`` plans activations for
-(Note [activations under the budget] in planned.py); apart from the planner, so the config can
-check it without importing the planner.
+"""``PlannedActivations``: the micro-batch shape ``offload="auto"`` plans activations for, declared
+or measured at the first forward (Note [activations under the budget] in planned.py); apart from
+the planner, so the config can check it without importing the planner.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True, kw_only=True)
 class PlannedActivations:
-    """The activations ``offload="auto"`` plans with the state: one micro-batch's shape."""
+    """The activations ``offload="auto"`` plans with the state: one micro-batch's shape, declared, or
+    (both None, the default) measured at the first forward's first block and planned there."""
 
-    micro_batch: int
-    """Sequences per forward on this rank."""
-    seq_len: int
-    """Tokens per sequence."""
+    micro_batch: Optional[int] = None
+    """Sequences per forward on this rank; None: measured at the first forward."""
+    seq_len: Optional[int] = None
+    """Tokens per sequence; None: measured at the first forward."""
     checkpointed: bool = True
-    """The model runs its blocks under ``torch.utils.checkpoint(use_reentrant=False)``."""
+    """The model runs its blocks under ``torch.utils.checkpoint(use_reentrant=False)`` (their inputs
+    move); False: it does not, and a block keeps its saved tensors or moves them all."""
     prefetch: int = 2
     """As ``ActivationOffload.prefetch``."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "prefetch"):
             value = getattr(self, name)
+            if value is None and name != "prefetch":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"PlannedActivations({name}={value!r}) must be an int >= 1")
-        if self.checkpointed is not True:
-            raise ValueError(
-                "PlannedActivations(checkpointed=False): the plan counts a block's input as what moves, which "
-                "holds only for checkpointed blocks; checkpoint the model's blocks (torch.utils.checkpoint, "
-                "use_reentrant=False), or choose the blocks by hand: offload_activations=ActivationOffload("
-                "where='cpu'|'nvme', blocks=(...))")
+                raise ValueError(f"PlannedActivations({name}={value!r}) must be an int >= 1"
+                                 + ("" if name == "prefetch" else ", or None (measured at the first forward)"))
+        if (self.micro_batch is None) != (self.seq_len is None):
+            raise ValueError(f"PlannedActivations(micro_batch={self.micro_batch!r}, seq_len={self.seq_len!r}): "
+                             "declare both, or neither (both measured at the first forward)")
+        if not isinstance(self.checkpointed, bool):
+            raise TypeError(f"PlannedActivations(checkpointed={self.checkpointed!r}) must be a bool")

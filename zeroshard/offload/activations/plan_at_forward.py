@@ -1,0 +1,92 @@
+"""``ForwardPlanner``: ``offload="auto"``'s activation plan, made (again) at a forward whose micro-batch
+has more tokens than the plan's (Note [activations under the budget] in planned.py).
+
+Lifecycle: built by the assembly with the model's repeated blocks; ``initial()`` plans a declared
+shape at construction; ``at_forward()`` is called by the offloader at each forward's first block,
+measures the micro-batch there and, when it holds more tokens than the plan's (or there is no plan
+yet), plans it and gives the offloader the blocks to move.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from zeroshard.offload.activations.planned import moved_blocks, plan_for_run, plan_report, shape_of
+from zeroshard.offload.activations.workload import PlannedActivations
+from zeroshard.planner.auto_placement import MemoryBudget, Plan
+from zeroshard.units.tier import Tier
+
+Placed = tuple[dict[int, str], frozenset[str], dict]
+"""What the offloader applies: the blocks to move (id -> name), those kept in host memory, the report."""
+
+
+class ForwardPlanner:
+    def __init__(self, wanted: PlannedActivations, model: nn.Module, candidates: dict[int, str],
+                 state: Callable[[], Plan], budget: MemoryBudget, accelerator: bool, nvme_path: Optional[str],
+                 act_dtype: torch.dtype) -> None:
+        self.wanted = wanted
+        self.candidates = candidates
+        """The model's repeated blocks (id -> name), in order: the plan gives each a place."""
+        self.shape = shape_of(model, len(candidates))  # (now: under stage 3 a forward's parameters are released)
+        self._state, self._budget, self._accelerator = state, budget, accelerator
+        self._nvme_path, self._act_dtype = nvme_path, act_dtype
+        self.tokens = 0
+        """Tokens per micro-batch the plan in force holds (0: none yet)."""
+        self.plans = 0
+        """Plans made so far (a measured shape: one at the first forward, one per longer micro-batch)."""
+        self._per_token: Optional[float] = None
+        """Blocks not checkpointed: the largest block's saved bytes per token, measured (None: not yet)."""
+        self._shape_now = (0, 0)
+
+    def plan(self, micro_batch: int, seq_len: int, declared: bool) -> Placed:
+        """The plan of a ``micro_batch x seq_len`` micro-batch in what the state's plan leaves now; a
+        ValueError naming the longest sequence and the smallest budget that fit."""
+        options = replace(self.wanted, micro_batch=micro_batch, seq_len=seq_len)
+        block = None if self._per_token is None else math.ceil(self._per_token * micro_batch * seq_len)
+        plan, places, left = plan_for_run(options, self.shape, list(self.candidates.values()), self._state(),
+                                          self._budget, self._accelerator, self._nvme_path, self._act_dtype, block)
+        self._shape_now = (micro_batch, seq_len)
+        tiers = moved_blocks(places)
+        cover = {k: n for k, n in self.candidates.items() if n in tiers}
+        host = frozenset(n for n, t in tiers.items() if t is Tier.HOST)
+        self.tokens, self.plans = micro_batch * seq_len, self.plans + 1
+        report = plan_report(plan, places, options, left)
+        report["shape"], report["plans"] = "declared" if declared else "measured", self.plans
+        return cover, host, report
+
+    def initial(self) -> Optional[Placed]:
+        """The plan of a declared shape (at construction), or None: measured at the first forward."""
+        w = self.wanted
+        if w.micro_batch is None or w.seq_len is None:
+            return None
+        return self.plan(w.micro_batch, w.seq_len, True)
+
+    def at_forward(self, first: Optional[torch.Tensor]) -> Optional[Placed]:
+        """A forward reached its first block, whose first tensor input is ``first``: the plan to apply
+        before any block runs when this micro-batch has more tokens than the plan in force, else None."""
+        d = self.shape.d_model
+        if first is None or first.dim() < 2 or first.numel() % d or first.shape[-1] != d:
+            if self.tokens:
+                return None  # (a declared plan in force; nothing to measure it against)
+            raise ValueError(
+                f"offload_activations=PlannedActivations(): the micro-batch is measured at the first block's input, "
+                f"but {type(first).__name__ if first is None else tuple(first.shape)} is not a (micro-batch, sequence, "
+                f"{d}) tensor; declare the shape: PlannedActivations(micro_batch=..., seq_len=...)")
+        micro_batch = int(first.shape[0])
+        tokens = first.numel() // d
+        if tokens <= self.tokens:
+            return None
+        return self.plan(micro_batch, max(1, tokens // micro_batch), False)
+
+    def after_forward(self, moved: list[int]) -> Optional[Placed]:
+        """A forward ended having moved these blocks' saved bytes. Blocks not checkpointed, first
+        measurement (every block moved): the plan with it, for the next forward; else None."""
+        if self.wanted.checkpointed or self._per_token is not None or not moved or not self.tokens:
+            return None
+        micro_batch, seq_len = self._shape_now
+        self._per_token = max(moved) / (micro_batch * seq_len)
+        return self.plan(micro_batch, seq_len, self.wanted.micro_batch is not None)
