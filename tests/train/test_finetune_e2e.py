@@ -5,13 +5,16 @@
   export loads with ``transformers``;
 - SIGKILL of a rank mid-step: the survivor exits 3 with a clear message within the
   collective timeout; the restart (configured by an equivalent DeepSpeed config) resumes;
-- ``torchrun --max-restarts 1``: a rank killed mid-step, torchrun restarts the job, which
-  resumes by itself and finishes with the same parameters.
+- ``torchrun --max-restarts 1`` with ``--redundancy peer``: a rank killed mid-step, torchrun
+  restarts the job, which resumes by itself from the memory tiers (the step the disk does not
+  hold, no disk read) and finishes with the same parameters.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import uuid
 
 import pytest
 import torch
@@ -86,10 +89,24 @@ def test_dead_rank_stops_survivor_then_restart_resumes(ws, reference, tmp_path):
     assert fh.bitwise_diff(fh.exported(out), reference) == []
 
 
-def test_torchrun_max_restarts_resumes_after_a_crash(ws, reference):
+def test_torchrun_max_restarts_resumes_from_memory_after_a_crash(ws, reference):
+    """With ``--redundancy peer`` the restarted job resumes from the memory tiers a step the disk
+    does not hold (its newest is 6; rank 0 dies in step 9, after ``memory_checkpoint(8)`` waited
+    for commit 7's thread, so 7 is covered and 8 may be: Note [peer memory tier]), reading no
+    disk byte, and ends as the uninterrupted run (equal to the disk resumes above, bit for bit);
+    the completed run gives its tier's memory back."""
     out = ws.out("restarted")
-    proc = fh.torchrun(ws, out, fault="sigkill@0:8", torchrun_args=["--max-restarts", "1"])
-    assert proc.returncode == 0, fh.describe(proc)
-    summary = _summary(out)
-    assert summary["status"] == "completed" and summary["resumed_from"].endswith("step-00000006"), summary
-    assert fh.bitwise_diff(fh.exported(out), reference) == []
+    tier = f"/dev/shm/zeroshard-test-{uuid.uuid4().hex[:10]}"
+    try:
+        proc = fh.torchrun(ws, out, extra=["--redundancy", "peer", "--redundancy-path", tier],
+                           fault="sigkill@0:9", torchrun_args=["--max-restarts", "1"])
+        assert proc.returncode == 0, fh.describe(proc)
+        summary = _summary(out)
+        assert summary["status"] == "completed" and summary["resumed_from"] == f"memory:{tier}", summary
+        assert summary["start_step"] in (7, 8), summary
+        assert f"at step {summary['start_step']} (memory tiers, 0 disk bytes read)" in proc.stdout + proc.stderr, \
+            fh.describe(proc)
+        assert fh.bitwise_diff(fh.exported(out), reference) == []
+        assert not os.path.exists(tier), "a completed run leaves its memory tier in /dev/shm"
+    finally:
+        shutil.rmtree(tier, ignore_errors=True)

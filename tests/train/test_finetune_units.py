@@ -219,6 +219,40 @@ def test_command_line_options_validate_and_translate(tmp_path):
     assert FinetuneConfig(data="d", output_dir="o", model="m").explicit == frozenset()
 
 
+def test_redundancy_flag_validates_and_reaches_the_optimizer(tmp_path):
+    """``--redundancy peer`` (issue 45): a bad value or a refused combination names the fix at
+    parse time; the flag becomes ``ZeroOptimizer(redundancy=PeerRedundancy(...))`` through
+    ``initialize``, with a run id of the output directory; an NVMe DeepSpeed file is refused
+    at construction (every rank builds the optimizer)."""
+    import zeroshard
+    from zeroshard.train.initialize_from_config import initialize
+    base = ["--data", "x.txt", "--output-dir", str(tmp_path), "--model-config", "c.json"]
+    with pytest.raises(SystemExit):  # argparse's choices
+        parse(base + ["--redundancy", "buddy"])
+    with pytest.raises(ValueError, match="--redundancy='buddy': use one of"):
+        FinetuneConfig(data="d", output_dir="o", model="m", redundancy="buddy")
+    with pytest.raises(ValueError, match="--redundancy-every=0 must be a positive integer"):
+        parse(base + ["--redundancy", "peer", "--redundancy-every", "0"])
+    with pytest.raises(ValueError, match="add --redundancy peer, or drop them"):
+        parse(base + ["--redundancy-every", "2"])
+    with pytest.raises(ValueError, match="does not combine with --offload-optimizer nvme"):
+        parse(base + ["--redundancy", "peer", "--offload-optimizer", "nvme", "--nvme-path", str(tmp_path)])
+    assert parse(base).peer_redundancy() is None
+    cfg = parse(base + ["--redundancy", "peer", "--redundancy-every", "3", "--redundancy-path", str(tmp_path / "t")])
+    peer = cfg.peer_redundancy()
+    assert (peer.every, peer.root) == (3, str(tmp_path / "t")) and peer.run_id.startswith("finetune-")
+    assert parse(["--data", "y", "--output-dir", str(tmp_path / "other"), "--model-config", "c"] +
+                 ["--redundancy", "peer"]).peer_redundancy().run_id != peer.run_id
+    model = torch.nn.Linear(4, 4)
+    opt = initialize(model, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, redundancy=peer).optimizer
+    assert opt.engine.memory_tier is not None and opt.engine.memory_tier.root == str(tmp_path / "t")
+    opt.close()
+    nvme = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    with pytest.raises(ValueError, match="redundancy='peer' .* does not combine with NVMe offload"):
+        initialize(torch.nn.Linear(4, 4), nvme, redundancy=zeroshard.PeerRedundancy(path=str(tmp_path / "n")))
+
+
 def test_text_blocks_from_jsonl_with_byte_fallback(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps({"body": t}) for t in ("héllo world", "second doc")) + "\n")

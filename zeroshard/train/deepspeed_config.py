@@ -79,7 +79,7 @@ _SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 OVERRIDES = ("stage", "offload_optimizer", "offload_params", "nvme_path", "mixed_precision", "bucket_size_mb",
              "reduce_dtype", "optimizer", "lr", "weight_decay", "betas", "eps", "momentum",
              "gradient_clipping", "gradient_accumulation_steps", "micro_batch_size", "train_batch_size",
-             "total_num_steps", "warmup_num_steps", "warmup_min_lr", "scheduler")
+             "total_num_steps", "warmup_num_steps", "warmup_min_lr", "scheduler", "redundancy")
 """Keyword overrides of ``zeroshard.initialize``: they win over the config and fill its "auto"s."""
 PLACEHOLDER = "auto"
 """A config value the Hugging Face Trainer fills in (resolved by ``_Reader.get``); not an offload kind."""
@@ -464,6 +464,8 @@ def translate(config: Union[None, str, os.PathLike, Mapping], world_size: int = 
     zero = {**_zero(r, precision), "mixed_precision": precision, **scaler}
     zeropp, hpz_size = zeropp_options(r.get, r.used.discard, world_size, zero["stage"])
     zero.update(zeropp)
+    if overrides.get("redundancy") is not None:  # (no DeepSpeed key: zeroshard's own, checked by ZeroConfig)
+        zero["redundancy"] = overrides["redundancy"]
     comm_dtype = r.get("communication_data_type", None, override="reduce_dtype")
     if comm_dtype is not None:
         names = {"fp32": None, "float32": None, "fp16": "fp16", "float16": "fp16", "bf16": "bf16", "bfloat16": "bf16"}

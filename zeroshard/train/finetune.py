@@ -15,6 +15,7 @@ import argparse
 import datetime
 import faulthandler
 import os
+import shutil
 import traceback
 from typing import Any, Optional, Sequence
 
@@ -24,6 +25,7 @@ import torch.distributed as dist
 import zeroshard
 from zeroshard.cli import Command, add_debug_flag, one_line_usage, report_error
 from zeroshard.data import ResumableSampler
+from zeroshard.optim.zero_optimizer import ZeroOptimizer
 from zeroshard.train import faults
 from zeroshard.train.finetune_config import FinetuneConfig, add_arguments
 from zeroshard.train.failures import (EXIT_PEER_FAILURE, StepWatchdog, end_process, exit_now, is_peer_failure,
@@ -61,6 +63,19 @@ def setup_distributed(timeout_s: float) -> torch.device:
     return device
 
 
+def release_memory_tier(opt: ZeroOptimizer) -> None:
+    """Removes this node's memory tier of a completed run (``--redundancy peer``): it holds two
+    steps of every local rank's state in tmpfs, which outlives the processes."""
+    tier = opt.engine.memory_tier
+    if tier is None:
+        return
+    tier.wait()
+    if dist.is_initialized():
+        dist.barrier()  # (every rank's commit thread is done with its slots and its buddy's)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        shutil.rmtree(tier.root, ignore_errors=True)
+
+
 def _hf_loss(device: torch.device):
     def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
         ids = batch[0].to(device, non_blocking=True).long()  # blocks are int32 (text_data)
@@ -92,7 +107,7 @@ def train(cfg: FinetuneConfig) -> int:
             model.to(device)
         ds = cfg.deepspeed if cfg.deepspeed else cfg.as_deepspeed()
         overrides = cfg.overrides() if cfg.deepspeed else {}
-        result = initialize(model, ds, auto=cfg.auto_values(), **overrides)
+        result = initialize(model, ds, auto=cfg.auto_values(), redundancy=cfg.peer_redundancy(), **overrides)
         model, opt, sched = result
         plan = result.plan
         finish_weights(model, source, cfg.seed)
@@ -133,6 +148,8 @@ def train(cfg: FinetuneConfig) -> int:
             if loop.watchdog is not None:
                 loop.watchdog.stop()
         progress.log(f"model state on rank {rank}: {opt.memory_report()}", echo=True)
+        if status == "completed":  # the disk holds the last step: the tier's node memory is given back
+            release_memory_tier(opt)
         if status == "completed" and cfg.export:
             out = cfg.export_dir or os.path.join(cfg.output_dir, "hf")
             if cfg.uses_lora:  # (collectives: the checkpoints hold only the adapters)

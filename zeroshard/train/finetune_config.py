@@ -8,6 +8,7 @@ dict (``as_deepspeed``), so a run configured by flags and a run configured by
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -15,11 +16,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Sequence
 
 from zeroshard.config import Placement, check_offload
+from zeroshard.resilience.redundancy_options import PeerRedundancy
 
 _SCHEDULES = ("constant", "linear", "cosine")
 _PRECISIONS = ("fp32", "bf16", "fp16")
 _OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "muon": "Muon", "adafactor": "Adafactor"}
 _OFFLOAD = ("none", "cpu", "nvme")
+_REDUNDANCY = ("none", "peer")
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 """Data files read as JSON documents (``--text-field`` names their text); others are plain text."""
 LORA_R_MAX = 65536
@@ -91,6 +94,13 @@ class FinetuneConfig:
     peft_config: Optional[str] = None
     """A JSON file of ``peft.LoraConfig`` arguments (e.g. an ``adapter_config.json``) instead of the --lora-* flags
     (its ``inference_mode``, which PEFT writes as true, is ignored: the adapters train)."""
+    redundancy: str = "none"
+    """none | peer: commit every step's state to node-local shared memory with a replica on a
+    buddy rank; a restart resumes from memory (Note [peer memory tier] in zeroshard/resilience/memory_tier.py)."""
+    redundancy_every: int = 1
+    """With ``redundancy`` peer: commit every this many steps."""
+    redundancy_path: Optional[str] = None
+    """With ``redundancy`` peer: the tier's tmpfs directory (default ``/dev/shm/zeroshard-<run id>``)."""
     explicit: frozenset = field(default_factory=frozenset)
     """Names of the options given on the command line (for precedence over ``deepspeed``)."""
 
@@ -151,6 +161,33 @@ class FinetuneConfig:
             raise ValueError(f"--stage {self.stage} --offload-optimizer {self.offload_optimizer} --offload-params "
                              f"{self.offload_params}: {exc}") from None
         self._check_lora()
+        self._check_redundancy()
+
+    def _check_redundancy(self) -> None:
+        if self.redundancy not in _REDUNDANCY:
+            raise ValueError(f"--redundancy={self.redundancy!r}: use one of {_REDUNDANCY} (peer: each step's state "
+                             "in node memory, a restart resumes from it)")
+        every = self.redundancy_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"--redundancy-every={every!r} must be a positive integer (1: every step)")
+        if self.redundancy == "none" and ("redundancy_every" in self.explicit or self.redundancy_path is not None):
+            raise ValueError("--redundancy-every/--redundancy-path configure the memory tier: add --redundancy peer, "
+                             "or drop them")
+        if self.redundancy == "peer" and (self.placement.state_swapped or self.placement.params_swapped):
+            raise ValueError(f"--redundancy peer keeps the training state in memory; it does not combine with "
+                             f"--offload-optimizer {self.offload_optimizer} --offload-params {self.offload_params} "
+                             "(NVMe: the state streams from files): use cpu offload or drop --redundancy peer")
+        if self.redundancy_path is not None and (not isinstance(self.redundancy_path, str) or not self.redundancy_path):
+            raise ValueError(f"--redundancy-path={self.redundancy_path!r} must be a directory (a tmpfs, e.g. /dev/shm/run1)")
+
+    def peer_redundancy(self) -> Optional[PeerRedundancy]:
+        """The ZeroOptimizer's ``redundancy=`` of this run (None: off). The run id names the output
+        directory, so a rerun of this command finds its own tier and another run's is refused
+        (two runs on one node under torchrun's default ``--rdzv-id`` would otherwise share one)."""
+        if self.redundancy != "peer":
+            return None
+        run = hashlib.sha256(os.path.realpath(self.output_dir).encode()).hexdigest()[:16]
+        return PeerRedundancy(path=self.redundancy_path, every=self.redundancy_every, run_id=f"finetune-{run}")
 
     def _check_lora(self) -> None:
         if isinstance(self.lora_r, bool) or not isinstance(self.lora_r, int) or not 0 <= self.lora_r <= LORA_R_MAX:
@@ -316,6 +353,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--lora-dropout", type=float, help="dropout on the adapters' input (default 0)")
     a("--peft-config", help="JSON file of peft.LoraConfig arguments, e.g. an adapter_config.json PEFT wrote (its "
                            "inference_mode is ignored: the adapters train)")
+    a("--redundancy", choices=_REDUNDANCY,
+      help="peer: keep each step's training state in node-local /dev/shm plus a buddy rank's copy, so a run "
+           "restarted after a lost rank (torchrun --max-restarts) resumes from memory, not the disk (default none)")
+    a("--redundancy-every", type=int, help="with --redundancy peer: commit every K steps (default 1)")
+    a("--redundancy-path", help="with --redundancy peer: the tier's tmpfs directory (default "
+                                "/dev/shm/zeroshard-finetune-<hash of --output-dir>)")
     a("--deepspeed", "--ds-config", dest="deepspeed",
       help="DeepSpeed JSON config (zero_optimization, optimizer, scheduler, fp16/bf16, batch); flags override it")
 

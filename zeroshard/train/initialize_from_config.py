@@ -115,7 +115,8 @@ def initialize(model: nn.Module, config: Union[None, str, os.PathLike, Mapping] 
     ``stage, offload_optimizer, offload_params, nvme_path, mixed_precision, bucket_size_mb,
     reduce_dtype, optimizer`` (a class), ``lr, weight_decay, betas, eps, momentum,
     gradient_clipping, gradient_accumulation_steps, micro_batch_size, train_batch_size,
-    total_num_steps, warmup_num_steps, warmup_min_lr, scheduler`` (a schedule name).
+    total_num_steps, warmup_num_steps, warmup_min_lr, scheduler`` (a schedule name), ``redundancy``
+    (``"peer"`` or a ``zeroshard.PeerRedundancy``: the memory tier, no DeepSpeed key).
     ``auto``: values by the same names that only fill the config's "auto" entries.
     """
     if not isinstance(model, nn.Module):

@@ -8,7 +8,9 @@ so a preempted run and an uninterrupted one go through the same states.
 
 The step boundary costs one collective of two numbers: the preemption flag and this
 rank's loss (``PreemptionHandler.agree``), so every rank agrees on stopping and the logged
-loss is the mean over ranks.
+loss is the mean over ranks. With ``redundancy="peer"`` (``zeroshard finetune --redundancy
+peer``) every step is then committed to the memory tier (``memory_checkpoint``), a preemption
+hands off before its save, and ``resume()`` loads from the tiers when they are at least as new.
 """
 from __future__ import annotations
 
@@ -86,7 +88,9 @@ class TrainLoop:
         changed = {k: (saved.get(k), v) for k, v in self.extra.items() if k in saved and saved[k] != v}
         if changed:  # allowed (e.g. a new world size), but the run is then not the same run
             self.progress.log(f"resuming with changed settings (saved, now): {changed}", echo=True)
-        self.progress.log(f"resumed from {info['path']} at step {self.step}"
+        source = (f" (memory tiers, {info.get('bytes_read', 0)} disk bytes read)" if info.get("source") == "memory"
+                  else "")
+        self.progress.log(f"resumed from {info['path']} at step {self.step}{source}"
                           f"{' (resharded)' if info.get('resharded') else ''}", echo=True)
         return info["path"]
 
@@ -162,6 +166,9 @@ class TrainLoop:
                 self.save(wait=True)
                 self.opt.engine.comm.barrier()
                 return "preempted"
+            if self.opt.engine.memory_tier is not None:  # the step's commit (Note [peer memory tier])
+                zeroshard.memory_checkpoint(self.step, model=self.model, optimizer=self.opt, scheduler=self.sched,
+                                            dataloader=self.sampler, extra={"run": self.extra})
             if self.step % self.s.save_interval == 0:
                 self.save()
         self.save(wait=True)
