@@ -255,6 +255,8 @@ def recover(tier: MemoryTier, model: Optional[nn.Module], opt: "ZeroOptimizer", 
     apply_phase(src, model, opt)
     src.release()
     state_restored(opt, step)
+    # ("bytes_read" is the disk's: this path opens no checkpoint file; the recovery tests count
+    # the files opened with an audit hook rather than trust this field.)
     return {"step": step, "path": f"memory:{tier.root}", "source": "memory", "extra": plan.extra, "skipped": [],
             "world_size": n, "stage": body["stage"], "resharded": n != comm.world_size or body["stage"] != opt.stage,
             "rng_restored": plan.rng is not None, "bytes_read": 0,
