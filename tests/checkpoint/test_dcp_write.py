@@ -30,9 +30,9 @@ def test_fsdp2_loads_what_zeroshard_saved_as_dcp(tmp_path):
         assert {".metadata", "zeroshard-dcp.json"} <= set(os.listdir(step_dir))
         # (sizes and CRC32s summed as torch wrote the files match the files)
         assert dcp_metadata.verify(step_dir, full=True) is None
-    saved = torch.load(str(tmp_path / "zs" / "res.pt"))
+    saved = torch.load(str(tmp_path / "zs" / "res.pt"), weights_only=True)
     run_ranks(dcp_worker.fsdp_load, 2, tmp_path / "fsdp", paths)
-    for (_, stage, _), want, got in zip(runs, saved, torch.load(str(tmp_path / "fsdp" / "res.pt"))):
+    for (_, stage, _), want, got in zip(runs, saved, torch.load(str(tmp_path / "fsdp" / "res.pt"), weights_only=True)):
         assert_same(got["loaded"], {k: v.reshape(got["loaded"][k].shape) for k, v in want["saved"].items()},
                     f"FSDP2's state loaded from zeroshard's stage-{stage} DCP checkpoint")
         assert got["lr"] == want["lr"] and got["step"] == STEPS
@@ -65,9 +65,9 @@ def test_a_committed_dcp_step_cut_short_is_passed_over(tmp_path):
     data = os.path.join(str(out / "root"), "step-00000002", "__0_0.distcp")
     os.truncate(data, os.path.getsize(data) - 1)
     run_ranks(dcp_worker.zs_load_roots, 1, tmp_path, [str(out / "root")])
-    got = torch.load(str(tmp_path / "res.pt"))[0]
+    got = torch.load(str(tmp_path / "res.pt"), weights_only=True)[0]
     assert got["step"] == 1 and got["path"].endswith("step-00000001"), got["path"]
-    assert_same(got["weights"], torch.load(str(out / "res.expect")), "weights loaded past a damaged step")
+    assert_same(got["weights"], torch.load(str(out / "res.expect"), weights_only=True), "weights loaded past a damaged step")
 
 
 def test_save_format_is_checked_by_name(tmp_path):

@@ -18,6 +18,7 @@ import math
 import os
 import shutil
 import uuid
+import warnings
 from typing import TYPE_CHECKING, Callable, Optional, cast
 
 import torch
@@ -183,7 +184,8 @@ def state_dict(model: Optional[nn.Module], opt: "ZeroOptimizer", step: int, sche
 
 
 def save_dcp(root: str, step: int, model: Optional[nn.Module], opt: "ZeroOptimizer", scheduler: "Optional[Stateful]",
-             dataloader: "Optional[Stateful]", extra: object, async_save: bool = False) -> PendingSave:
+             dataloader: "Optional[Stateful]", extra: object, async_save: bool = False,
+             keep_last: Optional[int] = None) -> PendingSave:
     """Writes ``root/step-NNNNNNNN`` as a DCP checkpoint (a collective). Asynchronous: the
     state is captured now (the small state as values, the tensors by reference), then the
     saver's background thread copies the tensors into its staging buffers (the optimizer's
@@ -223,10 +225,10 @@ def save_dcp(root: str, step: int, model: Optional[nn.Module], opt: "ZeroOptimiz
         raise CheckpointError(f"DCP checkpoint of step {step} was not saved ({errors[0] if errors else 'no directory'})"
                               "; nothing was committed: the previous checkpoint is intact")
     if not async_save:
-        return PendingSave(saver._SAVER, _write(sd, tmp, final, step, comm))
+        return PendingSave(saver._SAVER, _write(sd, tmp, final, step, comm, keep_last))
     streamed = any(isinstance(f, Deferred) for part in sd.values() if isinstance(part, dict)
                    for v in part.values() if isinstance(v, Pieces) for f in v.flats)
-    return saver._SAVER.background(opt, lambda: _stage(sd), lambda: _write(sd, tmp, final, step, comm), streamed)
+    return saver._SAVER.background(opt, lambda: _stage(sd), lambda: _write(sd, tmp, final, step, comm, keep_last), streamed)
 
 
 def write_state(root: str, step: int, sd: dict) -> str:
@@ -258,7 +260,7 @@ def _stage(sd: dict) -> None:
     saver._SAVER.drop_unused(used, lambda key: key.startswith("dcp|"))
 
 
-def _write(sd: dict, tmp: str, final: str, step: int, comm: "Comm") -> str:
+def _write(sd: dict, tmp: str, final: str, step: int, comm: "Comm", keep_last: Optional[int] = None) -> str:
     """torch's DCP writer, the checksums and the commit; returns the step directory."""
     error, sums = None, {}
     try:
@@ -276,7 +278,7 @@ def _write(sd: dict, tmp: str, final: str, step: int, comm: "Comm") -> str:
     errors = [e for e, _ in gathered if e]
     if not errors and comm.rank == 0:
         try:
-            _seal(tmp, final, step, {n: v for _, part in gathered for n, v in part.items()})
+            _seal(tmp, final, step, {n: v for _, part in gathered for n, v in part.items()}, keep_last)
         except Exception as exc:  # noqa: BLE001 - the other ranks wait for the verdict below
             errors = [f"rank 0: {type(exc).__name__}: {exc}"]
     errors = cast(list, comm.broadcast_object(errors))
@@ -288,8 +290,9 @@ def _write(sd: dict, tmp: str, final: str, step: int, comm: "Comm") -> str:
     return final
 
 
-def _seal(tmp: str, final: str, step: int, files: dict[str, dict[str, int]]) -> None:
-    """Rank 0, after torch wrote ``.metadata``: the checksum file, then the commit (rename)."""
+def _seal(tmp: str, final: str, step: int, files: dict[str, dict[str, int]], keep_last: Optional[int]) -> None:
+    """Rank 0, after torch wrote ``.metadata``: the checksum file, then the commit (rename),
+    then ``keep_last`` rotation (Note [retention across formats] in commit.py)."""
     if dcp_metadata.METADATA not in files:
         raise CheckpointError(f"{tmp}: torch wrote no {dcp_metadata.METADATA}")
     with open(os.path.join(tmp, dcp_metadata.CHECKSUMS), "w") as f:
@@ -305,3 +308,9 @@ def _seal(tmp: str, final: str, step: int, files: dict[str, dict[str, int]]) -> 
         shutil.rmtree(trash, ignore_errors=True)
     os.rename(tmp, final)
     commit._fsync_dir(os.path.dirname(final))
+    if keep_last is not None:  # (after the commit: a failure here leaves the new step saved)
+        try:
+            commit.rotate(os.path.dirname(final), keep_last, keep=os.path.basename(final))
+        except OSError as exc:
+            warnings.warn(f"DCP checkpoint of step {step} was committed to {final}, but rotating out older steps "
+                          f"failed ({exc}); older steps may remain on disk", RuntimeWarning, stacklevel=2)
