@@ -19,7 +19,7 @@ STEPS = 3
 def fsdp_checkpoint(tmp_path_factory):
     d = tmp_path_factory.mktemp("fsdp")
     run_ranks(dcp_worker.fsdp_run, 2, d, str(d / "ck"), STEPS)
-    return str(d / "ck"), torch.load(str(d / "res.pt"))
+    return str(d / "ck"), torch.load(str(d / "res.pt"), weights_only=True)
 
 
 def _flat(full: tuple) -> dict[str, torch.Tensor]:
@@ -31,7 +31,7 @@ def _flat(full: tuple) -> dict[str, torch.Tensor]:
 def test_zeroshard_resumes_fsdp2_dcp(fsdp_checkpoint, tmp_path, world, stage):
     ck, ref = fsdp_checkpoint
     res = run_ranks(dcp_worker.zs_resume, world, tmp_path, ck, stage, STEPS)
-    got = torch.load(str(tmp_path / "res.pt"))
+    got = torch.load(str(tmp_path / "res.pt"), weights_only=True)
     assert [r["step"] for r in res] == [STEPS] * world and res[0]["format"] == "dcp"
     want = _flat(ref["saved"])
     loaded = {k: v.reshape(want[k].shape) for k, v in got["loaded"].items()}
@@ -68,7 +68,7 @@ def test_torchtitan_style_get_and_set_state_dict_on_a_zero_optimizer(fsdp_checkp
     world 2), a step, dcp.save and a fresh optimizer loading that back."""
     ck, ref = fsdp_checkpoint
     run_ranks(dcp_worker.zs_torch_api, 2, tmp_path, ck, str(tmp_path / "again"), 3, STEPS)
-    got = torch.load(str(tmp_path / "res.pt"))
+    got = torch.load(str(tmp_path / "res.pt"), weights_only=True)
     want = _flat(ref["saved"])
     assert_same({k: v.reshape(want[k].shape) for k, v in got["loaded"].items()}, want, "state after dcp.load")
     assert got["lr"] == ref["lr"]
@@ -86,6 +86,6 @@ def test_convert_dcp_both_ways(fsdp_checkpoint, tmp_path):
     assert os.path.isfile(os.path.join(str(tmp_path / "native"), "step-00000003", "manifest.json"))
     assert os.path.isfile(os.path.join(str(tmp_path / "dcp"), "step-00000003", ".metadata"))
     want = _flat(ref["saved"])
-    for fmt, got in zip(("native", "dcp"), torch.load(str(tmp_path / "res.pt"))):
+    for fmt, got in zip(("native", "dcp"), torch.load(str(tmp_path / "res.pt"), weights_only=True)):
         assert_same({k: v.reshape(want[k].shape) for k, v in got["state"].items()}, want, f"state from {fmt}")
         assert got["lr"] == ref["lr"] and got["step"] == STEPS, (fmt, got["lr"], got["step"])

@@ -17,25 +17,35 @@ STEPS = 2
 
 
 def test_fsdp2_loads_what_zeroshard_saved_as_dcp(tmp_path):
-    """zeroshard at world 4, stage 3 and stage 2 with its optimizer state in NVMe swap files,
-    saves; FSDP2 at world 2 loads each."""
+    """zeroshard at world 4, stage 3, stage 2 with its optimizer state in NVMe swap files, and
+    stage 3 on a (replicate 2 x shard 2) hybrid mesh, saves; FSDP2 at world 2 loads each, and a
+    hybrid-mesh optimizer loads the hybrid save (Note [DCP under hybrid sharding])."""
     (tmp_path / "zs").mkdir()
     (tmp_path / "fsdp").mkdir()
     (tmp_path / "swap").mkdir()
-    runs = [(str(tmp_path / "s3"), 3, None), (str(tmp_path / "s2"), 2, str(tmp_path / "swap"))]
+    runs = [(str(tmp_path / "s3"), 3, None, False), (str(tmp_path / "s2"), 2, str(tmp_path / "swap"), False),
+            (str(tmp_path / "hybrid"), 3, None, True)]
     res = run_ranks(dcp_worker.zs_save, 4, tmp_path / "zs", runs, STEPS)
     paths = res[0]["paths"]
-    for (root, _, _), step_dir in zip(runs, paths):
+    for (root, _, _, _), step_dir in zip(runs, paths):
         assert sorted(os.listdir(root)) == [os.path.basename(step_dir)]  # (no .tmp- left)
         assert {".metadata", "zeroshard-dcp.json"} <= set(os.listdir(step_dir))
         # (sizes and CRC32s summed as torch wrote the files match the files)
         assert dcp_metadata.verify(step_dir, full=True) is None
-    saved = torch.load(str(tmp_path / "zs" / "res.pt"))
+    saved = torch.load(str(tmp_path / "zs" / "res.pt"), weights_only=True)
     run_ranks(dcp_worker.fsdp_load, 2, tmp_path / "fsdp", paths)
-    for (_, stage, _), want, got in zip(runs, saved, torch.load(str(tmp_path / "fsdp" / "res.pt"))):
+    for (_, stage, _, hybrid), want, got in zip(runs, saved, torch.load(str(tmp_path / "fsdp" / "res.pt"),
+                                                                         weights_only=True)):
         assert_same(got["loaded"], {k: v.reshape(got["loaded"][k].shape) for k, v in want["saved"].items()},
-                    f"FSDP2's state loaded from zeroshard's stage-{stage} DCP checkpoint")
+                    f"FSDP2's state loaded from zeroshard's stage-{stage} {'hybrid ' * hybrid}DCP checkpoint")
         assert got["lr"] == want["lr"] and got["step"] == STEPS
+    # (hybrid: the first replica's shard group wrote each chunk once; a hybrid-mesh optimizer loads it back)
+    assert {n for n in os.listdir(paths[2]) if n.endswith(".distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    want = saved[2]["saved"]  # (Adam's step comes back 1-element, as from any DCP load: test_dcp_read)
+    for replica, loaded in enumerate((saved[2]["loaded"], torch.load(str(tmp_path / "zs" / "res.replica1.pt"),
+                                                                      weights_only=True))):
+        assert_same({k: v.reshape(want[k].shape) for k, v in loaded.items()}, want,
+                    f"replica {replica} of a hybrid-mesh ZeroOptimizer loading a hybrid DCP save")
 
 
 CHUNKS = (1, 2, 3, 4, 5, 6, 7, 9, 12, 15, 18, 21, 24)
@@ -65,9 +75,9 @@ def test_a_committed_dcp_step_cut_short_is_passed_over(tmp_path):
     data = os.path.join(str(out / "root"), "step-00000002", "__0_0.distcp")
     os.truncate(data, os.path.getsize(data) - 1)
     run_ranks(dcp_worker.zs_load_roots, 1, tmp_path, [str(out / "root")])
-    got = torch.load(str(tmp_path / "res.pt"))[0]
+    got = torch.load(str(tmp_path / "res.pt"), weights_only=True)[0]
     assert got["step"] == 1 and got["path"].endswith("step-00000001"), got["path"]
-    assert_same(got["weights"], torch.load(str(out / "res.expect")), "weights loaded past a damaged step")
+    assert_same(got["weights"], torch.load(str(out / "res.expect"), weights_only=True), "weights loaded past a damaged step")
 
 
 def test_save_format_is_checked_by_name(tmp_path):

@@ -159,19 +159,36 @@ def fsdp_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.
     return {**msd, **{k: v for k, v in osd.items() if isinstance(v, torch.Tensor)}}
 
 
-def zs_save(rank: int, world: int, out: str, runs: list[tuple[str, int, Optional[str]]], steps: int) -> None:
-    """For each (root, stage, NVMe directory or None): zeroshard trains and saves
-    ``format="dcp"``; rank 0 writes the whole state each saved."""
+def _hybrid_mesh() -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def zs_save(rank: int, world: int, out: str, runs: list[tuple[str, int, Optional[str], bool]], steps: int) -> None:
+    """For each (root, stage, NVMe directory or None, hybrid): zeroshard trains and saves
+    ``format="dcp"`` (hybrid: on a (replicate 2 x shard 2) mesh, then a fresh optimizer on the
+    mesh loads it back); rank 0 writes the whole state each saved (and loaded)."""
     saved, paths = [], []
-    for root, stage, nvme in runs:
+    for root, stage, nvme, hybrid in runs:
         torch.manual_seed(0)
         model = DcpNet()
         offload = {"offload_optimizer": "nvme", "nvme_path": nvme} if nvme else {}
-        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, stage=stage, **offload)
+        mesh = {"mesh": _hybrid_mesh()} if hybrid else {}
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, stage=stage, **offload,
+                                      **mesh)
         sched = _train(model, opt, steps, rank, world)
         paths.append(zeroshard.save_checkpoint(root, steps, model=model, optimizer=opt, scheduler=sched,
                                                format="dcp").wait())
         saved.append({"saved": zs_state(model, opt), "lr": sched.get_last_lr()})
+        if hybrid:
+            torch.manual_seed(1)
+            again = DcpNet()
+            opt2 = zeroshard.ZeroOptimizer(again, torch.optim.AdamW, lr=LR, stage=stage, **mesh)
+            zeroshard.load_checkpoint(root, model=again, optimizer=opt2)
+            loaded = zs_state(again, opt2)
+            saved[-1]["loaded"] = loaded
+            if rank == 2:  # (the second replica's shard group loaded its own copy: its rank 0 reports it)
+                torch.save(loaded, out + ".replica1.pt")
     if rank == 0:
         torch.save(saved, out + ".pt")
     json.dump({"paths": paths}, open(f"{out}.rank{rank}", "w"))

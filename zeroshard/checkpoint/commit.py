@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from zeroshard.checkpoint import manifest
+from zeroshard.checkpoint import dcp_metadata, manifest
 from zeroshard.checkpoint.checkpoint_errors import CheckpointError
 from zeroshard.checkpoint.locate import quick_check
 from zeroshard.checkpoint.names import committed_steps
@@ -228,14 +228,34 @@ def _set_latest(root: str, name: str) -> bool:
 
 
 def rotate(root: str, keep_last: int, keep: str) -> None:
-    """Deletes the oldest valid steps beyond ``keep_last``; never ``keep`` nor the only valid one."""
-    valid = [n for _, n in committed_steps(root) if quick_check(os.path.join(root, n)) is None]
+    """Deletes the oldest valid steps beyond ``keep_last``; never ``keep`` nor the only valid one.
+    Native and DCP steps under one root count alike (Note [retention across formats])."""
+    valid = [n for _, n in committed_steps(root) if _intact(os.path.join(root, n))]
     doomed = [n for n in valid[:max(0, len(valid) - keep_last)] if n != keep]
     for n in doomed:
         _point("rotate")
         trash = os.path.join(root, f"{n}.trash-{uuid.uuid4().hex[:12]}")
         os.rename(os.path.join(root, n), trash)
         _discard(trash)
+
+
+def _intact(step_dir: str) -> bool:
+    """A committed step a load would take: a native one passing ``quick_check``, or a DCP one
+    (a real directory holding ``.metadata``) whose checksum file matches."""
+    if dcp_metadata.is_dcp_dir(step_dir):
+        return dcp_metadata.verify(step_dir) is None
+    return quick_check(step_dir) is None
+
+
+# Note [retention across formats]
+# A root may hold native and DCP steps (a run that switched formats, or converted in place).
+# ``keep_last`` counts both kinds by step number, with the checks each loader makes before it
+# reads a step (``quick_check``; DCP: every file's size and the CRC32 of ``.metadata``). A step
+# that fails them (a save killed after the rename, a file cut short) is neither counted nor
+# deleted, so a torn newest save never pushes an older whole step out; ``*.tmp-*`` leftovers
+# of a save killed before its commit are not steps at all. Rotation runs on rank 0 after the
+# new step's rename, whichever format wrote it, and renames each doomed step to ``*.trash-*``
+# before deleting it (Note [deleting in the background]).
 
 
 # Note [deleting in the background]

@@ -18,6 +18,7 @@ import math
 import os
 import shutil
 import uuid
+import warnings
 from typing import TYPE_CHECKING, Callable, Optional, cast
 
 import torch
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from zeroshard.checkpoint import commit, dcp_metadata, jsontree, manifest, rng
+from zeroshard.checkpoint import commit, dcp_metadata, jsontree, manifest, rng, stage_merge
 from zeroshard.checkpoint.checkpoint_errors import CheckpointError
 from zeroshard.checkpoint.dcp_stream_writer import StreamingWriter, save_blob
 from zeroshard.checkpoint.dcp_summing import SummingFileSystem
@@ -183,15 +184,60 @@ def state_dict(model: Optional[nn.Module], opt: "ZeroOptimizer", step: int, sche
 
 
 def save_dcp(root: str, step: int, model: Optional[nn.Module], opt: "ZeroOptimizer", scheduler: "Optional[Stateful]",
-             dataloader: "Optional[Stateful]", extra: object, async_save: bool = False) -> PendingSave:
+             dataloader: "Optional[Stateful]", extra: object, async_save: bool = False,
+             keep_last: Optional[int] = None) -> PendingSave:
     """Writes ``root/step-NNNNNNNN`` as a DCP checkpoint (a collective). Asynchronous: the
     state is captured now (the small state as values, the tensors by reference), then the
     saver's background thread copies the tensors into its staging buffers (the optimizer's
     next step waits for that copy, as in a native async save) and writes and commits."""
     wait_checkpoint()
-    if opt.engine.tp is not None or opt.engine.replicas is not None:
-        raise ValueError("save_checkpoint(format='dcp') supports plain data parallelism (one shard group, no tensor "
-                         "parallelism); save the native format and convert with zeroshard convert-dcp")
+    if opt.engine.tp is not None or stage_merge.pipeline_of(opt) is not None:
+        raise ValueError("save_checkpoint(format='dcp') supports data parallelism (one shard group, or a hybrid "
+                         "mesh's), not tensor or pipeline parallelism; save the native format")
+    replicas = opt.engine.replicas
+    checkpoint_comm(opt)  # (its first use makes every shard group's side group: a collective of every rank)
+    if replicas is not None:
+        return _save_first_replica(replicas, root, step, model, opt, scheduler, dataloader, extra, keep_last)
+    return _save(root, step, model, opt, scheduler, dataloader, extra, async_save, keep_last)
+
+
+def _save_first_replica(replicas: Comm, root: str, step: int, model: Optional[nn.Module], opt: "ZeroOptimizer",
+                        scheduler: "Optional[Stateful]", dataloader: "Optional[Stateful]", extra: object,
+                        keep_last: Optional[int]) -> PendingSave:
+    """Hybrid sharding: the first replica's shard group writes every chunk, synchronously, while
+    the other replicas wait for its verdict (Note [DCP under hybrid sharding])."""
+    failed, handle = False, None
+    if replicas.rank == 0:
+        try:
+            handle = _save(root, step, model, opt, scheduler, dataloader, extra, False, keep_last)
+        except BaseException:
+            replicas.any_true(True)
+            raise
+    if replicas.any_true(failed):
+        raise CheckpointError(f"DCP checkpoint of step {step}: the first replica failed to save it; nothing was "
+                              "committed: the previous checkpoint is intact")
+    return handle or PendingSave(saver._SAVER, os.path.join(os.fspath(root), manifest.step_dir_name(step)))
+
+
+# Note [DCP under hybrid sharding]
+# Under a (replicate, shard) mesh every replica holds the same shards, so one copy is the
+# checkpoint: replica 0's shard group runs ``dcp.save`` on its side group (``checkpoint_comm``,
+# the native saver's), each rank writing the chunks it owns, and the other replicas wait for
+# its verdict (``replicas.any_true``), so every rank returns with the step committed or raises.
+# torch's own route would be one ``dcp.save`` over the whole world with every replica offering
+# its chunks: ``dedup_save_plans`` keeps each duplicate write item on one rank (balanced by
+# size), and the replicated bytes entries too; but the per-rank RNG and data-position keys
+# (``train_state.rng.rank{r}``) would then be world ranks, which a load under the mesh (whose
+# comm is the shard group) could not pair with its own rank. So the layout is the one a plain
+# data-parallel run of the shard group's size writes: FSDP2 loads it at any world, zeroshard
+# under the mesh (each replica reads the chunks its shard-group rank owns) or at any world.
+# The save is synchronous (as the native hybrid save): an ``async_save`` request saves at once.
+# Limits as native: the RNG states and data positions are the first replica's.
+
+
+def _save(root: str, step: int, model: Optional[nn.Module], opt: "ZeroOptimizer", scheduler: "Optional[Stateful]",
+          dataloader: "Optional[Stateful]", extra: object, async_save: bool, keep_last: Optional[int]) -> PendingSave:
+    """``save_dcp`` on the ranks that write (one shard group)."""
     comm = checkpoint_comm(opt)
     final = os.path.join(os.fspath(root), manifest.step_dir_name(step))
     # One collective before the write (an async save's stall): rank 0's new directory and
@@ -223,10 +269,10 @@ def save_dcp(root: str, step: int, model: Optional[nn.Module], opt: "ZeroOptimiz
         raise CheckpointError(f"DCP checkpoint of step {step} was not saved ({errors[0] if errors else 'no directory'})"
                               "; nothing was committed: the previous checkpoint is intact")
     if not async_save:
-        return PendingSave(saver._SAVER, _write(sd, tmp, final, step, comm))
+        return PendingSave(saver._SAVER, _write(sd, tmp, final, step, comm, keep_last))
     streamed = any(isinstance(f, Deferred) for part in sd.values() if isinstance(part, dict)
                    for v in part.values() if isinstance(v, Pieces) for f in v.flats)
-    return saver._SAVER.background(opt, lambda: _stage(sd), lambda: _write(sd, tmp, final, step, comm), streamed)
+    return saver._SAVER.background(opt, lambda: _stage(sd), lambda: _write(sd, tmp, final, step, comm, keep_last), streamed)
 
 
 def write_state(root: str, step: int, sd: dict) -> str:
@@ -258,7 +304,7 @@ def _stage(sd: dict) -> None:
     saver._SAVER.drop_unused(used, lambda key: key.startswith("dcp|"))
 
 
-def _write(sd: dict, tmp: str, final: str, step: int, comm: "Comm") -> str:
+def _write(sd: dict, tmp: str, final: str, step: int, comm: "Comm", keep_last: Optional[int] = None) -> str:
     """torch's DCP writer, the checksums and the commit; returns the step directory."""
     error, sums = None, {}
     try:
@@ -276,7 +322,7 @@ def _write(sd: dict, tmp: str, final: str, step: int, comm: "Comm") -> str:
     errors = [e for e, _ in gathered if e]
     if not errors and comm.rank == 0:
         try:
-            _seal(tmp, final, step, {n: v for _, part in gathered for n, v in part.items()})
+            _seal(tmp, final, step, {n: v for _, part in gathered for n, v in part.items()}, keep_last)
         except Exception as exc:  # noqa: BLE001 - the other ranks wait for the verdict below
             errors = [f"rank 0: {type(exc).__name__}: {exc}"]
     errors = cast(list, comm.broadcast_object(errors))
@@ -288,8 +334,9 @@ def _write(sd: dict, tmp: str, final: str, step: int, comm: "Comm") -> str:
     return final
 
 
-def _seal(tmp: str, final: str, step: int, files: dict[str, dict[str, int]]) -> None:
-    """Rank 0, after torch wrote ``.metadata``: the checksum file, then the commit (rename)."""
+def _seal(tmp: str, final: str, step: int, files: dict[str, dict[str, int]], keep_last: Optional[int]) -> None:
+    """Rank 0, after torch wrote ``.metadata``: the checksum file, then the commit (rename),
+    then ``keep_last`` rotation (Note [retention across formats] in commit.py)."""
     if dcp_metadata.METADATA not in files:
         raise CheckpointError(f"{tmp}: torch wrote no {dcp_metadata.METADATA}")
     with open(os.path.join(tmp, dcp_metadata.CHECKSUMS), "w") as f:
@@ -305,3 +352,9 @@ def _seal(tmp: str, final: str, step: int, files: dict[str, dict[str, int]]) -> 
         shutil.rmtree(trash, ignore_errors=True)
     os.rename(tmp, final)
     commit._fsync_dir(os.path.dirname(final))
+    if keep_last is not None:  # (after the commit: a failure here leaves the new step saved)
+        try:
+            commit.rotate(os.path.dirname(final), keep_last, keep=os.path.basename(final))
+        except OSError as exc:
+            warnings.warn(f"DCP checkpoint of step {step} was committed to {final}, but rotating out older steps "
+                          f"failed ({exc}); older steps may remain on disk", RuntimeWarning, stacklevel=2)

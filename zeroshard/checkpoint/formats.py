@@ -70,7 +70,8 @@ def save_checkpoint(root: str, step: int, *, model: Optional[nn.Module], optimiz
     """Saves the full training state as ``root/step-NNNNNNNN`` (a collective; see
     ``zeroshard.checkpoint.saver``). ``format="dcp"`` writes a torch Distributed Checkpoint in
     torchtitan's layout that FSDP2 loads with ``dcp.load`` (Note [DCP format mapping]):
-    a ZeroOptimizer's state, without rotation; ``async_save`` as for the native format."""
+    a ZeroOptimizer's state; ``async_save`` and ``keep_last`` as for the native format (the
+    retention counts native and DCP steps under ``root`` alike: Note [retention across formats])."""
     if format not in FORMATS:
         raise ValueError(f"format={format!r}: use 'native' (zeroshard's own, the default) or 'dcp' (torch "
                          "Distributed Checkpoint, for FSDP2/torchtitan)")
@@ -80,11 +81,9 @@ def save_checkpoint(root: str, step: int, *, model: Optional[nn.Module], optimiz
                                      save_frozen=save_frozen)
     if optimizer is None or not hasattr(optimizer, "engine"):
         raise TypeError(f"save_checkpoint(format='dcp') saves a ZeroOptimizer's state; got optimizer={optimizer!r}")
-    if keep_last is not None or save_frozen is False:
-        raise ValueError(f"save_checkpoint(format='dcp') keeps every step and writes frozen weights "
-                         f"(got keep_last={keep_last!r}, save_frozen={save_frozen!r}): "
-                         "leave them at their defaults, or save the native format")
-    if not isinstance(async_save, bool):
-        raise TypeError(f"async_save={async_save!r} must be True or False")
+    if save_frozen is False:
+        raise ValueError("save_checkpoint(format='dcp') writes frozen weights (got save_frozen=False): "
+                         "leave it at its default, or save the native format")
+    saver._check_arguments(root, step, keep_last, async_save)
     return dcp_write.save_dcp(os.fspath(root), step, model, optimizer, cast("Optional[Stateful]", scheduler),
-                              cast("Optional[Stateful]", dataloader), extra, async_save)
+                              cast("Optional[Stateful]", dataloader), extra, async_save, keep_last)
