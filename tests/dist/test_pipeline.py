@@ -135,11 +135,12 @@ def test_activation_offload_keeps_each_micro_batch_apart(ranks, case):
 
 
 def test_what_does_not_compose_is_refused(ranks):
-    """Stage 3 at construction; several stages per rank when the PipelineStage is built;
-    zero-bubble (split) backward at the first backward, each naming why."""
+    """Stage 3 and planned activation offload at construction; several stages per rank when the
+    PipelineStage is built; zero-bubble (split) backward at the first backward, each naming why."""
     for r in ranks[1]:
         refused = r["refused"]
         assert "stage=3 with pipeline parallelism" in refused["stage3"], refused
+        assert "PlannedActivations(...) with pipeline parallelism (2 stages)" in refused["planned_activations"], refused
         assert "num_stages=4) over a pp group of 2 ranks" in refused["interleaved"], refused
         assert "'input' backward" in refused["zero_bubble"], refused
 

@@ -321,7 +321,9 @@ def fp16_case(mesh: Any) -> dict:
 def refusals(mesh: Any) -> dict[str, str]:
     """What does not compose with pp, each refused at construction with its reason."""
     out = {}
-    for name, kwargs in {"stage3": dict(stage=3, mesh=mesh)}.items():
+    planned = dict(stage=2, mesh=mesh, offload="auto", memory_budget="1GB",
+                   offload_activations=zeroshard.PlannedActivations(micro_batch=1, seq_len=SEQ))
+    for name, kwargs in {"stage3": dict(stage=3, mesh=mesh), "planned_activations": planned}.items():
         module = StageModule(llama(), 0, LAYERS // 2)
         try:
             zeroshard.ZeroOptimizer(module, torch.optim.AdamW, lr=LR, **kwargs).close()
