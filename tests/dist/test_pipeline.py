@@ -2,8 +2,8 @@
 pipelining schedules (GPipe, 1F1B; 4 micro-batches) on a ("pp", "dp") mesh of 4 gloo ranks,
 each stage sharded by ZeroOptimizer over "dp"; parity with single-process torch.optim.AdamW
 with clipping that bites, one gradient reduction per step, the ZeRO memory formula, a
-SIGTERM-agreed save resumed bit for bit, and checkpoints that reshard to pp 1 x dp 4 and to
-one process and export to a Hugging Face directory."""
+SIGTERM-agreed save resumed bit for bit, activation offload per micro-batch, and checkpoints
+that reshard to pp 1 x dp 4 and to one process and export to a Hugging Face directory."""
 from __future__ import annotations
 
 import pytest
@@ -119,12 +119,28 @@ def test_fp16_overflow_on_one_stage_skips_the_step_everywhere(ranks):
         assert r["fp16"]["scales"] == [256.0, 128.0, 128.0, 128.0] and r["fp16"]["unchanged"], r["fp16"]
 
 
+@pytest.mark.parametrize("case", ["cpu-gpipe", "nvme-1f1b"])
+def test_activation_offload_keeps_each_micro_batch_apart(ranks, case):
+    """offload_activations on each stage's decoder layers (dropout on), several micro-batches in
+    flight: every block call of every micro-batch moved its bytes out and back, and weights and
+    Adam moments equal the same schedule's without offload bit for bit (a record handed to
+    another micro-batch's backward would change them); the NVMe files are gone after the steps."""
+    per_stage = w.LAYERS // 2
+    for r in ranks[1]:
+        got = r["activations"][case]
+        assert got["bitwise"], (case, got)
+        assert len(got["blocks"]) == per_stage and got["moved"] >= got["steps"] * w.MICRO * per_stage, got
+        assert got["bytes_out"] == got["bytes_in"] > 0 and got["bytes_out"] % w.MICRO == 0, got
+        assert got["files_left"] == [], got
+
+
 def test_what_does_not_compose_is_refused(ranks):
-    """Stage 3 at construction; several stages per rank when the PipelineStage is built;
-    zero-bubble (split) backward at the first backward, each naming why."""
+    """Stage 3 and planned activation offload at construction; several stages per rank when the
+    PipelineStage is built; zero-bubble (split) backward at the first backward, each naming why."""
     for r in ranks[1]:
         refused = r["refused"]
         assert "stage=3 with pipeline parallelism" in refused["stage3"], refused
+        assert "PlannedActivations(...) with pipeline parallelism (2 stages)" in refused["planned_activations"], refused
         assert "num_stages=4) over a pp group of 2 ranks" in refused["interleaved"], refused
         assert "'input' backward" in refused["zero_bubble"], refused
 

@@ -27,10 +27,10 @@ MAX_NORM = 0.05
 LR, WD = 1e-3, 0.1
 
 
-def llama() -> nn.Module:
+def llama(dropout: float = 0.0) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32)
+                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32, attention_dropout=dropout)
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg)
 
@@ -120,7 +120,8 @@ def tp_case(ref: dict[str, torch.Tensor]) -> dict:
 class Trainer:
     """One rank's stage of a pp x dp run: the stage module, its ZeroOptimizer and a schedule."""
 
-    def __init__(self, mesh: Any, stage: int, schedule: str, zero_stage_class: bool = True, **options: Any) -> None:
+    def __init__(self, mesh: Any, stage: int, schedule: str, zero_stage_class: bool = True, dropout: float = 0.0,
+                 **options: Any) -> None:
         from torch.distributed.pipelining import PipelineStage as TorchStage, Schedule1F1B, ScheduleGPipe
 
         from zeroshard.comm.pipeline import PipelineStage
@@ -128,7 +129,7 @@ class Trainer:
         pp, self.pp_rank = mesh["pp"].size(), mesh.get_local_rank("pp")
         self.dp, self.dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")
         per = LAYERS // pp
-        self.module = StageModule(llama(), self.pp_rank * per, (self.pp_rank + 1) * per)
+        self.module = StageModule(llama(dropout), self.pp_rank * per, (self.pp_rank + 1) * per)
         if "tp" in mesh.mesh_dim_names:
             parallelize(self.module, mesh["tp"])
         self.opt = zeroshard.ZeroOptimizer(self.module, torch.optim.AdamW, lr=LR, weight_decay=WD, stage=stage,
@@ -320,7 +321,9 @@ def fp16_case(mesh: Any) -> dict:
 def refusals(mesh: Any) -> dict[str, str]:
     """What does not compose with pp, each refused at construction with its reason."""
     out = {}
-    for name, kwargs in {"stage3": dict(stage=3, mesh=mesh)}.items():
+    planned = dict(stage=2, mesh=mesh, offload="auto", memory_budget="1GB",
+                   offload_activations=zeroshard.PlannedActivations(micro_batch=1, seq_len=SEQ))
+    for name, kwargs in {"stage3": dict(stage=3, mesh=mesh), "planned_activations": planned}.items():
         module = StageModule(llama(), 0, LAYERS // 2)
         try:
             zeroshard.ZeroOptimizer(module, torch.optim.AdamW, lr=LR, **kwargs).close()
@@ -362,6 +365,37 @@ def load_worker(rank: int, world: int, out_path: str, ckpt: str) -> None:
         json.dump(out, f)
 
 
+def activation_offload_case(mesh: Any, directory: str) -> dict[str, dict]:
+    """Each stage's decoder layers offloaded (all saved tensors: ``min_bytes=0``) to host memory
+    under GPipe and to NVMe files under 1F1B, attention dropout on: several micro-batches are
+    between their forward and backward at once, each with its own records (Note [activation
+    offload under pipeline schedules]); weights and Adam moments after a few steps against the
+    same schedule without offload, bit for bit."""
+    steps, out = 2, {}
+    for where, schedule in (("cpu", "gpipe"), ("nvme", "1f1b")):
+        states = []
+        for offload in (None, where):
+            options: dict[str, Any] = {}
+            if offload is not None:  # (one directory for every rank: each rank's files apart)
+                options = {"offload_activations": zeroshard.ActivationOffload(where=offload, min_bytes=0),
+                           **({"nvme_path": directory} if offload == "nvme" else {})}
+            t = Trainer(mesh, 2, schedule, dropout=0.1, **options)
+            for step in range(steps):
+                t.step(step)
+            states.append(full_state(t))
+            if offload is not None:
+                acts = t.opt.engine.activations
+                report = acts.report()
+                got = {"moved": acts.blocks_moved, "bytes_out": report["bytes_out_last_step"],
+                       "bytes_in": report["bytes_in_last_step"], "blocks": report["blocks"], "steps": steps,
+                       "files_left": sorted(os.listdir(acts.directory)) if acts.directory else []}
+            t.close()
+        got["bitwise"] = set(states[0]) == set(states[1]) and all(torch.equal(states[0][k], states[1][k])
+                                                                  for k in states[0])
+        out[f"{where}-{schedule}"] = got
+    return out
+
+
 OUT = ""
 
 
@@ -378,5 +412,6 @@ def worker(rank: int, world: int, out_path: str, ckpt: str) -> None:
     out["refused"] = refusals(mesh)
     out["tp"] = tp_case(ref)
     out["fp16"] = fp16_case(mesh)
+    out["activations"] = activation_offload_case(mesh, f"{ckpt}-activations")
     with open(f"{out_path}.rank{rank}", "w") as f:
         json.dump(out, f)

@@ -200,7 +200,8 @@ def assemble(owner: torch.optim.Optimizer, config: ZeroConfig, optimizer_class: 
                    for g, ig in zip(groups, inner.param_groups)]
     reducer, grad_links, grads = _build_gradients(attached, config, mesh_, sharding, precision, placement, units,
                                                   module, params, inflight)
-    activations = _build_activations(attached, config, module, mesh_.comm.rank, inflight, placement, param_dtype)
+    activations = _build_activations(attached, config, module, mesh_.comm.rank, inflight, placement, param_dtype,
+                                     mesh_.pp.stages if mesh_.pp is not None else 1)
     if activations is not None:  # (Note [activation offload under torch.compile])
         reducer.on_pass_start.append(activations.at_backward)
     module_guard, teardown = _attach(owner, attached, module, mesh_, sharding, reducer, units, all_units, inflight,
@@ -321,10 +322,16 @@ def _build_gradients(attached: construction.ConstructionRecord, config: ZeroConf
 
 def _build_activations(attached: construction.ConstructionRecord, config: ZeroConfig, module: Optional[nn.Module],
                        rank: int, inflight: StepInFlight, placement: StatePlacement,
-                       param_dtype: torch.dtype) -> Optional[ActivationOffloader]:
+                       param_dtype: torch.dtype, pipeline_stages: int = 1) -> Optional[ActivationOffloader]:
     """Activation offload's hooks on the model (Note [activation offload]), after stage 3's, so a
     block's parameters are gathered when its hooks look at them; under offload="auto" with
     ``PlannedActivations``, on the blocks the plan offloads (Note [activations under the budget])."""
+    if isinstance(config.offload_activations, PlannedActivations) and pipeline_stages > 1:
+        raise ValueError(f"offload_activations=PlannedActivations(...) with pipeline parallelism ({pipeline_stages} "
+                         "stages): the plan fits one micro-batch's activations in the budget, but a pipeline "
+                         "schedule holds several micro-batches between their forward and backward (GPipe: all of "
+                         "them), so the plan would not hold. Use offload_activations='cpu' or 'nvme' (each "
+                         "micro-batch keeps its own records; Note [activation offload under pipeline schedules])")
     if isinstance(config.offload_activations, PlannedActivations):
         offloader = _planned_activations(config, config.offload_activations, module, rank, inflight, placement, param_dtype)
         attached.removers.append(offloader.remove)  # (the hooks go with the optimizer, as below)

@@ -15,9 +15,10 @@ block's record, so a checkpointed block's input is what moves. Parameters (and v
 their storage: the flat units') are never moved, nor tensors under ``min_bytes``, nor ones
 whose bytes do not cover their memory exactly (a copy would change their strides, and
 backward's bits with them). In backward the first unpack of a record waits for it and starts
-bringing back the ``prefetch`` records before it in forward order; the end of the forward
-starts the last ones. Bytes are copied exactly, RNG is not touched (checkpointing keeps its
-own RNG state), so gradients are the same bits as without offload.
+bringing back the ``prefetch`` records before it in forward order; the start of the forward's
+backward starts the last ones (Note [activation offload under pipeline schedules]). Bytes are
+copied exactly, RNG is not touched (checkpointing keeps its own RNG state), so gradients are
+the same bits as without offload.
 
 Note [activation offload under torch.compile]: dynamo graph-breaks at the offloader's hooks
 (they take a lock and enter ``saved_tensors_hooks``), so they run eagerly between compiled
@@ -27,6 +28,17 @@ module's hooks: a graph compiled before the offloader existed (for this model, o
 instance of its class) is reused and the hooks silently never run. Each backward therefore
 checks that its forward ran the hooks (``at_backward``, on the reducer's pass start) and
 refuses with the fix (``torch._dynamo.reset()`` after building the optimizer) when it did not.
+
+Note [activation offload under pipeline schedules]: a pipeline schedule (GPipe, 1F1B; Note
+[pipeline parallelism]) runs the stage module's forward once per micro-batch, several of them
+before the first one's backward. Each forward is its own pass: its records (one per block and
+micro-batch, numbered by call) live in that forward's graph, and each saved tensor's handle
+names its record, so a backward unpacks exactly its own micro-batch's bytes whatever the order.
+The last ``prefetch`` records of a forward are brought back when its backward starts (a hook
+on the forward's output gradient), not when the forward ends: otherwise every micro-batch in
+flight would bring its last blocks back at once, long before their backward. A forward whose
+output is not one tensor that requires grad starts them at its end, as before. NVMe files are
+under the process's global rank (the dp group's rank repeats across stages).
 
 Note [activation copies on a GPU]: on CUDA the copies out run on a side stream after the
 compute stream's work so far (``wait_stream``), the source tensors are marked used there
@@ -44,6 +56,7 @@ import weakref
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -80,11 +93,11 @@ def covered_blocks(model: nn.Module, names: Optional[tuple[str, ...]]) -> dict[i
     repeated blocks."""
     qualified = {id(m): n for n, m in model.named_modules()}
     if names is None:
-        found = _repeated_blocks(model)
+        found = _repeated_blocks(model) or _keyed_blocks(model)
         if not found:
             raise ValueError(
-                f"offload_activations: {type(model).__name__} has no repeated blocks (children of a ModuleList or "
-                "Sequential of one class) to cover; name the modules: ActivationOffload(where=..., blocks=(...)) "
+                f"offload_activations: {type(model).__name__} has no repeated blocks (children of a ModuleList, "
+                "Sequential or ModuleDict of one class) to cover; name the modules: ActivationOffload(where=..., blocks=(...)) "
                 "with class names or module names from model.named_modules()")
         return {id(m): qualified[id(m)] for m in found}
     wanted = set(names)
@@ -98,6 +111,16 @@ def covered_blocks(model: nn.Module, names: Optional[tuple[str, ...]]) -> dict[i
         raise ValueError(f"ActivationOffload(blocks={list(names)}) matches no module of {type(model).__name__}; "
                          f"its module classes are {classes} (or give names from model.named_modules())")
     return out
+
+
+def _keyed_blocks(model: nn.Module) -> list[nn.Module]:
+    """The children of a ModuleDict of one class (two at least): a pipeline stage module keeps its
+    layers under their index in the full model that way (Note [pipeline parallelism])."""
+    for m in model.modules():
+        children = list(m.children()) if isinstance(m, nn.ModuleDict) else []
+        if len(children) >= 2 and len({type(c) for c in children}) == 1:
+            return children
+    return []
 
 
 def _storages(module: nn.Module) -> set[int]:
@@ -165,7 +188,9 @@ class ActivationOffloader:
 
     def _open_files(self) -> None:
         assert self.options.path is not None
-        self.directory = os.path.join(str(self.options.path), f"activations-rank{self._rank:05d}")
+        # (by the process's global rank: the group rank repeats across pipeline stages, tp and replicas)
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else self._rank
+        self.directory = os.path.join(str(self.options.path), f"activations-rank{rank:05d}")
         os.makedirs(self.directory, exist_ok=True)
         self._io = AsyncIO()  # (O_DIRECT where the file system takes it: the page cache would hold the bytes moved)
 
@@ -220,11 +245,29 @@ class ActivationOffloader:
             for r in records:
                 r.discard()
             raise
-        for r in records[-self.options.prefetch:]:
-            r.prefetch(self._io_of(r))
+        tail = [weakref.ref(r) for r in records[-self.options.prefetch:]]
+        grad_out = output if isinstance(output, torch.Tensor) and output.requires_grad else None
+        if grad_out is None:
+            self._bring_back(tail)
+        else:  # (Note [activation offload under pipeline schedules])
+            grad_out.register_hook(lambda grad: self._bring_back(tail))
         placed = self.planner.after_forward([r.moved for r in records]) if self.planner is not None else None
         if placed is not None:  # (the blocks' saved bytes measured: planned with them from the next forward)
             self.apply(*placed)
+
+    def _bring_back(self, refs: list[weakref.ref]) -> None:
+        """Starts bringing back these records of one forward (its last ones, as its backward starts)."""
+        try:
+            for ref in refs:
+                r = ref()
+                if r is not None:
+                    r.prefetch(self._io_of(r))
+        except BaseException:  # (a SIGINT: the backward is abandoned, its pass's files go, as in _unpack)
+            last = refs[-1]() if refs else None
+            for r in (ref() for ref in (last.neighbours if last is not None else [])):
+                if r is not None:
+                    r.abandon()
+            raise
 
     # -- a covered block's forward ---------------------------------------------------------------
     def _block_pre(self, module: nn.Module, args: tuple) -> None:
