@@ -146,17 +146,29 @@ def weights(model: torch.nn.Module, stage: int) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+# The reference depends on the scenario alone (one process, the whole batch, torch.optim.AdamW):
+# each rank trains it once per scenario and compares every stage's cell against that run.
+_REFERENCES: dict[str, tuple[dict, dict[str, torch.Tensor]]] = {}
+
+
+def reference(scenario: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    if scenario not in _REFERENCES:
+        torch.manual_seed(0)
+        ref = gpt2()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+        ref_out = train(ref, ref_opt, scenario, 0, 1, compiled=scenario == "compile")
+        _REFERENCES[scenario] = ref_out, {n: p.detach().clone() for n, p in ref.named_parameters()}
+    return _REFERENCES[scenario]
+
+
 def run_cell(cell: Cell, rank: int, world: int) -> dict:
+    ref_out, ref_w = reference(cell.scenario)
     torch.manual_seed(0)
-    ref = gpt2()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    ref_out = train(ref, ref_opt, cell.scenario, 0, 1, compiled=cell.scenario == "compile")
     model = gpt2()
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=cell.stage)
     if cell.scenario == "to_device":
         model.to("cpu:0")  # what Trainer / Accelerate do after the optimizer exists
     out = train(model, opt, cell.scenario, rank, world, compiled=cell.scenario == "compile")
-    ref_w = {n: p.detach() for n, p in ref.named_parameters()}
     got_w = weights(model, cell.stage)
     init_w = {n: p.detach() for n, p in gpt2().named_parameters()}
     return {
