@@ -10,7 +10,11 @@
    the same model checkpointed without offload, and without checkpointing, in the same limit.
 3. The longest sequence one fixed device budget holds, checkpointing alone vs with the inputs
    offloaded (planner prediction: ``longest_sequence``).
-4. ``--gpu``: the GPU check (a 1-2B-class shape at a sequence that does not fit without offload,
+4. ``floor``: the offloaded step's time ÷ its floor, max(the same step checkpointed without offload,
+   the I/O floor of the bytes it moved: those bytes written then read back, as files of the same
+   sizes, through the offloader's own async I/O engine, in the same run). 1.0 = the traffic fully
+   hidden behind compute or the step as fast as the storage allows (goal <= 1.2x).
+5. ``--gpu``: the GPU check (a 1-2B-class shape at a sequence that does not fit without offload,
    step time ÷ the in-memory step at the longest sequence that fits, per token). Not measured in
    the session that wrote it (no GPU was lent): docs/results.md marks it so.
 Prints one JSON line per part.
@@ -164,6 +168,56 @@ def part_longest(args: argparse.Namespace) -> dict:
                               "ratio": big_after / max(1, big_before), "per_token_bytes": _per_token(big, big_after, 2)}}
 
 
+def _io_floor(directory: str, sizes: list[int], rounds: int) -> float:
+    """Seconds to write ``sizes`` bytes as one file each and read them back through the offloader's
+    engine (``AsyncIO()``: O_DIRECT where the file system takes it), median of ``rounds``."""
+    from zeroshard.io.aio_engine import AsyncIO
+    io = AsyncIO()
+    bufs = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
+    times = []
+    try:
+        for r in range(rounds):
+            paths = [os.path.join(directory, f"floor-{r}-{i}.bin") for i in range(len(sizes))]
+            t = time.perf_counter()
+            for h in [io.pwrite(b, path) for b, path in zip(bufs, paths)]:
+                h.wait()
+            for h in [io.pread(b, path) for b, path in zip(bufs, paths)]:
+                h.wait()
+            times.append(time.perf_counter() - t)
+            for path in paths:
+                os.remove(path)
+    finally:
+        io.close()
+    return sorted(times)[len(times) // 2]
+
+
+def _run_child(args: argparse.Namespace, mode: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--dir", args.dir, "--steps", str(args.steps),
+           "--layers", str(args.layers), "--d-model", str(args.d_model), "--seq-len", str(args.seq_len),
+           "--batch", str(args.batch)]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, check=True)
+    return json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("{")][-1])
+
+
+def part_floor(args: argparse.Namespace) -> dict:
+    """Alternating runs (checkpointed, offloaded, then the floor of the bytes the offloaded run
+    moved), ``--rounds`` times; the ratios are medians of each round's own ratio."""
+    rounds = []
+    for _ in range(args.rounds):
+        plain = _run_child(args, "checkpoint")
+        off = _run_child(args, "offload")
+        moved = off["moved_per_step"]
+        per_block = moved // 2 // args.layers  # (out and back; one file per checkpointed block call)
+        io_s = _io_floor(args.dir, [per_block] * args.layers, 3)
+        rounds.append({"checkpointed_step_s": plain["step_s"], "offloaded_step_s": off["step_s"],
+                       "bytes_moved_per_step": moved, "io_floor_s": io_s,
+                       "step_over_floor": off["step_s"] / max(plain["step_s"], io_s),
+                       "exposed_io_over_floor": (off["step_s"] - plain["step_s"]) / io_s})
+    med = lambda k: sorted(r[k] for r in rounds)[len(rounds) // 2]  # noqa: E731
+    return {"part": "floor", "rounds": rounds, "step_over_floor": med("step_over_floor"),
+            "exposed_io_over_floor": med("exposed_io_over_floor"), "goal": "step_over_floor <= 1.2"}
+
+
 def part_cgroup(args: argparse.Namespace) -> dict:
     if os.geteuid() != 0 or not os.path.isdir(CGROUP_ROOT):
         return {"part": "cgroup", "skipped": f"needs root and cgroup v1 memory control at {CGROUP_ROOT}"}
@@ -220,7 +274,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--limit-mib", type=float, default=900)
     p.add_argument("--budget-mib", type=float, default=512, help="device budget of part 3")
-    p.add_argument("--parts", default="bytes,longest,cgroup", help="which of bytes, longest, cgroup to run")
+    p.add_argument("--parts", default="bytes,longest,cgroup", help="which of bytes, longest, cgroup, floor to run")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of part floor")
     p.add_argument("--gpu", action="store_true")
     p.add_argument("--gpu-seq-len", type=int, default=32768)
     p.add_argument("--gpu-fit-seq-len", type=int, default=8192)
@@ -231,7 +286,7 @@ def main() -> None:
     if args.gpu:
         print(json.dumps(gpu_check(args)), flush=True)
         return
-    parts = {"bytes": part_bytes, "longest": part_longest, "cgroup": part_cgroup}
+    parts = {"bytes": part_bytes, "longest": part_longest, "cgroup": part_cgroup, "floor": part_floor}
     for name in args.parts.split(","):
         print(json.dumps(parts[name](args)), flush=True)
 
