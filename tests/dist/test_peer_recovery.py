@@ -34,7 +34,7 @@ def merged(out: str, world: int, prefix: str = "final") -> dict[str, torch.Tenso
     """Every (parameter, kind) as one tensor over all ranks' pieces (scalars: rank 0's first piece)."""
     parts: dict[str, list] = {}
     for r in range(world):
-        for key, t in torch.load(os.path.join(out, f"{prefix}-{r}.pt")).items():
+        for key, t in torch.load(os.path.join(out, f"{prefix}-{r}.pt"), weights_only=True).items():
             name, start, _stop, kind = key.split("|")
             parts.setdefault(f"{name}|{kind}", []).append((int(start), t))
     return {k: torch.cat([t.reshape(-1) for _, t in sorted(v, key=lambda p: p[0])]) if not k.split("|")[1].startswith("scalar")
