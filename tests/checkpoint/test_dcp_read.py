@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from tests.support import dcp_worker
 from tests.support.asserts import assert_close_named, assert_same
@@ -33,6 +34,8 @@ def test_zeroshard_resumes_fsdp2_dcp(fsdp_checkpoint, tmp_path, world, stage):
     res = run_ranks(dcp_worker.zs_resume, world, tmp_path, ck, stage, STEPS)
     got = torch.load(str(tmp_path / "res.pt"), weights_only=True)
     assert [r["step"] for r in res] == [STEPS] * world and res[0]["format"] == "dcp"
+    # Adam's step is 0-d, as torch.optim keeps it, for the 1-element `gain` too
+    assert all(r["step_shapes"] in ([[]], []) for r in res), [r["step_shapes"] for r in res]
     want = _flat(ref["saved"])
     loaded = {k: v.reshape(want[k].shape) for k, v in got["loaded"].items()}
     assert_same(loaded, want, "state loaded from FSDP2's DCP checkpoint")
@@ -64,17 +67,35 @@ def test_dcp_bad_input_is_refused_by_name(fsdp_checkpoint, tmp_path):
 
 
 def test_torchtitan_style_get_and_set_state_dict_on_a_zero_optimizer(fsdp_checkpoint, tmp_path):
-    """dcp.load of FSDP2's checkpoint through zeroshard's get_state_dict/set_state_dict (stage 3,
-    world 2), a step, dcp.save and a fresh optimizer loading that back."""
+    """dcp.load of FSDP2's checkpoint through torch's own get_state_dict/set_state_dict (stages 2
+    and 3) and zeroshard's drop-in (stage 3), world 2; a step, dcp.save, and a fresh optimizer
+    loading that back continues bit for bit."""
     ck, ref = fsdp_checkpoint
-    run_ranks(dcp_worker.zs_torch_api, 2, tmp_path, ck, str(tmp_path / "again"), 3, STEPS)
-    got = torch.load(str(tmp_path / "res.pt"), weights_only=True)
+    runs = [("torch", 3), ("torch", 2), ("zeroshard", 3)]
+    run_ranks(dcp_worker.zs_torch_api, 2, tmp_path, ck, str(tmp_path / "again"), runs, STEPS)
+    results = torch.load(str(tmp_path / "res.pt"), weights_only=True)
     want = _flat(ref["saved"])
-    assert_same({k: v.reshape(want[k].shape) for k, v in got["loaded"].items()}, want, "state after dcp.load")
-    assert got["lr"] == ref["lr"]
-    after = {k: v.reshape(want[k].shape) for k, v in got["after"].items()}
-    assert_close_named(after, _flat(ref["after"]), "the step after dcp.load", rtol=1e-5, atol=1e-6)
-    assert_same(got["reloaded"], got["after"], "a fresh optimizer's state after dcp.load of zeroshard's dcp.save")
+    for api, stage in runs:
+        got = results[f"{api}-{stage}"]
+        what = f"{api}'s API at stage {stage}"
+        assert_same({k: v.reshape(want[k].shape) for k, v in got["loaded"].items()}, want, f"{what}: after dcp.load")
+        assert got["lr"] == ref["lr"], (what, got["lr"], ref["lr"])
+        after = {k: v.reshape(want[k].shape) for k, v in got["after"].items()}
+        assert_close_named(after, _flat(ref["after"]), f"{what}: the step after dcp.load", rtol=1e-5, atol=1e-6)
+        assert_same(got["reloaded"], got["after"], f"{what}: a fresh optimizer after dcp.load of its dcp.save")
+        assert_same(got["next_reloaded"], got["next"], f"{what}: the next step of the reloaded optimizer")
+        # what dcp.save wrote, read whole by torch alone (no zeroshard, no process group): each
+        # chunk landed at its global offsets
+        plain = {k: torch.empty_like(v) for k, v in got["after"].items() if v.dim()}
+        state = {"model": {k: v for k, v in plain.items() if not k.startswith("state.")},
+                 "optimizer": {k: v for k, v in plain.items() if k.startswith("state.")}}
+        dcp.load(state, checkpoint_id=str(tmp_path / f"again-{api}-{stage}"), no_dist=True)
+        assert_same({**state["model"], **state["optimizer"]}, {k: got["after"][k] for k in plain},
+                    f"{what}: its dcp.save read back by torch alone")
+    # torch's flattened keys are torchtitan's and FSDP2's: the optimizer's groups carry AdamW's options only
+    keys = results["torch-3"]["keys"]
+    assert "param_groups.fc1.weight.lr" in keys and "state.fc1.weight.exp_avg_sq" in keys, keys[:8]
+    assert not [k for k in keys if k.endswith(".adamw_mode")], keys
 
 
 def test_convert_dcp_both_ways(fsdp_checkpoint, tmp_path):

@@ -91,9 +91,10 @@ def test_save_format_is_checked_by_name(tmp_path):
 def test_dcp_resume_with_dropout_continues_bitwise(tmp_path):
     """Each rank's RNG states and data position travel in the DCP checkpoint (per-rank JSON
     bytes entries): a run with dropout resumed at world 2 equals the uninterrupted one, from a
-    synchronous save and from an asynchronous one the next steps ran over."""
+    synchronous save, from an asynchronous one the next steps ran over, and from a native save
+    `convert-dcp` turned into DCP (every rank's RNG and data position carried over)."""
     res = run_ranks(dcp_worker.zs_rng_resume, 2, tmp_path, str(tmp_path / "root"))
-    for kind in ("sync", "async"):
+    for kind in ("sync", "async", "converted"):
         got = [r[kind] for r in res]
         assert [g["pos"] for g in got] == [2, 12], kind
         assert all(g["rng_restored"] and not g["resharded"] for g in got), (kind, got)

@@ -117,11 +117,11 @@ def convert_dcp(src: str, dst: str) -> str:
     sched, data = _Kept(), _Kept()
     if to_native:
         info = load_checkpoint(src, model=model, optimizer=opt, scheduler=sched, dataloader=data)
-    else:  # (the native loader refuses to hand a scheduler state it does not hold; the data
-        # position is per rank there and is not carried over)
+    else:  # (the native loader refuses to hand a scheduler state or data position it does not hold)
         trainer = locate.check_step(src).get("trainer") or {}
         info = load_checkpoint(src, model=model, optimizer=opt,
-                               scheduler=sched if trainer.get("scheduler") is not None else None)
+                               scheduler=sched if trainer.get("scheduler") is not None else None,
+                               dataloader=data if any(s is not None for s in trainer.get("dataloader") or []) else None)
     path = save_checkpoint(os.fspath(dst), int(info["step"]), model=model, optimizer=opt,
                            scheduler=sched if sched.state is not None else None,
                            dataloader=data if data.state is not None else None,

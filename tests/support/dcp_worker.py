@@ -129,14 +129,15 @@ def zs_resume(rank: int, world: int, out: str, ckdir: str, stage: int, steps: in
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
     info = zeroshard.load_checkpoint(ckdir, model=model, optimizer=opt, scheduler=sched)
     loaded = zs_state(model, opt)
+    steps_shapes = sorted({tuple(opt.state[p]["step"].shape) for p in model.parameters() if "step" in opt.state[p]})
     lr = sched.get_last_lr()
     model(local_batch(steps, rank, world)).backward()
     opt.step()
     after = zs_state(model, opt)
     if rank == 0:
         torch.save({"loaded": loaded, "after": after, "lr": lr}, out + ".pt")
-    json.dump({"step": info["step"], "format": info.get("format"), "bytes_read": info["bytes_read"]},
-              open(f"{out}.rank{rank}", "w"))
+    json.dump({"step": info["step"], "format": info.get("format"), "bytes_read": info["bytes_read"],
+               "step_shapes": steps_shapes}, open(f"{out}.rank{rank}", "w"))
 
 
 def zs_refused(rank: int, world: int, out: str, cases: list[tuple[str, int]]) -> None:
@@ -219,36 +220,57 @@ def fsdp_load(rank: int, world: int, out: str, ckdirs: list[str]) -> None:
     json.dump({"ok": True}, open(f"{out}.rank{rank}", "w"))
 
 
-def zs_torch_api(rank: int, world: int, out: str, fsdp_ck: str, root: str, stage: int, steps: int) -> None:
-    """torchtitan-style code on a ZeroOptimizer: ``get_state_dict`` + ``dcp.load`` of FSDP2's
-    checkpoint + ``set_state_dict``, a step, then ``dcp.save`` and a fresh optimizer loading it."""
+def zs_torch_api(rank: int, world: int, out: str, fsdp_ck: str, root: str, runs: list[tuple[str, int]],
+                 steps: int) -> None:
+    """torchtitan-style code on a ZeroOptimizer, per (api, stage) of ``runs``: ``get_state_dict``
+    + ``dcp.load`` of FSDP2's checkpoint + ``set_state_dict``, a step, then ``dcp.save`` and a
+    fresh optimizer loading it. api "torch": torch's own functions (flattened optimizer keys,
+    as torchtitan calls them); "zeroshard": ``zeroshard.checkpoint.dcp_state``'s drop-in."""
     from zeroshard.checkpoint.dcp_state import get_state_dict as zs_get, set_state_dict as zs_set
 
-    def fresh() -> tuple[nn.Module, Any, Any]:
+    def fresh(stage: int) -> tuple[nn.Module, Any, Any]:
         model = DcpNet()
         opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=LR, weight_decay=WD, stage=stage)
         return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, _schedule)
 
-    def load(model: nn.Module, opt: Any, sched: Any, ck: str) -> None:
-        msd, osd = zs_get(model, opt)
+    def get(api: str, model: nn.Module, opt: Any) -> tuple[dict, dict]:
+        return get_state_dict(model, opt, options=FLAT) if api == "torch" else zs_get(model, opt)
+
+    def load(api: str, model: nn.Module, opt: Any, ck: str) -> None:
+        msd, osd = get(api, model, opt)
         state = {"model": msd, "optimizer": osd}
         dcp.load(state, checkpoint_id=ck)
-        zs_set(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        if api == "torch":
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                           options=FLAT)
+        else:
+            zs_set(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
-    torch.manual_seed(1)
-    model, opt, sched = fresh()
-    load(model, opt, sched, fsdp_ck)
-    loaded, lr = zs_state(model, opt), [g["lr"] for g in opt.param_groups]
-    model(local_batch(steps, rank, world)).backward()
-    opt.step()
-    after = zs_state(model, opt)
-    msd, osd = zs_get(model, opt)
-    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=root)
-    model2, opt2, sched2 = fresh()
-    load(model2, opt2, sched2, root)
-    reloaded = zs_state(model2, opt2)
+    results = {}
+    for api, stage in runs:
+        torch.manual_seed(1)
+        model, opt, sched = fresh(stage)
+        load(api, model, opt, fsdp_ck)
+        loaded, lr = zs_state(model, opt), [g["lr"] for g in opt.param_groups]
+        model(local_batch(steps, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        after = zs_state(model, opt)
+        msd, osd = get(api, model, opt)
+        again = f"{root}-{api}-{stage}"
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=again)
+        model2, opt2, sched2 = fresh(stage)
+        load(api, model2, opt2, again)
+        reloaded = zs_state(model2, opt2)
+        model(local_batch(steps + 1, rank, world)).backward()
+        model2(local_batch(steps + 1, rank, world)).backward()
+        opt.step()
+        opt2.step()
+        results[f"{api}-{stage}"] = {"loaded": loaded, "lr": lr, "after": after, "reloaded": reloaded,
+                                     "next": zs_state(model, opt), "next_reloaded": zs_state(model2, opt2),
+                                     "keys": sorted(osd)}
     if rank == 0:
-        torch.save({"loaded": loaded, "lr": lr, "after": after, "reloaded": reloaded}, out + ".pt")
+        torch.save(results, out + ".pt")
     json.dump({"ok": True}, open(f"{out}.rank{rank}", "w"))
 
 
@@ -336,10 +358,10 @@ class Position:
 
 
 def zs_rng_resume(rank: int, world: int, out: str, root: str) -> None:
-    """Trains DropNet 2 steps, saves DCP synchronously (``{root}/sync``) and asynchronously
-    (``{root}/async``, in flight while the next steps run), trains 2 more (the uninterrupted
-    run); then, for each, fresh objects with other generator states load it and train the same
-    2 steps."""
+    """Trains DropNet 2 steps, saves DCP synchronously (``{root}/sync``), native converted to
+    DCP by ``convert-dcp`` (``{root}/converted``) and DCP asynchronously (``{root}/async``, in
+    flight while the next steps run), trains 2 more (the uninterrupted run); then, for each,
+    fresh objects with other generator states load it and train the same 2 steps."""
     import random
 
     import numpy as np
@@ -365,13 +387,24 @@ def zs_rng_resume(rank: int, world: int, out: str, root: str) -> None:
     pos = Position(10 * rank)
     steps(model, opt, pos, 0, 2)
     zeroshard.save_checkpoint(root + "/sync", 2, model=model, optimizer=opt, dataloader=pos, format="dcp")
+    zeroshard.save_checkpoint(root + "/native", 2, model=model, optimizer=opt, dataloader=pos)
+    if rank == 0:  # (`zeroshard convert-dcp`, offline: a process of its own, as a user runs it)
+        import subprocess
+        import sys
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        subprocess.run([sys.executable, "-m", "zeroshard.cli", "convert-dcp", root + "/native", root + "/converted"],
+                       check=True, cwd=repo, capture_output=True,
+                       env={**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                              "MASTER_ADDR", "MASTER_PORT")},
+                            "PYTHONPATH": repo})
+    dist.barrier()
     handle = zeroshard.save_checkpoint(root + "/async", 2, model=model, optimizer=opt, dataloader=pos, format="dcp",
                                        async_save=True)
     draws = steps(model, opt, pos, 2, 4)
     handle.wait()
     want = {k: v.clone() for k, v in model.state_dict().items()}
     got = {}
-    for kind in ("sync", "async"):
+    for kind in ("sync", "async", "converted"):
         torch.manual_seed(7)
         random.seed(7)
         np.random.seed(7)

@@ -26,6 +26,7 @@ from zeroshard.checkpoint.export import export_hf
 from zeroshard.checkpoint.formats import save_checkpoint
 from zeroshard.checkpoint.resume import load_checkpoint  # (the memory tiers first, then formats' dispatch)
 from zeroshard.checkpoint.locate import latest_checkpoint
+from zeroshard.checkpoint import torch_state_dict  # noqa: F401  (registers the form torch's state-dict API reads)
 from zeroshard.checkpoint.saver import PendingSave, wait_checkpoint
 
 __all__ = ["save_checkpoint", "export_hf", "load_checkpoint", "latest_checkpoint", "wait_checkpoint", "PendingSave",

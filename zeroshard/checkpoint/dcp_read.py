@@ -232,6 +232,13 @@ def load_dcp(path: str, model: Optional[nn.Module], opt: "Optional[ZeroOptimizer
             "bytes_read": src.bytes_read}
 
 
+def elementwise(entry: object, shape: tuple[int, ...], kind: str) -> bool:
+    """Whether a saved optimizer state is per element of its parameter (of ``shape``): it has the
+    parameter's shape; a 1-element parameter's 0-d ``step`` does not, nor a 0-d one's ``step``."""
+    return isinstance(entry, md.TensorStorageMetadata) and tuple(entry.size) == tuple(shape) and \
+        not (kind == "step" and math.prod(shape) == 1)
+
+
 def saved_step(train: dict) -> int:
     """``train_state.step`` (an int, or a tensor as some trainers keep it; 0 without one)."""
     step = train.get("step", 0)
@@ -273,8 +280,7 @@ def _read(src: DcpSource, model: Optional[nn.Module], opt: "Optional[ZeroOptimiz
                 ck = names[p.segment.name]
                 for k, key in okeys.get(ck, {}).items():
                     e = src.entries[key]
-                    whole = not isinstance(e, md.TensorStorageMetadata) or math.prod(e.size) != p.segment.numel
-                    state[(p.segment.name, p.start, p.stop, k)] = src.value(key) if whole else \
+                    state[(p.segment.name, p.start, p.stop, k)] = src.value(key) if not elementwise(e, p.segment.shape, k) else \
                         src.flat_range(key, p.start, p.stop)
                 if run.unit.separate_master:
                     state[(p.segment.name, p.start, p.stop, "__master__")] = \

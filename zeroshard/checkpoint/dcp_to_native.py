@@ -15,11 +15,10 @@ import os
 from typing import Optional
 
 import torch
-from torch.distributed.checkpoint import metadata as md
 
 from zeroshard.checkpoint import commit, jsontree, manifest, rng, validate
 from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError
-from zeroshard.checkpoint.dcp_read import IMPLEMENTATION_OPTIONS, DcpSource, saved_extra, saved_step
+from zeroshard.checkpoint.dcp_read import IMPLEMENTATION_OPTIONS, DcpSource, elementwise, saved_extra, saved_step
 from zeroshard.checkpoint.pieces import PARAM, PieceRecord
 from zeroshard.checkpoint.shard_file import CODES, Deferred
 from zeroshard.comm import Comm
@@ -77,7 +76,7 @@ def to_native(src_dir: str, dst: str, per_param: dict[str, dict], groups: list[l
             rec = PieceRecord(name, 0, numel, {PARAM: _whole(src, src.model_prefix + name)})
             for kind, key in okeys.get(name, {}).items():
                 e = src.entries[key]
-                if isinstance(e, md.TensorStorageMetadata) and math.prod(e.size) == numel:  # (as dcp_read's rule)
+                if elementwise(e, tuple(entry.size), kind):  # (as dcp_read's rule)
                     rec.tensors[f"state.{kind}"] = _whole(src, key)
                 else:  # (Adam's step: a 0-d tensor, kept as the engine keeps it)
                     rec.scalars[kind] = jsontree.encode(src.value(key), f"optimizer state {kind!r}")

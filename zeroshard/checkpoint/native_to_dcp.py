@@ -69,14 +69,25 @@ class _Native:
         return Deferred(dtype, (numel,), read)
 
 
-def _rng(step_dir: str, body: dict) -> dict:
-    """Rank 0's saved RNG state when it was saved at world 1 (a load restores it, then a save
-    captures it), else this process's."""
-    if body["world_size"] != 1:
-        return rng.capture()
-    fname = manifest.rng_file(0)
-    path = os.path.join(step_dir, fname)
-    return jsontree.encode(rng.check(read_json(path, body["files"][fname]), path), "rng")
+def _per_rank(step_dir: str, body: dict) -> dict[str, object]:
+    """Every saving rank's RNG states and data position, as a DCP save at that world size writes
+    them (``train_state.rng.rank{r}`` / ``.dataloader.rank{r}``, JSON), so a DCP resume at the
+    saving world size continues exactly; with no RNG file at all (a trimmed checkpoint) this
+    process's states at world 1, as before."""
+    world = int(body["world_size"])
+    states = {}
+    for r in range(world):
+        fname = manifest.rng_file(r)
+        if fname in body["files"]:
+            path = os.path.join(step_dir, fname)
+            states[f"rank{r}"] = json.dumps(jsontree.encode(rng.check(read_json(path, body["files"][fname]), path), "rng"))
+    if len(states) != world:
+        return {"rng": {"rank0": json.dumps(rng.capture())}, "world_size": 1}
+    out: dict[str, object] = {"rng": states, "world_size": world}
+    loaders = (body.get("trainer") or {}).get("dataloader") or []
+    if len(loaders) == world and all(state is not None for state in loaders):  # (each rank's, encoded already)
+        out["dataloader"] = {f"rank{r}": json.dumps(state) for r, state in enumerate(loaders)}
+    return out
 
 
 def to_dcp(step_dir: str, body: dict, dst: str, options: dict[str, dict]) -> str:
@@ -109,8 +120,8 @@ def to_dcp(step_dir: str, body: dict, dst: str, options: dict[str, dict]) -> str
         optim_sd.update(part)
     trainer = body.get("trainer") or {}
     extra = jsontree.decode(trainer.get("extra"), f"{step_dir}: trainer.extra")
-    train: dict[str, object] = {"rng": {"rank0": json.dumps(_rng(step_dir, body))}, "step": body["step"],
-                                "world_size": 1, **({"extra": extra} if extra is not None else {})}
+    train: dict[str, object] = {**_per_rank(step_dir, body), "step": body["step"],
+                                **({"extra": extra} if extra is not None else {})}
     sd: dict[str, object] = {"model": model_sd, "optimizer": optim_sd, "train_state": train}
     if trainer.get("scheduler") is not None:
         sd["lr_scheduler"] = jsontree.decode(trainer["scheduler"], f"{step_dir}: trainer.scheduler")

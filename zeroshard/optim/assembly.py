@@ -195,7 +195,8 @@ def assemble(owner: torch.optim.Optimizer, config: ZeroConfig, optimizer_class: 
     all_units = units + frozen_units
     sharding.start(all_units, plan, module, placement.live_units)  # (stage 3: torch code sees sharded parameters from here)
     show = sharding.visible
-    user_groups = [{**{k: v for k, v in ig.items() if k != "params"}, "params": [show(p) for p in g["params"]],
+    user_groups = [{**{k: v for k, v in kernel_choice.shown_options(g.get("optimizer_class", optimizer_class), ig).items()
+                       if k != "params"}, "params": [show(p) for p in g["params"]],
                     **{k: g[k] for k in ("param_names", "optimizer_class") if k in g}}
                    for g, ig in zip(groups, inner.param_groups)]
     reducer, grad_links, grads = _build_gradients(attached, config, mesh_, sharding, precision, placement, units,
@@ -213,6 +214,7 @@ def assemble(owner: torch.optim.Optimizer, config: ZeroConfig, optimizer_class: 
                     stepper=Stepper(config, sharding, placement, mesh_, precision, grads, units, frozen_units, runs, inner,
                                     swapper, inflight),
                     module_guard=module_guard, teardown=teardown, record=attached, user_groups=user_groups,
+                    user_defaults=kernel_choice.shown_options(optimizer_class, dict(inner.defaults)),
                     memory_tier=_memory_tier(config, mesh_, placement),
                     activations=activations,
                     codecs=codecs)

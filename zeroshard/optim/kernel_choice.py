@@ -80,6 +80,20 @@ def _fused_options(optimizer_class: type[torch.optim.Optimizer], options: dict) 
     return out
 
 
+KERNEL_KEYS = ("adamw_mode",)  # FusedAdam's own, derived per step from the user class's options
+
+
+def shown_options(optimizer_class: type, options: dict) -> dict:
+    """A group's options as torch code sees them (``param_groups``, torch's state-dict API): the
+    kernel's keys only where the user's class takes them, so a ZeroOptimizer over AdamW has
+    AdamW's keys and an FSDP2 checkpoint of AdamW has every key its groups ask for."""
+    try:
+        takes = inspect.signature(optimizer_class).parameters
+    except (TypeError, ValueError):  # (no signature to read: every key is shown, as before)
+        return dict(options)
+    return {k: v for k, v in options.items() if k not in KERNEL_KEYS or k in takes}
+
+
 def sync_fused_group(group: dict) -> None:
     """A fused group follows a user's change of ``decoupled_weight_decay`` (torch reads it per step)."""
     if "decoupled_weight_decay" in group:

@@ -9,13 +9,13 @@
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from zeroshard.layout import as_real
 from zeroshard.units.elementwise import update_kind
-from zeroshard.optim import shard_marker
+from zeroshard.optim import shard_marker, state_forms
 
 from zeroshard.offload.unit_swap import resident_runs
 from zeroshard.optim.inner import normalize_state
@@ -40,6 +40,11 @@ def _hparams(group: dict) -> dict:
 
 
 # -- sharded ------------------------------------------------------------------------------------
+def loader_for(state_dict: dict) -> Callable[["EngineOwner", dict], None]:
+    """What loads ``state_dict``: a registered form's loader (``state_forms``), else by format."""
+    return state_forms.loader(state_dict) or (load_sharded if is_sharded(state_dict) else load_consolidated)
+
+
 def sharded_state_dict(opt: "EngineOwner") -> dict:
     engine = opt.engine.joined()
     pieces: dict[str, dict[str, Any]] = {}

@@ -80,7 +80,8 @@ class Stepper:
                     inner[key] = value
             if "adamw_mode" in inner:
                 kernel_choice.sync_fused_group(inner)
-                user["adamw_mode"] = inner["adamw_mode"]
+                if "adamw_mode" in user:  # (a FusedAdam user's own option; AdamW's users never see it)
+                    user["adamw_mode"] = inner["adamw_mode"]
 
     def groups_back(self, user_groups: Sequence[dict]) -> None:
         """What the inner optimizer's step wrote into its param groups (Prodigy's ``d``,
@@ -90,6 +91,8 @@ class Stepper:
         user's object still (``sync_hyperparameters`` put it there), so it is not touched."""
         for user, inner in zip(user_groups, self.inner.param_groups):
             for key, value in inner.items():
+                if key in kernel_choice.KERNEL_KEYS and key not in user:
+                    continue
                 if key not in ("params", "optimizer_class") and (key not in user or user[key] is not value):
                     user[key] = value
 

@@ -84,6 +84,8 @@ class Engine:
     the teardown removes the hooks)."""
     user_groups: list[dict]
     """The param groups torch code sees (the facade's ``param_groups``), as built."""
+    user_defaults: dict
+    """The defaults torch code sees: the user class's options (``kernel_choice.shown_options``)."""
     memory_tier: Optional[MemoryTier] = None
     """``redundancy="peer"``: the node-local memory tier (Note [peer memory tier])."""
     activations: Optional[ActivationOffloader] = None

@@ -15,7 +15,7 @@ from torch import nn
 from zeroshard.config import ZeroConfig
 from zeroshard.layout import Segment
 from zeroshard.memory import MemoryReport
-from zeroshard.optim import assembly, construction, interrupts, ownership, rank_agreement, reports, state_io
+from zeroshard.optim import assembly, construction, interrupts, ownership, rank_agreement, reports, state_forms, state_io
 from zeroshard.units.flat_unit import FlatUnit
 from zeroshard.optim.param_state import ParamStateView
 from zeroshard.optim.params import ParamsLike, groups_with
@@ -46,9 +46,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.engine, finish = rank_agreement.agreed(attached, lambda: assembly.assemble(
                 self, config, optimizer_class, attached, model_or_params, module, group, mesh, inner_kwargs))
             if first:
-                super().__init__(self.engine.user_groups, dict(self.engine.inner.defaults))
+                super().__init__(self.engine.user_groups, dict(self.engine.user_defaults))
             else:
-                self.defaults, self.param_groups = dict(self.engine.inner.defaults), []
+                self.defaults, self.param_groups = dict(self.engine.user_defaults), []
                 for g in self.engine.user_groups:
                     self.add_param_group(g)  # (torch's, while the engine is not ready)
             self.state = ParamStateView(self)  # type: ignore[assignment]  # (read-only)
@@ -200,10 +200,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # -- state (torch's state-dict hooks run as in torch.optim, around the sharded state) ---------
     def state_dict(self) -> dict:
-        """This rank's sharded state: pieces keyed by parameter name and flat range."""
+        """This rank's sharded state by parameter name and range (torch's get_state_dict: its form)."""
         for pre in self._optimizer_state_dict_pre_hooks.values():
             pre(self)
-        state_dict = state_io.sharded_state_dict(self)
+        state_dict = state_forms.produce(self) or state_io.sharded_state_dict(self)
         for post in self._optimizer_state_dict_post_hooks.values():
             result = post(self, state_dict)
             state_dict = result if result is not None else state_dict
@@ -219,7 +219,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for pre in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre(self, state_dict)
             state_dict = result if result is not None else state_dict
-        (state_io.load_sharded if state_io.is_sharded(state_dict) else state_io.load_consolidated)(self, state_dict)
+        state_io.loader_for(state_dict)(self, state_dict)  # (also torch's set_state_dict's form: state_forms.py)
         for post in self._optimizer_load_state_dict_post_hooks.values():
             post(self)
         self.engine.inflight.restored()  # (Note [failed steps])

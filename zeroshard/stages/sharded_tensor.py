@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_map
 from zeroshard.comm import Comm
 from zeroshard.layout import real_dtype
 from zeroshard.ops.sqnorm import squared_norm_f64
+from zeroshard.stages.dcp_chunks import DcpChunks
 from zeroshard.stages.stage3.secondary import params_written
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ _ALIASES = {aten.detach.default, aten.alias.default}
 _WARNED: set[str] = set()
 
 
-class ShardedTensor(torch.Tensor):
+class ShardedTensor(DcpChunks, torch.Tensor):  # (DcpChunks: torch DCP reads and writes its chunks)
     store: torch.Tensor
     lo: int
     n: int
