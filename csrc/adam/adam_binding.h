@@ -25,6 +25,24 @@ inline int lowp_kind(const at::Tensor& t, bool allow_f32) {
                         : " for out_lowp (bfloat16 or float16)");
 }
 
+// A block codec's values (contiguous fp32) and byte buffer (contiguous uint8, large enough for
+// [fp32 scale per block][payload]), both on `device_type` (and one device); payload_den:
+// elements per payload byte (int4: 2).
+inline void check_codec(const at::Tensor& values, const at::Tensor& buf, int64_t block, int64_t payload_den,
+                        const char* what, c10::DeviceType device_type) {
+  TORCH_CHECK(values.device().type() == device_type && buf.device() == values.device(), "zeroshard ", what,
+              ": tensors must be on one ", c10::DeviceTypeName(device_type), " device, got ", values.device(),
+              " and ", buf.device());
+  TORCH_CHECK(values.scalar_type() == at::kFloat && values.is_contiguous(), "zeroshard ", what,
+              ": values must be contiguous float32");
+  TORCH_CHECK(buf.scalar_type() == at::kByte && buf.is_contiguous(), "zeroshard ", what,
+              ": the buffer must be contiguous uint8");
+  TORCH_CHECK(block >= 2 && block % 2 == 0, "zeroshard ", what, ": block must be even and >= 2, got ", block);
+  const int64_t nb = (values.numel() + block - 1) / block;
+  const int64_t need = 4 * nb + nb * block / payload_den;
+  TORCH_CHECK(buf.numel() >= need, "zeroshard ", what, ": the buffer holds ", buf.numel(), " bytes, ", need, " needed");
+}
+
 // Checks one tensor against the param it belongs to: device, contiguity, size and (when
 // fp32_only) dtype.
 inline void check_tensor(const at::Tensor& t, const at::Tensor& param, const char* what,

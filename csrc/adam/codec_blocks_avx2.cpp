@@ -3,7 +3,8 @@
 // block's divisor, clamp, round half to even, NaN -> 0; int4: + 8, two codes a byte; fp8: c10's
 // conversion with its three cases computed on every lane and blended), so the
 // bytes and the decoded values equal the portable paths' (and the torch path's) bit for bit;
-// tests/ops/test_codec_kernel.py compares them on one CPU through set_isa. Includes no torch, STL or math.h headers (Note [ISA translation units] in adam_common.h).
+// tests/ops/test_codec_kernel.py compares them on one CPU through set_isa. A block's tail (past
+// the last whole vector) and its padding run the portable per-range loops of codec_common.h. Includes no torch, STL or math.h headers (Note [ISA translation units] in adam_common.h).
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -16,13 +17,6 @@
 namespace zeroshard {
 namespace cpu {
 namespace {
-
-inline int8_t code8(float v) {
-  if (v != v) return 0;
-  v = v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v);
-  const __m128 r = _mm_round_ss(_mm_setzero_ps(), _mm_set_ss(v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  return static_cast<int8_t>(_mm_cvtss_si32(r));
-}
 
 inline float block_scale_avx2(const float* x, int64_t lo, int64_t hi, float qmax) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -38,12 +32,8 @@ inline float block_scale_avx2(const float* x, int64_t lo, int64_t hi, float qmax
   float a = 0.0f;
   bool has_nan = _mm256_movemask_ps(nan) != 0;
   for (int k = 0; k < 8; ++k) a = lanes[k] > a ? lanes[k] : a;
-  for (; i < hi; ++i) {
-    const float v = __builtin_fabsf(x[i]);
-    has_nan |= v != v;
-    a = v > a ? v : a;
-  }
-  return has_nan ? __builtin_nanf("") : a / qmax;
+  absmax_range(x, i, hi, a, has_nan);
+  return scale_of(a, has_nan, qmax);
 }
 
 // 8 codes round(clamp(x / d, -qmax, qmax)) + bias as int32 (a NaN's code: 0).
@@ -63,7 +53,7 @@ inline __m256i codes32(const float* x, __m256 d, float qmax, float bias) {
   return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-// 8 e4m3fn codes of clamp(x / d, -448, 448), as codec_fp8_int4.cpp's e4m3_from_float (a NaN
+// 8 e4m3fn codes of clamp(x / d, -448, 448), as codec_common.h's e4m3_code (a NaN
 // passes the clamp with its sign, as there), in the low byte of each int32 lane.
 inline __m256i e4m3_codes8(const float* x, __m256 d) {
   const __m256 v = _mm256_div_ps(_mm256_loadu_ps(x), d);
@@ -88,13 +78,6 @@ inline __m256i e4m3_codes8(const float* x, __m256 d) {
   return _mm256_or_si256(r, _mm256_srli_epi32(sign, 24));
 }
 
-inline uint8_t code4(float v) {  // (as codec_fp8_int4.cpp's int4_code)
-  if (v != v) return 0;
-  v = v < -7.0f ? -7.0f : (v > 7.0f ? 7.0f : v);
-  const __m128 r = _mm_round_ss(_mm_setzero_ps(), _mm_set_ss(v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  return static_cast<uint8_t>(_mm_cvtss_si32(r) + 8);
-}
-
 }  // namespace
 
 void int8_blocks_encode_avx2(const float* x, int64_t n, int64_t block, uint8_t* buf, int max_threads) {
@@ -111,8 +94,7 @@ void int8_blocks_encode_avx2(const float* x, int64_t n, int64_t block, uint8_t* 
     for (; i + 32 <= hi; i += 32) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), codes32(x + i, dv, 127.0f, 0.0f));
     }
-    for (; i < hi; ++i) q[i] = code8(x[i] / d);
-    for (i = hi; i < lo + block; ++i) q[i] = 0;  // (padding to whole blocks)
+    int8_codes(x, i, hi, lo + block, d, q);  // (the tail, then padding to whole blocks)
   }
 }
 
@@ -130,7 +112,7 @@ void int8_blocks_decode_avx2(const uint8_t* buf, int64_t n, int64_t block, float
       const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i));
       _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), sv));
     }
-    for (; i < hi; ++i) out[i] = static_cast<float>(q[i]) * scale;
+    int8_values(q, i, hi, scale, out);
   }
 }
 
@@ -152,11 +134,7 @@ void int4_blocks_encode_avx2(const float* x, int64_t n, int64_t block, uint8_t* 
       const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(two, two), 0x08);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i / 2), _mm256_castsi256_si128(packed));
     }
-    for (; i < lo + block; i += 2) {
-      const uint8_t c0 = i < hi ? code4(x[i] / d) : 8;
-      const uint8_t c1 = i + 1 < hi ? code4(x[i + 1] / d) : 8;
-      q[i / 2] = static_cast<uint8_t>(c0 | (c1 << 4));
-    }
+    int4_codes(x, i, hi, lo + block, d, q);
   }
 }
 
@@ -179,15 +157,11 @@ void int4_blocks_decode_avx2(const uint8_t* buf, int64_t n, int64_t block, float
       _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, z, 0x20)), sv));
       _mm256_storeu_ps(out + i + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, z, 0x31)), sv));
     }
-    for (; i < hi; ++i) {
-      const int code = (i & 1) ? q[i / 2] >> 4 : q[i / 2] & 0x0F;
-      out[i] = static_cast<float>(code - 8) * scale;
-    }
+    int4_values(q, i, hi, scale, out);
   }
 }
 
 const float* e4m3_decode_table();  // codec_fp8_int4.cpp
-uint8_t e4m3_code(float v);        // codec_fp8_int4.cpp (clamped and converted)
 
 void fp8_blocks_encode_avx2(const float* x, int64_t n, int64_t block, uint8_t* buf, int max_threads) {
   const int64_t nb = (n + block - 1) / block;
@@ -207,8 +181,7 @@ void fp8_blocks_encode_avx2(const float* x, int64_t n, int64_t block, uint8_t* b
                                                         _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), bytes);
     }
-    for (; i < hi; ++i) q[i] = e4m3_code(x[i] / d);
-    for (i = hi; i < lo + block; ++i) q[i] = 0;
+    fp8_codes(x, i, hi, lo + block, d, q);
   }
 }
 
@@ -227,7 +200,7 @@ void fp8_blocks_decode_avx2(const uint8_t* buf, int64_t n, int64_t block, float*
       const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i)));
       _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_i32gather_ps(table, idx, 4), sv));
     }
-    for (; i < hi; ++i) out[i] = table[q[i]] * scale;
+    fp8_values(q, i, hi, scale, table, out);
   }
 }
 

@@ -8,9 +8,9 @@
 // x86); a block holding inf or NaN has a non-finite scale and decodes to NaN.
 //
 // This is the portable path; codec_blocks_avx2.cpp is the AVX2 one, equal to it byte for byte
-// (the binding picks it where the CPU has AVX2 and ZEROSHARD_CPU_ISA allows it).
+// (the binding picks it where the CPU has AVX2 and ZEROSHARD_CPU_ISA allows it), and
+// cuda_codec_kernel.cu the CUDA one; all three run the per-element code of codec_common.h.
 // No torch headers here (the binding is in cpu_adam.cpp: Note [compile time]).
-#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
@@ -29,12 +29,7 @@ void int8_blocks_encode(const float* x, int64_t n, int64_t block, uint8_t* buf, 
     const float scale = block_scale(x, lo, hi, 127.0f);
     memcpy(buf + 4 * b, &scale, 4);
     const float d = divisor_of(scale);
-    for (int64_t i = lo; i < hi; ++i) {
-      float v = x[i] / d;
-      v = v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v);
-      q[i] = v != v ? 0 : static_cast<int8_t>(nearbyintf(v));
-    }
-    for (int64_t i = hi; i < lo + block; ++i) q[i] = 0;  // (padding to whole blocks)
+    int8_codes(x, lo, hi, lo + block, d, q);  // (padding to whole blocks)
   }
 }
 
@@ -46,7 +41,7 @@ void int8_blocks_decode(const uint8_t* buf, int64_t n, int64_t block, float* out
     float scale;
     memcpy(&scale, buf + 4 * b, 4);
     const int64_t lo = b * block, hi = n < lo + block ? n : lo + block;
-    for (int64_t i = lo; i < hi; ++i) out[i] = static_cast<float>(q[i]) * scale;
+    int8_values(q, lo, hi, scale, out);
   }
 }
 

@@ -216,32 +216,18 @@ void int4_blocks_decode(const uint8_t* buf, int64_t n, int64_t block, float* out
 void int4_blocks_encode_avx2(const float* x, int64_t n, int64_t block, uint8_t* buf, int max_threads);
 void int4_blocks_decode_avx2(const uint8_t* buf, int64_t n, int64_t block, float* out, int max_threads);
 
-// payload_den: elements per payload byte (int4: 2).
-static void check_codec(const at::Tensor& values, const at::Tensor& buf, int64_t block, int64_t payload_den,
-                        const char* what) {
-  TORCH_CHECK(values.device().is_cpu() && buf.device().is_cpu(), "zeroshard ", what, ": tensors must be on CPU");
-  TORCH_CHECK(values.scalar_type() == at::kFloat && values.is_contiguous(), "zeroshard ", what,
-              ": values must be contiguous float32");
-  TORCH_CHECK(buf.scalar_type() == at::kByte && buf.is_contiguous(), "zeroshard ", what,
-              ": the buffer must be contiguous uint8");
-  TORCH_CHECK(block >= 2 && block % 2 == 0, "zeroshard ", what, ": block must be even and >= 2, got ", block);
-  const int64_t nb = (values.numel() + block - 1) / block;
-  const int64_t need = 4 * nb + nb * block / payload_den;
-  TORCH_CHECK(buf.numel() >= need, "zeroshard ", what, ": the buffer holds ", buf.numel(), " bytes, ", need, " needed");
-}
-
 // The codecs take their AVX2 builds where the active instruction set (set_isa, ZEROSHARD_CPU_ISA) is not scalar.
 static bool codec_avx2() { return active_isa().name != "scalar"; }
 
 template <int64_t kDen>
 void encode_with(EncodeFn fn, const char* what, const at::Tensor& x, at::Tensor& buf, int64_t block) {
-  check_codec(x, buf, block, kDen, what);
+  binding::check_codec(x, buf, block, kDen, what, c10::DeviceType::CPU);
   fn(x.data_ptr<float>(), x.numel(), block, buf.data_ptr<uint8_t>(), at::get_num_threads());
 }
 
 template <int64_t kDen>
 void decode_with(DecodeFn fn, const char* what, const at::Tensor& buf, at::Tensor& out, int64_t block) {
-  check_codec(out, buf, block, kDen, what);
+  binding::check_codec(out, buf, block, kDen, what, c10::DeviceType::CPU);
   fn(buf.data_ptr<uint8_t>(), out.numel(), block, out.data_ptr<float>(), at::get_num_threads());
 }
 

@@ -1,4 +1,5 @@
-// Torch binding of the CUDA multi-tensor Adam/AdamW step (kernel in cuda_adam_kernel.cu).
+// Torch binding of the CUDA multi-tensor Adam/AdamW step (kernel in cuda_adam_kernel.cu), and
+// the module that also holds the CUDA block codecs (cuda_codec.cpp).
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
@@ -52,6 +53,9 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
 }
 
 }  // namespace
+
+void bind_codecs(pybind11::module_& m);  // cuda_codec.cpp: the block codecs of quantized collectives
+
 }  // namespace cuda
 }  // namespace zeroshard
 
@@ -61,4 +65,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("out_lowps"), py::arg("step"),
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("adamw_mode"), py::arg("grad_scale"));
+  zeroshard::cuda::bind_codecs(m);
 }

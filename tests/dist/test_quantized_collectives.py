@@ -2,7 +2,8 @@
 training close to full precision at every stage, on flat, hybrid and hpZ meshes, at an odd world
 size and with parameters smaller than the world; codec "none" is the old path bit for bit; the
 bytes per link per codec equal the formula (zeroshard/planner/codec_traffic.py) and qwZ + qgZ
-move <= 0.30x the full-precision bytes across nodes; a resume with error feedback is bitwise."""
+move <= 0.30x the full-precision bytes across nodes; a resume with error feedback is bitwise; a
+step fp16 skips leaves the residuals as before it."""
 from __future__ import annotations
 
 import pytest
@@ -169,8 +170,17 @@ def test_hybrid_resume_restores_every_replicas_residuals_bitwise(four):
 
 
 def test_a_loss_scale_change_rescales_the_residuals(four):
-    """Note [residuals under a moving loss scale]: x2 after each clean step, x0.5 after the overflow."""
+    """Note [residuals under a moving loss scale]: x2 after each clean step, x0.5 after the overflow
+    (of the residuals from before that skipped step: Note [residuals of a skipped step])."""
     for r in (x["rescale"] for x in four):
         moves = [(c["old"], c["new"]) for c in r["checks"]]
         assert moves == [(256.0, 512.0), (512.0, 1024.0), (1024.0, 512.0)], moves
         assert all(c["rescaled"] and c["nonzero"] > 0 for c in r["checks"]), r["checks"]
+
+
+def test_a_skipped_step_leaves_every_residual_as_before_it(four):
+    """Note [residuals of a skipped step]: fp16 + int4 with error feedback, an injected overflow."""
+    for r in (x["skipped"] for x in four):
+        assert r["skipped"] == 1 and r["scale"] == 1.0 and r["nonzero"] > 0, r
+        assert r["kept"], "the skipped step changed residuals (its reductions' error was kept)"
+        assert r["as_if_never"], "training after the skipped step differs from a run without that step"

@@ -5,6 +5,9 @@ portable ones (Note [codec error bounds])."""
 import pytest
 import torch
 
+from tests.support.codec_data import codec_data as _data
+from tests.support.codec_data import same_values as _same_values
+from tests.support.codec_data import torch_path
 from zeroshard.comm.codecs.codec_formats import Fp8Codec, Int4Codec, Int8Codec, _codec_kernel
 
 CODECS = {"int8": Int8Codec, "fp8": Fp8Codec, "int4": Int4Codec}
@@ -17,26 +20,6 @@ def _kernel_or_skip(name: str):
     return k
 
 
-def _data(n: int, block: int, non_finite: bool) -> torch.Tensor:
-    g = torch.Generator().manual_seed(n + block)
-    x = torch.randn(n, generator=g) * torch.logspace(-9, 3, n)  # (blocks of every magnitude, fp8 subnormals)
-    x[: min(n, block)] = 0.0  # (an all-zero block: scale 0)
-    if n > 3 * block:
-        x[2 * block:3 * block] = -2.5  # (constant)
-    x[n // 2] = 0.5 * float(x[n // 2 + 1 if n > 1 else 0]) or 1.0  # (ties of the rounding on some codes)
-    if non_finite and n > 6 * block:
-        x[3 * block + 1], x[4 * block + 3], x[5 * block] = float("nan"), float("inf"), float("-inf")
-        x[5 * block + 1] = -float("nan")
-    return x
-
-
-def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit for bit where not NaN (-0.0 is not 0.0), NaN where the other is NaN (a NaN's
-    payload is whichever operand's NaN the multiplication kept: not a value)."""
-    nan = a.isnan()
-    return torch.equal(nan, b.isnan()) and torch.equal(a.view(torch.int32)[~nan], b.view(torch.int32)[~nan])
-
-
 @pytest.mark.parametrize("name", list(CODECS))
 @pytest.mark.parametrize("block", [2, 32, 256])
 @pytest.mark.parametrize("n", [1, 7, 255, 256, 257, 100_003])
@@ -44,10 +27,7 @@ def test_kernel_bytes_equal_the_torch_path(name, block, n):
     _kernel_or_skip(name)
     codec = CODECS[name](block=block)
     x = _data(n, block, non_finite=True)
-    want = torch.empty(codec.encoded_bytes(n), dtype=torch.uint8)
-    codec.reference_encode(x, want)
-    ref = torch.empty(n)
-    codec.reference_decode(want, ref)
+    want, ref = torch_path(codec, x)
     threads = torch.get_num_threads()
     try:
         for t in (1, threads):
@@ -119,3 +99,26 @@ def test_kernel_keeps_non_finite_visible_and_checks_its_buffer(name):
     assert torch.isnan(codec.roundtrip(x)[8:16]).all() and torch.isfinite(codec.roundtrip(x)[:8]).all()
     with pytest.raises(RuntimeError, match="needed"):
         getattr(k, f"{name}_encode")(torch.zeros(24), torch.zeros(codec.encoded_bytes(24) - 1, dtype=torch.uint8), 8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (tests/ops/test_cuda_codec_replay.py "
+                    "checks the CUDA kernel's grid on the host)")
+@pytest.mark.parametrize("name", list(CODECS))
+def test_cuda_kernel_bytes_equal_the_cpu_path(name):
+    """On CUDA tensors the CUDA kernel (csrc/adam/cuda_codec_kernel.cu) runs, writes the CPU path's
+    bytes (into a byte slice at an odd offset too) and decodes to its values."""
+    from zeroshard.ops._loader import REGISTRY
+    probe = (torch.zeros(1, device="cuda"), torch.zeros(1, dtype=torch.uint8, device="cuda"))
+    assert _codec_kernel(name, *probe) is not None, f"CUDA present but codec kernel inactive: {REGISTRY.cuda().reason}"
+    for block in (2, 34, 256):
+        for n in (1, 7, 257, 100_003):
+            codec = CODECS[name](block=block)
+            x = _data(n, block, non_finite=True)
+            want, ref = torch_path(codec, x)
+            slab = torch.full((want.numel() + 3,), 7, dtype=torch.uint8, device="cuda")
+            got = slab[3:]
+            codec.encode(x.cuda(), got)
+            assert torch.equal(got.cpu(), want), (name, block, n, (got.cpu() != want).nonzero()[:5].flatten().tolist())
+            dec = torch.empty(n, device="cuda")
+            codec.decode(got, dec)
+            assert _same_values(dec.cpu(), ref), (name, block, n)

@@ -61,12 +61,13 @@ def train_worker(rank: int, world: int, out_path: str, cells: list[tuple[str, st
                  resume: Optional[tuple[str, int, dict]] = None) -> None:
     """Each cell: (name, model, stage/scope spec, codec kwargs, steps); then, where ``resume``
     gives its (checkpoint directory, stage, codec kwargs), ``_resume``'s runs on the flat mesh
-    and on a hybrid one (every replica's residuals) and ``_rescaled_residuals``."""
+    and on a hybrid one (every replica's residuals), ``_rescaled_residuals`` and ``_skipped_step``."""
     results: dict[str, Any] = {}
     if resume is not None:
         ckpt, stage, codec_kwargs = resume
         results["resume"] = _resume(rank, world, ckpt, {"stage": stage}, codec_kwargs)
         results["rescale"] = _rescaled_residuals(rank, world)
+        results["skipped"] = _skipped_step(rank, world)
         if world == 4:
             results["resume_hybrid"] = _resume(rank, world, ckpt + "-hybrid", scope_kwargs("hybrid", stage),
                                                {**codec_kwargs, "codec_links": "all"})
@@ -141,7 +142,8 @@ def _resume(rank: int, world: int, ckpt: str, mesh_kwargs: dict, codec_kwargs: d
 def _rescaled_residuals(rank: int, world: int) -> dict:
     """fp16 with the loss scale doubling after every clean step: the residuals after a step
     that moved the scale are those its reduction left, times new/old (Note [residuals under a
-    moving loss scale]); a later step that halves it (an overflow) does the same."""
+    moving loss scale]); a later step that halves it (an overflow, skipped) leaves those from before
+    it, times new/old (Note [residuals of a skipped step])."""
     torch.manual_seed(0)
     model = gpt2()
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=2, mixed_precision="fp16",
@@ -151,6 +153,7 @@ def _rescaled_residuals(rank: int, world: int) -> dict:
     checks = []
     last = model.transformer.ln_f.bias  # (an overflow in one unit: the others keep their residuals)
     for s in range(3):
+        start = {k: v.clone() for k, v in opt.engine.codecs.residuals.items()}
         batch = tokens(s)[rank * per:(rank + 1) * per]
         hook = last.register_hook(lambda g: g * float("inf")) if s == 2 and rank == 0 else None
         opt.backward(model(input_ids=batch, labels=batch).loss)
@@ -161,11 +164,57 @@ def _rescaled_residuals(rank: int, world: int) -> dict:
         opt.step()
         opt.zero_grad()
         after, new = opt.engine.codecs.residuals, opt.loss_scale
+        if s == 2:  # (skipped: what the step's reductions left is dropped with its sums)
+            before = start
         checks.append({"old": old, "new": new, "nonzero": sum(int(v.count_nonzero()) for v in after.values()),
                        "rescaled": sorted(after) == sorted(before) and
                        all(torch.equal(after[k], before[k] * (new / old)) for k in before)})
     opt.close()
     return {"checks": checks}
+
+
+def _skipped_step(rank: int, world: int) -> dict:
+    """Note [residuals of a skipped step]: fp16 with int4 gradients and error feedback; step 1
+    overflows (inf in one unit's gradient on rank 0) and is skipped. Every residual, the finite
+    units' too, must be as before it, and after step 2 the weights and residuals must equal those
+    of a run in which step 1 never ran (at the scaler's smallest scale, 1, the skip leaves the
+    scale as it was, so the two runs are comparable bit for bit)."""
+    def fresh() -> tuple[Any, Any]:
+        torch.manual_seed(0)
+        m = gpt2()
+        return m, zeroshard.ZeroOptimizer(m, torch.optim.AdamW, lr=1e-2, stage=2, mixed_precision="fp16",
+                                          initial_loss_scale=1.0, grad_codec="int4", codec_block=32,
+                                          grad_error_feedback=True, bucket_size_mb=0.02)
+    per = GLOBAL_BATCH // world
+
+    def step(m: Any, o: Any, s: int, overflow: bool = False) -> None:
+        batch = tokens(s)[rank * per:(rank + 1) * per]
+        last = m.transformer.ln_f.bias
+        hook = last.register_hook(lambda g: g * float("inf")) if overflow and rank == 0 else None
+        o.backward(m(input_ids=batch, labels=batch).loss)
+        if hook is not None:
+            hook.remove()
+        o.step()
+        o.zero_grad()
+    m1, o1 = fresh()
+    step(m1, o1, 0)
+    before = {k: v.clone() for k, v in o1.engine.codecs.residuals.items()}
+    step(m1, o1, 1, overflow=True)
+    after = {k: v.clone() for k, v in o1.engine.codecs.residuals.items()}
+    out = {"skipped": o1.engine.scaler.skipped_steps, "scale": o1.loss_scale,
+           "nonzero": sum(int(v.count_nonzero()) for v in before.values()),
+           "kept": sorted(after) == sorted(before) and all(torch.equal(after[k], before[k]) for k in before)}
+    step(m1, o1, 2)
+    m2, o2 = fresh()
+    step(m2, o2, 0)
+    step(m2, o2, 2)
+    a, b = weights(m1, 2), weights(m2, 2)
+    ra, rb = o1.engine.codecs.residuals, o2.engine.codecs.residuals
+    out["as_if_never"] = (all(torch.equal(a[n], b[n]) for n in a) and sorted(ra) == sorted(rb)
+                          and all(torch.equal(ra[k], rb[k]) for k in ra))
+    for o in (o1, o2):
+        o.close()
+    return out
 
 
 def _accumulated_error(comm: Any, rank: int, rounds: int = 20) -> dict[str, float]:

@@ -89,7 +89,7 @@ def restore(optimizer: object, reader_of: Callable[[str], ShardReader], saved_wo
     engine = engine_of(optimizer)
     if codecs is None or engine is None:
         return False
-    codecs.residuals.clear()
+    codecs.load_state_dict({}, torch.device("cpu"))  # (none until loaded below)
     reader = reader_of(data_file(rank if saved_world == world else rank % saved_world))
     saved = [k for k in reader.entries if k.startswith(_PREFIX)]
     mine = f"{tag}replica{j}/"

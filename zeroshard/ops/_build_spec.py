@@ -53,7 +53,8 @@ CPU_ADAM = KernelSpec(
 CUDA_ADAM = KernelSpec(
     name="_cuda_adam",
     jit_name="zeroshard_cuda_adam",
-    sources=("adam/cuda_adam.cpp", "adam/cuda_adam_kernel.cu"),
+    # (the block codecs of quantized collectives ride in this module: cuda_adam.cpp registers them)
+    sources=("adam/cuda_adam.cpp", "adam/cuda_adam_kernel.cu", "adam/cuda_codec.cpp", "adam/cuda_codec_kernel.cu"),
     cflags=("-O3",),
     ldflags=(),
     # No --use_fast_math: the kernel must agree with torch.optim.AdamW to rounding.

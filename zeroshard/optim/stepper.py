@@ -105,6 +105,8 @@ class Stepper:
 
     def _step(self, user_groups: Sequence[dict], kwargs: dict) -> None:
         overflow = self.grads.finalize()
+        if self.sharding.codecs is not None:  # (before a rescale: Note [residuals of a skipped step])
+            self.sharding.codecs.settle(applied=not overflow)
         # (here, on the caller's thread: a step in flight overlaps the next forward, which may
         # be gathering a shard torch code had held: Note [parts held for torch code])
         self.placement.release_held()

@@ -169,13 +169,20 @@ class _ScaledCodec(Codec, abc.ABC):
 
 
 def _codec_kernel(name: str, *tensors: torch.Tensor) -> Optional[ModuleType]:
-    """The CPU kernels' module (csrc/adam/codec_int8.cpp, codec_blocks_avx2.cpp, codec_fp8_int4.cpp)
-    where it has codec ``name``'s and takes these tensors: CPU, contiguous, float32 values; else
-    None (the torch path, which it equals bit for bit)."""
-    if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) or tensors[0].dtype != torch.float32:
+    """The kernels' module where it has codec ``name``'s and takes these tensors (contiguous,
+    float32 values): on the CPU the C++ kernels (csrc/adam/codec_int8.cpp, codec_blocks_avx2.cpp,
+    codec_fp8_int4.cpp), on one CUDA device the CUDA ones (cuda_codec_kernel.cu, in the CUDA Adam
+    module of a CUDA build of torch); else None (the torch path, whose bytes on the CPU both
+    equal bit for bit)."""
+    if not all(t.is_contiguous() for t in tensors) or tensors[0].dtype != torch.float32:
         return None
     from zeroshard.ops._loader import REGISTRY
-    module = REGISTRY.cpu().module
+    if all(t.device.type == "cpu" for t in tensors):
+        module = REGISTRY.cpu().module
+    elif all(t.device == tensors[0].device for t in tensors) and tensors[0].device.type == "cuda":
+        module = REGISTRY.cuda().module
+    else:
+        return None
     return module if module is not None and hasattr(module, f"{name}_encode") else None
 
 

@@ -27,6 +27,17 @@ large (or too small) for one step. So the step that moves the scale multiplies e
 by new/old (``rescale``; the same where a loaded scaler state replaces the scale): a power of
 two, exact in fp32, so the codec's arithmetic, itself exact under a power-of-two scaling, sees
 the same values it would have seen with the new scale all along.
+
+Note [residuals of a skipped step]: a step's reductions run during backward, before anyone knows
+whether the step will be applied; when it is not (fp16's loss scaler skips it for inf/NaN
+anywhere, on any rank), its sums are dropped, and so is what each residual carried into them.
+Keeping the residuals those reductions left would lose that (one step's quantization error of
+every finite unit), so the first use of a residual in a step keeps a copy of it as it was
+(``residual``), and ``settle`` at the step drops the copies (applied) or puts them back (skipped,
+a residual first made in the step removed); ``rescale`` follows. A skipped step thus leaves every
+residual as before it, and training goes on as if the step had never run (tested in
+tests/dist/test_quantized_collectives.py). Costs one copy of each residual per step, held
+from the step's first reduction to its ``settle``.
 """
 from __future__ import annotations
 
@@ -48,6 +59,9 @@ class LinkCodecs:
         self._grads = make_codec(options.grads, options.block)
         self.residuals: dict[str, torch.Tensor] = {}
         """Gradient residuals by ``"<unit>@<dimension>"`` (Note [gradient error feedback])."""
+        self._before_step: dict[str, Optional[torch.Tensor]] = {}
+        """Each residual the step in progress used, as it was before (None: made in this step);
+        Note [residuals of a skipped step]."""
         self.step_error: dict[str, float] = {}
         """Largest |x - decode(encode(x))| this rank saw since the last ``end_step``, by
         ``"weights@<dimension>"`` / ``"grads@<dimension>"`` (each block's largest error, the max over blocks)."""
@@ -65,9 +79,22 @@ class LinkCodecs:
         if not self.options.error_feedback or key is None:
             return None
         r = self.residuals.get(key)
+        if key not in self._before_step:  # (its first use in this step: Note [residuals of a skipped step])
+            self._before_step[key] = r.clone() if r is not None and r.numel() == numel else r
         if r is None or r.numel() != numel:
             r = self.residuals[key] = torch.zeros(numel, dtype=torch.float32, device=device)
         return r
+
+    def settle(self, applied: bool) -> None:
+        """The step whose reductions used the residuals is applied (keep what they left) or
+        skipped (put back what they were before it); Note [residuals of a skipped step]."""
+        if not applied:
+            for key, before in self._before_step.items():
+                if before is None:
+                    self.residuals.pop(key, None)
+                else:
+                    self.residuals[key] = before
+        self._before_step = {}
 
     def rescale(self, old_scale: float, new_scale: float) -> None:
         """The fp16 loss scale moved from ``old_scale`` to ``new_scale``: the residuals, made of
@@ -75,8 +102,9 @@ class LinkCodecs:
         under a moving loss scale])."""
         if new_scale != old_scale:
             factor = new_scale / old_scale
-            for r in self.residuals.values():
-                r.mul_(factor)
+            for r in [*self.residuals.values(), *self._before_step.values()]:
+                if r is not None:
+                    r.mul_(factor)
 
     def record(self, what: str, dimension: str, error: float) -> None:
         key = f"{what}@{dimension}"
@@ -97,3 +125,4 @@ class LinkCodecs:
 
     def load_state_dict(self, state: dict[str, torch.Tensor], device: torch.device) -> None:
         self.residuals = {k: v.to(device=device, dtype=torch.float32).clone() for k, v in state.items()}
+        self._before_step = {}
