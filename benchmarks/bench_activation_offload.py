@@ -14,13 +14,13 @@
    the I/O floor of the bytes it moved: those bytes written then read back, as files of the same
    sizes, through the offloader's own async I/O engine, in the same run). 1.0 = the traffic fully
    hidden behind compute or the step as fast as the storage allows (goal <= 1.2x).
-6. ``mix`` (``--parts mix``): the longest sequence a TinyGPT not checkpointed by the model trains
-   (bisection over real 3-step runs) under one fixed ``--budget-mib`` with offload="auto" and
-   ``PlannedActivations(checkpointed=False)``: keep / move only (``recompute=False``, the old plan)
-   vs the mixed plan that also checkpoints blocks (Note [mixed activation plans]).
 5. ``--gpu``: the GPU check (a 1-2B-class shape at a sequence that does not fit without offload,
    step time ÷ the in-memory step at the longest sequence that fits, per token). Not measured in
    the session that wrote it (no GPU was lent): docs/results.md marks it so.
+6. ``mix`` (``--parts mix``): the longest sequence a TinyGPT not checkpointed by the model trains
+   (bisection over real runs of ``--steps`` steps) under one fixed ``--budget-mib`` with offload="auto" and
+   ``PlannedActivations(checkpointed=False)``: keep / move only (``recompute=False``, the old plan)
+   vs the mixed plan that also checkpoints blocks (Note [mixed activation plans]).
 Prints one JSON line per part.
 """
 from __future__ import annotations

@@ -15,8 +15,11 @@ blocks planned "host" or "nvme" (a "checkpoint" block keeps its input: the model
 what is left, so a budget that cannot hold even the fully offloaded plan is refused naming the
 longest sequence that fits and the smallest ``memory_budget`` that holds this sequence.
 Blocks the model checkpoints (``checkpointed=True``, the default) move their inputs, which is
-what the plan counts, exactly. With ``checkpointed=False`` a block keeps its saved tensors or moves
-them all (``plan_saved``): the estimate of their size is not exact for every model, so the first
+what the plan counts, exactly. With ``checkpointed=False`` the plan mixes keep / move / checkpoint /
+checkpoint + move per block and the offloader checkpoints the blocks it picks (Note [mixed activation
+plans] in zeroshard/planner/activation_mix.py; the first forward measures the last block's saved
+bytes, keeping it). With ``checkpointed=False, recompute=False`` a block keeps its saved tensors or
+moves them all (``plan_saved``): the estimate of their size is not exact for every model, so the first
 forward moves every block (the least device memory any plan has), the offloader measures the
 largest block's saved bytes, and the next forward is planned with that measurement (per token,
 so a longer sequence later scales it): from then on the bytes moved are the plan's.
