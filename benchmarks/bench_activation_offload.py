@@ -17,6 +17,10 @@
 5. ``--gpu``: the GPU check (a 1-2B-class shape at a sequence that does not fit without offload,
    step time ÷ the in-memory step at the longest sequence that fits, per token). Not measured in
    the session that wrote it (no GPU was lent): docs/results.md marks it so.
+6. ``mix`` (``--parts mix``): the longest sequence a TinyGPT not checkpointed by the model trains
+   (bisection over real runs of ``--steps`` steps) under one fixed ``--budget-mib`` with offload="auto" and
+   ``PlannedActivations(checkpointed=False)``: keep / move only (``recompute=False``, the old plan)
+   vs the mixed plan that also checkpoints blocks (Note [mixed activation plans]).
 Prints one JSON line per part.
 """
 from __future__ import annotations
@@ -168,6 +172,57 @@ def part_longest(args: argparse.Namespace) -> dict:
                               "ratio": big_after / max(1, big_before), "per_token_bytes": _per_token(big, big_after, 2)}}
 
 
+def _trains(args: argparse.Namespace, seq: int, recompute: bool) -> bool:
+    """A TinyGPT not checkpointed by the model trains ``args.steps`` steps at ``seq`` tokens under
+    offload="auto" with ``--budget-mib`` (the state and the activations in it), the activations planned
+    (``PlannedActivations(checkpointed=False, recompute=...)``); False: the plan refused the sequence."""
+    cfg = GPTConfig(**{**_config(args, False).__dict__, "seq_len": seq})
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    planned = zeroshard.PlannedActivations(checkpointed=False, recompute=recompute)
+    try:
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, stage=2, offload="auto",
+                                      memory_budget={"host": int(args.budget_mib * 2**20), "reserve": 0},
+                                      nvme_path=args.dir, offload_activations=planned)
+    except ValueError:
+        return False
+    try:
+        for step in range(args.steps):
+            model(*synthetic_batch(step, args.batch, cfg)).backward()
+            opt.step()
+            opt.zero_grad()
+        return True
+    except ValueError:  # (the plan's refusal: no plan of this kind holds the sequence in the budget)
+        return False
+    finally:
+        opt.close()
+
+
+def _longest_trained(args: argparse.Namespace, recompute: bool) -> tuple[int, list]:
+    """The longest sequence (a multiple of ``--seq-step``) that trains, by bisection over real runs."""
+    step, tried = args.seq_step, []
+    low, high = 0, args.seq_max // step + 1  # (low trains or is 0, high does not)
+    while high - low > 1:
+        mid = (low + high) // 2
+        ok = _trains(args, mid * step, recompute)
+        tried.append((mid * step, ok))
+        low, high = (mid, high) if ok else (low, mid)
+    return low * step, tried
+
+
+def part_mix(args: argparse.Namespace) -> dict:
+    """The longest sequence a model not checkpointed by the user trains under one fixed ``--budget-mib``
+    (Note [mixed activation plans]): before, the plan keeps or moves each block's saved tensors
+    (``recompute=False``); after, it also checkpoints blocks, keeping or moving their inputs."""
+    import warnings
+    warnings.filterwarnings("ignore", message="offload='auto'")
+    before, tried_before = _longest_trained(args, False)
+    after, tried_after = _longest_trained(args, True)
+    return {"part": "longest sequence, blocks not checkpointed by the model (trained)", "budget": args.budget_mib,
+            "keep_or_move": before, "mixed_plan": after, "ratio": after / max(1, before),
+            "tried": {"keep_or_move": tried_before, "mixed_plan": tried_after}}
+
+
 def _io_floor(directory: str, sizes: list[int], rounds: int) -> float:
     """Seconds to write ``sizes`` bytes as one file each and read them back through the offloader's
     engine (``AsyncIO()``: O_DIRECT where the file system takes it), median of ``rounds``."""
@@ -274,7 +329,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--limit-mib", type=float, default=900)
     p.add_argument("--budget-mib", type=float, default=512, help="device budget of part 3")
-    p.add_argument("--parts", default="bytes,longest,cgroup", help="which of bytes, longest, cgroup, floor to run")
+    p.add_argument("--parts", default="bytes,longest,cgroup",
+                   help="which of bytes, longest, cgroup, floor, mix to run")
+    p.add_argument("--seq-step", type=int, default=64, help="part mix: sequences tried are multiples of this")
+    p.add_argument("--seq-max", type=int, default=16384, help="part mix: the longest sequence tried")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of part floor")
     p.add_argument("--gpu", action="store_true")
     p.add_argument("--gpu-seq-len", type=int, default=32768)
@@ -286,7 +344,8 @@ def main() -> None:
     if args.gpu:
         print(json.dumps(gpu_check(args)), flush=True)
         return
-    parts = {"bytes": part_bytes, "longest": part_longest, "cgroup": part_cgroup, "floor": part_floor}
+    parts = {"bytes": part_bytes, "longest": part_longest, "cgroup": part_cgroup, "floor": part_floor,
+             "mix": part_mix}
     for name in args.parts.split(","):
         print(json.dumps(parts[name](args)), flush=True)
 

@@ -92,12 +92,14 @@ def test_measured_shape_plans_again_for_a_longer_sequence_or_refuses(tmp_path):
 
 @pytest.mark.filterwarnings("ignore:offload='auto'")
 def test_blocks_not_checkpointed_move_all_first_then_as_measured(tmp_path):
-    """checkpointed=False: the first forward moves every block's saved tensors (the least device memory
+    """checkpointed=False, recompute=False (keep or move only; the mixed plan is
+    test_activation_offload_mix.py's): the first forward moves every block's saved tensors (the least device memory
     of any plan) and measures them; the next forward is planned with that measurement: a roomy budget
     keeps them all, one below keeping them all moves them all with the same bits, the bytes moved
     are the plan's; one below that is refused at the first forward."""
     big = 1 << 30
-    roomy = w.train_planned(big, str(tmp_path), True, steps=2, declared=False, checkpointed=False, prefetch=1)
+    old = dict(checkpointed=False, prefetch=1, recompute=False)  # (keep or move only)
+    roomy = w.train_planned(big, str(tmp_path), True, steps=2, declared=False, **old)
     block = roomy["moved"][0] // (2 * w.CFG.n_layers)  # (step 1: every block off the device and back)
     assert block > 5 * w.predicted_bytes(True) // w.CFG.n_layers, "saved tensors, not only the inputs"
     assert roomy["moved"][1] == 0 and roomy["plans"][0]["counts"] == {"keep": w.CFG.n_layers}
@@ -106,16 +108,15 @@ def test_blocks_not_checkpointed_move_all_first_then_as_measured(tmp_path):
     fixed = 2 * tokens * w.CFG.d_model * 4 + tokens * w.CFG.vocab * 12  # (embeddings and logits, as planned)
     budget = state + fixed + 2 * block + block // 2  # (every block moved, prefetch 1: two blocks on the device)
 
-    want = w.train_planned(budget, str(tmp_path), False, steps=4, checkpointed=False)
-    got = w.train_planned(budget, str(tmp_path), True, steps=4, declared=False, checkpointed=False, prefetch=1)
+    want = w.train_planned(budget, str(tmp_path), False, steps=4, checkpointed=False, recompute=False)
+    got = w.train_planned(budget, str(tmp_path), True, steps=4, declared=False, **old)
     assert [p["counts"] for p in got["plans"]] == [{"nvme": w.CFG.n_layers}] * 4
     assert got["moved"] == [2 * w.CFG.n_layers * block] * 4 == [got["plans"][-1]["moved_per_step"]] * 4
     for step, (g, r) in enumerate(zip(got["grads"], want["grads"])):
         assert_same(g, r, f"gradients of step {step}, blocks not checkpointed")
     assert_same(got["weights"], want["weights"], "weights after 4 steps")
     with pytest.raises(ValueError, match="blocks not checkpointed, do not fit .* checkpoint the blocks"):
-        w.train_planned(state + fixed + block, str(tmp_path), True, steps=1, declared=False, checkpointed=False,
-                        prefetch=1)
+        w.train_planned(state + fixed + block, str(tmp_path), True, steps=1, declared=False, **old)
 
 
 def test_planned_activations_need_offload_auto():

@@ -3,6 +3,7 @@ with and without activation offload, on one rank or several; the gradients of ev
 the final weights, bit for bit, and what the offload moved."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -14,6 +15,8 @@ import torch.distributed as dist
 
 import zeroshard
 from zeroshard.testing.toy import GPTConfig, TinyGPT, synthetic_batch
+
+from tests.support.live_bytes import LiveBytes
 
 CFG = GPTConfig(vocab=64, d_model=32, n_layers=3, n_heads=4, seq_len=16, dropout=0.1)
 BATCH = 4  # global
@@ -54,27 +57,31 @@ def train(stage: int, where: Optional[str], checkpointing: bool, steps: int = 3,
 
 
 def train_planned(budget: int, directory: str, planned: bool, steps: int = 8, declared: bool = True,
-                  seq_lens: Optional[list[int]] = None, checkpointed: bool = True, prefetch: int = 2) -> dict:
+                  seq_lens: Optional[list[int]] = None, checkpointed: bool = True, prefetch: int = 2,
+                  recompute: bool = True, n_layers: int = CFG.n_layers, peaks: bool = False) -> dict:
     """As ``train`` (stage 2, checkpointed blocks), under offload="auto" with ``memory_budget`` (reserve 0:
     the state's plan does not depend on the process) and, if ``planned``, the activations planned
     with it (``PlannedActivations``: the shape declared, or measured at the first forward); step i
     runs the first ``seq_lens[i]`` tokens of each sequence (default: all), and the plan in force
     after each step is kept."""
-    cfg = replace(CFG, activation_checkpointing=checkpointed)
+    cfg = replace(CFG, activation_checkpointing=checkpointed, n_layers=n_layers)
     torch.manual_seed(0)
     model = TinyGPT(cfg)
     shape = {"micro_batch": BATCH, "seq_len": cfg.seq_len} if declared else {}
     extra = {"offload_activations": zeroshard.PlannedActivations(**shape, checkpointed=checkpointed,
-                                                                       prefetch=prefetch)} if planned else {}
+                                                                       prefetch=prefetch, recompute=recompute)
+             } if planned else {}
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=2, offload="auto",
                                   memory_budget={"host": budget, "reserve": 0}, nvme_path=directory, **extra)
     torch.manual_seed(1)
-    grads, plans, moved = [], [], []
+    grads, plans, moved, live = [], [], [], []
     try:
         for step in range(steps):
             x, y = synthetic_batch(step, BATCH, cfg)
             n = seq_lens[step] if seq_lens else cfg.seq_len
-            model(x[:, :n], y[:, :n]).backward()
+            with LiveBytes() if peaks else contextlib.nullcontext() as tracked:  # (peaks: the step's live tensor bytes)
+                model(x[:, :n], y[:, :n]).backward()
+            live.append(tracked.peak if tracked is not None else None)
             grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
             opt.step()
             opt.zero_grad()
@@ -85,7 +92,9 @@ def train_planned(budget: int, directory: str, planned: bool, steps: int = 8, de
     finally:
         opt.close()
     hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
-    return {"grads": grads, "weights": weights, "report": report, "plans": plans, "moved": moved, "hooks_left": hooks}
+    wrapped = sum("forward" in vars(m) for m in model.modules())  # (forwards the offloader wrapped, left)
+    return {"grads": grads, "weights": weights, "report": report, "plans": plans, "moved": moved, "hooks_left": hooks, "peaks": live,
+            "forwards_left": wrapped}
 
 
 def predicted_bytes(checkpointing: bool, world: int = 1) -> int:

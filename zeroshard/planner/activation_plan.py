@@ -19,7 +19,7 @@ backward are on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from zeroshard.planner.activations import block_activation_elements
 from zeroshard.planner.model_shape import ModelShape
@@ -142,7 +142,8 @@ def plan_saved(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int
             f"{device / 2**30:.2f} GiB of device memory even with every block's saved tensors moved (host "
             f"{host / 2**30:.2f} GiB, NVMe {nvme / 2**30:.2f} GiB): the device needs at least "
             f"{(s.fixed + (1 + prefetch) * s.block) / 2**30:.2f} GiB; checkpoint the blocks "
-            "(torch.utils.checkpoint, use_reentrant=False, and PlannedActivations(checkpointed=True)) to need less")
+            "(torch.utils.checkpoint, use_reentrant=False, and PlannedActivations(checkpointed=True)) to need less, "
+            "or let the plan checkpoint them: PlannedActivations(checkpointed=False, recompute=True)")
     return found
 
 
@@ -177,6 +178,11 @@ def longest_sequence(shape: ModelShape, micro_batch: int, act_bytes: int, *, dev
     def fits(seq: int) -> bool:
         s = _sizes(shape, micro_batch, seq, act_bytes, links, eager_attention)
         return _best(s, shape.n_layers, device, host, nvme, links) is not None
+    return largest_fitting(fits, below)
+
+
+def largest_fitting(fits: Callable[[int], bool], below: int) -> int:
+    """The largest sequence (< ``below``) that ``fits``; 0 if none."""
     low, high = 0, below
     while high - low > 1:  # (memory grows with the sequence: the largest that fits, by bisection)
         mid = (low + high) // 2

@@ -6,6 +6,7 @@ import json
 import sys
 
 from zeroshard.cli import Command
+from zeroshard.planner.activation_mix import mixed_for_estimate
 from zeroshard.planner.activation_plan import for_estimate
 from zeroshard.planner.estimate import Hardware, Workload, plan
 from zeroshard.planner.model_shape import ModelShape
@@ -67,6 +68,9 @@ def _run(a: argparse.Namespace) -> int:
         return 2
     result = plan(shape, hw, w)
     acts = for_estimate(result)  # (per block: keep / checkpoint / offload; Note [planning activations])
+    if "device_left" in acts:  # (blocks not checkpointed by the model: Note [mixed activation plans])
+        acts["not_checkpointed"] = mixed_for_estimate(shape, max(1, shape.n_layers // w.pp), w.micro_batch, w.seq_len,
+                                                      w.param_bytes, acts)
     if a.json:
         best = result.recommended
         rows = [{"config": e.choice.label, "gpu_model_states": e.gpu_states.model_states,
@@ -85,6 +89,10 @@ def _run(a: argparse.Namespace) -> int:
         print(plan_markdown(result))
         print(f"\nActivations at --micro-batch {w.micro_batch} x --seq-len {w.seq_len} with {acts['config']}: "
               + (acts.get("summary") or acts.get("error", "")))
+        mixed = acts.get("not_checkpointed")
+        if mixed is not None:
+            print("Blocks not checkpointed by the model (PlannedActivations(checkpointed=False)): "
+                  + (mixed.get("summary") or mixed.get("error", "")))
     return 0
 
 

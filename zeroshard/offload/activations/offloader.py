@@ -61,7 +61,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zeroshard.io.aio_engine import AsyncIO
-from zeroshard.offload.activations.block_record import BlockActivations, RecordState, dense_span
+from zeroshard.offload.activations.block_checkpoint import BlockCheckpointing
+from zeroshard.offload.activations.block_record import BlockActivations, RecordState, _key, dense_span
 from zeroshard.offload.activations.activation_options import ActivationOffload
 from zeroshard.stages.stage3.units import _repeated_blocks
 from zeroshard.units.tier import Tier
@@ -174,6 +175,10 @@ class ActivationOffloader:
         self.last_step_bytes = (0, 0)
         """(bytes moved off the device, bytes brought back) in the last whole step."""
         self.blocks_moved = 0
+        self._measure_ids: frozenset[int] = frozenset()
+        self._measuring: Optional[tuple[nn.Module, set, list[int]]] = None
+        self._measured: list[int] = []
+        """Blocks the plan keeps but measures (Note [mixed activation plans]): their saved bytes this forward."""
         self._planned_this_pass = False
         self._handles: list[RemovableHandle] = [] if not self._hooked else [
             model.register_forward_pre_hook(self._model_pre),
@@ -182,6 +187,12 @@ class ActivationOffloader:
             if id(m) in self._hooked:
                 self._handles.append(m.register_forward_pre_hook(self._block_pre))
                 self._handles.append(m.register_forward_hook(self._block_post, always_call=True))
+        wanted = planner.wanted if planner is not None else None
+        self.checkpointing = BlockCheckpointing([m for m in model.modules() if id(m) in self._hooked],
+                                                lambda: self._depth > 0) if (
+            wanted is not None and not wanted.checkpointed and wanted.recompute) else None
+        """Blocks not checkpointed by the model: runs those the plan picks under checkpoint (Note
+        [checkpointing chosen blocks] in block_checkpoint.py)."""
         placed = planner.initial() if planner is not None else None
         if placed is not None:
             self.apply(*placed)
@@ -203,6 +214,10 @@ class ActivationOffloader:
                                    "no nvme_path was given; pass nvme_path=<directory>")
             self._open_files()
         self.blocks, self.host_blocks, self.planned = dict(cover), host_blocks, planned
+        if self.checkpointing is not None:
+            names = set(planned.get("recompute", ()))
+            self.checkpointing.chosen = frozenset(k for k, n in self._hooked.items() if n in names)
+        self._measure_ids = frozenset(k for k, n in self._hooked.items() if n in set(planned.get("measure", ())))
 
     # -- the model's forward ---------------------------------------------------------------------
     def _model_pre(self, module: nn.Module, args: tuple) -> None:
@@ -219,6 +234,7 @@ class ActivationOffloader:
             self._window_step, self._out, self._in = steps, 0, 0
         self._param_storages = _storages(self.model)
         self._planned_this_pass = False
+        self._measured, self._measuring = [], None
         self._pass = []
         self._pass_refs = []  # (weak: a record must go with the graph that holds it)
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -251,7 +267,8 @@ class ActivationOffloader:
             self._bring_back(tail)
         else:  # (Note [activation offload under pipeline schedules])
             grad_out.register_hook(lambda grad: self._bring_back(tail))
-        placed = self.planner.after_forward([r.moved for r in records]) if self.planner is not None else None
+        moved = [r.moved for r in records] + self._measured
+        placed = self.planner.after_forward(moved) if self.planner is not None else None
         if placed is not None:  # (the blocks' saved bytes measured: planned with them from the next forward)
             self.apply(*placed)
 
@@ -279,6 +296,10 @@ class ActivationOffloader:
             placed = self.planner.at_forward(next((a for a in args if isinstance(a, torch.Tensor)), None))
             if placed is not None:
                 self.apply(*placed)
+        if self.checkpointing is not None:
+            self.checkpointing.arm(module)
+        if id(module) in self._measure_ids:  # (kept, its saved bytes counted as they are saved)
+            self._measuring = (module, set(), [0])
         if id(module) not in self.blocks:  # (a block the plan leaves on the device)
             self._pending = []
             return
@@ -294,6 +315,9 @@ class ActivationOffloader:
         self._current = (module, record)
 
     def _block_post(self, module: nn.Module, args: tuple, output: object) -> None:
+        if self._measuring is not None and self._measuring[0] is module:
+            self._measured.append(self._measuring[2][0])
+            self._measuring = None
         if self._current is None or self._current[0] is not module:
             return
         record = self._current[1]
@@ -329,6 +353,12 @@ class ActivationOffloader:
 
     def _pack(self, t: torch.Tensor) -> object:
         if not self._worth_moving(t):
+            return t
+        if self._current is None and self._measuring is not None:
+            seen, total = self._measuring[1], self._measuring[2]
+            if _key(t) not in seen:  # (as a record counts it: once per tensor)
+                seen.add(_key(t))
+                total[0] += t.numel() * t.element_size()
             return t
         if self._current is None:
             saved = _Saved(t)
@@ -401,6 +431,8 @@ class ActivationOffloader:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self.checkpointing is not None:
+            self.checkpointing.remove()
         if self._io is not None:
             self._io.close()
             self._io = None

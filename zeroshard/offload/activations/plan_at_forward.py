@@ -24,6 +24,11 @@ Placed = tuple[dict[int, str], frozenset[str], dict]
 """What the offloader applies: the blocks to move (id -> name), those kept in host memory, the report."""
 
 
+def places_last(places: dict[str, str]) -> str:
+    """The last block's name (the plan's places are in the model's order)."""
+    return list(places)[-1]
+
+
 class ForwardPlanner:
     def __init__(self, wanted: PlannedActivations, model: nn.Module, candidates: dict[int, str],
                  state: Callable[[], Plan], budget: MemoryBudget, accelerator: bool, nvme_path: Optional[str],
@@ -56,6 +61,8 @@ class ForwardPlanner:
         self.tokens, self.plans = micro_batch * seq_len, self.plans + 1
         report = plan_report(plan, places, options, left)
         report["shape"], report["plans"] = "declared" if declared else "measured", self.plans
+        if block is None and not self.wanted.checkpointed and self.wanted.recompute:
+            report["measure"] = [places_last(places)]  # (its saved bytes: Note [mixed activation plans])
         return cover, host, report
 
     def initial(self) -> Optional[Placed]:
@@ -83,8 +90,8 @@ class ForwardPlanner:
         return self.plan(micro_batch, max(1, tokens // micro_batch), False)
 
     def after_forward(self, moved: list[int]) -> Optional[Placed]:
-        """A forward ended having moved these blocks' saved bytes. Blocks not checkpointed, first
-        measurement (every block moved): the plan with it, for the next forward; else None."""
+        """A forward ended having moved (or measured) these blocks' saved bytes. Blocks not
+        checkpointed, first measurement: the plan with it, for the next forward; else None."""
         if self.wanted.checkpointed or self._per_token is not None or not moved or not self.tokens:
             return None
         micro_batch, seq_len = self._shape_now

@@ -15,8 +15,11 @@ blocks planned "host" or "nvme" (a "checkpoint" block keeps its input: the model
 what is left, so a budget that cannot hold even the fully offloaded plan is refused naming the
 longest sequence that fits and the smallest ``memory_budget`` that holds this sequence.
 Blocks the model checkpoints (``checkpointed=True``, the default) move their inputs, which is
-what the plan counts, exactly. With ``checkpointed=False`` a block keeps its saved tensors or moves
-them all (``plan_saved``): the estimate of their size is not exact for every model, so the first
+what the plan counts, exactly. With ``checkpointed=False`` the plan mixes keep / move / checkpoint /
+checkpoint + move per block and the offloader checkpoints the blocks it picks (Note [mixed activation
+plans] in zeroshard/planner/activation_mix.py; the first forward measures the last block's saved
+bytes, keeping it). With ``checkpointed=False, recompute=False`` a block keeps its saved tensors or
+moves them all (``plan_saved``): the estimate of their size is not exact for every model, so the first
 forward moves every block (the least device memory any plan has), the offloader measures the
 largest block's saved bytes, and the next forward is planned with that measurement (per token,
 so a longer sequence later scales it): from then on the bytes moved are the plan's.
@@ -39,13 +42,15 @@ import torch
 from torch import nn
 
 from zeroshard.offload.activations.workload import PlannedActivations
+from zeroshard.planner.activation_mix import RECOMPUTED, mix_sizes, mixed_peak, plan_mixed
 from zeroshard.planner.activation_plan import ActivationPlan, longest_sequence, plan_activations, plan_saved
 from zeroshard.planner.auto_placement import MemoryBudget, Plan
 from zeroshard.planner.model_shape import ModelShape
 from zeroshard.planner.sizes import fmt_bytes
 from zeroshard.units.tier import Tier
 
-_MOVED = {"host": Tier.HOST, "nvme": Tier.NVME}  # (the plan's places that leave the device: their tier)
+_MOVED = {"host": Tier.HOST, "nvme": Tier.NVME, "saved-host": Tier.HOST,
+          "saved-nvme": Tier.NVME}  # (the plan's places that leave the device: their tier)
 
 
 def shape_of(model: nn.Module, n_blocks: int) -> ModelShape:
@@ -88,6 +93,8 @@ def plan_for_run(options: PlannedActivations, shape: ModelShape, names: list[str
     assert options.micro_batch is not None and options.seq_len is not None  # (declared or measured by now)
     left = memory_left(state, budget, accelerator, nvme_path)
     act_bytes = torch.empty((), dtype=act_dtype).element_size()
+    if not options.checkpointed and options.recompute:
+        return mixed_for_run(options, shape, names, budget, left, act_bytes, block_bytes)
     if not options.checkpointed:
         try:
             plan = plan_saved(shape, options.micro_batch, options.seq_len, act_bytes, device=left["device"],
@@ -113,6 +120,33 @@ def plan_for_run(options: PlannedActivations, shape: ModelShape, names: list[str
             f"{options.seq_len} tokens even with every block's input offloaded: the longest sequence that fits is "
             f"{longest} tokens, and the smallest memory_budget that holds {options.seq_len} tokens is "
             f"{fmt_bytes(smallest)} ({where}). ({exc})") from None
+    return plan, dict(zip(names, plan.blocks)), left
+
+
+def mixed_for_run(options: PlannedActivations, shape: ModelShape, names: list[str], budget: MemoryBudget,
+                  left: dict[str, int], act_bytes: int,
+                  block_bytes: Optional[int]) -> tuple[ActivationPlan, dict[str, str], dict[str, int]]:
+    """Blocks not checkpointed by the model, the offloader checkpointing the ones the plan picks (Note
+    [mixed activation plans] in zeroshard/planner/activation_mix.py). Before ``block_bytes`` is
+    measured: the first forward checkpoints every block and moves its input but the last, which it
+    keeps and whose saved bytes it measures (the last: freed as backward starts, before any
+    recompute), once the estimate shows some plan fits."""
+    assert options.micro_batch is not None and options.seq_len is not None
+    try:
+        plan = plan_mixed(shape, options.micro_batch, options.seq_len, act_bytes, block_bytes=block_bytes,
+                          device=left["device"], host=left["host"], nvme=left["nvme"], prefetch=options.prefetch)
+    except ValueError as exc:
+        raise ValueError(f"offload='auto': memory_budget ({budget}) leaves {fmt_bytes(left['device'])} for "
+                         f"activations after the state; {exc}") from None
+    if block_bytes is None:
+        s = mix_sizes(shape, options.micro_batch, options.seq_len, act_bytes, block_bytes=None,
+                      prefetch=options.prefetch)
+        n = shape.n_layers
+        on_host = left["host"] >= (n - 1) * s.input
+        places = ("host" if on_host else "nvme",) * (n - 1) + ("keep",)
+        moved = (n - 1) * s.input
+        plan = ActivationPlan(places, mixed_peak(s, 1, 0, [s.input] * (n - 1)), moved if on_host else 0,
+                              0 if on_host else moved, 2 * moved, 0.0)
     return plan, dict(zip(names, plan.blocks)), left
 
 
@@ -143,4 +177,5 @@ def plan_report(plan: ActivationPlan, places: dict[str, str], options: PlannedAc
     return {"micro_batch": options.micro_batch, "seq_len": options.seq_len, "blocks": places,
             "counts": plan.counts(), "offloaded": list(moved_blocks(places)),
             "device_bytes": plan.device_bytes, "host_bytes": plan.host_bytes, "nvme_bytes": plan.nvme_bytes,
-            "moved_per_step": plan.moved_per_step, "memory_left": left, "summary": plan.summary()}
+            "moved_per_step": plan.moved_per_step, "memory_left": left, "summary": plan.summary(),
+            "recompute": [n for n, p in places.items() if p in RECOMPUTED] if not options.checkpointed and options.recompute else []}
