@@ -34,7 +34,8 @@ def memory_checkpoint(step: int, *, model: Optional[nn.Module], optimizer: objec
                       dataloader: object = None, extra: object = None) -> bool:
     """Commits step ``step``'s training state to the memory tier of ``ZeroOptimizer(redundancy="peer")``
     (a collective; call it after ``opt.step(); sched.step()``, every step: ``PeerRedundancy(every=K)``
-    keeps every K-th). The copy is made now; the write and the replica to the buddy rank run on a
+    keeps every K-th, ``every="auto"`` (the default) the steps its measurements choose: Note [commit pacing]
+    in zeroshard/resilience/commit_pacer.py). The copy is made now; the write and the replica to the buddy rank run on a
     thread. Returns False when skipped (not a K-th step, or the tier turned off after a write failed).
     ``load_checkpoint`` loads from the tiers when they hold a step at least as new as the disk's
     (Note [peer memory tier] in zeroshard/resilience/memory_tier.py)."""
