@@ -23,6 +23,17 @@ def ranks(tmp_path_factory):
             shutil.rmtree(f"{root}-{case}", ignore_errors=True)
 
 
+def test_memory_recovery_restores_the_codec_residuals_bitwise(ranks):
+    """int8 gradients with error feedback: the recovered run continues bit for bit (before, the
+    residuals restarted at zero); rank 1's own slot is gone: its come from rank 0's replica."""
+    for r in ranks:
+        c = r["codec"]
+        assert (c["step"], c["source"]) == (3, "memory")
+        assert c["residuals"] and c["nonzero"], "the codec kept no residuals: the check would be vacuous"
+        assert c["restored"], "the residuals were not restored from the memory tier"
+        assert c["equal"], "the run continued from memory differs from the one that did not fail"
+
+
 def test_auto_pacing_commits_every_kth_step_on_every_rank_and_recovers(ranks):
     """A state large against a tiny step: the measured cost of a commit is more than 5% of a step,
     so K > 1, the same K and the same steps on both ranks; the recovery gives the last committed

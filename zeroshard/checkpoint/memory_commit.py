@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from zeroshard.checkpoint import frozen_base
+from zeroshard.checkpoint import codec_residuals, frozen_base
 from zeroshard.checkpoint.saver import _capture, _shapes
 from zeroshard.checkpoint.shard_file import CODES, Deferred
 from zeroshard.optim.zero_optimizer import engine_of
@@ -80,7 +80,10 @@ def commit_step(step: int, *, force: bool, model: Optional[nn.Module], optimizer
     fixed = {p.data_ptr() for p in model.parameters() if not p.requires_grad} if model is not None else set()
     for name, t in snap.full.items():
         full[name] = place(t if t.numel() and t.data_ptr() in fixed else t.detach().clone())
+    # This rank's gradient residuals (error feedback; copies taken now: the next backward changes
+    # them before the next step waits for the tier's copy), restored at the same world size.
+    residuals = {k: place(t) for k, t in codec_residuals.residual_tensors(optimizer).items()}
     header = {"pieces": pieces, "full": full, "rng": snap.rng, "dataloader": snap.dataloader,
-              "header": snap.header, "shapes": shapes}
+              "header": snap.header, "shapes": shapes, "residuals": residuals}
     tier.commit({"digest": digest, "step": step}, header, tensors, size)
     return True

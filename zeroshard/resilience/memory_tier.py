@@ -9,7 +9,9 @@ the default: every step while that costs <= 5% of a step, else every K-th, the s
 every rank, Note [commit pacing] in zeroshard/resilience/commit_pacer.py) it captures what a
 disk checkpoint of that step holds (the same ``_capture``: owned pieces of parameters, fp32
 masters, moments and step counts; the scheduler, loss scaler, per-rank data position and RNG;
-rank 0's buffers; the small state encoded now) and hands the tensors to a thread. The
+rank 0's buffers; the small state encoded now; with a gradient codec's error feedback, this
+rank's residuals, copied now since the next backward changes them before the next step waits
+for the tier: zeroshard/checkpoint/codec_residuals.py) and hands the tensors to a thread. The
 thread (a) copies them straight into this rank's own slot, ``<root>/rank-<r>/own/slot-{0,1}``
 (each slot's data file reserved with fallocate — a full tmpfs says ENOSPC there, where a store
 through a mapping would SIGBUS — and mapped once for the run), the one pass over the state
@@ -46,7 +48,10 @@ refused with a warning and never loaded.
 Recovery (zeroshard/checkpoint/memory_recovery.py) needs no disk: the ranks agree on the step from what each node's
 slots hold, the rank chosen to serve each owner's slot verifies its checksum, and each rank
 receives exactly the pieces overlapping its new partition over the process group; loading
-them is ``load_checkpoint``'s own read/apply phases (N -> M reshard) fed from memory.
+them is ``load_checkpoint``'s own read/apply phases (N -> M reshard) fed from memory. Gradient
+residuals are each rank's own: at the same world size rank r takes owner r's (sent with the
+pieces when another rank serves that slot), as a disk resume does; at another world size, or
+another codec, they start at zero with the disk path's warning.
 Not covered yet: NVMe offload, tp/pp/hybrid meshes (refused at construction), in-process
 recovery (survivors keep their processes; torchrun restarts every worker), XOR parity.
 """
