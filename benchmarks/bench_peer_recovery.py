@@ -60,10 +60,12 @@ def _rank(rank: int, world: int, a: argparse.Namespace, tier: str, disk: str, ou
     for _ in range(2):  # warm-up
         _step(model, opt, x)
         step += 1
+    tier_step = 0  # the steps of the run with the tier: its blocks, back to back (the tier's clock)
     for _ in range(a.warmup):  # with the tier: "auto" probes, measures and agrees on K here
         _step(model, opt, x)
         step += 1
-        zeroshard.memory_checkpoint(step, model=model, optimizer=opt)
+        tier_step += 1
+        zeroshard.memory_checkpoint(tier_step, model=model, optimizer=opt)
     opt.engine.memory_tier.wait()
     commits = 0
     for _ in range(a.blocks):
@@ -74,7 +76,8 @@ def _rank(rank: int, world: int, a: argparse.Namespace, tier: str, disk: str, ou
                 _step(model, opt, x)
                 step += 1
                 if with_tier:
-                    commits += zeroshard.memory_checkpoint(step, model=model, optimizer=opt)
+                    tier_step += 1
+                    commits += zeroshard.memory_checkpoint(tier_step, model=model, optimizer=opt)
             if with_tier:
                 opt.engine.memory_tier.wait()  # (the block pays for its last background write too)
                 if opt.engine.memory_tier.pacer is not None:  # (the block without it is no step of its clock)

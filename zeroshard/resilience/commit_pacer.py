@@ -16,10 +16,11 @@ clock. Each ``memory_checkpoint`` call is a tick; the interval between two ticks
 of the loop. An interval is *touched* when a commit started at its first tick or a commit's
 thread was still running at its first tick, *plain* otherwise. A commit's cost is the sum of
 the intervals it touched minus as many plain intervals (the median of the last 32 plain
-ones: T); its relative cost is cost / T, the fraction of one step it adds, robust to a single
-slow step by taking the median over the last 8 commits (c). Committing every K-th step costs
-c / K per step, so the pacer proposes the smallest K with c / K <= ``budget`` (5%), clamped to
-[1, ``max_every``].
+ones: T, robust to a single slow step); its relative cost is cost / T, the fraction of one step
+it adds, and c is its mean over the last 8 commits (the mean, not the median: the goal is the
+overhead a run pays on average, and commits that meet a busy machine count in it). Committing
+every K-th step costs c / K per step, so the pacer proposes the smallest K with c / K <=
+``budget`` (5%), clamped to [1, ``max_every``].
 Agreement. The ranks must commit the same steps (a recovery needs every owner's slot of one
 step). Each commit carries this rank's proposal (made at its tick from the intervals measured
 so far) to the commit's thread, which all-gathers it with the write failures it gathers
@@ -97,9 +98,9 @@ class CommitPacer:
         self._open = [0.0, 0]
         self._started_at_last, self._running, self._thread_end = True, True, None
 
-    def finished(self) -> None:
+    def finished(self, now: Optional[float] = None) -> None:
         """The commit's thread is done (called on that thread, as its last act)."""
-        self._thread_end, self._running = time.monotonic(), False
+        self._thread_end, self._running = time.monotonic() if now is None else now, False
 
     def _close(self) -> None:
         if self._open is not None and self._open[1]:
@@ -115,7 +116,7 @@ class CommitPacer:
         t = statistics.median(self._plain)
         if t <= 0:
             return None
-        cost = max(0.0, statistics.median((s - n * t) / t for s, n in self._costs))
+        cost = max(0.0, statistics.fmean((s - n * t) / t for s, n in self._costs))
         return self.choose(cost), cost, t
 
     def choose(self, cost: float) -> int:
