@@ -27,12 +27,16 @@ def test_touched_and_plain_intervals_give_the_cost_and_the_smallest_k_within_bud
 
 def test_ranks_adopt_the_largest_proposal_and_probe_until_all_measured():
     p = CommitPacer(0.05, 16)
+    assert p.news() is None  # (nothing agreed yet)
     p.agree([None, None])  # the first commit's proposals precede any measurement: the gap stays
     assert (p.every, p.decided) == (4, False)
     p.agree([None, (3, 0.12, 1.0)])  # a rank saw no plain interval yet: a longer gap
     assert (p.every, p.decided) == (8, False)
     p.agree([(3, 0.12, 1.0), (5, 0.22, 0.9)])
     assert (p.every, p.decided, p.cost) == (5, True, 0.22)
+    assert p.news() == ("memory tier: committing every 5 step(s): a commit costs 22.0% of a step, 4.4% per step "
+                        "(budget 5%, at most every 16)")  # (zeroshard finetune logs it when K changes)
+    assert p.news() is None
     p.committed(10)
     assert not p.due(14) and p.due(15)
     p.agree([None, (1, 0.01, 1.0)])  # (decided: an incomplete round keeps the gap)
