@@ -1,8 +1,12 @@
 """The memory tier's figures (issue 45), 2 gloo ranks on loopback, one session:
 
-- per-step overhead of ``memory_checkpoint`` every step (the copy into the mapped slot, the
-  crc, stamps and replica swap on the tier's thread; the next step waits for the copy only) on the step time, median over alternating blocks of
-  steps with and without it (goal <= 5%);
+- per-step overhead of ``memory_checkpoint`` at ``--every`` (default ``auto``: the tier commits
+  every step while that costs <= 5% of a step, else every K-th, Note [commit pacing]; the copy
+  into the mapped slot, the crc, stamps and replica swap on the tier's thread; the next step
+  waits for the copy only) on the step time: the summed time of alternating blocks of steps
+  with and without it (sums, not medians of blocks: a block of K-step cycles may hold 0 or 1
+  commit), after a warm-up with the tier that lets "auto" measure and choose K (goal <= 5%);
+  the K chosen and the cost the tier measured (``MemoryTier.report()``, rank 0);
 - disk bytes a recovery opens (files under the disk checkpoint, counted by an audit hook);
 - the load part of recovery: ``load_checkpoint`` from the memory tiers vs from the disk
   checkpoint of the same step (both just written: the disk's pages are in the page cache, the
@@ -10,7 +14,7 @@
   restart itself (torchrun starting workers, the process group) is the same for both and
   left out.
 
-    python benchmarks/bench_peer_recovery.py [--hidden 2048 --layers 4 --blocks 5 --steps 4]
+    python benchmarks/bench_peer_recovery.py [--hidden 2048 --layers 4 --blocks 5 --steps 16 --every auto]
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
+from zeroshard.checkpoint.memory_commit import commit_step
 from zeroshard.testing.launch import spawn
 
 
@@ -45,7 +50,7 @@ def _step(model: torch.nn.Module, opt: zeroshard.ZeroOptimizer, x: torch.Tensor)
 def _rank(rank: int, world: int, a: argparse.Namespace, tier: str, disk: str, out: str) -> None:
     model = _model(a.hidden, a.layers)
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, stage=2,
-                                  redundancy=zeroshard.PeerRedundancy(path=tier, run_id="bench"))
+                                  redundancy=zeroshard.PeerRedundancy(path=tier, run_id="bench", every=a.every))
     x = torch.randn(a.batch, a.hidden)
     root = os.path.realpath(disk) + os.sep
     opened: list[str] = []  # files under the disk checkpoint this process opens (Python's audit events)
@@ -55,6 +60,14 @@ def _rank(rank: int, world: int, a: argparse.Namespace, tier: str, disk: str, ou
     for _ in range(2):  # warm-up
         _step(model, opt, x)
         step += 1
+    tier_step = 0  # the steps of the run with the tier: its blocks, back to back (the tier's clock)
+    for _ in range(a.warmup):  # with the tier: "auto" probes, measures and agrees on K here
+        _step(model, opt, x)
+        step += 1
+        tier_step += 1
+        zeroshard.memory_checkpoint(tier_step, model=model, optimizer=opt)
+    opt.engine.memory_tier.wait()
+    commits = 0
     for _ in range(a.blocks):
         for with_tier in (False, True):
             dist.barrier()
@@ -63,13 +76,17 @@ def _rank(rank: int, world: int, a: argparse.Namespace, tier: str, disk: str, ou
                 _step(model, opt, x)
                 step += 1
                 if with_tier:
-                    zeroshard.memory_checkpoint(step, model=model, optimizer=opt)
+                    tier_step += 1
+                    commits += zeroshard.memory_checkpoint(tier_step, model=model, optimizer=opt)
             if with_tier:
                 opt.engine.memory_tier.wait()  # (the block pays for its last background write too)
+                if opt.engine.memory_tier.pacer is not None:  # (the block without it is no step of its clock)
+                    opt.engine.memory_tier.pacer.pause()
             dist.barrier()
             (tiered if with_tier else plain).append((time.perf_counter() - t0) / a.steps)
+    report = opt.engine.memory_tier.report()
     zeroshard.save_checkpoint(disk, step, model=model, optimizer=opt)
-    zeroshard.memory_checkpoint(step, model=model, optimizer=opt)
+    commit_step(step, force=True, model=model, optimizer=opt)  # (this step whatever K is, as a handoff's)
     opt.engine.memory_tier.wait()
     state_bytes = opt.memory_report().master_weights + opt.memory_report().optimizer_states + \
         opt.memory_report().parameters
@@ -92,7 +109,11 @@ def _rank(rank: int, world: int, a: argparse.Namespace, tier: str, disk: str, ou
     if rank == 0:
         figures = {
             "step_s_plain": statistics.median(plain), "step_s_with_tier": statistics.median(tiered),
-            "tier_overhead": statistics.median(tiered) / statistics.median(plain) - 1,
+            "tier_overhead": sum(tiered) / sum(plain) - 1,
+            "tier_overhead_median_blocks": statistics.median(tiered) / statistics.median(plain) - 1,
+            "every": report["every"], "commits_in_measured_steps": commits,
+            "measured_steps": a.blocks * a.steps, "tier_commit_cost": report["commit_cost"],
+            "tier_step_cost": report["step_cost"],
             "load_and_step_s_memory": min(t for t, _, _ in loads["memory"]),
             "load_and_step_s_disk": min(t for t, _, _ in loads["disk"]),
             "disk_bytes_opened_memory": loads["memory"][0][1], "disk_bytes_opened_disk": loads["disk"][0][1],
@@ -110,7 +131,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--blocks", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=16, help="steps per block")
+    ap.add_argument("--warmup", type=int, default=16, help="steps with the tier before the measured blocks")
+    ap.add_argument("--every", default="auto", type=lambda v: v if v == "auto" else int(v),
+                    help="PeerRedundancy(every=): auto (the default) or K")
     ap.add_argument("--batch", type=int, default=8, help="rows per rank and step (compute per step vs state)")
     a = ap.parse_args()
     tier = f"/dev/shm/zeroshard-bench-{uuid.uuid4().hex[:8]}"

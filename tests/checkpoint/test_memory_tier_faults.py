@@ -28,7 +28,7 @@ def build(tier: str, run_id: str = "r", width: int = 16):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Linear(width, 4))
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=2,
-                                  redundancy=zeroshard.PeerRedundancy(path=tier, run_id=run_id))
+                                  redundancy=zeroshard.PeerRedundancy(path=tier, run_id=run_id, every=1))
     return model, opt, torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
 
 
@@ -108,6 +108,13 @@ def test_memory_report_counts_the_tier_and_options_are_checked(tier):
     assert opt.memory_report().memory_tier == held and held > data > 0
     with pytest.raises(ValueError, match="every=0"):
         zeroshard.PeerRedundancy(every=0)
+    with pytest.raises(ValueError, match="every='sometimes'.* must be 'auto' or an int"):
+        zeroshard.PeerRedundancy(every="sometimes")
+    with pytest.raises(ValueError, match="max_every=0"):
+        zeroshard.PeerRedundancy(max_every=0)
+    with pytest.raises(ValueError, match="auto_budget=1.5"):
+        zeroshard.PeerRedundancy(auto_budget=1.5)
+    assert zeroshard.PeerRedundancy().every == "auto"
     with pytest.raises(ValueError, match="redundancy='mirror'"):
         zeroshard.ZeroOptimizer(model, torch.optim.AdamW, redundancy="mirror")
     other = torch.nn.Linear(2, 2)
@@ -125,7 +132,7 @@ def test_commit_holds_the_state_of_its_step_though_the_next_forward_and_step_cha
         model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.BatchNorm1d(64),
                                     torch.nn.Linear(64, 1 << 15))  # (state to copy: 2 M parameters, before the buffers)
         return model, zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=2,
-                                              redundancy=zeroshard.PeerRedundancy(path=tier, run_id="bn"))
+                                              redundancy=zeroshard.PeerRedundancy(path=tier, run_id="bn", every=1))
     model, opt = make()
     x = torch.randn(16, 8)
     for step in range(1, 4):

@@ -29,7 +29,7 @@ def build(tier: str):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=2,
-                                  redundancy=zeroshard.PeerRedundancy(path=tier, run_id="waits"))
+                                  redundancy=zeroshard.PeerRedundancy(path=tier, run_id="waits", every=1))
     return model, opt
 
 

@@ -44,16 +44,21 @@ def resume(root: str, model, opt, sched, opened: list[str], out: str) -> int:
     return info["step"]
 
 
-def dump(model, opt, out: str) -> None:
-    """This rank's owned pieces (tensors and scalars) after the last step, for a bitwise comparison."""
-    opt.engine.memory_tier.wait()
+def owned_state(model, opt) -> dict[str, torch.Tensor]:
+    """This rank's owned pieces (tensors and scalars), cloned, by ``name|start|stop|kind``."""
     final = {}
     for rec in owned_pieces(model, opt):
         for kind, t in rec.tensors.items():
             final[f"{rec.name}|{rec.start}|{rec.stop}|{kind}"] = t.detach().clone()
         for k, v in rec.scalars.items():
             final[f"{rec.name}|{rec.start}|{rec.stop}|scalar.{k}"] = torch.as_tensor(v).clone()
-    torch.save(final, out)
+    return final
+
+
+def dump(model, opt, out: str) -> None:
+    """This rank's owned pieces (tensors and scalars) after the last step, for a bitwise comparison."""
+    opt.engine.memory_tier.wait()
+    torch.save(owned_state(model, opt), out)
 
 
 def train(model, opt, sched, xs: torch.Tensor, ys: torch.Tensor, start: int, steps: int,

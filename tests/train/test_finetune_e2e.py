@@ -98,7 +98,7 @@ def test_torchrun_max_restarts_resumes_from_memory_after_a_crash(ws, reference):
     out = ws.out("restarted")
     tier = f"/dev/shm/zeroshard-test-{uuid.uuid4().hex[:10]}"
     try:
-        proc = fh.torchrun(ws, out, extra=["--redundancy", "peer", "--redundancy-path", tier],
+        proc = fh.torchrun(ws, out, extra=["--redundancy", "peer", "--redundancy-path", tier, "--redundancy-every", "1"],
                            fault="sigkill@0:9", torchrun_args=["--max-restarts", "1"])
         assert proc.returncode == 0, fh.describe(proc)
         summary = _summary(out)

@@ -231,7 +231,7 @@ def test_redundancy_flag_validates_and_reaches_the_optimizer(tmp_path):
         parse(base + ["--redundancy", "buddy"])
     with pytest.raises(ValueError, match="--redundancy='buddy': use one of"):
         FinetuneConfig(data="d", output_dir="o", model="m", redundancy="buddy")
-    with pytest.raises(ValueError, match="--redundancy-every=0 must be a positive integer"):
+    with pytest.raises(ValueError, match="--redundancy-every=0 must be .auto. or a positive integer"):
         parse(base + ["--redundancy", "peer", "--redundancy-every", "0"])
     with pytest.raises(ValueError, match="add --redundancy peer, or drop them"):
         parse(base + ["--redundancy-every", "2"])
@@ -241,6 +241,10 @@ def test_redundancy_flag_validates_and_reaches_the_optimizer(tmp_path):
     cfg = parse(base + ["--redundancy", "peer", "--redundancy-every", "3", "--redundancy-path", str(tmp_path / "t")])
     peer = cfg.peer_redundancy()
     assert (peer.every, peer.root) == (3, str(tmp_path / "t")) and peer.run_id.startswith("finetune-")
+    assert parse(base + ["--redundancy", "peer"]).peer_redundancy().every == "auto"  # (the default: Note [commit pacing])
+    assert parse(base + ["--redundancy", "peer", "--redundancy-every", "auto"]).peer_redundancy().every == "auto"
+    with pytest.raises(SystemExit):  # neither auto nor an integer
+        parse(base + ["--redundancy", "peer", "--redundancy-every", "often"])
     assert parse(["--data", "y", "--output-dir", str(tmp_path / "other"), "--model-config", "c"] +
                  ["--redundancy", "peer"]).peer_redundancy().run_id != peer.run_id
     model = torch.nn.Linear(4, 4)

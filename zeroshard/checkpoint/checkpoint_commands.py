@@ -55,6 +55,15 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensors", action="store_true", help="list every tensor")
 
 
+def _pacing(slot: dict) -> str:
+    """``every="auto"``'s K and measured cost as stamped (Note [commit pacing])."""
+    if not isinstance(slot.get("every"), int):
+        return ""
+    cost = slot.get("commit_cost")
+    return f", then every {slot['every']} steps" + (f" (a commit costs {cost:.1%} of a step)"
+                                                     if isinstance(cost, (int, float)) else " (probing)")
+
+
 def _inspect_tier(root: str, as_json: bool) -> int:
     """A memory tier's slots and the steps they cover (Note [peer memory tier]); 1 if a slot is torn."""
     report = tier_report.describe(root)
@@ -66,7 +75,7 @@ def _inspect_tier(root: str, as_json: bool) -> int:
     for s in report["slots"]:
         print(f"  {s['holder']}/{s['copy']:7s} rank {s['owner']}'s state, step {s['step']}, world size "
               f"{s['world_size']}, run {s['run_id']!r}, {_human(s['bytes'])}, "
-              + ("valid" if s["valid"] else f"INVALID ({s['problem']})"))
+              + ("valid" if s["valid"] else f"INVALID ({s['problem']})") + _pacing(s))
     for st in report["steps"]:
         print(f"  step {st['step']} (run {st['run_id']!r}, world size {st['world_size']}): ranks {st['owners']} "
               + ("covered: recoverable from memory" if st["complete"] else "only: not recoverable from memory"))

@@ -85,24 +85,42 @@ def restore(optimizer: object, reader_of: Callable[[str], ShardReader], saved_wo
     """Loads this rank's residuals from its data file where they apply (see above); True if it did.
     ``reader_of(file name)`` opens a verified reader of the step directory's file (its header:
     the tensors are read only where they apply)."""
+    if _feedback(optimizer)[0] is None:
+        return False
+    reader = reader_of(data_file(rank if saved_world == world else rank % saved_world))
+    keys = applicable(optimizer, [k for k in reader.entries if k.startswith(_PREFIX)], saved_world == world, rank)
+    reader.load([reader.byte_range(k, 0, reader.entries[k].numel) for k in keys])
+    return load(optimizer, {k: reader.get(k, 0, reader.entries[k].numel) for k in keys})
+
+
+def applicable(optimizer: object, saved: list[str], same_mesh: bool, rank: int) -> list[str]:
+    """Of the residual keys ``saved`` for this rank, those this run restores (same mesh, codec,
+    block and links: see above; the warning once where some were saved and none apply)."""
+    codecs, tag, j = _feedback(optimizer)
+    if codecs is None:
+        return []
+    mine = f"{tag}replica{j}/"
+    keys = [k for k in saved if k.startswith(mine)] if same_mesh else []
+    if not keys and saved and rank == 0 and j == 0:
+        kinds = sorted({k[len(_PREFIX):].split("/replica")[0] for k in saved})
+        warnings.warn(f"the checkpoint's gradient residuals (error feedback) were saved for "
+                      f"{', '.join(kinds)} (codec/block/links/mesh replicas x ranks) and this run is "
+                      f"{mine[len(_PREFIX):-1]}: they do not apply here and start at zero (one step's "
+                      "quantization error; resuming on the saved mesh and codec restores them)", stacklevel=4)
+    return keys
+
+
+def load(optimizer: object, tensors: dict[str, torch.Tensor]) -> bool:
+    """Sets this rank's residuals to ``tensors`` (keys from ``applicable``; none: all start at
+    zero); True if any were restored."""
     codecs, tag, j = _feedback(optimizer)
     engine = engine_of(optimizer)
     if codecs is None or engine is None:
         return False
-    codecs.load_state_dict({}, torch.device("cpu"))  # (none until loaded below)
-    reader = reader_of(data_file(rank if saved_world == world else rank % saved_world))
-    saved = [k for k in reader.entries if k.startswith(_PREFIX)]
-    mine = f"{tag}replica{j}/"
-    keys = [k for k in saved if k.startswith(mine)] if saved_world == world else []
-    if not keys:
-        if saved and rank == 0 and j == 0:
-            kinds = sorted({k[len(_PREFIX):].split("/replica")[0] for k in saved})
-            warnings.warn(f"the checkpoint's gradient residuals (error feedback) were saved for "
-                          f"{', '.join(kinds)} (codec/block/links/mesh replicas x ranks) and this run is "
-                          f"{mine[len(_PREFIX):-1]}: they do not apply here and start at zero (one step's "
-                          "quantization error; resuming on the saved mesh and codec restores them)", stacklevel=3)
+    codecs.load_state_dict({}, torch.device("cpu"))  # (none until loaded below; a skipped step's copies too)
+    if not tensors:
         return False
-    reader.load([reader.byte_range(k, 0, reader.entries[k].numel) for k in keys])
+    mine = f"{tag}replica{j}/"
     device = engine.units[0].device if engine.units else torch.device("cpu")
-    codecs.load_state_dict({k[len(mine):]: reader.get(k, 0, reader.entries[k].numel).clone() for k in keys}, device)
+    codecs.load_state_dict({k[len(mine):]: v.clone() for k, v in tensors.items()}, device)
     return True

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from zeroshard.checkpoint import frozen_base
+from zeroshard.checkpoint import codec_residuals, frozen_base
 from zeroshard.checkpoint.saver import _capture, _shapes
 from zeroshard.checkpoint.shard_file import CODES, Deferred
 from zeroshard.optim.zero_optimizer import engine_of
@@ -34,7 +34,8 @@ def memory_checkpoint(step: int, *, model: Optional[nn.Module], optimizer: objec
                       dataloader: object = None, extra: object = None) -> bool:
     """Commits step ``step``'s training state to the memory tier of ``ZeroOptimizer(redundancy="peer")``
     (a collective; call it after ``opt.step(); sched.step()``, every step: ``PeerRedundancy(every=K)``
-    keeps every K-th). The copy is made now; the write and the replica to the buddy rank run on a
+    keeps every K-th, ``every="auto"`` (the default) the steps its measurements choose: Note [commit pacing]
+    in zeroshard/resilience/commit_pacer.py). The copy is made now; the write and the replica to the buddy rank run on a
     thread. Returns False when skipped (not a K-th step, or the tier turned off after a write failed).
     ``load_checkpoint`` loads from the tiers when they hold a step at least as new as the disk's
     (Note [peer memory tier] in zeroshard/resilience/memory_tier.py)."""
@@ -79,7 +80,10 @@ def commit_step(step: int, *, force: bool, model: Optional[nn.Module], optimizer
     fixed = {p.data_ptr() for p in model.parameters() if not p.requires_grad} if model is not None else set()
     for name, t in snap.full.items():
         full[name] = place(t if t.numel() and t.data_ptr() in fixed else t.detach().clone())
+    # This rank's gradient residuals (error feedback; copies taken now: the next backward changes
+    # them before the next step waits for the tier's copy), restored at the same world size.
+    residuals = {k: place(t) for k, t in codec_residuals.residual_tensors(optimizer).items()}
     header = {"pieces": pieces, "full": full, "rng": snap.rng, "dataloader": snap.dataloader,
-              "header": snap.header, "shapes": shapes}
+              "header": snap.header, "shapes": shapes, "residuals": residuals}
     tier.commit({"digest": digest, "step": step}, header, tensors, size)
     return True

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroshard.checkpoint import trainer_state
+from zeroshard.checkpoint import codec_residuals, trainer_state
 from zeroshard.checkpoint.checkpoint_errors import CheckpointError
 from zeroshard.checkpoint.load import _Source, _held, apply_phase, check_compatible, read_phase
 from zeroshard.checkpoint.pieces import gather_table
@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
 Key = tuple[int, str, int, str]  # (owner rank, name, start, kind)
+RESIDUAL = "codec_residual"
+"""The kind of a gradient residual's key (codec_residuals.py: restored at the same world size only)."""
 
 
 def local_slots(root: str, run_id: str, digest: str) -> tuple[list[slots.SlotInfo], list[str]]:
@@ -67,6 +69,8 @@ def _entries(owner: int, header: dict, size: int) -> tuple[list[dict], dict[Key,
             place(p["name"], p["start"], kind, spec)
         entries.append({"name": p["name"], "start": p["start"], "stop": p["stop"], "file": f"rank-{owner}",
                         "keys": {k: k for k in p["keys"]}, "scalars": p["scalars"]})
+    for name, spec in header.get("residuals", {}).items():  # (this owner's alone: no entry, no reshard)
+        place(name, 0, RESIDUAL, spec)
     for name, spec in header["full"].items():
         place(name, 0, "param", spec)
         entries.append({"name": name, "start": 0, "stop": spec["numel"], "file": f"rank-{owner}",
@@ -233,11 +237,14 @@ def recover(tier: MemoryTier, model: Optional[nn.Module], opt: "ZeroOptimizer", 
     body = {**h0["header"], "tensors": gather_table(entries, h0["shapes"])}
     body["trainer"] = {**body.get("trainer", {}), "dataloader": [merged[o]["dataloader"] for o in range(n)]}
     where_name = f"memory tier step {step}"
-    error, plan, src = None, None, None
+    error, plan, src, residuals = None, None, None, []
     try:
         check_compatible(body, model, opt, where_name, held_objects)
         check_state_kinds(body, model, opt, where_name)
         src = MemorySource(body, comm, servers, local, where)
+        mine = merged[comm.rank].get("residuals", {}) if comm.rank in merged else {}
+        residuals = codec_residuals.applicable(opt, sorted(mine), n == comm.world_size, comm.rank)
+        src.needed |= {(comm.rank, k, 0, RESIDUAL) for k in residuals}  # (sent with the pieces)
         read_phase(src, model, opt)
         plan = trainer_state.prepare(body, opt, scheduler, dataloader, where_name, comm.rank, comm.world_size,
                                      load_rng, held_objects[1], rng_states=[merged[o]["rng"] for o in range(n)])
@@ -253,6 +260,7 @@ def recover(tier: MemoryTier, model: Optional[nn.Module], opt: "ZeroOptimizer", 
             undo()
         return None, f"the memory tiers' step {step}: a live object refused its state ({refused_apply[0]})"
     apply_phase(src, model, opt)
+    codec_residuals.load(opt, {k: src.got[(comm.rank, k, 0, RESIDUAL)] for k in residuals})
     src.release()
     state_restored(opt, step)
     # ("bytes_read" is the disk's: this path opens no checkpoint file; the recovery tests count

@@ -4,10 +4,14 @@ to a buddy rank. Lifecycle: built with the engine (``redundancy="peer"``) -> ``c
 
 Note [peer memory tier]:
 What is committed when. ``zeroshard.memory_checkpoint(step, ...)`` is called where a disk
-save would be (after ``opt.step(); sched.step()``); every ``every``-th step it captures what a
+save would be (after ``opt.step(); sched.step()``); every ``every``-th step (``every="auto"``,
+the default: every step while that costs <= 5% of a step, else every K-th, the same steps on
+every rank, Note [commit pacing] in zeroshard/resilience/commit_pacer.py) it captures what a
 disk checkpoint of that step holds (the same ``_capture``: owned pieces of parameters, fp32
 masters, moments and step counts; the scheduler, loss scaler, per-rank data position and RNG;
-rank 0's buffers; the small state encoded now) and hands the tensors to a thread. The
+rank 0's buffers; the small state encoded now; with a gradient codec's error feedback, this
+rank's residuals, copied now since the next backward changes them before the next step waits
+for the tier: zeroshard/checkpoint/codec_residuals.py) and hands the tensors to a thread. The
 thread (a) copies them straight into this rank's own slot, ``<root>/rank-<r>/own/slot-{0,1}``
 (each slot's data file reserved with fallocate — a full tmpfs says ENOSPC there, where a store
 through a mapping would SIGBUS — and mapped once for the run), the one pass over the state
@@ -44,7 +48,10 @@ refused with a warning and never loaded.
 Recovery (zeroshard/checkpoint/memory_recovery.py) needs no disk: the ranks agree on the step from what each node's
 slots hold, the rank chosen to serve each owner's slot verifies its checksum, and each rank
 receives exactly the pieces overlapping its new partition over the process group; loading
-them is ``load_checkpoint``'s own read/apply phases (N -> M reshard) fed from memory.
+them is ``load_checkpoint``'s own read/apply phases (N -> M reshard) fed from memory. Gradient
+residuals are each rank's own: at the same world size rank r takes owner r's (sent with the
+pieces when another rank serves that slot), as a disk resume does; at another world size, or
+another codec, they start at zero with the disk path's warning.
 Not covered yet: NVMe offload, tp/pp/hybrid meshes (refused at construction), in-process
 recovery (survivors keep their processes; torchrun restarts every worker), XOR parity.
 """
@@ -67,6 +74,7 @@ import torch.distributed as dist
 
 from zeroshard.comm import Comm
 from zeroshard.resilience import slots
+from zeroshard.resilience.commit_pacer import CommitPacer
 from zeroshard.resilience.redundancy_options import PeerRedundancy
 
 ALIGN = 64
@@ -117,6 +125,11 @@ class MemoryTier:
         self._side: Optional[dist.ProcessGroup] = None
         self._guarded: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         """The modules whose ``load_state_dict`` waits for the copy in flight (``guard``)."""
+        self.pacer = (CommitPacer(options.auto_budget, options.max_every) if options.paced else None)
+        """``every="auto"``: which steps commit (Note [commit pacing])."""
+        self._proposal: Optional[tuple[int, float, float]] = None
+        self._proposals: Optional[list] = None
+        """Every rank's pacing proposal, gathered by the last commit's thread (``every="auto"``)."""
         self._last: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         """(meta, data) of the last commit's own slot as the buddy got them: what a handoff sends."""
         # The last commit's thread may still be writing or swapping as the script ends: the
@@ -145,12 +158,20 @@ class MemoryTier:
             raise RuntimeError(f"the memory tier's commit failed: {err}") from err
 
     def ready(self, step: int, force: bool = False) -> bool:
-        """Whether step ``step`` is to be committed (every ``every``-th, or ``force``: a handoff):
-        waits for the previous commit, whose thread agreed with every rank whether some write
-        failed (then the tier turns off, with a warning)."""
-        if self.disabled is not None or (step % self.options.every and not force):
+        """Whether step ``step`` is to be committed (every ``every``-th, or the pacer's due step,
+        or ``force``: a handoff): waits for the previous commit, whose thread agreed with every
+        rank whether some write failed (then the tier turns off, with a warning) and, under
+        ``every="auto"``, on the next gap (Note [commit pacing])."""
+        pacer = self.pacer
+        if pacer is not None and not force:
+            pacer.tick()
+        if self.disabled is not None or not (force or (pacer.due(step) if pacer is not None
+                                                       else step % int(self.options.every) == 0)):
             return False
         self.wait()
+        proposals, self._proposals = self._proposals, None
+        if pacer is not None and proposals is not None:
+            pacer.agree(proposals)
         if self._failed:
             self.disabled = self._failed[0]
             warnings.warn(f"the memory tier under {self.root!r} is off from step {step}: {self._failed[0]}. Training "
@@ -167,6 +188,11 @@ class MemoryTier:
         not change: ``ZeroOptimizer.step`` and the loads wait for it."""
         size = max(size, ALIGN)  # (a rank owning nothing still swaps a buffer: every send has its receive)
         stamp = {**stamp, "run_id": self.run_id, "world_size": self.world, "owner": self.rank}
+        if self.pacer is not None:  # (its proposal travels with this commit: Note [commit pacing])
+            self._proposal = self.pacer.measure()
+            self.pacer.started()
+            self.pacer.committed(stamp["step"])
+            stamp.update(every=self.pacer.every, commit_cost=self.pacer.cost)
         self._copy_done = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(stamp, header, tensors, size, self._copy_done),
                                         name="zeroshard-memory-tier", daemon=True)
@@ -267,16 +293,20 @@ class MemoryTier:
             if self._side is not None:  # the replica travels while this rank stamps its own slot
                 swap = self._exchange(meta, buf, self.buddy, self.source, self.replica_dir)
             self._stamp(self.own_dir, slot, stamp, raw, buf, crc)
-            failed = [self._write_failed]
+            gathered: list = [(self._write_failed, self._proposal)]
             if swap is not None:
                 self._keep(*swap())
-                failed = [None] * self.world  # every rank learns of any write failure (off together)
-                dist.all_gather_object(failed, self._write_failed, group=self._side)
-            self._failed = [f"rank {r}: {f}" for r, f in enumerate(failed) if f]
+                gathered = [None] * self.world  # every rank learns of any write failure (off together)
+                dist.all_gather_object(gathered, (self._write_failed, self._proposal), group=self._side)
+            self._failed = [f"rank {r}: {f}" for r, (f, _) in enumerate(gathered) if f]
+            self._proposals = [p for _, p in gathered]
             self.committed = stamp["step"]
             self._last = (meta, buf)
         except BaseException as exc:  # noqa: BLE001 - raised by the next wait()
             self._error = exc
+        finally:
+            if self.pacer is not None:
+                self.pacer.finished()
 
     def _keep(self, got_meta: Optional[torch.Tensor], got_slot: Optional[str], got_data: Optional[torch.Tensor],
               directory: str) -> None:
@@ -359,6 +389,15 @@ class MemoryTier:
         return gone, pairs
 
     # -- reports ---------------------------------------------------------------------------
+    def report(self) -> dict:
+        """The tier's state: its root, the newest committed step, whether it is off, its pacing
+        (``every``: the K in use; under "auto" also the measured ``commit_cost`` and ``step_cost``,
+        fractions of a step, and the ``budget``: Note [commit pacing]) and ``bytes_held``."""
+        pacing = (self.pacer.report() if self.pacer is not None
+                  else {"every": self.options.every, "decided": True, "commit_cost": None, "step_cost": None})
+        return {"root": self.root, "committed": self.committed, "disabled": self.disabled,
+                "auto": self.pacer is not None, **pacing, "bytes_held": self.bytes_held()}
+
     def buffer_bytes(self) -> int:
         """Process memory the tier holds besides its slots: none while the slots are mapped (the
         state is copied straight into them); a buffer per copy whose slot is not a regular file."""

@@ -3,7 +3,26 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from enum import Enum
+from typing import Optional, Union
+
+
+class Pacing(str, Enum):
+    """``PeerRedundancy(every=...)`` given as a word: parsed once, here (Note [commit pacing])."""
+
+    AUTO = "auto"
+
+
+def pacing(every: object) -> "int | Pacing":
+    """``every`` as an int >= 1 or a ``Pacing``; ValueError naming the accepted values."""
+    if isinstance(every, str):
+        try:
+            return Pacing(every)
+        except ValueError:
+            pass
+    elif not isinstance(every, bool) and isinstance(every, int) and every >= 1:
+        return every
+    raise ValueError(f"every={every!r} must be 'auto' or an int >= 1 (1: every step)")
 
 
 @dataclass(frozen=True)
@@ -13,8 +32,15 @@ class PeerRedundancy:
 
     path: Optional[str] = None
     """Root of the memory tier on this node (a tmpfs directory). None: ``/dev/shm/zeroshard-<run_id>``."""
-    every: int = 1
-    """Commit to the tier on every ``every``-th step given to ``zeroshard.memory_checkpoint``."""
+    every: Union[int, str] = "auto"
+    """Commit to the tier on every ``every``-th step given to ``zeroshard.memory_checkpoint``;
+    "auto": every step while a commit costs the step loop at most ``auto_budget`` of a step, else
+    every K-th with the smallest K that does, measured and re-decided as it trains, the same K on
+    every rank (Note [commit pacing] in zeroshard/resilience/commit_pacer.py)."""
+    max_every: int = 16
+    """With ``every="auto"``: the largest K it may choose (the most steps a recovery may lose, minus one)."""
+    auto_budget: float = 0.05
+    """With ``every="auto"``: the share of a step a commit may cost per step (0.05: 5%)."""
     run_id: Optional[str] = None
     """Names the run; a tier written under another run id is refused. None: torchrun's
     ``TORCHELASTIC_RUN_ID`` (its ``--rdzv-id``), else "default"."""
@@ -24,11 +50,25 @@ class PeerRedundancy:
             raise TypeError(f"PeerRedundancy(path={self.path!r}) must be a directory path (a str), e.g. '/dev/shm/run1'")
         if self.path is not None:
             object.__setattr__(self, "path", os.fspath(self.path))
-        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
-            raise ValueError(f"PeerRedundancy(every={self.every!r}) must be an int >= 1 (1: every step)")
+        try:
+            object.__setattr__(self, "every", pacing(self.every))
+        except ValueError as exc:
+            raise ValueError(f"PeerRedundancy({exc}") from None
+        if isinstance(self.max_every, bool) or not isinstance(self.max_every, int) or self.max_every < 1:
+            raise ValueError(f"PeerRedundancy(max_every={self.max_every!r}) must be an int >= 1 (the largest "
+                             "K every='auto' may choose)")
+        if isinstance(self.auto_budget, bool) or not isinstance(self.auto_budget, (int, float)) \
+                or not 0 < self.auto_budget < 1:
+            raise ValueError(f"PeerRedundancy(auto_budget={self.auto_budget!r}) must be a fraction of a step in "
+                             "(0, 1), e.g. 0.05")
         if self.run_id is not None and (not isinstance(self.run_id, str) or not self.run_id
                                         or "/" in self.run_id or self.run_id in (".", "..")):
             raise ValueError(f"PeerRedundancy(run_id={self.run_id!r}) must be a non-empty name without '/'")
+
+    @property
+    def paced(self) -> bool:
+        """``every="auto"``: the steps committed are chosen by measurement (Note [commit pacing])."""
+        return isinstance(self.every, Pacing)
 
     @property
     def resolved_run_id(self) -> str:

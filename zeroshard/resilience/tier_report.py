@@ -40,7 +40,8 @@ def describe(root: str) -> dict:
                 found.append({"path": path, "holder": rdir, "copy": "own" if sub == "own" else "replica",
                               "owner": stamp.get("owner"), "step": stamp.get("step"),
                               "world_size": stamp.get("world_size"), "run_id": stamp.get("run_id"),
-                              "bytes": slots.slot_bytes(path), "valid": problem is None, "problem": problem})
+                              "bytes": slots.slot_bytes(path), "valid": problem is None, "problem": problem,
+                              "every": stamp.get("every"), "commit_cost": stamp.get("commit_cost")})
     cover: dict[tuple, set] = {}
     for s in found:
         if s["valid"]:

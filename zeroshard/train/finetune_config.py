@@ -13,10 +13,10 @@ import json
 import math
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from zeroshard.config import Placement, check_offload
-from zeroshard.resilience.redundancy_options import PeerRedundancy
+from zeroshard.resilience.redundancy_options import PeerRedundancy, pacing
 
 _SCHEDULES = ("constant", "linear", "cosine")
 _PRECISIONS = ("fp32", "bf16", "fp16")
@@ -97,8 +97,9 @@ class FinetuneConfig:
     redundancy: str = "none"
     """none | peer: commit every step's state to node-local shared memory with a replica on a
     buddy rank; a restart resumes from memory (Note [peer memory tier] in zeroshard/resilience/memory_tier.py)."""
-    redundancy_every: int = 1
-    """With ``redundancy`` peer: commit every this many steps."""
+    redundancy_every: Union[int, str] = "auto"
+    """With ``redundancy`` peer: commit every this many steps; auto: every step while that costs
+    <= 5% of a step, else every K-th (Note [commit pacing] in zeroshard/resilience/commit_pacer.py)."""
     redundancy_path: Optional[str] = None
     """With ``redundancy`` peer: the tier's tmpfs directory (default ``/dev/shm/zeroshard-<run id>``)."""
     explicit: frozenset = field(default_factory=frozenset)
@@ -168,8 +169,10 @@ class FinetuneConfig:
             raise ValueError(f"--redundancy={self.redundancy!r}: use one of {_REDUNDANCY} (peer: each step's state "
                              "in node memory, a restart resumes from it)")
         every = self.redundancy_every
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"--redundancy-every={every!r} must be a positive integer (1: every step)")
+        try:
+            pacing(every)
+        except ValueError:
+            raise ValueError(f"--redundancy-every={every!r} must be 'auto' or a positive integer (1: every step)") from None
         if self.redundancy == "none" and ("redundancy_every" in self.explicit or self.redundancy_path is not None):
             raise ValueError("--redundancy-every/--redundancy-path configure the memory tier: add --redundancy peer, "
                              "or drop them")
@@ -303,6 +306,18 @@ class FinetuneConfig:
         return cls(**given, explicit=frozenset(given))
 
 
+def _every(value: str) -> Union[int, str]:
+    """``--redundancy-every``: auto or an int (the range is checked with the other options)."""
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    try:
+        return pacing(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not auto or an integer") from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The command-line options; defaults are None so explicit flags can be told apart."""
     d = FinetuneConfig.__dataclass_fields__
@@ -356,7 +371,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--redundancy", choices=_REDUNDANCY,
       help="peer: keep each step's training state in node-local /dev/shm plus a buddy rank's copy, so a run "
            "restarted after a lost rank (torchrun --max-restarts) resumes from memory, not the disk (default none)")
-    a("--redundancy-every", type=int, help="with --redundancy peer: commit every K steps (default 1)")
+    a("--redundancy-every", type=_every, help="with --redundancy peer: commit every K steps, or auto: every step "
+      "while a commit costs <= 5%% of a step, else the smallest K that does (default auto)")
     a("--redundancy-path", help="with --redundancy peer: the tier's tmpfs directory (default "
                                 "/dev/shm/zeroshard-finetune-<hash of --output-dir>)")
     a("--deepspeed", "--ds-config", dest="deepspeed",

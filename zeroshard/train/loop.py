@@ -169,6 +169,10 @@ class TrainLoop:
             if self.opt.engine.memory_tier is not None:  # the step's commit (Note [peer memory tier])
                 zeroshard.memory_checkpoint(self.step, model=self.model, optimizer=self.opt, scheduler=self.sched,
                                             dataloader=self.sampler, extra={"run": self.extra})
+                pacer = self.opt.engine.memory_tier.pacer  # (every="auto": Note [commit pacing])
+                news = pacer.news() if pacer is not None else None
+                if news is not None:
+                    self.progress.log(news, echo=True)
             if self.step % self.s.save_interval == 0:
                 self.save()
         self.save(wait=True)

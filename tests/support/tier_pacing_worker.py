@@ -1,0 +1,106 @@
+"""A 2-rank worker for tests/dist/test_memory_tier_pacing_and_residuals.py, one spawn for the
+checks of the memory tier (Note [peer memory tier] in zeroshard/resilience/memory_tier.py):
+
+- ``codec``: int8 gradients with error feedback, 3 steps committed, rank 1's own slot deleted,
+  a fresh optimizer recovers step 3 from memory (rank 1's pieces and residuals from rank 0's
+  replica) and both continue 3 steps without the tier: the weights must be equal bit for bit;
+- ``slow``: ``every="auto"`` (the default) on a state large against a tiny step: the ranks
+  commit the same steps, every K-th with the K they agree on (K > 1), and a recovery (rank 1's
+  own slot deleted) gives the state of the last committed step, losing at most K - 1 steps;
+- ``cheap``: ``every="auto"`` on a tiny state and a long step: K = 1, every step committed
+  once measured (Note [commit pacing] in zeroshard/resilience/commit_pacer.py)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import torch
+import torch.distributed as dist
+
+import zeroshard
+from tests.support.peer_worker import owned_state
+
+
+def _step(model, opt, rank: int, s: int, width: int, rows: int) -> None:
+    g = torch.Generator().manual_seed(1000 * s + rank)
+    x = torch.randn(rows, width, generator=g)
+    opt.backward(model(x).square().mean())
+    opt.step()
+    opt.zero_grad()
+
+
+def _drop_own_slot(root: str, rank: int) -> None:
+    """Rank 1's own slots are gone (its node's memory): its pieces come from rank 0's replica."""
+    dist.barrier()
+    if rank == 1:
+        shutil.rmtree(os.path.join(root, "rank-1", "own"))
+    dist.barrier()
+
+
+def _codec(rank: int, root: str) -> dict:
+    def build():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+        return m, zeroshard.ZeroOptimizer(m, torch.optim.AdamW, lr=1e-2, stage=2, grad_codec="int8", codec_block=32,
+                                          grad_error_feedback=True, bucket_size_mb=0.001,
+                                          redundancy=zeroshard.PeerRedundancy(path=root, run_id="codec", every=1))
+    m1, o1 = build()
+    for s in range(3):
+        _step(m1, o1, rank, s, 16, 4)
+        zeroshard.memory_checkpoint(s + 1, model=m1, optimizer=o1)
+    o1.engine.memory_tier.wait()
+    saved = {k: v.clone() for k, v in o1.engine.codecs.residuals.items()}
+    _drop_own_slot(root, rank)
+    m2, o2 = build()
+    info = zeroshard.load_checkpoint(root + "-no-disk", model=m2, optimizer=o2)
+    loaded = {k: v.clone() for k, v in o2.engine.codecs.residuals.items()}
+    for s in range(3, 6):  # both continue without the tier (one tier directory, two optimizers)
+        _step(m1, o1, rank, s, 16, 4)
+        _step(m2, o2, rank, s, 16, 4)
+    out = {"step": info["step"], "source": info["source"],
+           "residuals": sorted(saved), "nonzero": all(bool(v.abs().sum() > 0) for v in saved.values()),
+           "restored": sorted(saved) == sorted(loaded) and all(torch.equal(saved[k], loaded[k]) for k in saved),
+           "equal": all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))}
+    o1.close()
+    o2.close()
+    return out
+
+
+def _auto(rank: int, root: str, width: int, steps: int, sleep_s: float) -> dict:
+    def build(**kw):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, width))
+        return m, zeroshard.ZeroOptimizer(m, torch.optim.AdamW, lr=1e-3, stage=2,
+                                          redundancy=zeroshard.PeerRedundancy(path=root, run_id="auto", **kw))
+    m, o = build(max_every=8)  # (every: the default, "auto")
+    tier = o.engine.memory_tier
+    committed, gaps, snapshot = [], [], {}
+    for s in range(1, steps + 1):
+        _step(m, o, rank, s, width, 1)
+        time.sleep(sleep_s)  # (the cheap case's step: long against its commit)
+        if zeroshard.memory_checkpoint(s, model=m, optimizer=o):
+            committed.append(s)
+            gaps.append(tier.pacer.every)  # the gap to the next commit, agreed before this one
+            snapshot = owned_state(m, o)
+    report = tier.report()
+    _drop_own_slot(root, rank)
+    m2, o2 = build(every=1)
+    info = zeroshard.load_checkpoint(root + "-no-disk", model=m2, optimizer=o2)
+    got = owned_state(m2, o2)
+    out = {"committed": committed, "gaps": gaps, "report": {k: report[k] for k in (
+               "every", "decided", "commit_cost", "step_cost", "auto", "budget", "max_every")},
+           "recovered": info["step"], "source": info["source"], "steps": steps,
+           "equal": snapshot.keys() == got.keys() and all(torch.equal(snapshot[k], got[k]) for k in snapshot)}
+    o.close()
+    o2.close()
+    return out
+
+
+def worker(rank: int, world: int, out_path: str, root: str) -> None:
+    results = {"codec": _codec(rank, root + "-codec"),
+               "slow": _auto(rank, root + "-slow", 1024, 36, 0.0),
+               "cheap": _auto(rank, root + "-cheap", 8, 12, 0.5)}
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump(results, f)
