@@ -19,9 +19,8 @@ STEPS = 2
 def test_fsdp2_loads_what_zeroshard_saved_as_dcp(tmp_path):
     """zeroshard at world 4, stage 3, stage 2 with its optimizer state in NVMe swap files, and
     stage 3 on a (replicate 2 x shard 2) hybrid mesh, saves; FSDP2 at world 2 loads each, and a
-    hybrid-mesh optimizer loads the hybrid save (Note [DCP under hybrid sharding])."""
+    hybrid-mesh optimizer loads the hybrid save; FSDP2 at world 3 loads each too (Note [DCP under hybrid sharding])."""
     (tmp_path / "zs").mkdir()
-    (tmp_path / "fsdp").mkdir()
     (tmp_path / "swap").mkdir()
     runs = [(str(tmp_path / "s3"), 3, None, False), (str(tmp_path / "s2"), 2, str(tmp_path / "swap"), False),
             (str(tmp_path / "hybrid"), 3, None, True)]
@@ -33,15 +32,18 @@ def test_fsdp2_loads_what_zeroshard_saved_as_dcp(tmp_path):
         # (sizes and CRC32s summed as torch wrote the files match the files)
         assert dcp_metadata.verify(step_dir, full=True) is None
     saved = torch.load(str(tmp_path / "zs" / "res.pt"), weights_only=True)
-    run_ranks(dcp_worker.fsdp_load, 2, tmp_path / "fsdp", paths)
-    for (_, stage, _, hybrid), want, got in zip(runs, saved, torch.load(str(tmp_path / "fsdp" / "res.pt"),
-                                                                         weights_only=True)):
-        assert_same(got["loaded"], {k: v.reshape(got["loaded"][k].shape) for k, v in want["saved"].items()},
-                    f"FSDP2's state loaded from zeroshard's stage-{stage} {'hybrid ' * hybrid}DCP checkpoint")
-        assert got["lr"] == want["lr"] and got["step"] == STEPS
+    for world in (2, 3):  # (FSDP2's rows split 2 and 3 ways: chunks of zeroshard's 4 ranks read across)
+        (tmp_path / f"fsdp{world}").mkdir()
+        run_ranks(dcp_worker.fsdp_load, world, tmp_path / f"fsdp{world}", paths)
+        for (_, stage, _, hybrid), want, got in zip(runs, saved, torch.load(str(tmp_path / f"fsdp{world}" / "res.pt"),
+                                                                             weights_only=True)):
+            assert_same(got["loaded"], {k: v.reshape(got["loaded"][k].shape) for k, v in want["saved"].items()},
+                        f"FSDP2 at world {world}: the state loaded from zeroshard's stage-{stage} "
+                        f"{'hybrid ' * hybrid}DCP checkpoint")
+            assert got["lr"] == want["lr"] and got["step"] == STEPS
     # (hybrid: the first replica's shard group wrote each chunk once; a hybrid-mesh optimizer loads it back)
     assert {n for n in os.listdir(paths[2]) if n.endswith(".distcp")} == {"__0_0.distcp", "__1_0.distcp"}
-    want = saved[2]["saved"]  # (Adam's step comes back 1-element, as from any DCP load: test_dcp_read)
+    want = saved[2]["saved"]
     for replica, loaded in enumerate((saved[2]["loaded"], torch.load(str(tmp_path / "zs" / "res.replica1.pt"),
                                                                       weights_only=True))):
         assert_same({k: v.reshape(want[k].shape) for k, v in loaded.items()}, want,
