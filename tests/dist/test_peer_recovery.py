@@ -103,23 +103,22 @@ def test_preempted_node_hands_off_then_a_sigkill_at_the_smaller_world_resumes_fr
 
 
 def test_parity_rebuilds_a_lost_ranks_slot_from_memory_and_two_losses_in_a_group_fall_back_to_disk(tmp_path):
-    """``PeerRedundancy(parity=4)``, world 4, stage 2, one torchrun job, ``--max-restarts 1``
-    (Note [parity memory tier] in zeroshard/resilience/parity.py):
-    attempt 0 saves step 3 to disk, commits it, dumps every rank's owned pieces and the tier's
-    report; rank 1 deletes its tier directory (its node's memory) and is SIGKILLed. Attempt 1
-    rebuilds rank 1's slot from the three survivors' slots and parity (no disk read), its
-    weights, moments and steps equal to what was killed, trains to the end; then, in the same
-    processes, ranks 1 and 2's tier directories are deleted (two losses in one group) and the
-    reference resumes: the disk checkpoint with one log line naming the group and ranks, and
-    the memory-recovered run's end equals it bitwise."""
+    """``PeerRedundancy(parity=4)``, world 4, stage 2, one torchrun job whose processes stay (the
+    restart path is the replica test's; what parity changes is where the lost slot comes from;
+    Note [parity memory tier] in zeroshard/resilience/parity.py): step 3 is saved to disk and
+    committed, every rank dumps its owned pieces and the tier's report, rank 1's tier directory
+    is deleted (its node's memory), and a fresh model, optimizer and tier resume: rank 1's slot
+    is rebuilt from the three survivors' slots and parity (no disk read), weights, moments and
+    steps equal to what was lost, and trained to the end. Then ranks 1 and 2's directories are
+    deleted (two losses in one group) and the reference resumes: the disk checkpoint, with one
+    log line naming the group and ranks; the memory-recovered run's end equals it bitwise."""
     tier = tier_path()
     try:
         disk, run = str(tmp_path / "disk"), str(tmp_path / "run")
         proc = launch(4, run, "--tier", tier, "--load-root", disk, "--save-root", disk, "--save-at", "3",
-                      "--kill-rank", "1", "--kill-at", "3", "--lose", "1", "--steps", "5", "--parity", "4",
-                      "--ref-root", disk, "--ref-tier", tier, "--ref-lose", "1,2", restarts=1)
+                      "--kill-at", "3", "--lose", "1", "--steps", "5", "--parity", "4",
+                      "--ref-root", disk, "--ref-tier", tier, "--ref-lose", "1,2")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert "Signals.SIGKILL" in proc.stderr or "exitcode: -9" in proc.stderr, proc.stderr[-3000:]
         for r in range(4):
             assert resume_info(run, r, "resume", 1) == {"step": 3, "source": "memory", "disk_bytes_read": 0,
                                                        "world_size": 4, "resharded": False}

@@ -107,8 +107,9 @@ def main() -> None:
                     "disk checkpoint with a fresh tier (--ref-tier), trained to --steps (ref-*.pt/json)")
     ap.add_argument("--ref-tier", default=None)
     ap.add_argument("--parity", type=int, default=0, help="PeerRedundancy(parity=g)")
-    ap.add_argument("--lose", default="", help="before the SIGKILL, the killed rank deletes these ranks' tier "
-                    "directories (a lost node's memory); the ranks dump their owned pieces (at-kill-*.pt)")
+    ap.add_argument("--lose", default="", help="at --kill-at (instead of a SIGKILL): these ranks' tier directories "
+                    "are deleted (a lost node's memory) after every rank dumped its owned pieces (at-kill-*.pt); "
+                    "then a fresh model resumes (resume-*-1.json, resumed-*.pt) and trains to the end")
     ap.add_argument("--ref-lose", default="", help="before the reference, these ranks' tier directories are deleted")
     a = ap.parse_args()
     setup_distributed(120.0)  # (each torchrun attempt in its own store key space)
@@ -124,23 +125,26 @@ def main() -> None:
     sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" and args and isinstance(
         args[0], (str, bytes, os.PathLike)) and os.path.realpath(os.fsdecode(args[0])).startswith(tuple(roots)) else None)
     start = resume(a.load_root, model, opt, sched, opened, os.path.join(a.out, f"resume-{rank}-{attempt}.json"))
-    if a.lose and not first:  # what the memory recovery restored, against what was killed
-        torch.save(owned_state(model, opt), os.path.join(a.out, f"resumed-{rank}.pt"))
     preemption = PreemptionHandler(grace_s=60).install()
     faults = tuple(Fault("sigterm", int(r), a.term_at) for r in a.term_ranks.split(",") if r) if first else ()
+
+    lost: list[int] = []
 
     def save_or_kill(done: int) -> bool:
         if first and done == a.save_at:
             zeroshard.save_checkpoint(a.save_root, done, model=model, optimizer=opt, scheduler=sched)
         if first and done == a.kill_at:
             opt.engine.memory_tier.wait()  # (the test kills after step k is committed everywhere)
-            if a.lose:
+            if a.lose:  # a lost node's memory, in the same processes: the caller rebuilds and resumes
                 torch.save(owned_state(model, opt), os.path.join(a.out, f"at-kill-{rank}.pt"))
                 with open(os.path.join(a.out, f"tier-{rank}.json"), "w") as f:
                     json.dump(opt.engine.memory_tier.report(), f)
                 dist.barrier()
-                if rank == a.kill_rank:
+                if rank == 0:
                     lose(a.tier, a.lose)
+                dist.barrier()
+                lost.append(done)
+                return True
             dist.barrier()
             if rank == a.kill_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -152,9 +156,15 @@ def main() -> None:
             if not info["handed_off"]:
                 zeroshard.save_checkpoint(a.save_root, done, model=model, optimizer=opt, scheduler=sched)
         return stop
-    if train(model, opt, sched, xs, ys, start, a.steps, save_or_kill, faults):
+    if train(model, opt, sched, xs, ys, start, a.steps, save_or_kill, faults) and not lost:
         dist.destroy_process_group()
         return  # (preempted: exit 0)
+    if lost:  # a fresh model, optimizer and tier object resume (memory tiers first) and train to the end
+        model, opt, sched = build(a.tier, a.stage, a.every, a.parity)
+        torch.manual_seed(100 + rank)
+        start = resume(a.load_root, model, opt, sched, opened, os.path.join(a.out, f"resume-{rank}-1.json"))
+        torch.save(owned_state(model, opt), os.path.join(a.out, f"resumed-{rank}.pt"))
+        train(model, opt, sched, xs, ys, start, a.steps)
     dump(model, opt, os.path.join(a.out, f"final-{rank}.pt"))
     if a.ref_root is not None:  # the disk resume of the same step, in a fresh model, optimizer and tier
         if a.ref_lose:
