@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from zeroshard.resilience import parity, slots
+from zeroshard.resilience import parity, slots, tier_report
 from zeroshard.testing.launch import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -134,5 +134,8 @@ def test_parity_rebuilds_a_lost_ranks_slot_from_memory_and_two_losses_in_a_group
         ref = resume_info(run, 0, "ref-resume")
         assert ref["source"] is None and ref["step"] == 3 and ref["disk_bytes_read"] > 0
         assert_bitwise(merged(run, 4), merged(run, 4, "ref-final"))
+        view = tier_report.describe(tier)  # (zeroshard inspect: the reference's commits, parity beside own slots)
+        assert {(s["copy"], s["valid"]) for s in view["slots"]} == {("own", True), ("parity", True)}
+        assert (5, [0, 1, 2, 3], True) in [(st["step"], st["owners"], st["complete"]) for st in view["steps"]]
     finally:
         shutil.rmtree(tier, ignore_errors=True)

@@ -53,7 +53,8 @@ residuals are each rank's own: at the same world size rank r takes owner r's (se
 pieces when another rank serves that slot), as a disk resume does; at another world size, or
 another codec, they start at zero with the disk path's warning.
 Not covered yet: NVMe offload, tp/pp/hybrid meshes (refused at construction), in-process
-recovery (survivors keep their processes; torchrun restarts every worker), XOR parity.
+recovery (survivors keep their processes; torchrun restarts every worker). XOR parity
+instead of the replica: Note [parity memory tier] in zeroshard/resilience/parity.py.
 """
 from __future__ import annotations
 
