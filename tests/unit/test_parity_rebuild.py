@@ -47,13 +47,14 @@ def test_recovery_rebuilds_one_loss_per_group_and_names_two_losses_in_one_group(
 
     def held(owners: list[int], holders: list[int], step: int = 5) -> list[tuple[list, list]]:
         return [([(o, step, 4, 128) for o in owners], [(h, step, 4, grp, 64) for h in holders])]
-    assert plan(held([0, 1, 2, 3], grp), 4) == (None, "")
-    assert plan(held([0, 2, 3], [0, 2, 3]), 4) == ((5, 4, {1: grp}), "")
-    chosen, why = plan(held([0, 3], [0, 3]), 4)
+    assert plan(held([0, 1, 2, 3], grp)) == (None, "")
+    assert plan(held([0, 2, 3], [0, 2, 3])) == ((5, 4, {1: grp}), "")
+    chosen, why = plan(held([0, 3], [0, 3]))
     assert chosen is None and why == ("step 5: parity group [0, 1, 2, 3] lost the slots of rank(s) [1, 2] "
                                       "(one XOR parity rebuilds one member of a group)")
-    chosen, why = plan(held([0, 2, 3], [0, 3]), 4)
+    chosen, why = plan(held([0, 2, 3], [0, 3]))
     assert chosen is None and "rank 1's slot is gone and so is the parity of rank(s) [2]" in why
+    assert plan([([(0, 5, 2, 128)], [])]) == (None, "")  # (a replica tier: nothing to rebuild, its own report)
 
 
 def test_parity_option_is_checked_with_the_fix():

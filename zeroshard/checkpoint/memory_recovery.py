@@ -196,11 +196,11 @@ def recover(tier: MemoryTier, model: Optional[nn.Module], opt: "ZeroOptimizer", 
     node = (socket.gethostname(), os.path.realpath(tier.root))
     bad: set[str] = set()
     gather = (lambda x: comm.all_gather_object(x)) if comm.world_size > 1 else (lambda x: [x])
-    parity_why = ""
-    if tier.options.parity is not None:  # a lost member's slot rebuilt first (Note [parity memory tier])
-        rebuilt, parity_why = parity_rebuild.rebuild(tier, found, digest, gather)
-        if rebuilt:
-            found = local_slots(tier.root, tier.run_id, digest)[0]
+    # A lost member's slot rebuilt from its parity group first (Note [parity memory tier]),
+    # whatever redundancy this run now has: the tiers may have been written with parity.
+    rebuilt, parity_why = parity_rebuild.rebuild(tier, found, digest, gather)
+    if rebuilt:
+        found = local_slots(tier.root, tier.run_id, digest)[0]
     while True:
         usable = [s for s in found if s.path not in bad]
         held = gather([(node, s.stamp["owner"], s.step, s.stamp["world_size"]) for s in usable])

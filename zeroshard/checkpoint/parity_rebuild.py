@@ -33,7 +33,7 @@ def parity_slots(root: str, run_id: str, digest: str) -> list[slots.SlotInfo]:
     return out
 
 
-def plan(everyone: list[tuple[list, list]], g: int) -> tuple[Optional[tuple[int, int, dict[int, list[int]]]], str]:
+def plan(everyone: list[tuple[list, list]]) -> tuple[Optional[tuple[int, int, dict[int, list[int]]]], str]:
     """((step, saved world, lost rank -> its group) to rebuild, or None; why the newest step
     cannot be rebuilt, "" when it can or needs nothing). ``everyone[r]``: (own slots as
     (owner, step, world, bytes), parity slots as (holder, step, world, group, chunk)) rank r reads."""
@@ -56,9 +56,10 @@ def plan(everyone: list[tuple[list, list]], g: int) -> tuple[Optional[tuple[int,
             grp = next((gr for gr in pars.values() if k in gr), None)
             gone = sorted(set(missing) & set(grp)) if grp is not None else [k]
             no_parity = sorted(m for m in (grp or []) if m != k and m not in pars)
-            if grp is None or len(grp) != g or len(gone) > 1 or no_parity:
-                why = why or (f"step {step}: no parity slot of rank {k}'s group is in any tier" if grp is None else
-                              f"step {step}: parity group {grp} lost the slots of rank(s) {gone} (one XOR parity "
+            if grp is None:  # (no parity names it: a replica tier's, whose report says why)
+                break
+            if len(gone) > 1 or no_parity:
+                why = why or (f"step {step}: parity group {grp} lost the slots of rank(s) {gone} (one XOR parity "
                               "rebuilds one member of a group)" if len(gone) > 1 else
                               f"step {step}: rank {k}'s slot is gone and so is the parity of rank(s) {no_parity} "
                               f"of its group {grp}")
@@ -73,13 +74,13 @@ def rebuild(tier: "MemoryTier", found: list[slots.SlotInfo], digest: str,
             gather: Callable[[object], list]) -> tuple[list[int], str]:
     """Rebuilds the slots the newest step lacks from their groups' parity (a collective of the
     tier's group). Returns (the ranks whose slots were rebuilt, why the newest step cannot be)."""
-    comm, g = tier.comm, int(tier.options.parity or 0)
+    comm = tier.comm  # (the groups are the stamps': the tier may now run another parity, or none)
     par = parity_slots(tier.root, tier.run_id, digest)
     own = [(s.stamp["owner"], s.step, s.stamp["world_size"], s.stamp["data_bytes"]) for s in found]
     pars = [(s.stamp["owner"], s.step, s.stamp["world_size"], s.stamp.get("parity_group"), s.stamp.get("chunk"))
             for s in par if isinstance(s.stamp.get("parity_group"), list) and isinstance(s.stamp.get("chunk"), int)]
     everyone = gather((own, pars))
-    chosen, why = plan(everyone, g)
+    chosen, why = plan(everyone)
     if chosen is None:
         return [], why
     step, n, lost = chosen
@@ -138,7 +139,7 @@ def rebuild(tier: "MemoryTier", found: list[slots.SlotInfo], digest: str,
             continue
         meta = metas[k]
         pos = grp.index
-        data = parity.rebuild(pos(k), g, chunk[k], int(meta["data_bytes"]),
+        data = parity.rebuild(pos(k), len(grp), chunk[k], int(meta["data_bytes"]),
                               {pos(r): got[(k, ("own", r))] for r in grp if r != k},
                               {pos(r): got[(k, ("parity", r))] for r in grp if r != k})
         crc = zlib.crc32(data.numpy().data)

@@ -26,8 +26,10 @@ other g - 2 members; stripe k (its parity lost with k) holds nothing of k's. The
 to rebuild (k mod the world size) receives the g - 1 survivors' own slots and parity slots,
 rebuilds k's data, checks it against k's crc32 (from a parity header), and writes it as
 ``rank-<me>/replica-<k>``: from there the replica mode's recovery loads it (any world size,
-no disk). Two members of one group lost: their chunks in a stripe are two unknowns in one
-equation; the disk checkpoint is loaded, with one log line naming the group and the ranks.
+no disk). The groups are read from the parity stamps, so a restart at a world size g does not
+divide (built with another ``parity=`` or none) still rebuilds. Two members of one group lost:
+their chunks in a stripe are two unknowns in one equation; the disk checkpoint is loaded, with
+one log line naming the group and the ranks.
 Double buffering as for the own slots: the parity slot's stamp is removed first and written
 last; the rebuild takes a step only when every survivor's own slot and parity slot of that
 step verify, so a kill mid-commit leaves the previous step's slots and parity whole.
