@@ -15,6 +15,7 @@
   left out.
 
     python benchmarks/bench_peer_recovery.py [--hidden 2048 --layers 4 --blocks 5 --steps 16 --every auto]
+        [--world 4 --parity 4]   (XOR parity over groups of 4 instead of a replica: parity_over_shard_bytes)
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def _step(model: torch.nn.Module, opt: zeroshard.ZeroOptimizer, x: torch.Tensor)
 def _rank(rank: int, world: int, a: argparse.Namespace, tier: str, disk: str, out: str) -> None:
     model = _model(a.hidden, a.layers)
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, stage=2,
-                                  redundancy=zeroshard.PeerRedundancy(path=tier, run_id="bench", every=a.every))
+                                  redundancy=zeroshard.PeerRedundancy(path=tier, run_id="bench", every=a.every,
+                                                                      parity=a.parity or None))
     x = torch.randn(a.batch, a.hidden)
     root = os.path.realpath(disk) + os.sep
     opened: list[str] = []  # files under the disk checkpoint this process opens (Python's audit events)
@@ -96,7 +98,7 @@ def _rank(rank: int, world: int, a: argparse.Namespace, tier: str, disk: str, ou
     for source in ("memory", "disk", "memory", "disk"):
         m = _model(a.hidden, a.layers)
         o = zeroshard.ZeroOptimizer(m, torch.optim.AdamW, lr=1e-3, stage=2, redundancy=zeroshard.PeerRedundancy(
-            path=tier if source == "memory" else tier + "-none", run_id="bench"))
+            path=tier if source == "memory" else tier + "-none", run_id="bench", parity=a.parity or None))
         dist.barrier()
         opened.clear()
         t0 = time.perf_counter()
@@ -120,6 +122,9 @@ def _rank(rank: int, world: int, a: argparse.Namespace, tier: str, disk: str, ou
             "sources": [s for _, _, s in loads["memory"]],
             "owned_state_bytes_rank0": state_bytes, "memory_report_tier_bytes_rank0": tier_bytes,
             "params": sum(p.numel() for p in _model(a.hidden, a.layers).parameters()),
+            "world": world, "parity": a.parity or None,
+            # (both slots of each: the own slots' data and the parity slots' data, Note [parity memory tier])
+            "parity_over_shard_bytes": report["parity_bytes"] / max(report["shard_bytes"], 1),
         }
         figures["memory_vs_disk"] = figures["load_and_step_s_memory"] / figures["load_and_step_s_disk"]
         with open(out, "w") as f:
@@ -136,12 +141,15 @@ def main() -> None:
     ap.add_argument("--every", default="auto", type=lambda v: v if v == "auto" else int(v),
                     help="PeerRedundancy(every=): auto (the default) or K")
     ap.add_argument("--batch", type=int, default=8, help="rows per rank and step (compute per step vs state)")
+    ap.add_argument("--world", type=int, default=2, help="gloo ranks")
+    ap.add_argument("--parity", type=int, default=0, help="PeerRedundancy(parity=g): XOR parity over groups of g "
+                    "ranks instead of a replica (0: a replica)")
     a = ap.parse_args()
     tier = f"/dev/shm/zeroshard-bench-{uuid.uuid4().hex[:8]}"
     work = tempfile.mkdtemp(prefix="zs-peer-bench-")
     try:
         out = os.path.join(work, "figures.json")
-        spawn(_rank, 2, a, tier, os.path.join(work, "ckpt"), out)
+        spawn(_rank, a.world, a, tier, os.path.join(work, "ckpt"), out)
         with open(out) as f:
             print(json.dumps(json.load(f), indent=1))
     finally:

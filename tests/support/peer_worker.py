@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 from typing import Callable
@@ -23,11 +24,12 @@ from zeroshard.train.finetune import setup_distributed
 from zeroshard.train.preemption import PreemptionHandler
 
 
-def build(tier: str, stage: int, every: int = 1) -> tuple[torch.nn.Module, zeroshard.ZeroOptimizer, object]:
+def build(tier: str, stage: int, every: int = 1, parity: int = 0) -> tuple[torch.nn.Module, zeroshard.ZeroOptimizer, object]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 8))
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=stage, bucket_size_mb=0.001,
-                                  redundancy=zeroshard.PeerRedundancy(path=tier, run_id="peer-test", every=every))
+                                  redundancy=zeroshard.PeerRedundancy(path=tier, run_id="peer-test", every=every,
+                                                                                      parity=parity or None))
     return model, opt, torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
 
 
@@ -81,6 +83,12 @@ def train(model, opt, sched, xs: torch.Tensor, ys: torch.Tensor, start: int, ste
     return False
 
 
+def lose(tier: str, ranks: str) -> None:
+    """Deletes the tier directories of ``ranks`` (comma-separated): their node's memory is gone."""
+    for r in ranks.split(","):
+        shutil.rmtree(os.path.join(tier, f"rank-{r}"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tier", required=True)
@@ -98,12 +106,17 @@ def main() -> None:
     ap.add_argument("--ref-root", default=None, help="then, in the same processes: the reference, resumed from this "
                     "disk checkpoint with a fresh tier (--ref-tier), trained to --steps (ref-*.pt/json)")
     ap.add_argument("--ref-tier", default=None)
+    ap.add_argument("--parity", type=int, default=0, help="PeerRedundancy(parity=g)")
+    ap.add_argument("--lose", default="", help="at --kill-at (instead of a SIGKILL): these ranks' tier directories "
+                    "are deleted (a lost node's memory) after every rank dumped its owned pieces (at-kill-*.pt); "
+                    "then a fresh model resumes (resume-*-1.json, resumed-*.pt) and trains to the end")
+    ap.add_argument("--ref-lose", default="", help="before the reference, these ranks' tier directories are deleted")
     a = ap.parse_args()
     setup_distributed(120.0)  # (each torchrun attempt in its own store key space)
     rank = dist.get_rank()
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     first = attempt == "0"
-    model, opt, sched = build(a.tier, a.stage, a.every)
+    model, opt, sched = build(a.tier, a.stage, a.every, a.parity)
     gen = torch.Generator().manual_seed(123)
     xs, ys = torch.randn(512, 16, generator=gen), torch.randn(512, 8, generator=gen)
     torch.manual_seed(100 + rank)  # each rank's dropout differs (the RNG is part of the state)
@@ -115,11 +128,23 @@ def main() -> None:
     preemption = PreemptionHandler(grace_s=60).install()
     faults = tuple(Fault("sigterm", int(r), a.term_at) for r in a.term_ranks.split(",") if r) if first else ()
 
+    lost: list[int] = []
+
     def save_or_kill(done: int) -> bool:
         if first and done == a.save_at:
             zeroshard.save_checkpoint(a.save_root, done, model=model, optimizer=opt, scheduler=sched)
         if first and done == a.kill_at:
             opt.engine.memory_tier.wait()  # (the test kills after step k is committed everywhere)
+            if a.lose:  # a lost node's memory, in the same processes: the caller rebuilds and resumes
+                torch.save(owned_state(model, opt), os.path.join(a.out, f"at-kill-{rank}.pt"))
+                with open(os.path.join(a.out, f"tier-{rank}.json"), "w") as f:
+                    json.dump(opt.engine.memory_tier.report(), f)
+                dist.barrier()
+                if rank == 0:
+                    lose(a.tier, a.lose)
+                dist.barrier()
+                lost.append(done)
+                return True
             dist.barrier()
             if rank == a.kill_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -131,12 +156,23 @@ def main() -> None:
             if not info["handed_off"]:
                 zeroshard.save_checkpoint(a.save_root, done, model=model, optimizer=opt, scheduler=sched)
         return stop
-    if train(model, opt, sched, xs, ys, start, a.steps, save_or_kill, faults):
+    if train(model, opt, sched, xs, ys, start, a.steps, save_or_kill, faults) and not lost:
         dist.destroy_process_group()
         return  # (preempted: exit 0)
+    if lost:  # a fresh model, optimizer and tier object resume (memory tiers first) and train to the end
+        model, opt, sched = build(a.tier, a.stage, a.every, a.parity)
+        torch.manual_seed(100 + rank)
+        start = resume(a.load_root, model, opt, sched, opened, os.path.join(a.out, f"resume-{rank}-1.json"))
+        torch.save(owned_state(model, opt), os.path.join(a.out, f"resumed-{rank}.pt"))
+        train(model, opt, sched, xs, ys, start, a.steps)
     dump(model, opt, os.path.join(a.out, f"final-{rank}.pt"))
     if a.ref_root is not None:  # the disk resume of the same step, in a fresh model, optimizer and tier
-        model, opt, sched = build(a.ref_tier, a.stage)
+        if a.ref_lose:
+            dist.barrier()
+            if rank == 0:
+                lose(a.ref_tier, a.ref_lose)
+            dist.barrier()
+        model, opt, sched = build(a.ref_tier, a.stage, parity=a.parity)
         torch.manual_seed(100 + rank)  # as a fresh process (a resharding load keeps this rank's RNG)
         start = resume(a.ref_root, model, opt, sched, opened, os.path.join(a.out, f"ref-resume-{rank}.json"))
         train(model, opt, sched, xs, ys, start, a.steps)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroshard.checkpoint import codec_residuals, trainer_state
+from zeroshard.checkpoint import codec_residuals, parity_rebuild, trainer_state
 from zeroshard.checkpoint.checkpoint_errors import CheckpointError
 from zeroshard.checkpoint.load import _Source, _held, apply_phase, check_compatible, read_phase
 from zeroshard.checkpoint.pieces import gather_table
@@ -196,12 +196,17 @@ def recover(tier: MemoryTier, model: Optional[nn.Module], opt: "ZeroOptimizer", 
     node = (socket.gethostname(), os.path.realpath(tier.root))
     bad: set[str] = set()
     gather = (lambda x: comm.all_gather_object(x)) if comm.world_size > 1 else (lambda x: [x])
+    # A lost member's slot rebuilt from its parity group first (Note [parity memory tier]),
+    # whatever redundancy this run now has: the tiers may have been written with parity.
+    rebuilt, parity_why = parity_rebuild.rebuild(tier, found, digest, gather)
+    if rebuilt:
+        found = local_slots(tier.root, tier.run_id, digest)[0]
     while True:
         usable = [s for s in found if s.path not in bad]
         held = gather([(node, s.stamp["owner"], s.step, s.stamp["world_size"]) for s in usable])
         chosen = _choose(held, comm.world_size)
         if chosen is None:
-            return None, missing_report(held)
+            return None, parity_why or missing_report(held)
         step, n, servers = chosen
         if disk_step is not None and disk_step > step:
             return None, f"the disk holds a newer step ({disk_step}) than the memory tiers ({step})"

@@ -229,7 +229,7 @@ def _memory_tier(config: ZeroConfig, mesh: MeshInfo, placement: StatePlacement) 
     """``redundancy="peer"``: the memory tier (what it cannot cover yet is refused here)."""
     options = redundancy_options(config.redundancy)  # (the config holds it normalized: None or PeerRedundancy)
     check_redundancy(options, nvme=placement.store is not None or config.optimizer_swapped or config.automatic,
-                     tp=mesh.tp is not None, pp=mesh.pp is not None, hybrid=isinstance(mesh, HybridMesh))
+                     tp=mesh.tp is not None, pp=mesh.pp is not None, hybrid=isinstance(mesh, HybridMesh), world=mesh.comm.world_size)
     return MemoryTier(options, mesh.comm) if options is not None else None
 
 

@@ -53,7 +53,8 @@ residuals are each rank's own: at the same world size rank r takes owner r's (se
 pieces when another rank serves that slot), as a disk resume does; at another world size, or
 another codec, they start at zero with the disk path's warning.
 Not covered yet: NVMe offload, tp/pp/hybrid meshes (refused at construction), in-process
-recovery (survivors keep their processes; torchrun restarts every worker), XOR parity.
+recovery (survivors keep their processes; torchrun restarts every worker). XOR parity
+instead of the replica: Note [parity memory tier] in zeroshard/resilience/parity.py.
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm import Comm
-from zeroshard.resilience import slots
+from zeroshard.resilience import parity, slots
 from zeroshard.resilience.commit_pacer import CommitPacer
 from zeroshard.resilience.redundancy_options import PeerRedundancy
 
@@ -109,6 +110,9 @@ class MemoryTier:
         self.rank, self.world = comm.rank, comm.world_size
         self.root, self.run_id = options.root, options.resolved_run_id
         self.buddy, self.source = ring(self.rank, self.world)
+        self.parity_group: Optional[list[int]] = (parity.group_of(self.rank, self.world, options.parity)
+                                                  if options.parity is not None else None)
+        """``PeerRedundancy(parity=g)``: this rank's parity group, instead of a buddy (Note [parity memory tier])."""
         self.disabled: Optional[str] = None
         self.committed: Optional[int] = None
         """The newest step this rank's commit thread finished (own slot written, replica swapped)."""
@@ -142,6 +146,10 @@ class MemoryTier:
     @property
     def own_dir(self) -> str:
         return os.path.join(self.root, f"rank-{self.rank}", "own")
+
+    @property
+    def parity_dir(self) -> str:
+        return os.path.join(self.root, f"rank-{self.rank}", "parity")
 
     @property
     def replica_dir(self) -> str:
@@ -290,9 +298,11 @@ class MemoryTier:
                                     dtype=torch.uint8)
             self._last = None
             swap = None
-            if self._side is not None:  # the replica travels while this rank stamps its own slot
+            if self._side is not None and self.parity_group is None:  # the replica travels while this rank stamps its own slot
                 swap = self._exchange(meta, buf, self.buddy, self.source, self.replica_dir)
             self._stamp(self.own_dir, slot, stamp, raw, buf, crc)
+            if self._side is not None and self.parity_group is not None:
+                self._parity(stamp, raw, buf, crc)
             gathered: list = [(self._write_failed, self._proposal)]
             if swap is not None:
                 self._keep(*swap())
@@ -307,6 +317,23 @@ class MemoryTier:
         finally:
             if self.pacer is not None:
                 self.pacer.finished()
+
+    def _parity(self, stamp: dict, raw: bytes, buf: torch.Tensor, crc: int) -> None:
+        """The group's XOR parity of this commit into this rank's parity slot (Note [parity memory tier])."""
+        if self._side is None or self.parity_group is None:
+            raise RuntimeError("the memory tier keeps parity only between ranks of a process group")
+        held: list[tuple[Optional[str], torch.Tensor]] = []
+
+        def target(size: int) -> torch.Tensor:
+            held.append(self._target(self.parity_dir, size))
+            return held[0][1]
+        meta = {"stamp": stamp, "data_crc32": crc, "data_bytes": buf.numel(), "header": raw.decode()}
+        size, metas = parity.exchange(self._side, self.rank, self.parity_group, buf, meta, target)
+        pslot, pbuf = held[0]
+        praw = json.dumps({"members": metas}, separators=(",", ":")).encode()
+        self._stamp(self.parity_dir, pslot, {**stamp, "parity_group": self.parity_group,
+                                             "stripe": self.parity_group.index(self.rank), "chunk": size},
+                    praw, pbuf, zlib.crc32(pbuf.numpy().data))
 
     def _keep(self, got_meta: Optional[torch.Tensor], got_slot: Optional[str], got_data: Optional[torch.Tensor],
               directory: str) -> None:
@@ -396,7 +423,9 @@ class MemoryTier:
         pacing = (self.pacer.report() if self.pacer is not None
                   else {"every": self.options.every, "decided": True, "commit_cost": None, "step_cost": None})
         return {"root": self.root, "committed": self.committed, "disabled": self.disabled,
-                "auto": self.pacer is not None, **pacing, "bytes_held": self.bytes_held()}
+                "auto": self.pacer is not None, **pacing, "bytes_held": self.bytes_held(),
+                "parity": self.options.parity, "shard_bytes": slots.data_bytes(self.own_dir),
+                "parity_bytes": slots.data_bytes(self.parity_dir)}
 
     def buffer_bytes(self) -> int:
         """Process memory the tier holds besides its slots: none while the slots are mapped (the
@@ -404,5 +433,5 @@ class MemoryTier:
         return sum(b.numel() for b in (self._staging, self._received) if b is not None)
 
     def bytes_held(self) -> int:
-        """Shared memory this rank's slots take (own and replica, two slots each) plus ``buffer_bytes``."""
+        """Shared memory this rank's slots take (own and replica or parity, two slots each) plus ``buffer_bytes``."""
         return self.buffer_bytes() + slots.slot_bytes(os.path.join(self.root, f"rank-{self.rank}"))

@@ -44,6 +44,11 @@ class PeerRedundancy:
     run_id: Optional[str] = None
     """Names the run; a tier written under another run id is refused. None: torchrun's
     ``TORCHELASTIC_RUN_ID`` (its ``--rdzv-id``), else "default"."""
+    parity: Optional[int] = None
+    """None: each rank's slot is replicated whole to a buddy rank (1x the shard per rank). g >= 2:
+    XOR parity over groups of g ranks instead, 1/(g - 1) of the shard per rank; one lost member
+    per group is rebuilt from memory (Note [parity memory tier] in zeroshard/resilience/parity.py).
+    g must divide the world size."""
 
     def __post_init__(self) -> None:
         if self.path is not None and not isinstance(self.path, (str, os.PathLike)):
@@ -61,6 +66,10 @@ class PeerRedundancy:
                 or not 0 < self.auto_budget < 1:
             raise ValueError(f"PeerRedundancy(auto_budget={self.auto_budget!r}) must be a fraction of a step in "
                              "(0, 1), e.g. 0.05")
+        if self.parity is not None and (isinstance(self.parity, bool) or not isinstance(self.parity, int)
+                                        or self.parity < 2):
+            raise ValueError(f"PeerRedundancy(parity={self.parity!r}) must be None (a replica per rank) or an int "
+                             ">= 2: the ranks per XOR parity group, dividing the world size (e.g. 4)")
         if self.run_id is not None and (not isinstance(self.run_id, str) or not self.run_id
                                         or "/" in self.run_id or self.run_id in (".", "..")):
             raise ValueError(f"PeerRedundancy(run_id={self.run_id!r}) must be a non-empty name without '/'")
@@ -90,10 +99,17 @@ def redundancy_options(value: object) -> Optional[PeerRedundancy]:
                      "zeroshard.PeerRedundancy(path=..., every=...)")
 
 
-def check_composition(options: Optional[PeerRedundancy], *, nvme: bool, tp: bool, pp: bool, hybrid: bool) -> None:
+def check_composition(options: Optional[PeerRedundancy], *, nvme: bool, tp: bool, pp: bool, hybrid: bool,
+                      world: Optional[int] = None) -> None:
     """What the tier does not cover yet is refused at construction, not found at recovery."""
     if options is None:
         return
+    if options.parity is not None and world is not None and (world % options.parity or world < options.parity):
+        fits = [d for d in range(2, world + 1) if world % d == 0]
+        raise ValueError(f"PeerRedundancy(parity={options.parity}) needs a world size divisible by it, and this "
+                         f"shard group has {world} ranks: use parity= one of {fits} (groups of that many ranks)"
+                         if fits else f"PeerRedundancy(parity={options.parity}) needs at least 2 ranks in the shard "
+                         f"group, and it has {world}: use parity=None")
     if nvme:
         raise ValueError("redundancy='peer' keeps the optimizer state in memory; it does not combine with NVMe "
                          "offload (its state streams from files): use offload_optimizer='cpu' or None")

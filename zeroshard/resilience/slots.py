@@ -200,3 +200,15 @@ def slot_bytes(directory: str) -> int:
             except OSError:
                 pass
     return total
+
+
+def data_bytes(directory: str) -> int:
+    """Bytes of the slots' data under ``directory`` (both slots; headers and stamps not counted):
+    what ``MemoryTier.report`` compares between the own slots and the parity slots."""
+    total = 0
+    for name in SLOTS:
+        try:
+            total += os.lstat(os.path.join(directory, name, _DATA)).st_size
+        except OSError:
+            pass
+    return total

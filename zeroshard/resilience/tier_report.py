@@ -25,7 +25,7 @@ def describe(root: str) -> dict:
         if not rdir.startswith("rank-") or os.path.islink(base) or not os.path.isdir(base):
             continue
         for sub in sorted(os.listdir(base)):
-            if sub != "own" and not sub.startswith("replica-"):
+            if sub not in ("own", "parity") and not sub.startswith("replica-"):
                 continue
             for name in slots.SLOTS:
                 path = os.path.join(base, sub, name)
@@ -37,14 +37,15 @@ def describe(root: str) -> dict:
                     slots.read(slots.SlotInfo(path, stamp, None))
                 except (OSError, ValueError, KeyError, TypeError) as exc:
                     problem = str(exc)
-                found.append({"path": path, "holder": rdir, "copy": "own" if sub == "own" else "replica",
+                copy = sub if sub in ("own", "parity") else "replica"  # (parity: Note [parity memory tier])
+                found.append({"path": path, "holder": rdir, "copy": copy,
                               "owner": stamp.get("owner"), "step": stamp.get("step"),
                               "world_size": stamp.get("world_size"), "run_id": stamp.get("run_id"),
                               "bytes": slots.slot_bytes(path), "valid": problem is None, "problem": problem,
                               "every": stamp.get("every"), "commit_cost": stamp.get("commit_cost")})
     cover: dict[tuple, set] = {}
     for s in found:
-        if s["valid"]:
+        if s["valid"] and s["copy"] != "parity":  # (a parity slot's owner is its holder: it covers no one's state)
             cover.setdefault((s["run_id"], s["step"], s["world_size"]), set()).add(s["owner"])
     steps = [{"run_id": run, "step": step, "world_size": n, "owners": sorted(o),
               "complete": set(range(n)) <= o if isinstance(n, int) else False}
