@@ -7,6 +7,7 @@ import json
 import pytest
 
 from tests.support import stage3_worker
+from tests.support.dist_results import TEST_RANK_THREADS
 from zeroshard.testing.launch import spawn
 
 pytest.importorskip("transformers")
@@ -21,7 +22,7 @@ def results(tmp_path_factory):
         key = (world, checks)
         if key not in cache:
             out = str(tmp_path_factory.mktemp(f"s3w{world}") / "res")
-            spawn(stage3_worker.run, world, out, list(checks), directory)
+            spawn(stage3_worker.run, world, out, list(checks), directory, threads=TEST_RANK_THREADS)  # Note [one thread per test rank]
             cache[key] = [json.load(open(f"{out}.rank{r}")) for r in range(world)]
         return cache[key]
     return get
