@@ -358,7 +358,7 @@ def _planned_activations(config: ZeroConfig, wanted: PlannedActivations, module:
                          "blocks: pass offload='auto' with memory_budget, and the model (an nn.Module)")
     nvme = config.nvme_path  # (the planner puts inputs on NVMe only where there is a directory)
     options = ActivationOffload(where="nvme" if nvme else "cpu", path=str(nvme) if nvme else None,
-                                prefetch=wanted.prefetch, min_bytes=0)
+                                prefetch=wanted.prefetch, min_bytes=0, inductor_split=wanted.inductor_split)
     planner = ForwardPlanner(wanted, module, covered_blocks(module, None), lambda: placement.plan,
                              MemoryBudget.parse(config.memory_budget), placement.accelerator, nvme, param_dtype)
     device = next((p.device for p in module.parameters()), torch.device(_DEVICE))

@@ -35,6 +35,10 @@ class ActivationOffload:
     """How many blocks ahead of backward are read back (or copied to the device) at once."""
     min_bytes: int = 64 << 10
     """Saved tensors smaller than this stay where they are (a copy would cost more than it frees)."""
+    inductor_split: bool = False
+    """Accept a model compiled whole with inductor: the offloader's hooks split its compiled forward at
+    each block, so the gradients are not the same bits as without offload (Note [activation offload
+    under inductor] in compiled_split.py); False: that forward is refused naming the alternatives."""
 
     def __post_init__(self) -> None:
         if (_TIERS.get(self.where) if isinstance(self.where, str) else None) is None:
@@ -56,6 +60,8 @@ class ActivationOffload:
                              "ahead of backward)")
         if isinstance(self.min_bytes, bool) or not isinstance(self.min_bytes, int) or self.min_bytes < 0:
             raise ValueError(f"ActivationOffload(min_bytes={self.min_bytes!r}) must be an int >= 0 (bytes)")
+        if not isinstance(self.inductor_split, bool):
+            raise TypeError(f"ActivationOffload(inductor_split={self.inductor_split!r}) must be a bool")
 
     @property
     def tier(self) -> Tier:
@@ -78,7 +84,7 @@ def activation_options(value: object, nvme_path: Optional[str]) -> Optional[Acti
             raise ValueError("offload_activations='nvme' needs a directory for the activation files: pass "
                              "nvme_path=<directory> (or ActivationOffload(where='nvme', path=...))")
         value = ActivationOffload(where="nvme", blocks=value.blocks, path=str(nvme_path), prefetch=value.prefetch,
-                                  min_bytes=value.min_bytes)
+                                  min_bytes=value.min_bytes, inductor_split=value.inductor_split)
     return value
 
 

@@ -28,6 +28,8 @@ module's hooks: a graph compiled before the offloader existed (for this model, o
 instance of its class) is reused and the hooks silently never run. Each backward therefore
 checks that its forward ran the hooks (``at_backward``, on the reducer's pass start) and
 refuses with the fix (``torch._dynamo.reset()`` after building the optimizer) when it did not.
+Under inductor a model compiled whole is refused at its first forward (Note [activation offload
+under inductor] in compiled_split.py): split at the hooks, inductor's graphs give other bits.
 
 Note [activation offload under pipeline schedules]: a pipeline schedule (GPipe, 1F1B; Note
 [pipeline parallelism]) runs the stage module's forward once per micro-batch, several of them
@@ -62,6 +64,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zeroshard.io.aio_engine import AsyncIO
 from zeroshard.offload.activations.block_checkpoint import BlockCheckpointing
+from zeroshard.offload.activations.compiled_split import refuse_inductor_split
 from zeroshard.offload.activations.block_record import BlockActivations, RecordState, _key, dense_span
 from zeroshard.offload.activations.activation_options import ActivationOffload
 from zeroshard.stages.stage3.units import _repeated_blocks
@@ -223,6 +226,8 @@ class ActivationOffloader:
     def _model_pre(self, module: nn.Module, args: tuple) -> None:
         if not torch.is_grad_enabled():
             return
+        if self._depth == 0 and self._hooked:
+            refuse_inductor_split(self.model, self.options.inductor_split)
         self._depth += 1
         if self._depth > 1:
             return

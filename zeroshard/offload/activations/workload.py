@@ -26,6 +26,8 @@ class PlannedActivations:
     """``checkpointed=False``: the offloader may run blocks under ``torch.utils.checkpoint`` itself, the
     plan choosing per block keep / move / checkpoint / checkpoint + move (Note [mixed activation plans]
     in zeroshard/planner/activation_mix.py); False: a block keeps its saved tensors or moves them all."""
+    inductor_split: bool = False
+    """As ``ActivationOffload.inductor_split``."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "seq_len", "prefetch"):
@@ -38,6 +40,6 @@ class PlannedActivations:
         if (self.micro_batch is None) != (self.seq_len is None):
             raise ValueError(f"PlannedActivations(micro_batch={self.micro_batch!r}, seq_len={self.seq_len!r}): "
                              "declare both, or neither (both measured at the first forward)")
-        for name in ("checkpointed", "recompute"):
+        for name in ("checkpointed", "recompute", "inductor_split"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"PlannedActivations({name}={getattr(self, name)!r}) must be a bool")
