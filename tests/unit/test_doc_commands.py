@@ -17,6 +17,7 @@ from tests.support.doc_commands import ROOT, doc_commands, uses_argparse
 # cannot be checked here, so a new one is a decision, not an accident.
 NO_PARSER = {
     "benchmarks/check_compile_dropout.py": "takes one positional backend name from sys.argv",
+    "benchmarks/check_compile_offload_inductor.py": "takes one optional word (fallback) from sys.argv",
 }
 
 
