@@ -10,6 +10,8 @@ reads the overlapping chunks of any DCP checkpoint straight into the piece's sto
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
@@ -25,9 +27,9 @@ class DcpChunks:
     start: int
     n: int
 
-    @property
-    def local(self) -> torch.Tensor:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # (the piece class's own property; declared here for the type checker only)
+        @property
+        def local(self) -> torch.Tensor: ...
 
     def _boxes(self) -> list[Box]:
         return boxes(tuple(self.shape), self.start, self.start + self.n)
