@@ -125,7 +125,9 @@ def main() -> None:
     sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" and args and isinstance(
         args[0], (str, bytes, os.PathLike)) and os.path.realpath(os.fsdecode(args[0])).startswith(tuple(roots)) else None)
     start = resume(a.load_root, model, opt, sched, opened, os.path.join(a.out, f"resume-{rank}-{attempt}.json"))
-    preemption = PreemptionHandler(grace_s=60).install()
+    # Only where the job tests a preemption: a handler that keeps SIGTERM would keep a survivor
+    # alive for seconds after torchrun's SIGTERM when another rank was killed (each restart).
+    preemption = PreemptionHandler(grace_s=60).install() if a.term_ranks else None
     faults = tuple(Fault("sigterm", int(r), a.term_at) for r in a.term_ranks.split(",") if r) if first else ()
 
     lost: list[int] = []
@@ -148,6 +150,8 @@ def main() -> None:
             dist.barrier()
             if rank == a.kill_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
+        if preemption is None:
+            return False
         stop, _ = preemption.agree()  # (the loop's step boundary: every rank sees the same answer)
         if stop:
             info = zeroshard.memory_handoff(done, preemption=preemption, model=model, optimizer=opt, scheduler=sched)

@@ -39,6 +39,7 @@ from zeroshard.checkpoint.pieces import PieceRecord
 from zeroshard.checkpoint.safe_fs import is_real_dir
 from zeroshard.checkpoint.shard_file import CODES, Deferred, WrittenFile, write_json, write_shard
 from zeroshard.checkpoint.pieces import gather_table
+from zeroshard.testing import kill_points
 
 FaultHook = Optional[Callable[[str], None]]
 fault_hook: FaultHook = None
@@ -49,6 +50,8 @@ process there); None in normal use."""
 def _point(name: str) -> None:
     if fault_hook is not None:
         fault_hook(name)
+    if kill_points.ARMED is not None:  # (fault tests only: the save of step steps_done, Note [kill points])
+        kill_points.hit("save", kill_points.steps_done)
 
 
 @dataclass

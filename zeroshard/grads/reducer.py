@@ -43,6 +43,7 @@ from zeroshard.comm.tensor_parallel import local_grad
 from zeroshard.io.host_pool import HOST_POOL
 from zeroshard.layout import Segment, as_real
 from zeroshard.units.flat_unit import FlatUnit
+from zeroshard.testing import kill_points
 
 
 class _Pending:
@@ -247,6 +248,8 @@ class GradientReducer:
                 bucket[seg.offset:seg.end].zero_()
         for lo, hi in unit.layout.padding:  # (an owner layout pads between slots too)
             bucket[lo:hi].zero_()
+        if kill_points.ARMED is not None:  # (fault tests only: Note [kill points])
+            kill_points.hit("reduce_scatter")
         while len(self._inflight) >= self.max_inflight:
             self._retire(self._inflight.popleft())
         shard_out, base = None, 0

@@ -7,6 +7,8 @@ import signal
 import threading
 from typing import Any, Iterator, Optional
 
+from zeroshard.testing import kill_points
+
 
 @contextlib.contextmanager
 def interrupts_held() -> Iterator[None]:
@@ -47,3 +49,5 @@ def state_restored(opt: object, step: Optional[int] = None) -> None:
         engine.inflight.restored()
         if step is not None:
             engine.inflight.steps = int(step)
+            if kill_points.ARMED is not None:  # (fault tests only: Note [kill points])
+                kill_points.steps_done = int(step)

@@ -33,6 +33,7 @@ from zeroshard.units.run import Run
 from zeroshard.units.step_in_flight import StepInFlight
 from zeroshard.precision.precision_policy import Precision
 from zeroshard.stages.sharding import Sharding
+from zeroshard.testing import kill_points
 
 
 def copy_out_ok(unit: FlatUnit) -> bool:
@@ -97,6 +98,8 @@ class Stepper:
                     user[key] = value
 
     def step(self, user_groups: Sequence[dict], kwargs: dict) -> None:
+        if kill_points.ARMED is not None:  # (fault tests only: this step's number, Note [kill points])
+            kill_points.steps_done = self.inflight.steps + 1
         try:
             self._step(user_groups, kwargs)
         finally:  # (the quantization errors of this step's collectives: Note [quantized collectives])
@@ -158,6 +161,8 @@ class Stepper:
             for unit in self.units:
                 if not (self.fused and copy_out_ok(unit)):
                     unit.write_back()
+                if kill_points.ARMED is not None:  # (fault tests only: Note [kill points])
+                    kill_points.hit("optimizer_step", self.inflight.steps + 1)
 
     def _step_unit_by_unit(self, scale: float) -> None:
         """offload_optimizer="cpu": the CPU kernel updates one unit at a time and that unit's new
@@ -171,3 +176,5 @@ class Stepper:
             kernel_choice.step_without_hooks(self.inner, grad_scale=scale, copy_out=self.copy_out, only=ids)
             if not copy_out_ok(unit):
                 unit.write_back(non_blocking=True)
+            if kill_points.ARMED is not None:  # (fault tests only: Note [kill points])
+                kill_points.hit("optimizer_step", self.inflight.steps + 1)

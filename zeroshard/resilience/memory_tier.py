@@ -77,6 +77,7 @@ from zeroshard.comm import Comm
 from zeroshard.resilience import parity, slots
 from zeroshard.resilience.commit_pacer import CommitPacer
 from zeroshard.resilience.redundancy_options import PeerRedundancy
+from zeroshard.testing import kill_points
 
 ALIGN = 64
 """Byte alignment of each tensor in a slot's data (any dtype's view stays aligned)."""
@@ -289,6 +290,8 @@ class MemoryTier:
                     for off, t in tensors:
                         n = t.numel() * t.element_size()
                         buf[off:off + n].view(t.dtype).copy_(t.detach().reshape(-1))
+                        if kill_points.ARMED is not None:  # (fault tests only: Note [kill points])
+                            kill_points.hit("replica_copy", stamp["step"])
             finally:
                 copy_done.set()  # (the next optimizer step may change the state from here)
             del tensors
@@ -301,6 +304,8 @@ class MemoryTier:
             if self._side is not None and self.parity_group is None:  # the replica travels while this rank stamps its own slot
                 swap = self._exchange(meta, buf, self.buddy, self.source, self.replica_dir)
             self._stamp(self.own_dir, slot, stamp, raw, buf, crc)
+            if kill_points.ARMED is not None:  # (fault tests only: the replica swap in flight)
+                kill_points.hit("replica_copy", stamp["step"])
             if self._side is not None and self.parity_group is not None:
                 self._parity(stamp, raw, buf, crc)
             gathered: list = [(self._write_failed, self._proposal)]
