@@ -54,22 +54,12 @@ def _build(tier: str, stage: int, offload: str | None):
     return model, opt, torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
 
 
-def _owned(model, opt) -> dict[str, torch.Tensor]:
-    from zeroshard.checkpoint.pieces import owned_pieces
-    out = {}
-    for rec in owned_pieces(model, opt):
-        for kind, t in rec.tensors.items():
-            out[f"{rec.name}|{rec.start}|{rec.stop}|{kind}"] = t.detach().clone()
-        for k, v in rec.scalars.items():
-            out[f"{rec.name}|{rec.start}|{rec.stop}|scalar.{k}"] = torch.as_tensor(v).clone()
-    return out
-
-
 def worker(a: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import zeroshard
     from zeroshard.checkpoint import CheckpointError
+    from tests.support.peer_worker import owned_state
     from zeroshard.testing import kill_points
     # One store serves every rendezvous round, and the nodes' restart counts differ (a node whose
     # workers were healthy restarts on the membership change without counting it): the workers
@@ -128,13 +118,13 @@ def worker(a: argparse.Namespace) -> None:
     start = resume(a.load_root, "resume") if restarted else 0
     train(start, saving=True)
     if not a.save_every:
-        torch.save(_owned(model, opt), os.path.join(a.out, f"final-{rank}.pt"))
+        torch.save(owned_state(model, opt), os.path.join(a.out, f"final-{rank}.pt"))
         opt.close()
         model, opt, sched = _build(a.tier + "-ref", a.stage, a.offload)  # a fresh tier: the disk is read
         torch.manual_seed(100 + rank)
         ref_start = resume(os.path.join(a.ref_dir, f"step-{start}"), "ref-resume")
         train(ref_start, saving=False)
-        torch.save(_owned(model, opt), os.path.join(a.out, f"ref-final-{rank}.pt"))
+        torch.save(owned_state(model, opt), os.path.join(a.out, f"ref-final-{rank}.pt"))
     opt.close()
     dist.destroy_process_group()
 

@@ -45,6 +45,14 @@ checkpoint with one log line naming the ranks whose pieces are gone. A full tmpf
 write error) disables the tier on every rank at the next commit, with a warning: training
 and disk saves continue. A tier from another run or model (run id / digest in the stamp) is
 refused with a warning and never loaded.
+A SIGKILL inside a step, by where it lands (seeded in tests and the benchmark: Note [kill
+points] in zeroshard/testing/kill_points.py; bitwise against a disk resume of the step recovered,
+docs/results.md): in the forward or the backward's reductions it loses the step in flight, and
+the previous step too when that step's commit thread (which overlaps them) had not finished on
+every rank; in the optimizer step, after some units moved, the same: the half-applied state
+dies with the process (the step waits for the copy before it changes anything); in the commit's
+copy or replica swap it loses that commit's step (the torn slot is the older one; the other
+keeps the previous step, own and replica); in a disk save after the commit, nothing.
 Recovery (zeroshard/checkpoint/memory_recovery.py) needs no disk: the ranks agree on the step from what each node's
 slots hold, the rank chosen to serve each owner's slot verifies its checksum, and each rank
 receives exactly the pieces overlapping its new partition over the process group; loading
