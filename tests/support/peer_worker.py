@@ -110,6 +110,8 @@ def main() -> None:
     ap.add_argument("--lose", default="", help="at --kill-at (instead of a SIGKILL): these ranks' tier directories "
                     "are deleted (a lost node's memory) after every rank dumped its owned pieces (at-kill-*.pt); "
                     "then a fresh model resumes (resume-*-1.json, resumed-*.pt) and trains to the end")
+    ap.add_argument("--dump-resumed", action="store_true", help="dump the owned pieces right after the resume "
+                    "(resumed-*.pt; a preempted run dumps them at its handoff: handoff-*.pt)")
     ap.add_argument("--ref-lose", default="", help="before the reference, these ranks' tier directories are deleted")
     a = ap.parse_args()
     setup_distributed(120.0)  # (each torchrun attempt in its own store key space)
@@ -125,6 +127,8 @@ def main() -> None:
     sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" and args and isinstance(
         args[0], (str, bytes, os.PathLike)) and os.path.realpath(os.fsdecode(args[0])).startswith(tuple(roots)) else None)
     start = resume(a.load_root, model, opt, sched, opened, os.path.join(a.out, f"resume-{rank}-{attempt}.json"))
+    if a.dump_resumed:
+        torch.save(owned_state(model, opt), os.path.join(a.out, f"resumed-{rank}.pt"))
     preemption = PreemptionHandler(grace_s=60).install()
     faults = tuple(Fault("sigterm", int(r), a.term_at) for r in a.term_ranks.split(",") if r) if first else ()
 
@@ -153,6 +157,7 @@ def main() -> None:
             info = zeroshard.memory_handoff(done, preemption=preemption, model=model, optimizer=opt, scheduler=sched)
             with open(os.path.join(a.out, f"handoff-{rank}.json"), "w") as f:
                 json.dump({k: info[k] for k in ("step", "handed_off", "leaving", "pairs")}, f)
+            torch.save(owned_state(model, opt), os.path.join(a.out, f"handoff-{rank}.pt"))
             if not info["handed_off"]:
                 zeroshard.save_checkpoint(a.save_root, done, model=model, optimizer=opt, scheduler=sched)
         return stop
@@ -164,7 +169,9 @@ def main() -> None:
         torch.manual_seed(100 + rank)
         start = resume(a.load_root, model, opt, sched, opened, os.path.join(a.out, f"resume-{rank}-1.json"))
         torch.save(owned_state(model, opt), os.path.join(a.out, f"resumed-{rank}.pt"))
-        train(model, opt, sched, xs, ys, start, a.steps)
+        if train(model, opt, sched, xs, ys, start, a.steps, save_or_kill, faults):
+            dist.destroy_process_group()
+            return  # (preempted after the rebuild: exit 0)
     dump(model, opt, os.path.join(a.out, f"final-{rank}.pt"))
     if a.ref_root is not None:  # the disk resume of the same step, in a fresh model, optimizer and tier
         if a.ref_lose:

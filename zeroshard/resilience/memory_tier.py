@@ -394,8 +394,9 @@ class MemoryTier:
         if self._side is not None:
             flags = [False] * self.world
             dist.all_gather_object(flags, bool(leaving), group=self._side)
-        pairs = [(r, to) for r in range(self.world) if flags[r] and flags[ring(r, self.world)[0]]
-                 for to in [_next_staying(r, self.world, flags)] if to is not None]
+        exposed = (parity.exposed(flags, self.options.parity) if self.options.parity is not None  # (Note [parity memory tier])
+                   else [r for r in range(self.world) if flags[r] and flags[ring(r, self.world)[0]]])
+        pairs = [(r, to) for r in exposed for to in [_next_staying(r, self.world, flags)] if to is not None]
         gone = [r for r in range(self.world) if flags[r]]
         if self._side is None or not pairs:
             return gone, pairs
