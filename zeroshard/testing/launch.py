@@ -60,7 +60,10 @@ def _start_method() -> Literal["spawn", "forkserver"]:
         return "spawn"
     if _server_env is None:  # (the server starts with the first rank, in this environment)
         extra = [m.strip() for m in os.environ.get("ZEROSHARD_FORKSERVER_PRELOAD", "").split(",") if m.strip()]
-        mp.set_forkserver_preload(["torch", "torch.distributed", "zeroshard", *extra])
+        # (torch's dynamo, pipelining and DCP are imported by zeroshard where first used, Note
+        # [pipelining imported on first use]; the server imports them once for every rank it forks)
+        mp.set_forkserver_preload(["torch", "torch.distributed", "zeroshard", "torch._dynamo",
+                                   "torch.distributed.pipelining", "torch.distributed.checkpoint", *extra])
         _server_env = _exec_time_env()
     elif _exec_time_env() != _server_env:
         return "spawn"
