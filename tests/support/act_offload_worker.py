@@ -56,14 +56,14 @@ def train(stage: int, where: Optional[str], checkpointing: bool, steps: int = 3,
     return {"grads": grads, "weights": weights, "report": report, "memory": memory}
 
 
-def train_planned(budget: int, directory: str, planned: bool, steps: int = 8, declared: bool = True,
+def train_planned(budget: int, directory: Optional[str], planned: bool, steps: int = 8, declared: bool = True,
                   seq_lens: Optional[list[int]] = None, checkpointed: bool = True, prefetch: int = 2,
                   recompute: bool = True, n_layers: int = CFG.n_layers, peaks: bool = False) -> dict:
     """As ``train`` (stage 2, checkpointed blocks), under offload="auto" with ``memory_budget`` (reserve 0:
     the state's plan does not depend on the process) and, if ``planned``, the activations planned
     with it (``PlannedActivations``: the shape declared, or measured at the first forward); step i
     runs the first ``seq_lens[i]`` tokens of each sequence (default: all), and the plan in force
-    after each step is kept."""
+    after each step is kept. ``directory`` None: no nvme_path."""
     cfg = replace(CFG, activation_checkpointing=checkpointed, n_layers=n_layers)
     torch.manual_seed(0)
     model = TinyGPT(cfg)
