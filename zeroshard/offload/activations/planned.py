@@ -36,7 +36,7 @@ tokens, so it still fits).
 from __future__ import annotations
 
 import shutil
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -127,6 +127,17 @@ def plan_for_run(options: PlannedActivations, shape: ModelShape, names: list[str
     return plan, dict(zip(names, plan.blocks)), left
 
 
+def joint_activations(options: PlannedActivations, model: nn.Module, names: list[str], budget: MemoryBudget,
+                      nvme_path: Optional[str], act_dtype: torch.dtype) -> Callable[[Plan], ActivationPlan]:
+    """The best plan of ``options``' declared micro-batch in what a state plan leaves (``plan_for_run``),
+    for the joint search (Note [joint state and activation plan] in zeroshard/planner/joint_plan.py)."""
+    shape = shape_of(model, len(names))
+
+    def best(state: Plan) -> ActivationPlan:
+        return plan_for_run(options, shape, names, state, budget, state.accelerator, nvme_path, act_dtype)[0]
+    return best
+
+
 def mixed_for_run(options: PlannedActivations, shape: ModelShape, names: list[str], budget: MemoryBudget,
                   left: dict[str, int], act_bytes: int, block_bytes: Optional[int],
                   hint: str = "") -> tuple[ActivationPlan, dict[str, str], dict[str, int]]:
@@ -134,7 +145,8 @@ def mixed_for_run(options: PlannedActivations, shape: ModelShape, names: list[st
     [mixed activation plans] in zeroshard/planner/activation_mix.py). Before ``block_bytes`` is
     measured: the first forward checkpoints every block and moves its input but the last, which it
     keeps and whose saved bytes it measures (the last: freed as backward starts, before any
-    recompute), once the estimate shows some plan fits."""
+    recompute), once the estimate shows some plan fits; its predicted time is the estimate's (the
+    plan from the second forward on)."""
     assert options.micro_batch is not None and options.seq_len is not None
     try:
         plan = plan_mixed(shape, options.micro_batch, options.seq_len, act_bytes, block_bytes=block_bytes,
@@ -151,7 +163,7 @@ def mixed_for_run(options: PlannedActivations, shape: ModelShape, names: list[st
         if on_host or left["nvme"] >= moved:
             places = ("host" if on_host else "nvme",) * (n - 1) + ("keep",)
             plan = ActivationPlan(places, mixed_peak(s, 1, 0, [s.input] * (n - 1)), moved if on_host else 0,
-                                  0 if on_host else moved, 2 * moved, 0.0)
+                                  0 if on_host else moved, 2 * moved, plan.extra_seconds)
         else:  # (no room to move the inputs, no NVMe directory: they stay, checkpointed)
             peak = mixed_peak(s, 1, n - 1, [])
             if peak > left["device"]:
@@ -161,7 +173,7 @@ def mixed_for_run(options: PlannedActivations, shape: ModelShape, names: list[st
                     f"{fmt_bytes(peak)} with every block checkpointed and no input moved: no nvme_path is set and "
                     f"host memory cannot take {fmt_bytes(moved)} of inputs; set nvme_path=<directory> so they move "
                     "to NVMe, or raise memory_budget")
-            plan = ActivationPlan(("checkpoint",) * (n - 1) + ("keep",), peak, 0, 0, 0, 0.0)
+            plan = ActivationPlan(("checkpoint",) * (n - 1) + ("keep",), peak, 0, 0, 0, plan.extra_seconds)
     return plan, dict(zip(names, plan.blocks)), left
 
 
