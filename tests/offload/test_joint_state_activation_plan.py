@@ -6,11 +6,13 @@ on a CPU, a budget where the state-first plan leaves no room for the activations
 plan, with the same bits as without any offload."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
 import pytest
 
+from zeroshard.cli import main as cli
 from zeroshard.offload.activations.planned import least_device, memory_left, shape_of
 from zeroshard.offload.activations.workload import PlannedActivations
 from zeroshard.planner.activation_plan import Links, plan_activations
@@ -53,7 +55,7 @@ def test_joint_plan_moves_optimizer_state_to_host_rather_than_activations(tmp_pa
 def test_joint_plan_trains_where_state_first_refuses_with_the_same_bits(tmp_path):
     d = str(tmp_path)
     over, bucket = {"seq_len": 256}, 0.02  # (long inputs, small units: the state can give up memory finely)
-    roomy = w.train_planned(1 << 30, d, True, steps=1, shape_over=over, bucket_size_mb=bucket)
+    roomy = w.train_planned(1 << 30, d, True, steps=0, shape_over=over, bucket_size_mb=bucket)  # (planned at build)
     plan = roomy["report"]["plan"]
     assert roomy["joint"]["chosen"] == 0 and roomy["joint"]["sequential"], "a roomy budget: the state-first plan"
     state = (1 << 30) - plan["memory_left"]["device"]
@@ -77,3 +79,20 @@ def test_joint_plan_trains_where_state_first_refuses_with_the_same_bits(tmp_path
     for step, (g, r) in enumerate(zip(got["grads"], want["grads"])):
         assert_same(g, r, f"gradients of step {step} under the joint plan")
     assert_same(got["weights"], want["weights"], "weights after 2 steps")
+
+
+def test_estimate_plans_state_and_activations_together(capsys):
+    """``zeroshard estimate --micro-batch --seq-len``: of the choices whose state fits, the one whose state
+    traffic plus activation plan is predicted fastest, with the bytes moved per step; here moving the
+    parameters to host memory too keeps more inputs on the GPU than the state-first (cheapest) choice."""
+    args = ["estimate", "--params", "7B", "--layers", "32", "--hidden", "4096", "--vocab", "32000", "--gpu-memory",
+            "80GB", "--cpu-memory", "512GB", "--nvme", "2TB", "--micro-batch", "1", "--seq-len", "120000"]
+    assert cli(args + ["--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["activation_plan"]
+    joint = plan["joint"]
+    assert joint["chosen"] != joint["sequential_config"] and not joint["sequential"], joint
+    assert joint["predicted_seconds"] < joint["sequential_seconds"], joint
+    assert joint["bytes_moved_per_step"]["activations"] == plan["moved_per_step"] > 0
+    assert joint["bytes_moved_per_step"]["state_host_link"] > 0
+    assert cli(args) == 0
+    assert "state and activations planned together: stage 3" in capsys.readouterr().out
