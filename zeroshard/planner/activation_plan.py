@@ -19,13 +19,13 @@ backward are on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from zeroshard.planner.activations import block_activation_elements
 from zeroshard.planner.model_shape import ModelShape
 
 if TYPE_CHECKING:
-    from zeroshard.planner.estimate import Plan
+    from zeroshard.planner.estimate import Estimate, Plan
 
 PLACES = ("keep", "checkpoint", "host", "nvme")
 
@@ -209,13 +209,13 @@ def for_estimate(result: "Plan", links: Links = Links()) -> dict:
     staged = ModelShape(shape.n_params, layers, shape.d_model, shape.n_heads, shape.vocab, shape.d_ff,
                         shape.name, shape.block_numel)
 
-    def left(e: Any) -> dict:
+    def left(e: "Estimate") -> dict:
         return {"config": e.choice.zero_kwargs(), "micro_batch": w.micro_batch, "seq_len": w.seq_len,
                 "device_left": int(hw.gpu_memory * hw.usable_fraction) - e.gpu_states.model_states - e.gpu_states.buffers,
                 "host_left": max(0, int(hw.cpu_memory * hw.usable_fraction) - e.cpu_total) // per_rank,
                 "nvme_left": max(0, hw.nvme - e.nvme_total) // per_rank}
 
-    def state_bytes(e: Any) -> dict:
+    def state_bytes(e: "Estimate") -> dict:
         return {"nvme": 2 * e.nvme_per_rank, "host_link": e.cpu_per_rank + e.nvme_per_rank}
 
     best: Optional[tuple[float, int, dict, ActivationPlan]] = None
