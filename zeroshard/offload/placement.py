@@ -26,8 +26,9 @@ from zeroshard.config import Placement, ZeroConfig
 from zeroshard.planner.activation_plan import ActivationPlan
 from zeroshard.planner.auto_placement import KINDS, Fixed, Plan, UnitSpec, report_text
 
-JointActivations = Callable[[Plan], ActivationPlan]
-"""The best activation plan in what a state plan leaves of the budget, or a ValueError."""
+JointActivations = Callable[[Plan, bool], Optional[ActivationPlan]]
+"""The best activation plan in what a state plan leaves of the budget: None where none fits, or
+(explain=True) a ValueError naming what fits (Note [joint state and activation plan])."""
 
 if TYPE_CHECKING:  # (types only: the optimizer state and runs are built after the placement)
     from torch import nn

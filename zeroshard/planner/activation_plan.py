@@ -147,6 +147,13 @@ def plan_saved(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int
     return found
 
 
+def best_activations(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int, *, device: int, host: int,
+                     nvme: int = 0, links: Links = Links(), eager_attention: bool = False) -> Optional[ActivationPlan]:
+    """As ``plan_activations``, None where no plan fits (no refusal message: the joint search asks often)."""
+    return _best(_sizes(shape, micro_batch, seq_len, act_bytes, links, eager_attention), shape.n_layers, device,
+                 host, nvme, links)
+
+
 def plan_activations(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int, *, device: int,
                      host: int, nvme: int = 0, links: Links = Links(), eager_attention: bool = False) -> ActivationPlan:
     """The plan with the least extra time per micro-batch of ``micro_batch x seq_len`` that fits

@@ -23,8 +23,9 @@ sequential plan is as fast keeps it. If no candidate's activations fit, the refu
 of the candidate that leaves the activations the most memory: the longest sequence it names is
 the longest that fits under the joint search. Cost: at most ``most`` (48) state plans (each a sort
 of the units' items) and as many activation plans (the checkpointed planner is O(blocks^2), the
-mixed one O(blocks^3 log blocks)): milliseconds for a TinyGPT, about a second for 32 blocks
-mixed, once at construction. Without a declared shape the state is placed before any
+mixed one O(blocks^3 log blocks)), each first a quick fit test without a refusal message (whose
+bisections for the longest sequence and the smallest budget run once, for the refusal only):
+milliseconds for a TinyGPT, about a second for 32 blocks mixed, once at construction. Without a declared shape the state is placed before any
 micro-batch is seen, and the activations take what is left (Note [activations under the budget]).
 """
 from __future__ import annotations
@@ -127,17 +128,17 @@ class JointChoice:
                 f"{fmt_bytes(self.activations.moved_per_step)}")
 
 
-def plan_joint(candidates: list[Plan], activations: Callable[[Plan], ActivationPlan], *, links: Links = Links(),
-               micro_batches: int = 1) -> JointChoice:
-    """The candidate and its activation plan (``activations``: the best in what a state plan
-    leaves, or a ValueError) with the least predicted step time; when none fits, the ValueError
-    of the candidate that holds the least on the activations' tier."""
+def plan_joint(candidates: list[Plan], activations: Callable[[Plan, bool], Optional[ActivationPlan]], *,
+               links: Links = Links(), micro_batches: int = 1) -> JointChoice:
+    """The candidate and its activation plan (``activations(state, explain)``: the best in what a state
+    plan leaves, None where none fits, or with ``explain`` the refusal, a ValueError) with the least
+    predicted step time; when none fits, the refusal of the candidate that holds the least on the
+    activations' tier."""
     best: Optional[tuple[float, int, ActivationPlan, float]] = None
     sequential: Optional[tuple[float, float]] = None
     for i, state in enumerate(candidates):
-        try:
-            acts = activations(state)
-        except ValueError:
+        acts = activations(state, False)
+        if acts is None:
             continue
         ss, sa = state_seconds(state, links, micro_batches), acts.extra_seconds * micro_batches
         if i == 0:
@@ -147,7 +148,7 @@ def plan_joint(candidates: list[Plan], activations: Callable[[Plan], ActivationP
     if best is None:
         tier = "device" if candidates[0].accelerator else "host"
         roomiest = min(candidates, key=lambda p: p.memory()[tier])
-        activations(roomiest)  # (raises: the longest sequence that fits in the most room any candidate leaves)
+        activations(roomiest, True)  # (raises: the longest sequence that fits in the most room any candidate leaves)
         raise RuntimeError("the activation planner fitted a plan it had refused for the same state")
     _, i, acts, ss = best
     chosen = candidates[i]

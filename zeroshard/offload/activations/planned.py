@@ -11,8 +11,10 @@ checkpoint / NVMe; with an accelerator, the device budget's remainder holds what
 the host budget's remainder what moves to host memory. The per-block choice is applied by the
 one activation offloader (Note [activation offload] in offloader.py), which covers exactly the
 blocks planned "host" or "nvme" (a "checkpoint" block keeps its input: the model's own
-``torch.utils.checkpoint`` does that). The state is planned first and the activations take
-what is left, so a budget that cannot hold even the fully offloaded plan is refused naming the
+``torch.utils.checkpoint`` does that). With the shape declared, the state's placement and the
+activations are chosen together (Note [joint state and activation plan] in
+zeroshard/planner/joint_plan.py); measured, the state is planned first and the activations take
+what is left. Either way a budget that cannot hold even the fully offloaded plan is refused naming the
 longest sequence that fits and the smallest ``memory_budget`` that holds this sequence.
 Blocks the model checkpoints (``checkpointed=True``, the default) move their inputs, which is
 what the plan counts, exactly. With ``checkpointed=False`` the plan mixes keep / move / checkpoint /
@@ -42,8 +44,9 @@ import torch
 from torch import nn
 
 from zeroshard.offload.activations.workload import PlannedActivations
-from zeroshard.planner.activation_mix import RECOMPUTED, mix_sizes, mixed_peak, plan_mixed
-from zeroshard.planner.activation_plan import ActivationPlan, longest_sequence, plan_activations, plan_saved
+from zeroshard.planner.activation_mix import RECOMPUTED, best_mixed, mix_sizes, mixed_peak, plan_mixed
+from zeroshard.planner.activation_plan import (ActivationPlan, best_activations, longest_sequence, plan_activations,
+                                               plan_saved)
 from zeroshard.planner.auto_placement import MemoryBudget, Plan
 from zeroshard.planner.model_shape import ModelShape
 from zeroshard.planner.sizes import fmt_bytes
@@ -128,13 +131,32 @@ def plan_for_run(options: PlannedActivations, shape: ModelShape, names: list[str
 
 
 def joint_activations(options: PlannedActivations, model: nn.Module, names: list[str], budget: MemoryBudget,
-                      nvme_path: Optional[str], act_dtype: torch.dtype) -> Callable[[Plan], ActivationPlan]:
+                      nvme_path: Optional[str], act_dtype: torch.dtype
+                      ) -> Callable[[Plan, bool], Optional[ActivationPlan]]:
     """The best plan of ``options``' declared micro-batch in what a state plan leaves (``plan_for_run``),
-    for the joint search (Note [joint state and activation plan] in zeroshard/planner/joint_plan.py)."""
+    for the joint search (Note [joint state and activation plan] in zeroshard/planner/joint_plan.py):
+    None where none fits, or with ``explain`` the refusal (a ValueError naming what fits)."""
     shape = shape_of(model, len(names))
+    assert options.micro_batch is not None and options.seq_len is not None  # (declared: the caller checks)
+    mb, seq = options.micro_batch, options.seq_len
+    act_bytes = torch.empty((), dtype=act_dtype).element_size()
 
-    def best(state: Plan) -> ActivationPlan:
-        return plan_for_run(options, shape, names, state, budget, state.accelerator, nvme_path, act_dtype)[0]
+    def best(state: Plan, explain: bool = False) -> Optional[ActivationPlan]:
+        if not explain:  # (a quick test first: a refusal's message bisects for the longest sequence)
+            left = memory_left(state, budget, state.accelerator, nvme_path)
+            device, host, nvme = left["device"], left["host"], left["nvme"]
+            quick = (best_activations(shape, mb, seq, act_bytes, device=device, host=host, nvme=nvme)
+                     if options.checkpointed else
+                     best_mixed(shape, mb, seq, act_bytes, device=device, host=host, nvme=nvme,
+                                prefetch=options.prefetch) if options.recompute else True)
+            if quick is None:
+                return None
+        try:
+            return plan_for_run(options, shape, names, state, budget, state.accelerator, nvme_path, act_dtype)[0]
+        except ValueError:
+            if explain:
+                raise
+            return None
     return best
 
 
