@@ -183,7 +183,7 @@ def assemble(owner: torch.optim.Optimizer, config: ZeroConfig, optimizer_class: 
     attached.snapshot.keep_data_only_of(lambda p: sharding.shard_parameters or local_of(p).dtype != param_dtype)
     plan = sharding.lay_out(module, trainable, frozen, precision.bucket_numel(config.bucket_size_mb),
                             dtype_of=lambda m: casts.get(id(m.param), m.param.dtype), whole_groups=whole)
-    joint = _joint_activations(config, module, param_dtype)
+    joint = _joint_activations(config, module, param_dtype, mesh_.pp is not None and mesh_.pp.stages > 1)
     placement = chosen_placement(config, sharding.policy, mesh_.comm.rank, optimizer_class, plan.layouts, plan.modules,
                                  param_dtype, construction.as_planned(groups, casts),
                                  device if meta_shapes else None,  # (Note [automatic placement])
@@ -353,13 +353,14 @@ def _build_activations(attached: construction.ConstructionRecord, config: ZeroCo
     return offloader
 
 
-def _joint_activations(config: ZeroConfig, module: Optional[nn.Module], param_dtype: torch.dtype
-                       ) -> Optional[JointActivations]:
+def _joint_activations(config: ZeroConfig, module: Optional[nn.Module], param_dtype: torch.dtype,
+                       pipelined: bool) -> Optional[JointActivations]:
     """offload="auto" with a declared ``PlannedActivations`` shape on a model: the activation plan in what
-    a state plan leaves, so both are planned together (Note [joint state and activation plan])."""
+    a state plan leaves, so both are planned together (Note [joint state and activation plan]); not
+    under pipeline stages, which ``_build_activations`` refuses with its reason."""
     wanted = config.offload_activations
-    if not (config.automatic and isinstance(wanted, PlannedActivations) and wanted.micro_batch is not None
-            and module is not None):
+    if pipelined or not (config.automatic and isinstance(wanted, PlannedActivations) and wanted.micro_batch is not None
+                         and module is not None):
         return None
     nvme = None if config.nvme_path is None else str(config.nvme_path)
     return joint_activations(wanted, module, list(covered_blocks(module, None).values()),
