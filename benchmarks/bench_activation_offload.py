@@ -21,6 +21,9 @@
    (bisection over real runs of ``--steps`` steps) under one fixed ``--budget-mib`` with offload="auto" and
    ``PlannedActivations(checkpointed=False)``: keep / move only (``recompute=False``, the old plan)
    vs the mixed plan that also checkpoints blocks (Note [mixed activation plans]).
+7. ``joint`` (``--parts joint``): the same bisection for a TinyGPT that checkpoints its blocks, the state
+   competing for the budget: sequential (shape measured at the first forward, the state placed first) vs
+   joint (shape declared: Note [joint state and activation plan]).
 Prints one JSON line per part.
 """
 from __future__ import annotations
@@ -32,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import torch
 
@@ -172,18 +176,23 @@ def part_longest(args: argparse.Namespace) -> dict:
                               "ratio": big_after / max(1, big_before), "per_token_bytes": _per_token(big, big_after, 2)}}
 
 
-def _trains(args: argparse.Namespace, seq: int, recompute: bool) -> bool:
+def _trains(args: argparse.Namespace, seq: int, recompute: bool, joint: Optional[bool] = None) -> bool:
     """A TinyGPT not checkpointed by the model trains ``args.steps`` steps at ``seq`` tokens under
     offload="auto" with ``--budget-mib`` (the state and the activations in it), the activations planned
-    (``PlannedActivations(checkpointed=False, recompute=...)``); False: the plan refused the sequence."""
-    cfg = GPTConfig(**{**_config(args, False).__dict__, "seq_len": seq})
+    (``PlannedActivations(checkpointed=False, recompute=...)``); False: the plan refused the sequence.
+    ``joint`` not None: the model checkpoints its blocks, and the shape is declared (True: state and
+    activations planned together) or measured at the first forward (False: the state placed first)."""
+    cfg = GPTConfig(**{**_config(args, joint is not None).__dict__, "seq_len": seq})
     torch.manual_seed(0)
     model = TinyGPT(cfg)
-    planned = zeroshard.PlannedActivations(checkpointed=False, recompute=recompute)
+    planned = (zeroshard.PlannedActivations(checkpointed=False, recompute=recompute) if joint is None else
+               zeroshard.PlannedActivations(micro_batch=args.batch, seq_len=seq) if joint else
+               zeroshard.PlannedActivations())
     try:
         opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, stage=2, offload="auto",
                                       memory_budget={"host": int(args.budget_mib * 2**20), "reserve": 0},
-                                      nvme_path=args.dir, offload_activations=planned)
+                                      nvme_path=args.dir, offload_activations=planned,
+                                      **({"bucket_size_mb": args.bucket_mb} if args.bucket_mb else {}))
     except ValueError:
         return False
     try:
@@ -198,13 +207,13 @@ def _trains(args: argparse.Namespace, seq: int, recompute: bool) -> bool:
         opt.close()
 
 
-def _longest_trained(args: argparse.Namespace, recompute: bool) -> tuple[int, list]:
+def _longest_trained(args: argparse.Namespace, recompute: bool, joint: Optional[bool] = None) -> tuple[int, list]:
     """The longest sequence (a multiple of ``--seq-step``) that trains, by bisection over real runs."""
     step, tried = args.seq_step, []
     low, high = 0, args.seq_max // step + 1  # (low trains or is 0, high does not)
     while high - low > 1:
         mid = (low + high) // 2
-        ok = _trains(args, mid * step, recompute)
+        ok = _trains(args, mid * step, recompute, joint)
         tried.append((mid * step, ok))
         low, high = (mid, high) if ok else (low, mid)
     return low * step, tried
@@ -318,6 +327,19 @@ def gpu_check(args: argparse.Namespace) -> dict:  # pragma: no cover - needs a G
     return {"part": "gpu", **out}
 
 
+def part_joint(args: argparse.Namespace) -> dict:
+    """The longest sequence a checkpointed TinyGPT trains under one fixed ``--budget-mib`` with the state
+    competing for it (Note [joint state and activation plan]): sequential (the shape measured at the
+    first forward: the state placed first, the activations in what it leaves) vs joint (declared)."""
+    import warnings
+    warnings.filterwarnings("ignore", message="offload='auto'")
+    before, tried_before = _longest_trained(args, True, False)
+    after, tried_after = _longest_trained(args, True, True)
+    return {"part": "longest sequence, state and activations under one budget (trained)", "budget": args.budget_mib,
+            "sequential": before, "joint": after, "ratio": after / max(1, before),
+            "tried": {"sequential": tried_before, "joint": tried_after}}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--child", choices=("offload", "checkpoint", "plain"))
@@ -330,7 +352,8 @@ def main() -> None:
     p.add_argument("--limit-mib", type=float, default=900)
     p.add_argument("--budget-mib", type=float, default=512, help="device budget of part 3")
     p.add_argument("--parts", default="bytes,longest,cgroup",
-                   help="which of bytes, longest, cgroup, floor, mix to run")
+                   help="which of bytes, longest, cgroup, floor, mix, joint to run")
+    p.add_argument("--bucket-mb", type=float, default=0, help="part joint: bucket_size_mb (small: finer units)")
     p.add_argument("--seq-step", type=int, default=64, help="part mix: sequences tried are multiples of this")
     p.add_argument("--seq-max", type=int, default=16384, help="part mix: the longest sequence tried")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of part floor")
@@ -345,7 +368,7 @@ def main() -> None:
         print(json.dumps(gpu_check(args)), flush=True)
         return
     parts = {"bytes": part_bytes, "longest": part_longest, "cgroup": part_cgroup, "floor": part_floor,
-             "mix": part_mix}
+             "mix": part_mix, "joint": part_joint}
     for name in args.parts.split(","):
         print(json.dumps(parts[name](args)), flush=True)
 

@@ -23,6 +23,10 @@ from tests.support import background_mypy
 os.environ.setdefault("ZEROSHARD_PG_TIMEOUT", "120")
 # Ranks fork from one server that imported torch once (Note [start method] in zeroshard/testing/launch.py).
 os.environ.setdefault("ZEROSHARD_START_METHOD", "forkserver")
+# ... and imported the Hugging Face models the workers build once too (2 s of CPU per rank otherwise;
+# the server skips one that is not installed).
+os.environ.setdefault("ZEROSHARD_FORKSERVER_PRELOAD",
+                      "transformers.models.gpt2.modeling_gpt2,transformers.models.llama.modeling_llama")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # (ZEROSHARD_QUICK_TIER: another list, for tests/unit/test_ci_setup.py)

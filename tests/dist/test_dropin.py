@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support import dropin_worker as w
-from tests.support.dist_results import run_ranks
+from tests.support.dist_results import run_ranks, run_worlds, selected_params
 from tests.support.asserts import assert_same
 
 FP32 = ("loop", "div_loss", "to_device", "accumulate", "zero_grad_keep", "compile", "state_dict")
@@ -26,11 +26,15 @@ AUTOCAST = ("grad_scaler", "autocast_bf16")
 CELLS = [(s, c) for s in (0, 1, 2, 3) for c in FP32 + AUTOCAST]
 
 
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):  # (world 1 beside world 2: Note [launches side by side])
+    worlds = selected_params(request, "results", (1, 2))
+    return run_worlds(w.worker, worlds, lambda world: tmp_path_factory.mktemp(f"dropin{world}"), CELLS)
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
-def results(request, tmp_path_factory):
-    world = request.param
-    d = tmp_path_factory.mktemp(f"dropin{world}")
-    return world, run_ranks(w.worker, world, d, CELLS)
+def results(request, launched):
+    return request.param, launched[request.param]
 
 
 @pytest.mark.parametrize("stage,scenario", CELLS, ids=[f"stage{s}-{c}" for s, c in CELLS])

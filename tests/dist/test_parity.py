@@ -4,18 +4,20 @@ from __future__ import annotations
 import pytest
 
 from tests.support import parity_worker
-from tests.support.dist_results import run_ranks
+from tests.support.dist_results import run_worlds, selected_params
 
 WORLDS = (1, 2, 4)
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    cache = {}
+def results(request, tmp_path_factory):
+    cache: dict[int, list[dict]] = {}
 
     def get(world: int) -> list[dict]:
-        if world not in cache:
-            cache[world] = run_ranks(parity_worker.run, world, tmp_path_factory.mktemp(f"parity{world}"))
+        if world not in cache:  # every selected world at once (Note [launches side by side])
+            worlds = [w for w in selected_params(request, "world", WORLDS) if w not in cache and w != world]
+            worlds.insert(0, world)
+            cache.update(run_worlds(parity_worker.run, worlds, lambda w: tmp_path_factory.mktemp(f"parity{w}")))
         return cache[world]
     return get
 

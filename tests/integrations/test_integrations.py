@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+from tests.support.dist_results import selected_params, together
+
 pytest.importorskip("accelerate")
 pytest.importorskip("lightning")
 pytest.importorskip("transformers")
@@ -47,8 +49,14 @@ def _launch(world: int, directory: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[int, list[dict]]:
-    return {w: _launch(w, str(tmp_path_factory.mktemp(f"integ{w}"))) for w in (1, 2)}
+def results(request, tmp_path_factory) -> dict[int, list[dict]]:
+    """Every selected world's launch, side by side (Note [launches side by side] in tests/support/dist_results.py)."""
+    worlds = selected_params(request, "world", (1, 2))
+    if 2 not in worlds and any(i.path == request.path and i.name == "test_rank0_only_save_is_refused_at_save_time"
+                               for i in request.session.items):
+        worlds.append(2)  # (it reads world 2's refusals)
+    dirs = {w: str(tmp_path_factory.mktemp(f"integ{w}")) for w in worlds}
+    return together({w: (lambda w=w: _launch(w, dirs[w])) for w in worlds})
 
 
 @pytest.mark.parametrize("lib,stage,world", CELLS, ids=[f"{l}-stage{s}-world{w}" for l, s, w in CELLS])

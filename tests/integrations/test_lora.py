@@ -19,18 +19,24 @@ pytest.importorskip("peft")
 
 from tests.support import lora_worker as w  # noqa: E402
 from tests.support.asserts import assert_same  # noqa: E402
-from tests.support.dist_results import run_ranks  # noqa: E402
+from tests.support.dist_results import run_ranks, selected_params, together  # noqa: E402
 
 CELLS = ([(s, d, None) for s in (0, 1, 2, 3) for d in ("fp32", "bf16")]
          + [(3, d, o) for o in ("cpu", "nvme") for d in ("fp32", "bf16")]
          + [(3, "fp32", None, True), (3, "bf16", "nvme", True)])  # with activation checkpointing
 
 
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):  # (world 1 beside world 2: Note [launches side by side])
+    worlds = selected_params(request, "results", (1, 2))
+    dirs = {world: tmp_path_factory.mktemp(f"lora{world}") for world in worlds}
+    return together({world: (lambda world=world: run_ranks(w.worker, world, dirs[world], CELLS, str(dirs[world])))
+                     for world in worlds})
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
-def results(request, tmp_path_factory):
-    world = request.param
-    d = tmp_path_factory.mktemp(f"lora{world}")
-    return world, run_ranks(w.worker, world, d, CELLS, str(d))
+def results(request, launched):
+    return request.param, launched[request.param]
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=[w.Cell(*c).key for c in CELLS])

@@ -6,7 +6,9 @@ a longer sequence later is planned again or refused; a budget below the fully of
 refused naming the longest sequence and the smallest budget that fit."""
 from __future__ import annotations
 
+import functools
 import re
+import tempfile
 from dataclasses import replace
 
 import pytest
@@ -20,11 +22,13 @@ from tests.support import act_offload_worker as w
 from tests.support.asserts import assert_same
 
 
-def _budgets(directory: str) -> tuple[int, int, int]:
+@functools.lru_cache(maxsize=1)
+def _budgets() -> tuple[int, int, int]:
     """(the state's bytes under offload="auto", the fully offloaded plan's device bytes at the worker's
-    shape, one block's input): the budgets below are built from these."""
+    shape, one block's input): the budgets below are built from these. Once per module: the declared
+    shape is planned at construction, so no step runs."""
     big = 1 << 30
-    roomy = w.train_planned(big, directory, True, steps=1)["report"]["plan"]
+    roomy = w.train_planned(big, tempfile.mkdtemp(prefix="act-budgets-"), True, steps=0)["report"]["plan"]
     assert roomy["counts"] == {"keep": w.CFG.n_layers} and roomy["moved_per_step"] == 0
     assert roomy["shape"] == "declared"
     state = big - roomy["memory_left"]["device"]  # (what the state's plan holds: the same under any budget that fits it)
@@ -36,7 +40,7 @@ def _budgets(directory: str) -> tuple[int, int, int]:
 
 @pytest.mark.filterwarnings("ignore:offload='auto'")  # (reserve 0: the step's peak is over it, by design)
 def test_auto_plan_offloads_some_blocks_same_bits_and_refuses_too_small(tmp_path):
-    state, least, inp = _budgets(str(tmp_path))
+    state, least, inp = _budgets()
     budget = state + least + inp + inp // 2  # room for one checkpointed input beside the fully offloaded plan
 
     want = w.train_planned(budget, str(tmp_path), False)
@@ -63,7 +67,7 @@ def test_auto_plan_offloads_some_blocks_same_bits_and_refuses_too_small(tmp_path
                                          r"memory_budget that holds 16 tokens is") as err:
         w.train_planned(too_small, str(tmp_path), True, steps=1)
     assert int(re.search(r"longest sequence that fits is (\d+)", str(err.value)).group(1)) < w.CFG.seq_len
-    w.train_planned(state + least, str(tmp_path), True, steps=1)  # the smallest budget named fits
+    w.train_planned(state + least, str(tmp_path), True, steps=0)  # the smallest budget named fits (planned at build)
 
 
 @pytest.mark.filterwarnings("ignore:offload='auto'")
@@ -71,7 +75,7 @@ def test_measured_shape_plans_again_for_a_longer_sequence_or_refuses(tmp_path):
     """The shape measured at the first forward (8 tokens) is planned again at a forward with more
     tokens (16), before its first block, and applied there: same bits as without offload; a budget
     that holds 8 tokens but not 16 refuses that forward naming the longest sequence that fits."""
-    state, least, inp = _budgets(str(tmp_path))
+    state, least, inp = _budgets()
     budget, lens = state + least + inp + inp // 2, [8, 16, 8]
     want = w.train_planned(budget, str(tmp_path), False, steps=3, seq_lens=lens)
     got = w.train_planned(budget, str(tmp_path), True, steps=3, declared=False, seq_lens=lens)

@@ -42,10 +42,10 @@ def test_mixed_plan_keeps_checkpoints_and_offloads_with_the_same_bits(tmp_path):
     # kept and one brought back ahead: under one block and three inputs, so two inputs must move)
     budget = state + sizes.fixed + sizes.work + block + 2 * inp + 7 * inp // 8
 
-    want = w.train_planned(budget, d, False, steps=3, peaks=True, **kw)
-    got = w.train_planned(budget, d, True, steps=3, peaks=True, **kw)
+    want = w.train_planned(budget, d, False, steps=2, peaks=True, **kw)
+    got = w.train_planned(budget, d, True, steps=2, peaks=True, **kw)
     plan = got["plans"][-1]
-    assert got["plans"] == [plan] * 3, "planned with the measurement after step 1's forward, then kept"
+    assert got["plans"] == [plan] * 2, "planned with the measurement after step 1's forward, then kept"
     assert plan["blocks"] == {"blocks.0": "nvme", "blocks.1": "nvme", "blocks.2": "checkpoint",
                               "blocks.3": "keep"}, plan
     assert plan["recompute"] == ["blocks.0", "blocks.1", "blocks.2"] and plan["offloaded"] == ["blocks.0", "blocks.1"]
@@ -57,7 +57,7 @@ def test_mixed_plan_keeps_checkpoints_and_offloads_with_the_same_bits(tmp_path):
     assert max(got["peaks"]) <= left < min(want["peaks"]), (got["peaks"], left, want["peaks"])
     for step, (g, r) in enumerate(zip(got["grads"], want["grads"])):
         assert_same(g, r, f"gradients of step {step}, blocks checkpointed by the offloader")
-    assert_same(got["weights"], want["weights"], "weights after 3 steps")
+    assert_same(got["weights"], want["weights"], "weights after 2 steps")
     assert got["hooks_left"] == 0 and got["forwards_left"] == 0, "close() unwraps the blocks"
 
 

@@ -74,7 +74,16 @@ def test_estimate_shows_the_activation_plan(capsys):
     plan = json.loads(capsys.readouterr().out)["activation_plan"]
     assert plan["seq_len"] == 120000 and plan["moved_per_step"] > 0 and plan["offload_activations"] in ("cpu", "nvme")
     assert sum(plan["blocks"].values()) == 32
+    # (planned with the state, Note [joint state and activation plan]: moving the parameters to host memory too
+    # keeps more inputs on the GPU than the cheapest choice whose state fits, and is predicted faster)
+    joint = plan["joint"]
+    assert joint["chosen"] != joint["sequential_config"] and not joint["sequential"], joint
+    assert joint["predicted_seconds"] < joint["sequential_seconds"], joint
+    assert joint["bytes_moved_per_step"]["activations"] == plan["moved_per_step"]
+    assert joint["bytes_moved_per_step"]["state_host_link"] > 0
     assert cli(args + ["--seq-len", "1048576"]) == 0
     out = capsys.readouterr().out
     assert "Activations at --micro-batch 1 x --seq-len 1048576" in out
     assert "the longest sequence that fits is" in out
+    assert cli(args + ["--seq-len", "120000"]) == 0
+    assert "state and activations planned together: stage 3" in capsys.readouterr().out

@@ -56,15 +56,16 @@ def train(stage: int, where: Optional[str], checkpointing: bool, steps: int = 3,
     return {"grads": grads, "weights": weights, "report": report, "memory": memory}
 
 
-def train_planned(budget: int, directory: str, planned: bool, steps: int = 8, declared: bool = True,
+def train_planned(budget: int, directory: Optional[str], planned: bool, steps: int = 8, declared: bool = True,
                   seq_lens: Optional[list[int]] = None, checkpointed: bool = True, prefetch: int = 2,
-                  recompute: bool = True, n_layers: int = CFG.n_layers, peaks: bool = False) -> dict:
+                  recompute: bool = True, n_layers: int = CFG.n_layers, peaks: bool = False,
+                  shape_over: Optional[dict] = None, bucket_size_mb: Optional[float] = None) -> dict:
     """As ``train`` (stage 2, checkpointed blocks), under offload="auto" with ``memory_budget`` (reserve 0:
     the state's plan does not depend on the process) and, if ``planned``, the activations planned
     with it (``PlannedActivations``: the shape declared, or measured at the first forward); step i
     runs the first ``seq_lens[i]`` tokens of each sequence (default: all), and the plan in force
-    after each step is kept."""
-    cfg = replace(CFG, activation_checkpointing=checkpointed, n_layers=n_layers)
+    after each step is kept. ``directory`` None: no nvme_path; ``shape_over``: GPTConfig fields changed."""
+    cfg = replace(CFG, activation_checkpointing=checkpointed, n_layers=n_layers, **(shape_over or {}))
     torch.manual_seed(0)
     model = TinyGPT(cfg)
     shape = {"micro_batch": BATCH, "seq_len": cfg.seq_len} if declared else {}
@@ -72,7 +73,8 @@ def train_planned(budget: int, directory: str, planned: bool, steps: int = 8, de
                                                                        prefetch=prefetch, recompute=recompute)
              } if planned else {}
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=2, offload="auto",
-                                  memory_budget={"host": budget, "reserve": 0}, nvme_path=directory, **extra)
+                                  memory_budget={"host": budget, "reserve": 0}, nvme_path=directory, **extra,
+                                  **({"bucket_size_mb": bucket_size_mb} if bucket_size_mb else {}))
     torch.manual_seed(1)
     grads, plans, moved, live = [], [], [], []
     try:
@@ -88,12 +90,13 @@ def train_planned(budget: int, directory: str, planned: bool, steps: int = 8, de
             plans.append((opt.placement_report().get("activations") or {}).get("plan"))
             moved.append((opt.placement_report().get("activations") or {}).get("bytes_moved_last_step"))
         report = opt.placement_report().get("activations")
+        joint = opt.placement_report().get("joint")
         weights = {n: p.detach().clone() for n, p in model.state_dict().items()}
     finally:
         opt.close()
     hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
     wrapped = sum("forward" in vars(m) for m in model.modules())  # (forwards the offloader wrapped, left)
-    return {"grads": grads, "weights": weights, "report": report, "plans": plans, "moved": moved, "hooks_left": hooks, "peaks": live,
+    return {"grads": grads, "weights": weights, "report": report, "joint": joint, "plans": plans, "moved": moved, "hooks_left": hooks, "peaks": live,
             "forwards_left": wrapped}
 
 

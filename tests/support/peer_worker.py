@@ -83,6 +83,17 @@ def train(model, opt, sched, xs: torch.Tensor, ys: torch.Tensor, start: int, ste
     return False
 
 
+def smaller_world(leaving: list[int], store: str) -> int:
+    """The staying ranks as a new, smaller job in the same processes (what a restart at the
+    smaller world starts with, without relaunching): a fresh process group among them. Returns
+    this rank in it."""
+    staying = [r for r in range(dist.get_world_size()) if r not in leaving]
+    rank = staying.index(dist.get_rank())
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.FileStore(store, len(staying)), rank=rank, world_size=len(staying))
+    return rank
+
+
 def lose(tier: str, ranks: str) -> None:
     """Deletes the tier directories of ``ranks`` (comma-separated): their node's memory is gone."""
     for r in ranks.split(","):
@@ -110,6 +121,9 @@ def main() -> None:
     ap.add_argument("--lose", default="", help="at --kill-at (instead of a SIGKILL): these ranks' tier directories "
                     "are deleted (a lost node's memory) after every rank dumped its owned pieces (at-kill-*.pt); "
                     "then a fresh model resumes (resume-*-1.json, resumed-*.pt) and trains to the end")
+    ap.add_argument("--shrink", action="store_true", help="after a handoff (its pieces: handoff-*.pt) the signalled "
+                    "ranks delete their tier directories and exit; the others go on as a smaller job in the same "
+                    "processes (resume-*-smaller.json, smaller-resumed-*.pt, final-*.pt)")
     ap.add_argument("--ref-lose", default="", help="before the reference, these ranks' tier directories are deleted")
     a = ap.parse_args()
     setup_distributed(120.0)  # (each torchrun attempt in its own store key space)
@@ -157,18 +171,33 @@ def main() -> None:
             info = zeroshard.memory_handoff(done, preemption=preemption, model=model, optimizer=opt, scheduler=sched)
             with open(os.path.join(a.out, f"handoff-{rank}.json"), "w") as f:
                 json.dump({k: info[k] for k in ("step", "handed_off", "leaving", "pairs")}, f)
+            torch.save(owned_state(model, opt), os.path.join(a.out, f"handoff-{rank}.pt"))
             if not info["handed_off"]:
                 zeroshard.save_checkpoint(a.save_root, done, model=model, optimizer=opt, scheduler=sched)
         return stop
-    if train(model, opt, sched, xs, ys, start, a.steps, save_or_kill, faults) and not lost:
-        dist.destroy_process_group()
-        return  # (preempted: exit 0)
+    stopped = train(model, opt, sched, xs, ys, start, a.steps, save_or_kill, faults) and not lost
     if lost:  # a fresh model, optimizer and tier object resume (memory tiers first) and train to the end
         model, opt, sched = build(a.tier, a.stage, a.every, a.parity)
         torch.manual_seed(100 + rank)
         start = resume(a.load_root, model, opt, sched, opened, os.path.join(a.out, f"resume-{rank}-1.json"))
         torch.save(owned_state(model, opt), os.path.join(a.out, f"resumed-{rank}.pt"))
-        train(model, opt, sched, xs, ys, start, a.steps)
+        stopped = train(model, opt, sched, xs, ys, start, a.steps, save_or_kill, faults)
+    if stopped and a.shrink:  # the node leaves with its memory, the others go on at the smaller world
+        if preemption.requested:
+            shutil.rmtree(os.path.join(a.tier, f"rank-{rank}"))
+        flags: list = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, bool(preemption.requested))
+        stopped = bool(preemption.requested)
+        if not stopped:
+            rank = smaller_world([r for r, f in enumerate(flags) if f], os.path.join(a.out, "smaller-world.store"))
+            model, opt, sched = build(a.tier, a.stage, a.every, a.parity if dist.get_world_size() > 1 else 0)
+            torch.manual_seed(100 + rank)  # (as a fresh process)
+            start = resume(a.load_root, model, opt, sched, opened, os.path.join(a.out, f"resume-{rank}-smaller.json"))
+            torch.save(owned_state(model, opt), os.path.join(a.out, f"smaller-resumed-{rank}.pt"))
+            train(model, opt, sched, xs, ys, start, a.steps)
+    if stopped:
+        dist.destroy_process_group()
+        return  # (preempted: exit 0)
     dump(model, opt, os.path.join(a.out, f"final-{rank}.pt"))
     if a.ref_root is not None:  # the disk resume of the same step, in a fresh model, optimizer and tier
         if a.ref_lose:

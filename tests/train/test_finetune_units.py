@@ -235,12 +235,19 @@ def test_redundancy_flag_validates_and_reaches_the_optimizer(tmp_path):
         parse(base + ["--redundancy", "peer", "--redundancy-every", "0"])
     with pytest.raises(ValueError, match="add --redundancy peer, or drop them"):
         parse(base + ["--redundancy-every", "2"])
+    with pytest.raises(ValueError, match="add --redundancy peer, or drop them"):
+        parse(base + ["--redundancy-parity", "2"])
+    with pytest.raises(ValueError, match="--redundancy-parity=1 must be an int >= 2"):
+        parse(base + ["--redundancy", "peer", "--redundancy-parity", "1"])
+    cfg = parse(base + ["--redundancy", "peer", "--redundancy-parity", "4"])
+    assert cfg.peer_redundancy().parity == 4 and parse(base).redundancy_summary() is None
+    assert cfg.redundancy_summary().startswith("memory tier: XOR parity over groups of 4 ranks, commit every auto step(s)")
     with pytest.raises(ValueError, match="does not combine with --offload-optimizer nvme"):
         parse(base + ["--redundancy", "peer", "--offload-optimizer", "nvme", "--nvme-path", str(tmp_path)])
     assert parse(base).peer_redundancy() is None
     cfg = parse(base + ["--redundancy", "peer", "--redundancy-every", "3", "--redundancy-path", str(tmp_path / "t")])
     peer = cfg.peer_redundancy()
-    assert (peer.every, peer.root) == (3, str(tmp_path / "t")) and peer.run_id.startswith("finetune-")
+    assert (peer.every, peer.root, peer.parity) == (3, str(tmp_path / "t"), None) and peer.run_id.startswith("finetune-")
     assert parse(base + ["--redundancy", "peer"]).peer_redundancy().every == "auto"  # (the default: Note [commit pacing])
     assert parse(base + ["--redundancy", "peer", "--redundancy-every", "auto"]).peer_redundancy().every == "auto"
     with pytest.raises(SystemExit):  # neither auto nor an integer

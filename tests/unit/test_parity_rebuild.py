@@ -54,6 +54,9 @@ def test_recovery_rebuilds_one_loss_per_group_and_names_two_losses_in_one_group(
                                       "(one XOR parity rebuilds one member of a group)")
     chosen, why = plan(held([0, 2, 3], [0, 3]))
     assert chosen is None and "rank 1's slot is gone and so is the parity of rank(s) [2]" in why
+    chosen, why = plan([([(o, 5, 4, 128) for o in (0, 1)], [(h, 5, 4, [0, 1], 64) for h in (0, 1)])])
+    assert chosen is None and why == ("step 5: rank 2's slot is gone and no parity slot of its group survives "
+                                      "(every member of the group is lost)")
     assert plan([([(0, 5, 2, 128)], [])]) == (None, "")  # (a replica tier: nothing to rebuild, its own report)
 
 

@@ -75,7 +75,9 @@ def _inspect_tier(root: str, as_json: bool) -> int:
     for s in report["slots"]:
         print(f"  {s['holder']}/{s['copy']:7s} rank {s['owner']}'s state, step {s['step']}, world size "
               f"{s['world_size']}, run {s['run_id']!r}, {_human(s['bytes'])}, "
-              + ("valid" if s["valid"] else f"INVALID ({s['problem']})") + _pacing(s))
+              + ("valid" if s["valid"] else f"INVALID ({s['problem']})") + _pacing(s)
+              + (f", XOR parity of group {s['parity_group']}" if s.get("parity_group") else "")
+              + (", rebuilt from parity" if s.get("rebuilt") else ""))
     for st in report["steps"]:
         print(f"  step {st['step']} (run {st['run_id']!r}, world size {st['world_size']}): ranks {st['owners']} "
               + ("covered: recoverable from memory" if st["complete"] else "only: not recoverable from memory"))

@@ -9,19 +9,23 @@ the directory, and every blob's byte range is checked against its file's real si
 """
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
 import posixpath
 import zlib
-from typing import Optional, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol
 
 import torch
-from torch.distributed.checkpoint import metadata as md
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from zeroshard.checkpoint import safe_fs
 from zeroshard.checkpoint.checkpoint_errors import CheckpointCorruptError
+
+if TYPE_CHECKING:  # (torch.distributed.checkpoint is imported when a DCP checkpoint is read: 0.7 s of CPU
+    # that a process which never meets one should not pay; Note [pipelining imported on first use])
+    from torch.distributed.checkpoint import metadata as md
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 METADATA = ".metadata"
 CHECKSUMS = "zeroshard-dcp.json"
@@ -48,15 +52,20 @@ MAX_METADATA_BYTES = 1 << 30
 # pickle can call it. torch's ``weights_only`` loader is not used: it reads zip archives of
 # ``torch.save``, not a bare pickle stream, and its allow-list would need DCP's classes added
 # process-wide (``add_safe_globals``), which changes what every other ``torch.load`` admits.
-_ALLOWED: dict[tuple[str, str], object] = {
-    ("torch.distributed.checkpoint.metadata", n): getattr(md, n)
-    for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-              "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-}
-_ALLOWED[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
-_ALLOWED[("torch", "Size")] = torch.Size
-_ALLOWED[("pathlib", "PosixPath")] = __import__("pathlib").PurePosixPath
-_ALLOWED[("pathlib", "PurePosixPath")] = __import__("pathlib").PurePosixPath
+@functools.cache
+def _allowed() -> dict[tuple[str, str], object]:
+    from torch.distributed.checkpoint import metadata as md
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    allowed: dict[tuple[str, str], object] = {
+        ("torch.distributed.checkpoint.metadata", n): getattr(md, n)
+        for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                  "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    }
+    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("pathlib", "PosixPath")] = __import__("pathlib").PurePosixPath
+    allowed[("pathlib", "PurePosixPath")] = __import__("pathlib").PurePosixPath
+    return allowed
 
 
 def _layout(name: object) -> torch.layout:
@@ -68,8 +77,9 @@ def _layout(name: object) -> torch.layout:
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> object:
-        if (module, name) in _ALLOWED:
-            return _ALLOWED[(module, name)]
+        allowed = _allowed()
+        if (module, name) in allowed:
+            return allowed[(module, name)]
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if (module, name) == ("torch.serialization", "_get_layout"):
@@ -101,6 +111,9 @@ def read_metadata(directory: str) -> md.Metadata:
 
 def _check(meta: object, path: str) -> None:
     """Every field the reader uses has the type DCP writes (a pickle sets any attribute)."""
+    from torch.distributed.checkpoint import metadata as md
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
     def bad(what: str) -> CheckpointCorruptError:
         return CheckpointCorruptError(f"{path}: malformed DCP metadata ({what})")
     if not isinstance(meta, md.Metadata) or not isinstance(meta.state_dict_metadata, dict):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional, cast
 
 from torch import nn
 
-from zeroshard.checkpoint import dcp_metadata, dcp_read, dcp_write, load, locate, manifest, safe_fs, saver
+from zeroshard.checkpoint import dcp_metadata, load, locate, manifest, safe_fs, saver
 from zeroshard.checkpoint.saver import PendingSave, wait_checkpoint
 from zeroshard.comm import Comm
 
@@ -36,6 +36,7 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
         if model is None and optimizer is None:
             raise ValueError("load_checkpoint needs model=... and/or optimizer=...")
         comm = optimizer.engine.comm if optimizer is not None else Comm(None)
+        from zeroshard.checkpoint import dcp_read  # (torch DCP imported only for a DCP checkpoint)
         return dcp_read.load_dcp(os.fspath(path), model, optimizer, cast("Optional[Stateful]", scheduler),
                                  cast("Optional[Stateful]", dataloader), comm, load_rng)
     return load.load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, dataloader=dataloader,
@@ -85,5 +86,6 @@ def save_checkpoint(root: str, step: int, *, model: Optional[nn.Module], optimiz
         raise ValueError("save_checkpoint(format='dcp') writes frozen weights (got save_frozen=False): "
                          "leave it at its default, or save the native format")
     saver._check_arguments(root, step, keep_last, async_save)
+    from zeroshard.checkpoint import dcp_write  # (torch DCP imported only for a DCP save)
     return dcp_write.save_dcp(os.fspath(root), step, model, optimizer, cast("Optional[Stateful]", scheduler),
                               cast("Optional[Stateful]", dataloader), extra, async_save, keep_last)

@@ -17,9 +17,10 @@ smaller world finds step k in the staying ranks' tiers and loads it without read
 (``load_checkpoint``, Note [peer memory tier]). When every rank leaves there is no one to hand
 to: each node's tier keeps its own ranks' state (a restart on the same nodes needs no disk);
 the caller may still save to disk after the handoff (a disk step no newer than the tiers'
-is not read). A tier turned off (a full tmpfs), or one keeping XOR parity
-(Note [parity memory tier] in zeroshard/resilience/parity.py), cannot take the handoff: it returns
-``handed_off=False`` and the caller saves to disk as before. The time from the signal to the
+is not read). Under XOR parity only the leaving members of a group that loses
+two or more are pushed (one per group is rebuilt from the parity: Note [parity memory tier] in
+zeroshard/resilience/parity.py). A tier turned off (a full tmpfs) cannot take the handoff: it
+returns ``handed_off=False`` and the caller saves to disk as before. The time from the signal to the
 end of the handoff is reported against ``PreemptionHandler(grace_s=)`` with a warning when
 over: the scheduler's kill is not something a process can postpone.
 """
@@ -55,8 +56,6 @@ def memory_handoff(step: int, *, preemption: "PreemptionHandler", model: Optiona
     if not done and commit_step(step, force=True, model=model, optimizer=optimizer, scheduler=scheduler,
                                 dataloader=dataloader, extra=extra):
         done = tier.ready(step, force=True)  # (waits, and agrees on any write failure)
-    # (parity: the step is committed, but nothing is handed over: Note [parity memory tier])
-    done = done and tier.parity_group is None
     info: dict = {"step": step, "handed_off": done, "leaving": [], "pairs": [], "grace_s": preemption.grace_s}
     if done:
         info["leaving"], info["pairs"] = tier.hand_over(bool(preemption.requested))

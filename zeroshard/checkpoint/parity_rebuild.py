@@ -5,6 +5,7 @@ other (Note [parity memory tier] in zeroshard/resilience/parity.py)."""
 from __future__ import annotations
 
 import os
+import shutil
 import zlib
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -56,7 +57,9 @@ def plan(everyone: list[tuple[list, list]]) -> tuple[Optional[tuple[int, int, di
             grp = next((gr for gr in pars.values() if k in gr), None)
             gone = sorted(set(missing) & set(grp)) if grp is not None else [k]
             no_parity = sorted(m for m in (grp or []) if m != k and m not in pars)
-            if grp is None:  # (no parity names it: a replica tier's, whose report says why)
+            if grp is None:  # (no parity names it: its whole group is gone, or a replica tier's, whose report says why)
+                why = why or (f"step {step}: rank {k}'s slot is gone and no parity slot of its group survives "
+                              "(every member of the group is lost)" if pars else "")
                 break
             if len(gone) > 1 or no_parity:
                 why = why or (f"step {step}: parity group {grp} lost the slots of rank(s) {gone} (one XOR parity "
@@ -149,10 +152,35 @@ def rebuild(tier: "MemoryTier", found: list[slots.SlotInfo], digest: str,
         try:
             slot = slots.begin(os.path.join(tier.root, f"rank-{me}", f"replica-{k}"))
             slots.write_data(slot, data.numpy().data)
-            slots.finish(slot, meta["stamp"], meta["header"].encode(), data.numel(), crc)
+            slots.finish(slot, {**meta["stamp"], "rebuilt": True}, meta["header"].encode(), data.numel(), crc)
         except OSError as exc:
             failed = f"writing rank {k}'s rebuilt slot failed ({exc.strerror or exc})"
     fails = [f for f in gather(failed) if f]
     if fails:
         return [], f"step {step}: the parity rebuild of rank(s) {sorted(lost)} failed: {fails[0]}"
     return sorted(lost), ""
+
+
+def release(tier: "MemoryTier") -> int:
+    """Removes the slots this rank rebuilt (stamped ``rebuilt``) once the recovery has loaded them
+    or fallen back to the disk: the survivors' slots they came from still rebuild them until the
+    next commit, so tmpfs keeps no third copy for the rest of the run (Note [parity memory tier]).
+    Returns the slots removed."""
+    base = os.path.join(tier.root, f"rank-{tier.rank}")
+    try:
+        subs = [d for d in os.listdir(base) if d.startswith("replica-")]
+    except OSError:
+        return 0
+    removed = 0
+    for sub in subs:
+        for name in slots.SLOTS:
+            slot = os.path.join(base, sub, name)
+            stamp = slots.read_stamp(slot)
+            if stamp is not None and stamp.get("rebuilt") is True and not os.path.islink(slot):
+                shutil.rmtree(slot, ignore_errors=True)
+                removed += 1
+        try:
+            os.rmdir(os.path.join(base, sub))  # (only when empty)
+        except OSError:
+            pass
+    return removed

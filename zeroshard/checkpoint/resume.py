@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Optional, cast
 
 from torch import nn
 
-from zeroshard.checkpoint import formats, load, locate
+from zeroshard.checkpoint import formats, load, locate, parity_rebuild
 from zeroshard.checkpoint.memory_recovery import recover
 from zeroshard.checkpoint.names import committed_steps
 from zeroshard.optim.zero_optimizer import engine_of
@@ -30,6 +30,7 @@ def load_checkpoint(path: str, *, model: Optional[nn.Module] = None, optimizer: 
         path = os.fspath(path)
         steps = committed_steps(path)  # (Note [peer memory tier])
         info, why = recover(tier, model, cast("ZeroOptimizer", optimizer), scheduler, dataloader, load_rng, steps[-1][0] if steps else None)
+        parity_rebuild.release(tier)  # (loaded or not: Note [parity memory tier])
         if info is not None:
             return info
         print(f"[zeroshard] rank {tier.rank}: loading from the disk checkpoint, not the memory tiers: {why}",

@@ -48,8 +48,6 @@ from typing import Callable, ContextManager, Optional
 import torch
 from torch import nn
 
-from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
-
 from zeroshard.comm.process_group import Comm
 
 _BackwardResult = tuple[tuple[Optional[torch.Tensor], ...], Optional[list[dict[str, object]]]]
@@ -102,32 +100,49 @@ def _registered(module: nn.Module) -> tuple[Optional[Callable[[bool], ContextMan
     return (deferred, entry[1]) if entry is not None and deferred is not None else (None, None)
 
 
-class PipelineStage(_TorchPipelineStage):
-    """torch's ``PipelineStage`` whose micro-batches but the last add their gradients locally,
-    so a stage module trained by a ZeroOptimizer reduces its gradients once per step (Note
-    [pipeline parallelism]). Same arguments as torch's; the stage count is checked against the
-    pp group (and the ZeroOptimizer's mesh) as it is built: a count the ranks cannot hold makes
-    torch's schedule send to the wrong peer, and gloo aborts the process ("collective mismatch")."""
+# Note [pipelining imported on first use]: torch.distributed.pipelining imports torch._dynamo,
+# 1.5 s of CPU per process, and every rank of every run imports this file (the mesh reads
+# ``PipelineParallel``); so ``PipelineStage``, torch's class with one method changed, is built
+# the first time it is read (``from zeroshard.comm.pipeline import PipelineStage`` as before).
+def _build_stage_class() -> type:
+    from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]  # (torch's own arguments; no collective)
-        check_stage_count(self.submod, self.stage_index, self.num_stages, self.group_size)
+    class PipelineStage(_TorchPipelineStage):
+        """torch's ``PipelineStage`` whose micro-batches but the last add their gradients locally,
+        so a stage module trained by a ZeroOptimizer reduces its gradients once per step (Note
+        [pipeline parallelism]). Same arguments as torch's; the stage count is checked against the
+        pp group (and the ZeroOptimizer's mesh) as it is built: a count the ranks cannot hold makes
+        torch's schedule send to the wrong peer, and gloo aborts the process ("collective mismatch")."""
 
-    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
-                                   last_backward: bool = False) -> _BackwardResult:
-        deferred, _ = _registered(self.submod)
-        if deferred is None:
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        if self.num_stages != self.group_size:  # (each stage's own clip would see half the model's norm)
-            raise RuntimeError(f"{self.num_stages} pipeline stages over {self.group_size} ranks: a ZeroOptimizer "
-                               "trains one stage module per rank (its norm and fp16 decisions span the pp group "
-                               "once); use ScheduleGPipe or Schedule1F1B with one stage per rank")
-        if backward_type != "full":
-            raise RuntimeError(f"a pipeline schedule asked for a {backward_type!r} backward (a zero-bubble schedule "
-                               "splits backward into input and weight parts); ZeroOptimizer reduces gradients in "
-                               "the hooks of a full backward: use ScheduleGPipe or Schedule1F1B")
-        with deferred(not last_backward):
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]  # (torch's own arguments; no collective)
+            check_stage_count(self.submod, self.stage_index, self.num_stages, self.group_size)
+
+        def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
+                                       last_backward: bool = False) -> _BackwardResult:
+            deferred, _ = _registered(self.submod)
+            if deferred is None:
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            if self.num_stages != self.group_size:  # (each stage's own clip would see half the model's norm)
+                raise RuntimeError(f"{self.num_stages} pipeline stages over {self.group_size} ranks: a ZeroOptimizer "
+                                   "trains one stage module per rank (its norm and fp16 decisions span the pp group "
+                                   "once); use ScheduleGPipe or Schedule1F1B with one stage per rank")
+            if backward_type != "full":
+                raise RuntimeError(f"a pipeline schedule asked for a {backward_type!r} backward (a zero-bubble schedule "
+                                   "splits backward into input and weight parts); ZeroOptimizer reduces gradients in "
+                                   "the hooks of a full backward: use ScheduleGPipe or Schedule1F1B")
+            with deferred(not last_backward):
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+    return PipelineStage
+
+
+def __getattr__(name: str) -> type:
+    if name != "PipelineStage":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    built = _build_stage_class()
+    globals()["PipelineStage"] = built
+    return built
 
 
 def check_stage_count(submod: torch.nn.Module, stage_index: int, num_stages: int, group_size: int) -> None:

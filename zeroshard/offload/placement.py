@@ -13,7 +13,7 @@ which runs keep their moments in memory (``state_options``); afterwards it repor
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
@@ -23,7 +23,12 @@ from zeroshard.offload.peak_memory import StepPeaks, trim_freed_memory
 from zeroshard.offload.swap_file import aligned
 from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.config import Placement, ZeroConfig
+from zeroshard.planner.activation_plan import ActivationPlan
 from zeroshard.planner.auto_placement import KINDS, Fixed, Plan, UnitSpec, report_text
+
+JointActivations = Callable[[Plan, bool], Optional[ActivationPlan]]
+"""The best activation plan in what a state plan leaves of the budget: None where none fits, or
+(explain=True) a ValueError naming what fits (Note [joint state and activation plan])."""
 
 if TYPE_CHECKING:  # (types only: the optimizer state and runs are built after the placement)
     from torch import nn
@@ -127,8 +132,13 @@ class StatePlacement:
     def __init__(self, config: ZeroConfig, policy: StagePolicy, rank: int, optimizer_class: type,
                  layouts: UnitLayouts, unit_modules: Sequence[Any], param_dtype: torch.dtype,
                  groups: Sequence[dict], device: Optional[torch.device],
-                 frozen_units: Sequence[FrozenUnit] = ()) -> None:
+                 frozen_units: Sequence[FrozenUnit] = (), activations: Optional[JointActivations] = None) -> None:
         self.config = config
+        self.joint_activations = activations
+        """offload="auto" with a declared micro-batch: the best activation plan in what a state plan
+        leaves, to plan both together (Note [joint state and activation plan]); None: state first."""
+        self.joint: Optional[dict] = None
+        """The joint choice's report (``JointChoice.report``), when one was made."""
         first = next((m.param for _, members in layouts for m in members), None)
         model_device = device or (first.device if first is not None else torch.device("cpu"))
         self.accelerator = model_device.type != "cpu"
@@ -304,6 +314,7 @@ class StatePlacement:
             "measured_io": measured,
             "peak_memory": self.peaks.report() if self.peaks is not None else None,
             "reasons": list(plan.reasons),
+            **({"joint": self.joint} if self.joint is not None else {}),
             "text": report_text(plan, measured),
         }
 

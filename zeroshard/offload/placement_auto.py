@@ -17,6 +17,7 @@ from zeroshard.offload.param_cache import ParamCache
 from zeroshard.offload.peak_memory import StepPeaks, cache_within, resident_bytes, return_freed_memory
 from zeroshard.offload.placement import FrozenUnit, StatePlacement, UnitLayouts, _PendingCache, largest_parts, live_units
 from zeroshard.planner.auto_placement import KINDS, Fixed, MemoryBudget, Plan, plan_auto
+from zeroshard.planner.joint_plan import plan_joint, state_candidates
 from zeroshard.units.elementwise import update_kind
 from zeroshard.units.tier import Tier
 
@@ -55,8 +56,15 @@ class AutoPlacement(StatePlacement):
         fixed = dataclasses.replace(fixed, host=fixed.host + process, process=process, budget_share=share,
                                     share_bytes=margin)
         group = fixed.group if config.max_live_units is None else 0
-        plan = plan_auto(specs, budget, fixed, accelerator=self.accelerator,
-                         nvme=config.nvme_path is not None, deeper=group)
+        if self.joint_activations is None:
+            plan = plan_auto(specs, budget, fixed, accelerator=self.accelerator,
+                             nvme=config.nvme_path is not None, deeper=group)
+        else:  # (a declared micro-batch: state and activations together, Note [joint state and activation plan])
+            joint = plan_joint(state_candidates(specs, budget, fixed, accelerator=self.accelerator,
+                                                nvme=config.nvme_path is not None, deeper=group),
+                               self.joint_activations)
+            plan = dataclasses.replace(joint.state, reasons=joint.state.reasons + (joint.reason(),))
+            self.joint = joint.report()
         self.live_units = live_units(config, 3 if plan.deeper else None)
         # (whole-tensor classes stream state of their own: Note [generic state on NVMe])
         streamable = [c for c in {g.get("optimizer_class", optimizer_class) for g in groups}

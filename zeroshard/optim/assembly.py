@@ -41,10 +41,11 @@ from zeroshard.offload.nvme_generic_state import probe_layouts
 from zeroshard.offload.activations.offloader import ActivationOffloader, covered_blocks
 from zeroshard.offload.activations.activation_options import ActivationOffload, activation_options
 from zeroshard.offload.activations.plan_at_forward import ForwardPlanner
+from zeroshard.offload.activations.planned import joint_activations
 from zeroshard.offload.activations.workload import PlannedActivations
 from zeroshard.offload.placement_auto import AutoPlacement
 from zeroshard.planner.auto_placement import MemoryBudget
-from zeroshard.offload.placement import StatePlacement
+from zeroshard.offload.placement import JointActivations, StatePlacement
 from zeroshard.offload.placement_choice import placement_class
 from zeroshard.offload.unit_swap import NvmeUnitStore
 from zeroshard.ops import FusedAdam
@@ -182,11 +183,13 @@ def assemble(owner: torch.optim.Optimizer, config: ZeroConfig, optimizer_class: 
     attached.snapshot.keep_data_only_of(lambda p: sharding.shard_parameters or local_of(p).dtype != param_dtype)
     plan = sharding.lay_out(module, trainable, frozen, precision.bucket_numel(config.bucket_size_mb),
                             dtype_of=lambda m: casts.get(id(m.param), m.param.dtype), whole_groups=whole)
+    joint = _joint_activations(config, module, param_dtype, mesh_.pp is not None and mesh_.pp.stages > 1)
     placement = chosen_placement(config, sharding.policy, mesh_.comm.rank, optimizer_class, plan.layouts, plan.modules,
                                  param_dtype, construction.as_planned(groups, casts),
                                  device if meta_shapes else None,  # (Note [automatic placement])
                                  frozen_units=[(layout, members, casts.get(id(members[0].param), members[0].param.dtype),
-                                                m) for (layout, members), m in zip(plan.frozen_layouts, plan.frozen_modules)])
+                                                m) for (layout, members), m in zip(plan.frozen_layouts, plan.frozen_modules)],
+                                 **({"activations": joint} if joint is not None else {}))
     inflight = StepInFlight()
     units, frozen_units = _build_units(owner, attached, placement, sharding, mesh_, precision, plan, casts,
                                        device if meta_shapes else None, inflight)
@@ -348,6 +351,20 @@ def _build_activations(attached: construction.ConstructionRecord, config: ZeroCo
     offloader = ActivationOffloader(options, module, rank, device, lambda: inflight.steps)
     attached.removers.append(offloader.remove)
     return offloader
+
+
+def _joint_activations(config: ZeroConfig, module: Optional[nn.Module], param_dtype: torch.dtype,
+                       pipelined: bool) -> Optional[JointActivations]:
+    """offload="auto" with a declared ``PlannedActivations`` shape on a model: the activation plan in what
+    a state plan leaves, so both are planned together (Note [joint state and activation plan]); not
+    under pipeline stages, which ``_build_activations`` refuses with its reason."""
+    wanted = config.offload_activations
+    if pipelined or not (config.automatic and isinstance(wanted, PlannedActivations) and wanted.micro_batch is not None
+                         and module is not None):
+        return None
+    nvme = None if config.nvme_path is None else str(config.nvme_path)
+    return joint_activations(wanted, module, list(covered_blocks(module, None).values()),
+                             MemoryBudget.parse(config.memory_budget), nvme, param_dtype)
 
 
 def _planned_activations(config: ZeroConfig, wanted: PlannedActivations, module: Optional[nn.Module], rank: int,

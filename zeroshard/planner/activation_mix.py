@@ -105,6 +105,13 @@ def mix_sizes(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int,
     return _Mix(s.block if block_bytes is None else block_bytes, s.input, s.fixed, s.recompute, prefetch, work)
 
 
+def best_mixed(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int, *, device: int, host: int,
+               nvme: int = 0, links: Links = Links(), prefetch: int = 2) -> Optional[ActivationPlan]:
+    """As ``plan_mixed`` with the estimated block, None where no plan fits (no refusal message)."""
+    s = mix_sizes(shape, micro_batch, seq_len, act_bytes, links=links, prefetch=prefetch)
+    return _choose(s, shape.n_layers, device, host, nvme, links)
+
+
 def plan_mixed(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int, *, device: int, host: int,
                nvme: int = 0, links: Links = Links(), block_bytes: Optional[int] = None,
                prefetch: int = 2) -> ActivationPlan:

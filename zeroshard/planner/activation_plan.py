@@ -25,7 +25,7 @@ from zeroshard.planner.activations import block_activation_elements
 from zeroshard.planner.model_shape import ModelShape
 
 if TYPE_CHECKING:
-    from zeroshard.planner.estimate import Plan
+    from zeroshard.planner.estimate import Estimate, Plan
 
 PLACES = ("keep", "checkpoint", "host", "nvme")
 
@@ -147,6 +147,13 @@ def plan_saved(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int
     return found
 
 
+def best_activations(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int, *, device: int, host: int,
+                     nvme: int = 0, links: Links = Links(), eager_attention: bool = False) -> Optional[ActivationPlan]:
+    """As ``plan_activations``, None where no plan fits (no refusal message: the joint search asks often)."""
+    return _best(_sizes(shape, micro_batch, seq_len, act_bytes, links, eager_attention), shape.n_layers, device,
+                 host, nvme, links)
+
+
 def plan_activations(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int, *, device: int,
                      host: int, nvme: int = 0, links: Links = Links(), eager_attention: bool = False) -> ActivationPlan:
     """The plan with the least extra time per micro-batch of ``micro_batch x seq_len`` that fits
@@ -190,30 +197,72 @@ def largest_fitting(fits: Callable[[int], bool], below: int) -> int:
     return low
 
 
-def for_estimate(result: "Plan") -> dict:
-    """The activation plan beside ``zeroshard estimate``'s table: for the cheapest choice whose
-    state fits (activations left out), within the memory that state leaves per rank."""
+def for_estimate(result: "Plan", links: Links = Links()) -> dict:
+    """The activation plan beside ``zeroshard estimate``'s table, planned jointly with the state (Note
+    [joint state and activation plan] in joint_plan.py): of the choices whose state fits (activations
+    left out), the one whose state traffic plus best activation plan in the memory it leaves per rank
+    is predicted fastest (ties: the cheapest choice by ``Choice.relative_cost``, the state-first pick).
+    A choice's state traffic: what it keeps on NVMe read and written once per step, and what it keeps
+    off the device (host or NVMe) crossing the host link once per step (gradients down, weights up)."""
     hw, w, shape = result.hardware, result.workload, result.shape
     states_fit = [e for e in result.estimates
                   if e.gpu_states.model_states + e.gpu_states.buffers <= hw.gpu_memory * hw.usable_fraction
                   and e.cpu_total <= hw.cpu_memory * hw.usable_fraction and e.nvme_total <= hw.nvme]
     if not states_fit:
         return {"config": None, "error": "no choice holds the state itself"}
-    e = min(states_fit, key=lambda x: (round(x.choice.relative_cost, 6), x.gpu_total))
+    states_fit.sort(key=lambda x: (round(x.choice.relative_cost, 6), x.gpu_total))
     per_rank = max(1, hw.n_gpus)
-    device = int(hw.gpu_memory * hw.usable_fraction) - e.gpu_states.model_states - e.gpu_states.buffers
-    host = max(0, int(hw.cpu_memory * hw.usable_fraction) - e.cpu_total) // per_rank
-    nvme = max(0, hw.nvme - e.nvme_total) // per_rank
     layers = max(1, shape.n_layers // w.pp)
     staged = ModelShape(shape.n_params, layers, shape.d_model, shape.n_heads, shape.vocab, shape.d_ff,
                         shape.name, shape.block_numel)
-    out: dict = {"config": e.choice.zero_kwargs(), "micro_batch": w.micro_batch, "seq_len": w.seq_len,
-                 "device_left": device, "host_left": host, "nvme_left": nvme}
-    try:
-        p = plan_activations(staged, w.micro_batch, w.seq_len, w.param_bytes, device=device, host=host, nvme=nvme,
-                             eager_attention=w.eager_attention)
-    except ValueError as exc:
-        return {**out, "error": str(exc)}
+
+    def left(e: "Estimate") -> dict:
+        return {"config": e.choice.zero_kwargs(), "micro_batch": w.micro_batch, "seq_len": w.seq_len,
+                "device_left": int(hw.gpu_memory * hw.usable_fraction) - e.gpu_states.model_states - e.gpu_states.buffers,
+                "host_left": max(0, int(hw.cpu_memory * hw.usable_fraction) - e.cpu_total) // per_rank,
+                "nvme_left": max(0, hw.nvme - e.nvme_total) // per_rank}
+
+    def state_bytes(e: "Estimate") -> dict:
+        return {"nvme": 2 * e.nvme_per_rank, "host_link": e.cpu_per_rank + e.nvme_per_rank}
+
+    best: Optional[tuple[float, int, dict, ActivationPlan]] = None
+    first_error: Optional[tuple[dict, str]] = None
+    sequential: Optional[float] = None
+    for i, e in enumerate(states_fit):
+        out = left(e)
+        try:
+            p = plan_activations(staged, w.micro_batch, w.seq_len, w.param_bytes, device=out["device_left"],
+                                 host=out["host_left"], nvme=out["nvme_left"], eager_attention=w.eager_attention)
+        except ValueError as exc:
+            first_error = first_error or (out, str(exc))
+            continue
+        moved = state_bytes(e)
+        seconds = moved["nvme"] / links.nvme_bandwidth + moved["host_link"] / links.host_bandwidth + p.extra_seconds
+        if i == 0:
+            sequential = seconds
+        if best is None or seconds < best[0]:
+            best = (seconds, i, {**out, "state_bytes_moved": moved}, p)
+    if best is None:
+        roomiest = max(states_fit, key=lambda e: left(e)["device_left"])
+        out = left(roomiest)
+        try:
+            plan_activations(staged, w.micro_batch, w.seq_len, w.param_bytes, device=out["device_left"],
+                             host=out["host_left"], nvme=out["nvme_left"], eager_attention=w.eager_attention)
+        except ValueError as exc:
+            return {**out, "error": str(exc)}
+        return {**first_error[0], "error": first_error[1]} if first_error else {**out, "error": "no plan"}
+    seconds, i, out, p = best
+    joint = {"candidates": len(states_fit), "chosen": states_fit[i].choice.label, "sequential": i == 0,
+             "sequential_config": states_fit[0].choice.label, "predicted_seconds": seconds,
+             "sequential_seconds": sequential,
+             "bytes_moved_per_step": {"state_nvme": out["state_bytes_moved"]["nvme"],
+                                      "state_host_link": out["state_bytes_moved"]["host_link"],
+                                      "activations": p.moved_per_step}}
     return {**out, "blocks": p.counts(), "device_bytes": p.device_bytes, "host_bytes": p.host_bytes,
-            "nvme_bytes": p.nvme_bytes, "moved_per_step": p.moved_per_step, "summary": p.summary(),
+            "nvme_bytes": p.nvme_bytes, "moved_per_step": p.moved_per_step, "joint": joint,
+            "summary": (f"{p.summary()}; state and activations planned together: {joint['chosen']} of "
+                        f"{len(states_fit)} choices whose state fits, {seconds * 1e3:.1f} ms predicted per step"
+                        + ("" if i == 0 else f" (the state-first pick, {joint['sequential_config']}: "
+                           + ("its activations do not fit" if sequential is None else f"{sequential * 1e3:.1f} ms")
+                           + ")")),
             "offload_activations": ("nvme" if p.nvme_bytes else "cpu") if p.moved_per_step else None}

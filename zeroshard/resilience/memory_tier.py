@@ -399,16 +399,18 @@ class MemoryTier:
     def hand_over(self, leaving: bool) -> tuple[list[int], list[tuple[int, int]]]:
         """A handoff after the commit of the agreed step (a collective of the side group; Note
         [preemption handoff] in zeroshard/checkpoint/memory_handoff.py): the ranks gather which
-        of them leave; each leaving rank whose buddy leaves too sends its last commit's own slot
-        to the next staying rank along the ring, which keeps it as a replica. Returns (the
+        of them leave; each leaving rank whose buddy leaves too (under parity: each the parity
+        cannot rebuild, Note [parity memory tier]) sends its last commit's own slot to the next
+        staying rank along the ring, which keeps it as a replica. Returns (the
         leaving ranks, the (leaving rank, receiving rank) pairs), the same on every rank."""
         self.wait()
         flags: list[bool] = [leaving]
         if self._side is not None:
             flags = [False] * self.world
             dist.all_gather_object(flags, bool(leaving), group=self._side)
-        pairs = [(r, to) for r in range(self.world) if flags[r] and flags[ring(r, self.world)[0]]
-                 for to in [_next_staying(r, self.world, flags)] if to is not None]
+        exposed = (parity.exposed(flags, self.options.parity) if self.options.parity is not None
+                   else [r for r in range(self.world) if flags[r] and flags[ring(r, self.world)[0]]])
+        pairs = [(r, to) for r in exposed for to in [_next_staying(r, self.world, flags)] if to is not None]
         gone = [r for r in range(self.world) if flags[r]]
         if self._side is None or not pairs:
             return gone, pairs

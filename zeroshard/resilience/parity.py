@@ -33,9 +33,23 @@ one log line naming the group and the ranks.
 Double buffering as for the own slots: the parity slot's stamp is removed first and written
 last; the rebuild takes a step only when every survivor's own slot and parity slot of that
 step verify, so a kill mid-commit leaves the previous step's slots and parity whole.
-Not covered: the preemption handoff (a leaving rank's state would need the parity of the
-smaller world: ``memory_handoff`` commits the step and returns ``handed_off=False``, so the
-caller saves to disk as with a tier that is off).
+Preemption handoff (Note [preemption handoff] in zeroshard/checkpoint/memory_handoff.py).
+The ranks agree on step k and commit it (own slots and parity); the leaving ranks' node memory
+is taken to go with them. A group with one leaving member needs nothing more: the restart
+rebuilds it from the survivors' own and parity slots of step k, as after a SIGKILL. Every
+leaving member of a group that loses two or more (``exposed``) sends its own slot of step k
+to the next staying rank along the ring, kept there as ``rank-<s>/replica-<r>`` (whole: one
+copy, the same as the replica mode's handoff), so the restart at the smaller world finds every
+owner of step k in memory (own, replica, or rebuilt) and reads no disk. When every rank
+leaves there is no one to hand to: each node keeps its own ranks' slots and parity.
+What is lost when. Nothing committed is lost to one member per group, or to a handoff. A
+kill before step k's commit finished on every rank loses step k (the previous commit's slots
+and parity are whole). Two members of one group lost without a handoff (two SIGKILLs, or a
+preempted node killed by its scheduler before its push ended): the disk checkpoint.
+A rebuilt slot (``rank-<me>/replica-<k>``) is removed as soon as the recovery has loaded it:
+the survivors' own and parity slots it came from stay until their next commits, so a kill
+before then rebuilds it again, and tmpfs does not keep a third copy of a lost rank's state for
+the rest of the run. A pushed slot stays (it is the only copy until the smaller world commits).
 """
 from __future__ import annotations
 
@@ -60,6 +74,14 @@ def groups(world: int, g: int) -> list[list[int]]:
 
 def group_of(rank: int, world: int, g: int) -> list[int]:
     return next(grp for grp in groups(world, g) if rank in grp)
+
+
+def exposed(leaving: list[bool], g: int) -> list[int]:
+    """The leaving ranks a handoff must push (Note [parity memory tier]): every leaving member of
+    a group that loses more than one member (one XOR parity rebuilds one member of a group); a
+    group's only leaving member is rebuilt from the committed step's parity at the restart."""
+    return sorted(r for grp in groups(len(leaving), g) if sum(leaving[m] for m in grp) > 1
+                  for r in grp if leaving[r])
 
 
 def chunk_bytes(longest: int, g: int) -> int:

@@ -42,7 +42,8 @@ def describe(root: str) -> dict:
                               "owner": stamp.get("owner"), "step": stamp.get("step"),
                               "world_size": stamp.get("world_size"), "run_id": stamp.get("run_id"),
                               "bytes": slots.slot_bytes(path), "valid": problem is None, "problem": problem,
-                              "every": stamp.get("every"), "commit_cost": stamp.get("commit_cost")})
+                              "every": stamp.get("every"), "commit_cost": stamp.get("commit_cost"),
+                              "parity_group": stamp.get("parity_group"), "rebuilt": stamp.get("rebuilt") is True})
     cover: dict[tuple, set] = {}
     for s in found:
         if s["valid"] and s["copy"] != "parity":  # (a parity slot's owner is its holder: it covers no one's state)

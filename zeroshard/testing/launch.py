@@ -11,6 +11,9 @@ so each child takes the caller's environment as it starts; variables read when a
 library starts (the allocator's, OpenMP's, the interpreter's) cannot be applied that way, so
 when they differ from the server's the ranks are spawned. A forked child also leaves through
 ``os._exit``: no ``atexit`` handlers run in it, which is why "spawn" stays the default.
+``ZEROSHARD_FORKSERVER_PRELOAD`` (comma-separated modules) adds to what the server imports: the
+test suite adds transformers' GPT-2 and Llama models, 2 s of CPU that each rank building one
+paid again (Hugging Face's variables, read as it starts, then count among those above).
 """
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ def free_port() -> int:
 
 
 # Variables read when a process or a library starts (Note [start method]).
-_EXEC_TIME = ("MALLOC_", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "PYTHON", "GLIBC_", "ZEROSHARD_HUGE_PAGES")
+_EXEC_TIME = ("MALLOC_", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "PYTHON", "GLIBC_", "ZEROSHARD_HUGE_PAGES",
+              "ZEROSHARD_FORKSERVER_PRELOAD", "HF_", "TRANSFORMERS_")
 _server_env: dict[str, str] | None = None
 
 
@@ -55,7 +59,11 @@ def _start_method() -> Literal["spawn", "forkserver"]:
     if method == "spawn":
         return "spawn"
     if _server_env is None:  # (the server starts with the first rank, in this environment)
-        mp.set_forkserver_preload(["torch", "torch.distributed", "zeroshard"])
+        extra = [m.strip() for m in os.environ.get("ZEROSHARD_FORKSERVER_PRELOAD", "").split(",") if m.strip()]
+        # (torch's dynamo, pipelining and DCP are imported by zeroshard where first used, Note
+        # [pipelining imported on first use]; the server imports them once for every rank it forks)
+        mp.set_forkserver_preload(["torch", "torch.distributed", "zeroshard", "torch._dynamo",
+                                   "torch.distributed.pipelining", "torch.distributed.checkpoint", *extra])
         _server_env = _exec_time_env()
     elif _exec_time_env() != _server_env:
         return "spawn"

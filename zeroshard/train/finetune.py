@@ -139,6 +139,8 @@ def train(cfg: FinetuneConfig) -> int:
             progress.log(f"{world} rank(s), {opt!r}, {len(blocks)} blocks x {cfg.seq_len} tokens, global batch "
                          f"{micro * accum * world} sequences ({micro} x {accum} accumulation x {world} ranks)",
                          echo=True)
+            if (tier_line := cfg.redundancy_summary()) is not None:
+                progress.log(tier_line, echo=True)
             resumed = loop.resume()
             progress.start(loop.step, resumed)
             # Armed only now: loading a checkpoint may take long, a step boundary must not.

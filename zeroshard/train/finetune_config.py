@@ -102,6 +102,9 @@ class FinetuneConfig:
     <= 5% of a step, else every K-th (Note [commit pacing] in zeroshard/resilience/commit_pacer.py)."""
     redundancy_path: Optional[str] = None
     """With ``redundancy`` peer: the tier's tmpfs directory (default ``/dev/shm/zeroshard-<run id>``)."""
+    redundancy_parity: Optional[int] = None
+    """With ``redundancy`` peer: XOR parity over groups of this many ranks instead of a whole
+    replica per rank (``PeerRedundancy(parity=g)``, Note [parity memory tier] in zeroshard/resilience/parity.py)."""
     explicit: frozenset = field(default_factory=frozenset)
     """Names of the options given on the command line (for precedence over ``deepspeed``)."""
 
@@ -173,9 +176,14 @@ class FinetuneConfig:
             pacing(every)
         except ValueError:
             raise ValueError(f"--redundancy-every={every!r} must be 'auto' or a positive integer (1: every step)") from None
-        if self.redundancy == "none" and ("redundancy_every" in self.explicit or self.redundancy_path is not None):
-            raise ValueError("--redundancy-every/--redundancy-path configure the memory tier: add --redundancy peer, "
-                             "or drop them")
+        if self.redundancy == "none" and ("redundancy_every" in self.explicit or self.redundancy_path is not None
+                                          or self.redundancy_parity is not None):
+            raise ValueError("--redundancy-every/--redundancy-path/--redundancy-parity configure the memory tier: add "
+                             "--redundancy peer, or drop them")
+        g = self.redundancy_parity
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 2):
+            raise ValueError(f"--redundancy-parity={g!r} must be an int >= 2 (the ranks per XOR parity group, dividing "
+                             "the world size), or left out for a whole replica per rank")
         if self.redundancy == "peer" and (self.placement.state_swapped or self.placement.params_swapped):
             raise ValueError(f"--redundancy peer keeps the training state in memory; it does not combine with "
                              f"--offload-optimizer {self.offload_optimizer} --offload-params {self.offload_params} "
@@ -190,7 +198,17 @@ class FinetuneConfig:
         if self.redundancy != "peer":
             return None
         run = hashlib.sha256(os.path.realpath(self.output_dir).encode()).hexdigest()[:16]
-        return PeerRedundancy(path=self.redundancy_path, every=self.redundancy_every, run_id=f"finetune-{run}")
+        return PeerRedundancy(path=self.redundancy_path, every=self.redundancy_every, run_id=f"finetune-{run}",
+                              parity=self.redundancy_parity)
+
+    def redundancy_summary(self) -> Optional[str]:
+        """The memory tier of this run in one log line (None: off)."""
+        peer = self.peer_redundancy()
+        if peer is None:
+            return None
+        copy = (f"XOR parity over groups of {peer.parity} ranks" if peer.parity is not None
+                else "a whole replica on a buddy rank")
+        return f"memory tier: {copy}, commit every {getattr(peer.every, 'value', peer.every)} step(s), under {peer.root}"
 
     def _check_lora(self) -> None:
         if isinstance(self.lora_r, bool) or not isinstance(self.lora_r, int) or not 0 <= self.lora_r <= LORA_R_MAX:
@@ -375,6 +393,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       "while a commit costs <= 5%% of a step, else the smallest K that does (default auto)")
     a("--redundancy-path", help="with --redundancy peer: the tier's tmpfs directory (default "
                                 "/dev/shm/zeroshard-finetune-<hash of --output-dir>)")
+    a("--redundancy-parity", type=int, metavar="G", help="with --redundancy peer: XOR parity over groups of G ranks "
+      "instead of a buddy's whole copy (1/(G-1) of the state per rank; one lost rank per group resumes from memory; "
+      "G divides the world size)")
     a("--deepspeed", "--ds-config", dest="deepspeed",
       help="DeepSpeed JSON config (zero_optimization, optimizer, scheduler, fp16/bf16, batch); flags override it")
 

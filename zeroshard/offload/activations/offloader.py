@@ -64,7 +64,6 @@ from torch.utils.hooks import RemovableHandle
 
 from zeroshard.io.aio_engine import AsyncIO
 from zeroshard.offload.activations.block_checkpoint import BlockCheckpointing
-from zeroshard.offload.activations.compiled_split import refuse_inductor_split
 from zeroshard.offload.activations.block_record import BlockActivations, RecordState, _key, dense_span
 from zeroshard.offload.activations.activation_options import ActivationOffload
 from zeroshard.stages.stage3.units import _repeated_blocks
@@ -142,6 +141,10 @@ def _storages(module: nn.Module) -> set[int]:
 class ActivationOffloader:
     def __init__(self, options: ActivationOffload, model: nn.Module, rank: int, device: torch.device,
                  steps_done: Callable[[], int], planner: Optional["ForwardPlanner"] = None) -> None:
+        # (imported here: it imports torch._dynamo, 1.3 s of CPU that a process without activation
+        # offload should not pay; Note [pipelining imported on first use] in comm/pipeline.py)
+        from zeroshard.offload.activations.compiled_split import refuse_inductor_split
+        self._refuse_inductor_split = refuse_inductor_split
         self.options = options
         self.host_blocks: frozenset[str] = frozenset()
         """Under "nvme", the blocks whose inputs the plan puts in host memory instead (Note
@@ -227,7 +230,7 @@ class ActivationOffloader:
         if not torch.is_grad_enabled():
             return
         if self._depth == 0 and self._hooked:
-            refuse_inductor_split(self.model, self.options.inductor_split)
+            self._refuse_inductor_split(self.model, self.options.inductor_split)
         self._depth += 1
         if self._depth > 1:
             return

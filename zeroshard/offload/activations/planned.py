@@ -11,8 +11,10 @@ checkpoint / NVMe; with an accelerator, the device budget's remainder holds what
 the host budget's remainder what moves to host memory. The per-block choice is applied by the
 one activation offloader (Note [activation offload] in offloader.py), which covers exactly the
 blocks planned "host" or "nvme" (a "checkpoint" block keeps its input: the model's own
-``torch.utils.checkpoint`` does that). The state is planned first and the activations take
-what is left, so a budget that cannot hold even the fully offloaded plan is refused naming the
+``torch.utils.checkpoint`` does that). With the shape declared, the state's placement and the
+activations are chosen together (Note [joint state and activation plan] in
+zeroshard/planner/joint_plan.py); measured, the state is planned first and the activations take
+what is left. Either way a budget that cannot hold even the fully offloaded plan is refused naming the
 longest sequence that fits and the smallest ``memory_budget`` that holds this sequence.
 Blocks the model checkpoints (``checkpointed=True``, the default) move their inputs, which is
 what the plan counts, exactly. With ``checkpointed=False`` the plan mixes keep / move / checkpoint /
@@ -36,18 +38,22 @@ tokens, so it still fits).
 from __future__ import annotations
 
 import shutil
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from zeroshard.offload.activations.workload import PlannedActivations
-from zeroshard.planner.activation_mix import RECOMPUTED, mix_sizes, mixed_peak, plan_mixed
-from zeroshard.planner.activation_plan import ActivationPlan, longest_sequence, plan_activations, plan_saved
+from zeroshard.planner.activation_mix import RECOMPUTED, best_mixed, mix_sizes, mixed_peak, plan_mixed
+from zeroshard.planner.activation_plan import (ActivationPlan, best_activations, longest_sequence, plan_activations,
+                                               plan_saved)
 from zeroshard.planner.auto_placement import MemoryBudget, Plan
 from zeroshard.planner.model_shape import ModelShape
 from zeroshard.planner.sizes import fmt_bytes
 from zeroshard.units.tier import Tier
+
+NO_NVME = ("; no nvme_path is set, so no input moves to NVMe (the sequence and budget named are without it): "
+           "set nvme_path=<directory on an NVMe drive> to let inputs move there")
 
 _MOVED = {"host": Tier.HOST, "nvme": Tier.NVME, "saved-host": Tier.HOST,
           "saved-nvme": Tier.NVME}  # (the plan's places that leave the device: their tier)
@@ -93,8 +99,9 @@ def plan_for_run(options: PlannedActivations, shape: ModelShape, names: list[str
     assert options.micro_batch is not None and options.seq_len is not None  # (declared or measured by now)
     left = memory_left(state, budget, accelerator, nvme_path)
     act_bytes = torch.empty((), dtype=act_dtype).element_size()
+    hint = "" if nvme_path else NO_NVME
     if not options.checkpointed and options.recompute:
-        return mixed_for_run(options, shape, names, budget, left, act_bytes, block_bytes)
+        return mixed_for_run(options, shape, names, budget, left, act_bytes, block_bytes, hint)
     if not options.checkpointed:
         try:
             plan = plan_saved(shape, options.micro_batch, options.seq_len, act_bytes, device=left["device"],
@@ -102,7 +109,7 @@ def plan_for_run(options: PlannedActivations, shape: ModelShape, names: list[str
                               most_kept=shape.n_layers if block_bytes is not None else 0)
         except ValueError as exc:
             raise ValueError(f"offload='auto': memory_budget ({budget}) leaves {fmt_bytes(left['device'])} for "
-                             f"activations after the state; {exc}") from None
+                             f"activations after the state; {exc}{hint}") from None
         return plan, dict(zip(names, plan.blocks)), left
     try:
         plan = plan_activations(shape, options.micro_batch, options.seq_len, act_bytes, device=left["device"],
@@ -119,40 +126,84 @@ def plan_for_run(options: PlannedActivations, shape: ModelShape, names: list[str
             f"state ({fmt_bytes(state.memory()[where])}), which cannot hold a micro-batch of {options.micro_batch} x "
             f"{options.seq_len} tokens even with every block's input offloaded: the longest sequence that fits is "
             f"{longest} tokens, and the smallest memory_budget that holds {options.seq_len} tokens is "
-            f"{fmt_bytes(smallest)} ({where}). ({exc})") from None
+            f"{fmt_bytes(smallest)} ({where}). ({exc}){hint}") from None
     return plan, dict(zip(names, plan.blocks)), left
 
 
+def joint_activations(options: PlannedActivations, model: nn.Module, names: list[str], budget: MemoryBudget,
+                      nvme_path: Optional[str], act_dtype: torch.dtype
+                      ) -> Callable[[Plan, bool], Optional[ActivationPlan]]:
+    """The best plan of ``options``' declared micro-batch in what a state plan leaves (``plan_for_run``),
+    for the joint search (Note [joint state and activation plan] in zeroshard/planner/joint_plan.py):
+    None where none fits, or with ``explain`` the refusal (a ValueError naming what fits)."""
+    shape = shape_of(model, len(names))
+    assert options.micro_batch is not None and options.seq_len is not None  # (declared: the caller checks)
+    mb, seq = options.micro_batch, options.seq_len
+    act_bytes = torch.empty((), dtype=act_dtype).element_size()
+
+    def best(state: Plan, explain: bool = False) -> Optional[ActivationPlan]:
+        if not explain:  # (a quick test first: a refusal's message bisects for the longest sequence)
+            left = memory_left(state, budget, state.accelerator, nvme_path)
+            device, host, nvme = left["device"], left["host"], left["nvme"]
+            quick = (best_activations(shape, mb, seq, act_bytes, device=device, host=host, nvme=nvme)
+                     if options.checkpointed else
+                     best_mixed(shape, mb, seq, act_bytes, device=device, host=host, nvme=nvme,
+                                prefetch=options.prefetch) if options.recompute else True)
+            if quick is None:
+                return None
+        try:
+            return plan_for_run(options, shape, names, state, budget, state.accelerator, nvme_path, act_dtype)[0]
+        except ValueError:
+            if explain:
+                raise
+            return None
+    return best
+
+
 def mixed_for_run(options: PlannedActivations, shape: ModelShape, names: list[str], budget: MemoryBudget,
-                  left: dict[str, int], act_bytes: int,
-                  block_bytes: Optional[int]) -> tuple[ActivationPlan, dict[str, str], dict[str, int]]:
+                  left: dict[str, int], act_bytes: int, block_bytes: Optional[int],
+                  hint: str = "") -> tuple[ActivationPlan, dict[str, str], dict[str, int]]:
     """Blocks not checkpointed by the model, the offloader checkpointing the ones the plan picks (Note
     [mixed activation plans] in zeroshard/planner/activation_mix.py). Before ``block_bytes`` is
     measured: the first forward checkpoints every block and moves its input but the last, which it
     keeps and whose saved bytes it measures (the last: freed as backward starts, before any
-    recompute), once the estimate shows some plan fits."""
+    recompute), once the estimate shows some plan fits; its predicted time is the estimate's (the
+    plan from the second forward on)."""
     assert options.micro_batch is not None and options.seq_len is not None
     try:
         plan = plan_mixed(shape, options.micro_batch, options.seq_len, act_bytes, block_bytes=block_bytes,
                           device=left["device"], host=left["host"], nvme=left["nvme"], prefetch=options.prefetch)
     except ValueError as exc:
         raise ValueError(f"offload='auto': memory_budget ({budget}) leaves {fmt_bytes(left['device'])} for "
-                         f"activations after the state; {exc}") from None
+                         f"activations after the state; {exc}{hint}") from None
     if block_bytes is None:
         s = mix_sizes(shape, options.micro_batch, options.seq_len, act_bytes, block_bytes=None,
                       prefetch=options.prefetch)
         n = shape.n_layers
-        on_host = left["host"] >= (n - 1) * s.input
-        places = ("host" if on_host else "nvme",) * (n - 1) + ("keep",)
         moved = (n - 1) * s.input
-        plan = ActivationPlan(places, mixed_peak(s, 1, 0, [s.input] * (n - 1)), moved if on_host else 0,
-                              0 if on_host else moved, 2 * moved, 0.0)
+        on_host = left["host"] >= moved
+        if on_host or left["nvme"] >= moved:
+            places = ("host" if on_host else "nvme",) * (n - 1) + ("keep",)
+            plan = ActivationPlan(places, mixed_peak(s, 1, 0, [s.input] * (n - 1)), moved if on_host else 0,
+                                  0 if on_host else moved, 2 * moved, plan.extra_seconds)
+        else:  # (no room to move the inputs, no NVMe directory: they stay, checkpointed)
+            peak = mixed_peak(s, 1, n - 1, [])
+            if peak > left["device"]:
+                raise ValueError(
+                    f"offload='auto': memory_budget ({budget}) leaves {fmt_bytes(left['device'])} for activations "
+                    f"after the state, and the first forward (which measures a block's saved tensors) needs "
+                    f"{fmt_bytes(peak)} with every block checkpointed and no input moved: no nvme_path is set and "
+                    f"host memory cannot take {fmt_bytes(moved)} of inputs; set nvme_path=<directory> so they move "
+                    "to NVMe, or raise memory_budget")
+            plan = ActivationPlan(("checkpoint",) * (n - 1) + ("keep",), peak, 0, 0, 0, plan.extra_seconds)
     return plan, dict(zip(names, plan.blocks)), left
 
 
 def least_device(shape: ModelShape, options: PlannedActivations, act_bytes: int, left: dict[str, int]) -> int:
     """Device bytes the fully offloaded plan needs (what stays whatever the plan: the embeddings'
-    and logits' activations and one block's saved tensors)."""
+    and logits' activations and one block's saved tensors), with ``left``'s NVMe space (none
+    without nvme_path: then the inputs that host memory cannot take stay; unbounded if not given)."""
+    nvme = left.get("nvme", 1 << 62)
     assert options.micro_batch is not None and options.seq_len is not None
     low, high = 0, plan_activations(shape, options.micro_batch, options.seq_len, act_bytes, device=1 << 62,
                                     host=0, nvme=1 << 62).device_bytes
@@ -160,7 +211,7 @@ def least_device(shape: ModelShape, options: PlannedActivations, act_bytes: int,
         mid = (low + high) // 2
         try:
             plan_activations(shape, options.micro_batch, options.seq_len, act_bytes, device=mid, host=left["host"],
-                             nvme=1 << 62)
+                             nvme=nvme)
             high = mid
         except ValueError:
             low = mid

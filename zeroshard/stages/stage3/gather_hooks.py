@@ -84,8 +84,27 @@ class Gathering(Protocol):
     def settle(self) -> None: ...
 
 
+_EAGER_UNDER_COMPILE = ("_root_pre_forward", "_root_post_forward", "_pre_forward", "_post_forward")
+
+
+def _run_eagerly_under_compile() -> None:
+    """Marks the forward hooks ``torch.compiler.disable`` (Note [compiled stage 3]) the first time
+    hooks are built, not when this file is imported: ``torch.compiler.disable`` imports
+    torch._dynamo, 0.6 s of CPU that a process never building stage 3 should not pay (Note
+    [pipelining imported on first use] in comm/pipeline.py). Hooks are built before any forward,
+    so a compiled forward only ever sees the disabled methods."""
+    if GatherHooks.__dict__.get("_eager_marked"):
+        return
+    for name in _EAGER_UNDER_COMPILE:
+        setattr(GatherHooks, name, torch.compiler.disable(GatherHooks.__dict__[name]))
+    GatherHooks._eager_marked = True
+
+
 class GatherHooks:
+    _eager_marked = False
+
     def __init__(self, gathering: Gathering) -> None:
+        _run_eagerly_under_compile()
         self.g = gathering
         self.order: list[int] = []       # this forward's group order
         self.last_order: list[int] = []  # the previous one: what prefetch follows
@@ -154,7 +173,7 @@ class GatherHooks:
                 "larger unit (stage3_unit_classes=[...]) or let it stay in the root unit.")
 
     # -- forward hooks --------------------------------------------------------------------------
-    @torch.compiler.disable  # Note [compiled stage 3]
+    # (run eagerly under torch.compile: _EAGER_UNDER_COMPILE, Note [compiled stage 3])
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         g = self.g
         if not in_backward():
@@ -172,7 +191,7 @@ class GatherHooks:
         if self.last_order and not in_backward():
             g.prefetch_group(self.last_order[0])
 
-    @torch.compiler.disable  # Note [compiled stage 3]
+    # (run eagerly under torch.compile: _EAGER_UNDER_COMPILE, Note [compiled stage 3])
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         root = self.g.root_group
         if root is None or in_backward():
@@ -183,7 +202,7 @@ class GatherHooks:
         self.g.release_group(root)
         return output
 
-    @torch.compiler.disable  # Note [compiled stage 3]
+    # (run eagerly under torch.compile: _EAGER_UNDER_COMPILE, Note [compiled stage 3])
     def _pre_forward(self, gi: int, module: nn.Module, args: Any) -> None:
         if not in_backward():
             self.order.append(gi)
@@ -194,7 +213,7 @@ class GatherHooks:
         else:
             self.g.ensure_group(gi)
 
-    @torch.compiler.disable  # Note [compiled stage 3]
+    # (run eagerly under torch.compile: _EAGER_UNDER_COMPILE, Note [compiled stage 3])
     def _post_forward(self, gi: int, module: nn.Module, args: Any, output: Any) -> Any:
         self._check_shapes(gi)
         if in_backward():  # activation recomputation: the recomputed graph needs the unit
