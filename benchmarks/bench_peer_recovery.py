@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 import zeroshard
 from zeroshard.checkpoint.memory_commit import commit_step
-from zeroshard.testing.launch import spawn
+from zeroshard.testing.launch import free_port, spawn
 
 
 def _model(hidden: int, layers: int) -> torch.nn.Module:
@@ -217,8 +217,8 @@ def _recovery(a: argparse.Namespace) -> None:
             for path in ("memory", "disk-warm", "disk-cold"):
                 tier = f"/dev/shm/zeroshard-recovery-{uuid.uuid4().hex[:8]}"
                 disk, out = os.path.join(work, f"ckpt-{path}-{i}"), os.path.join(work, f"{path}-{i}.json")
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.world}",
-                       "--max-restarts=1", "--monitor-interval=0.1", os.path.abspath(__file__), "--worker",
+                cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={a.world}", "--max-restarts=1",
+                       "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.1", os.path.abspath(__file__), "--worker",
                        "--path", path, "--tier", tier, "--disk", disk, "--out", out,
                        "--hidden", str(a.hidden), "--layers", str(a.layers), "--batch", str(a.batch)]
                 try:
