@@ -114,10 +114,16 @@ def read(info: SlotInfo) -> tuple[dict, torch.Tensor]:
     """The slot's header and data (a uint8 tensor), verified against its stamp; ValueError if torn."""
     stamp = info.stamp
     raw = _read_regular(os.path.join(info.path, _HEADER), _MAX_JSON)
-    data = _read_into(os.path.join(info.path, _DATA), stamp["data_bytes"])
+    algorithm = stamp.get("checksum", checksum.CRC32)
+    if algorithm == checksum.CRC32C and stamp["data_bytes"] and checksum.native() is not None:
+        data = torch.empty(stamp["data_bytes"], dtype=torch.uint8)  # read and checked in one pass
+        crc = copy_data(info.path, data, algorithm)
+    else:
+        data = _read_into(os.path.join(info.path, _DATA), stamp["data_bytes"])
+        crc = checksum.of(algorithm, data)
     if len(raw) != stamp["header_bytes"]:
         raise ValueError(f"{info.path}: torn slot (header of {len(raw)} bytes, stamped {stamp['header_bytes']})")
-    if zlib.crc32(raw) != stamp["crc32"] or checksum.of(stamp.get("checksum", checksum.CRC32), data) != stamp["data_crc32"]:
+    if zlib.crc32(raw) != stamp["crc32"] or crc != stamp["data_crc32"]:
         raise ValueError(f"{info.path}: torn slot (checksum mismatch)")
     header = json.loads(raw)
     if not isinstance(header, dict):
@@ -184,7 +190,7 @@ def copy_data(slot: str, into: torch.Tensor, algorithm: str) -> int:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != into.numel():
-            raise ValueError(f"{slot}: {st.st_size} bytes of data, not the {into.numel()} its owner sent")
+            raise ValueError(f"{slot}: torn slot ({st.st_size} bytes of data, stamped {into.numel()})")
         # (a private mapping: nothing is written through it, and torch needs a writable buffer)
         mapped = mmap.mmap(fd, into.numel(), access=mmap.ACCESS_COPY)
     finally:
