@@ -67,15 +67,12 @@ of the same machine (gathered once at construction: boot id, device and inode of
 owner sends only the meta (its stamp, checksum and which of its own slots holds the step) and
 the buddy copies the data from the owner's ``own/slot-*/data.bin`` into its replica slot, checking
 it against the owner's checksum in the same pass (``slots.copy_data``); a mismatch or a missing
-file is a write failure (the replica is not stamped; the tier turns off at the next commit,
-with the warning). Nothing else changes: the replica is a separate copy in the buddy's
-directory, stamped last as before, so losing the owner's directory leaves it; the owner's slot
-is complete before its meta is sent (the checksum comes after the copy) and is not rewritten
-until two commits later, after this commit's all-gather, which the buddy reaches only after
-its copy. The path is built by the buddy from its root, the source rank and a slot name checked
-against ``slots.SLOTS``, never taken from the message. Ranks under different roots (two
-launchers as two nodes, each with its own tmpfs directory), a slot that is not mapped, and a
-handoff use the network as before.
+file is a write failure (not stamped; the tier turns off at the next commit, with the warning).
+The replica is still a separate copy in the buddy's directory, stamped last; the owner's slot
+is complete before its meta is sent and is rewritten only two commits later, after this
+commit's all-gather, which the buddy reaches after its copy. The buddy builds the path from its
+root, the source rank and a slot name checked against ``slots.SLOTS``. Different roots (two
+launchers as two nodes), a slot not mapped, and a handoff use the network as before.
 """
 from __future__ import annotations
 
