@@ -18,7 +18,7 @@
         [--world 4 --parity 4]   (XOR parity over groups of 4 instead of a replica: parity_over_shard_bytes)
 
 - ``--recovery N``: the whole recovery, kill -> next completed step, under torchrun
-  (``--max-restarts 1``, one launcher of ``--world`` workers), N rounds of three paths, each a
+  (``--max-restarts``, one launcher of ``--world`` workers), N rounds of three paths, each a
   run that trains, commits and saves step 3, then SIGKILLs rank 1: "memory" (the restarted
   workers load from the memory tier), "disk-warm" (a run without the tier: they resume from
   the disk checkpoint of the same step, its pages still cached) and "disk-cold" (the same, the
@@ -173,7 +173,7 @@ def _worker(a: argparse.Namespace) -> None:
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, stage=2, redundancy=tier)
     x = torch.randn(a.batch, a.hidden)
     built = time.time()
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+    if not os.path.exists(a.out + ".kill"):  # (not the restart count: an attempt that failed to connect trains again)
         for step in range(1, 4):
             _step(model, opt, x)
             zeroshard.memory_checkpoint(step, model=model, optimizer=opt)
@@ -217,7 +217,7 @@ def _recovery(a: argparse.Namespace) -> None:
             for path in ("memory", "disk-warm", "disk-cold"):
                 tier = f"/dev/shm/zeroshard-recovery-{uuid.uuid4().hex[:8]}"
                 disk, out = os.path.join(work, f"ckpt-{path}-{i}"), os.path.join(work, f"{path}-{i}.json")
-                cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={a.world}", "--max-restarts=1",
+                cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={a.world}", "--max-restarts=3",
                        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.1", os.path.abspath(__file__), "--worker",
                        "--path", path, "--tier", tier, "--disk", disk, "--out", out,
                        "--hidden", str(a.hidden), "--layers", str(a.layers), "--batch", str(a.batch)]
