@@ -176,7 +176,8 @@ def _worker(a: argparse.Namespace) -> None:
     if not os.path.exists(a.out + ".kill"):  # (not the restart count: an attempt that failed to connect trains again)
         for step in range(1, 4):
             _step(model, opt, x)
-            zeroshard.memory_checkpoint(step, model=model, optimizer=opt)
+            if tier is not None:
+                zeroshard.memory_checkpoint(step, model=model, optimizer=opt)
         zeroshard.save_checkpoint(a.disk, 3, model=model, optimizer=opt)
         if tier is not None:
             opt.engine.memory_tier.wait()
