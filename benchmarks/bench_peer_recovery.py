@@ -16,6 +16,19 @@
 
     python benchmarks/bench_peer_recovery.py [--hidden 2048 --layers 4 --blocks 5 --steps 16 --every auto]
         [--world 4 --parity 4]   (XOR parity over groups of 4 instead of a replica: parity_over_shard_bytes)
+
+- ``--recovery N``: the whole recovery, kill -> next completed step, under torchrun
+  (``--max-restarts``, one launcher of ``--world`` workers), N rounds of three paths, each a
+  run that trains, commits and saves step 3, then SIGKILLs rank 1: "memory" (the restarted
+  workers load from the memory tier), "disk-warm" (a run without the tier: they resume from
+  the disk checkpoint of the same step, its pages still cached) and "disk-cold" (the same, the
+  checkpoint's files dropped from the page cache before the kill with posix_fadvise DONTNEED:
+  the node that died took its page cache with it). Each is broken into restart (kill -> the
+  new workers' process group: torchrun noticing the death and stopping the others, starting
+  the workers, imports, rendezvous), build (model and optimizer), restore (``load_checkpoint``)
+  and first step; medians over the rounds, and memory / disk for both disks.
+
+    python benchmarks/bench_peer_recovery.py --recovery 3 [--hidden 2048 --layers 4 --world 2]
 """
 from __future__ import annotations
 
@@ -23,18 +36,22 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
+
+_STARTED = time.time()  # (a restarted worker's first moment, before its imports: the restart's breakdown)
 
 import torch
 import torch.distributed as dist
 
 import zeroshard
 from zeroshard.checkpoint.memory_commit import commit_step
-from zeroshard.testing.launch import spawn
+from zeroshard.testing.launch import free_port, spawn
 
 
 def _model(hidden: int, layers: int) -> torch.nn.Module:
@@ -131,6 +148,109 @@ def _rank(rank: int, world: int, a: argparse.Namespace, tier: str, disk: str, ou
             json.dump(figures, f)
 
 
+def _drop_page_cache(root: str) -> None:
+    """Every file under ``root`` out of the page cache (written back first: only clean pages go)."""
+    os.sync()
+    for d, _, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(d, f), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _worker(a: argparse.Namespace) -> None:
+    """One torchrun worker of a ``--recovery`` run: the first attempt trains to step 3, commits,
+    saves and dies; the restarted one recovers and completes step 4, timing each part."""
+    imported = time.time()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    dist.barrier()
+    pg = time.time()
+    model = _model(a.hidden, a.layers)
+    tier = zeroshard.PeerRedundancy(path=a.tier, run_id="recovery", every=1) if a.path == "memory" else None
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, stage=2, redundancy=tier)
+    x = torch.randn(a.batch, a.hidden)
+    built = time.time()
+    if not os.path.exists(a.out + ".kill"):  # (not the restart count: an attempt that failed to connect trains again)
+        for step in range(1, 4):
+            _step(model, opt, x)
+            if tier is not None:
+                zeroshard.memory_checkpoint(step, model=model, optimizer=opt)
+        zeroshard.save_checkpoint(a.disk, 3, model=model, optimizer=opt)
+        if tier is not None:
+            opt.engine.memory_tier.wait()
+        dist.barrier()
+        if a.path == "disk-cold":
+            _drop_page_cache(a.disk)
+        dist.barrier()
+        if rank == 1:
+            with open(a.out + ".kill", "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (no agreed save with a dead rank: torchrun stops this one)
+        time.sleep(3600)
+    info = zeroshard.load_checkpoint(a.disk, model=model, optimizer=opt)
+    dist.barrier()
+    restored = time.time()
+    _step(model, opt, x)
+    dist.barrier()
+    stepped = time.time()
+    if rank == 0:
+        with open(a.out + ".kill") as f:
+            killed = float(f.read())
+        with open(a.out, "w") as f:
+            json.dump({"path": a.path, "source": info.get("source"), "step": info.get("step"),
+                       "recovery_s": stepped - killed, "restart_s": pg - killed,
+                       "restart_to_process_s": _STARTED - killed, "imports_s": imported - _STARTED,
+                       "rendezvous_s": pg - imported, "build_s": built - pg, "restore_s": restored - built,
+                       "first_step_s": stepped - restored}, f)
+    opt.close()
+    dist.destroy_process_group()
+
+
+def _recovery(a: argparse.Namespace) -> None:
+    work = tempfile.mkdtemp(prefix="zs-peer-recovery-")
+    runs: dict[str, list[dict]] = {}
+    try:
+        for i in range(a.recovery):
+            for path in ("memory", "disk-warm", "disk-cold"):
+                tier = f"/dev/shm/zeroshard-recovery-{uuid.uuid4().hex[:8]}"
+                disk, out = os.path.join(work, f"ckpt-{path}-{i}"), os.path.join(work, f"{path}-{i}.json")
+                cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={a.world}", "--max-restarts=3",
+                       "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.1", os.path.abspath(__file__), "--worker",
+                       "--path", path, "--tier", tier, "--disk", disk, "--out", out,
+                       "--hidden", str(a.hidden), "--layers", str(a.layers), "--batch", str(a.batch)]
+                try:
+                    for _ in range(2):  # (a gloo connect refused on a loaded machine: the run again, once)
+                        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                              timeout=900)
+                        if done.returncode == 0:
+                            break
+                    if done.returncode != 0:
+                        raise RuntimeError(f"torchrun ({path}, round {i}) exited {done.returncode}:\n{done.stdout[-4000:]}")
+                finally:
+                    shutil.rmtree(tier, ignore_errors=True)
+                    shutil.rmtree(disk, ignore_errors=True)
+                with open(out) as f:
+                    runs.setdefault(path, []).append(json.load(f))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    parts = ("recovery_s", "restart_s", "restart_to_process_s", "imports_s", "rendezvous_s", "build_s",
+             "restore_s", "first_step_s")
+    figures: dict = {p: {k: statistics.median(r[k] for r in rs) for k in parts} for p, rs in runs.items()}
+    for p, rs in runs.items():
+        figures[p]["sources"] = sorted({str(r["source"]) for r in rs})
+        figures[p]["recovery_s_each"] = [round(r["recovery_s"], 3) for r in rs]
+    mem = figures["memory"]
+    for disk in ("disk-warm", "disk-cold"):
+        figures[f"memory_over_{disk}"] = mem["recovery_s"] / figures[disk]["recovery_s"]
+        figures[f"memory_over_{disk}_restore"] = mem["restore_s"] / figures[disk]["restore_s"]
+    figures["rounds"], figures["world"] = a.recovery, a.world
+    print(json.dumps(figures, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=2048)
@@ -144,7 +264,15 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2, help="gloo ranks")
     ap.add_argument("--parity", type=int, default=0, help="PeerRedundancy(parity=g): XOR parity over groups of g "
                     "ranks instead of a replica (0: a replica)")
+    ap.add_argument("--recovery", type=int, default=0, help="rounds of the torchrun recovery comparison (0: none)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for internal in ("--path", "--tier", "--disk", "--out"):
+        ap.add_argument(internal, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.worker:
+        return _worker(a)
+    if a.recovery:
+        return _recovery(a)
     tier = f"/dev/shm/zeroshard-bench-{uuid.uuid4().hex[:8]}"
     work = tempfile.mkdtemp(prefix="zs-peer-bench-")
     try:

@@ -84,6 +84,7 @@ def _auto(rank: int, root: str, width: int, steps: int, sleep_s: float) -> dict:
             committed.append(s)
             gaps.append(tier.pacer.every)  # the gap to the next commit, agreed before this one
             snapshot = owned_state(m, o)
+    tier.wait()  # (step 12's commit is done on this rank: its node's memory goes after it, not during it)
     report = tier.report()
     _drop_own_slot(root, rank)
     m2, o2 = build(every=1)

@@ -18,6 +18,7 @@ from tests.support.doc_commands import ROOT, doc_commands, uses_argparse
 NO_PARSER = {
     "benchmarks/check_compile_dropout.py": "takes one positional backend name from sys.argv",
     "benchmarks/check_compile_offload_inductor.py": "takes one optional word (fallback) from sys.argv",
+    "benchmarks/profile_tier_commit.py": "takes one optional number (steps) from sys.argv",
 }
 
 

@@ -118,6 +118,8 @@ def setup_extensions() -> list:
             )
         )
     exts.append(cpp_extension.CppExtension(f"zeroshard.io.{AIO.name}", rel(AIO), extra_compile_args={"cxx": list(AIO.cflags)}))
+    exts.append(cpp_extension.CppExtension(f"zeroshard.ops.{CHECKSUM.name}", rel(CHECKSUM),
+                                           extra_compile_args={"cxx": list(CHECKSUM.cflags)}))
     return exts
 
 
@@ -126,6 +128,17 @@ AIO = KernelSpec(
     name="_aio",
     jit_name="zeroshard_aio",
     sources=("aio/aio_engine.cpp",),
+    cflags=("-O2", "-g0"),
+    ldflags=(),
+)
+
+
+# -- CRC-32C of the memory tier's slots (csrc/checksum; loaded by zeroshard/resilience/checksum.py through
+# the kernels' _find: installed as zeroshard.ops._checksum, else built just in time) --
+CHECKSUM = KernelSpec(
+    name="_checksum",
+    jit_name="zeroshard_checksum",
+    sources=("checksum/crc32c.cpp",),
     cflags=("-O2", "-g0"),
     ldflags=(),
 )

@@ -8,7 +8,7 @@ Note [commit pacing]:
 What a commit costs. The training loop pays for a commit in wall time: ``memory_checkpoint``'s
 own time on the caller's thread (the capture, starting the thread), the next ``opt.step()``'s
 wait for the copy, the next commit's wait for the thread, and, where the tier's thread (the
-copy, the crc32, the loopback swap) competes with the step for the same cores, the step's own
+copy with its checksum, the replica) competes with the step for the same cores, the step's own
 slowdown. The last one depends on the machine (on two busy cores it dominates; on a GPU node's
 spare host cores it is zero), so it is not added from the thread's CPU time (that would charge
 a commit for cores the step does not use) but measured where it shows: in the step loop's

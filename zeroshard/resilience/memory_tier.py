@@ -17,11 +17,14 @@ thread (a) copies them straight into this rank's own slot, ``<root>/rank-<r>/own
 through a mapping would SIGBUS — and mapped once for the run), the one pass over the state
 the training loop may wait for: ``ZeroOptimizer.step`` (and ``load_state_dict``,
 ``load_checkpoint``) waits for that copy (``engine.settled()`` -> ``copied``) before changing the state, so the copy
-overlaps the next step's forward and backward; then (b) the crc32 of the slot's data, and (c)
+overlaps the next step's forward and backward; (b) the checksum of the slot's data, in the same
+pass as the copy where the CRC-32C kernel loads (Note [slot checksum] in
+zeroshard/resilience/checksum.py; else a crc32 pass after it), and (c)
 swaps it with the ring over a side gloo group: rank r sends to its buddy (r + 1 mod world on
 one node; over nodes the same local rank on the next node, r + LOCAL_WORLD_SIZE) and receives
 from the rank whose buddy it is straight into the mapped
-``<root>/rank-<r>/replica-<source>/slot-{0,1}``, while stamping its own slot; last (d) the
+``<root>/rank-<r>/replica-<source>/slot-{0,1}`` (on one node, from the owner's slot file:
+Note [replica by file]), while stamping its own slot; last (d) the
 ranks all-gather any write failure over the side group. No staging buffer: a slot that is not
 a regular file (no mapping) takes a buffer in process memory, written by ``write``. Code
 that changes the state otherwise between ``memory_checkpoint`` and the next step waits too:
@@ -63,6 +66,21 @@ another codec, they start at zero with the disk path's warning.
 Not covered yet: NVMe offload, tp/pp/hybrid meshes (refused at construction), in-process
 recovery (survivors keep their processes; torchrun restarts every worker). XOR parity
 instead of the replica: Note [parity memory tier] in zeroshard/resilience/parity.py.
+
+Note [replica by file]:
+Over loopback gloo a replica cost a commit more than anything else (profile in docs/results.md:
+the swap 125-230 ms of a 100 MB state, two kernel copies and the TCP stack per direction, against
+~25 ms for a copy with its checksum). When a rank's buddy has the same tier root on the same boot
+of the same machine (gathered once at construction: boot id, device and inode of the root), the
+owner sends only the meta (its stamp, checksum and which of its own slots holds the step) and
+the buddy copies the data from the owner's ``own/slot-*/data.bin`` into its replica slot, checking
+it against the owner's checksum in the same pass (``slots.copy_data``); a mismatch or a missing
+file is a write failure (not stamped; the tier turns off at the next commit, with the warning).
+The replica is still a separate copy in the buddy's directory, stamped last; the owner's slot
+is complete before its meta is sent and is rewritten only two commits later, after this
+commit's all-gather, which the buddy reaches after its copy. The buddy builds the path from its
+root, the source rank and a slot name checked against ``slots.SLOTS``. Different roots (two
+launchers as two nodes), a slot not mapped, and a handoff use the network as before.
 """
 from __future__ import annotations
 
@@ -82,7 +100,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm import Comm
-from zeroshard.resilience import parity, slots
+from zeroshard.resilience import checksum, parity, slots
 from zeroshard.resilience.commit_pacer import CommitPacer
 from zeroshard.resilience.redundancy_options import PeerRedundancy
 from zeroshard.testing import kill_points
@@ -138,6 +156,8 @@ class MemoryTier:
         self._side: Optional[dist.ProcessGroup] = None
         self._guarded: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         """The modules whose ``load_state_dict`` waits for the copy in flight (``guard``)."""
+        self._algorithm = checksum.CRC32 if self.parity_group is not None else checksum.preferred()
+        """The slots' checksum (Note [slot checksum]; parity groups keep crc32, which their rebuild checks)."""
         self.pacer = (CommitPacer(options.auto_budget, options.max_every) if options.paced else None)
         """``every="auto"``: which steps commit (Note [commit pacing])."""
         self._proposal: Optional[tuple[int, float, float]] = None
@@ -151,6 +171,25 @@ class MemoryTier:
         if self.world > 1:  # (a collective of the group: every rank builds its tier)
             timeout = datetime.timedelta(seconds=float(os.environ.get("ZEROSHARD_PG_TIMEOUT", "1800")))
             self._side = dist.new_group(ranks=dist.get_process_group_ranks(comm.group), backend="gloo", timeout=timeout)
+        self._shares: list[bool] = self._same_tmpfs()
+        """Per rank: whether its tier root is this rank's (same boot, same directory): its buddy
+        copies a replica from its own slot's file instead of over the network (Note [replica by file])."""
+
+    def _same_tmpfs(self) -> list[bool]:
+        """Which ranks' tier roots are this rank's directory on this boot of this machine (a
+        collective of the side group, once; Note [replica by file])."""
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            st = os.stat(self.root)
+            with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+                mine: Optional[tuple] = (f.read().strip(), st.st_dev, st.st_ino)
+        except OSError:
+            mine = None  # (no way to tell: the replica goes over the network)
+        keys: list = [mine]
+        if self._side is not None:
+            keys = [None] * self.world
+            dist.all_gather_object(keys, mine, group=self._side)
+        return [mine is not None and k == mine for k in keys]
 
     @property
     def own_dir(self) -> str:
@@ -264,10 +303,10 @@ class MemoryTier:
                 self._received = buffers
         return slot, buffers
 
-    def _fail(self, directory: str, exc: OSError) -> None:
+    def _fail(self, directory: str, exc: Exception) -> None:
         """Records a write error (a full tmpfs: ENOSPC); the ranks agree on it at the commit's end."""
         if self._write_failed is None:
-            self._write_failed = f"writing {directory!r} failed ({exc.strerror or exc})"
+            self._write_failed = f"writing {directory!r} failed ({getattr(exc, 'strerror', None) or exc})"
         for name in slots.SLOTS:  # the torn slot's bytes are given back; the other stays valid
             partial = os.path.join(directory, name)
             if slots.read_stamp(partial) is None:
@@ -294,23 +333,26 @@ class MemoryTier:
         try:
             try:
                 slot, buf = self._target(self.own_dir, size)
-                with torch.no_grad():
-                    for off, t in tensors:
-                        n = t.numel() * t.element_size()
-                        buf[off:off + n].view(t.dtype).copy_(t.detach().reshape(-1))
-                        if kill_points.ARMED is not None:  # (fault tests only: Note [kill points])
-                            kill_points.hit("replica_copy", stamp["step"])
+                # (the checksum in the same pass where the kernel loads, Note [slot checksum]; once:
+                # the buddy stores the owner's checksum with its replica)
+                after_each = None
+                if kill_points.ARMED is not None:  # (fault tests only: Note [kill points])
+                    step = stamp["step"]
+                    after_each = lambda: kill_points.hit("replica_copy", step)  # noqa: E731
+                crc = checksum.copy_in(self._algorithm, buf, tensors, after_each=after_each)
             finally:
                 copy_done.set()  # (the next optimizer step may change the state from here)
             del tensors
             raw = json.dumps(header, separators=(",", ":")).encode()
-            crc = zlib.crc32(buf.numpy().data)  # (once: the buddy stores the owner's checksum with its replica)
-            meta = torch.frombuffer(bytearray(json.dumps({"stamp": stamp, "data_crc32": crc}).encode() + b"\0" + raw),
+            stamp = {**stamp, "checksum": self._algorithm}
+            meta = torch.frombuffer(bytearray(json.dumps({"stamp": stamp, "data_crc32": crc, "slot": os.path.basename(
+                slot or "")}).encode() + b"\0" + raw),
                                     dtype=torch.uint8)
             self._last = None
             swap = None
             if self._side is not None and self.parity_group is None:  # the replica travels while this rank stamps its own slot
-                swap = self._exchange(meta, buf, self.buddy, self.source, self.replica_dir)
+                swap = self._exchange(meta, buf, self.buddy, self.source, self.replica_dir,
+                                      by_file=self._shares[self.buddy] and slot is not None and slot in self._maps)
             self._stamp(self.own_dir, slot, stamp, raw, buf, crc)
             if kill_points.ARMED is not None:  # (fault tests only: the replica swap in flight)
                 kill_points.hit("replica_copy", stamp["step"])
@@ -358,12 +400,13 @@ class MemoryTier:
         self._stamp(directory, got_slot, theirs["stamp"], got_raw, got_data, theirs["data_crc32"])
 
     def _exchange(self, meta: Optional[torch.Tensor], data: Optional[torch.Tensor], to: Optional[int],
-                  frm: Optional[int], directory: str) -> Callable[[], tuple[
+                  frm: Optional[int], directory: str, by_file: bool = False) -> Callable[[], tuple[
                       Optional[torch.Tensor], Optional[str], Optional[torch.Tensor], str]]:
         """Starts sending (meta, data) to rank ``to`` and receiving rank ``frm``'s over the side
         group (either may be None), the data straight into the older slot of ``directory``; the
         returned function waits for both and gives what was received (its meta, its slot or
-        None, its data, ``directory``)."""
+        None, its data, ``directory``). ``by_file``: ``data`` is this commit's own slot, which
+        ``to`` can read (``_shares``): only the meta is sent (Note [replica by file])."""
         group = self._side
         if group is None:
             raise RuntimeError("the memory tier swaps replicas only between ranks of a process group")
@@ -372,9 +415,9 @@ class MemoryTier:
         works: list = []
         sizes = None
         if to_g is not None and meta is not None and data is not None:
-            sizes = torch.tensor([meta.numel(), data.numel()], dtype=torch.int64)
+            sizes = torch.tensor([meta.numel(), data.numel(), int(by_file)], dtype=torch.int64)
             works.append(dist.isend(sizes, to_g, group=group))
-        theirs = torch.empty(2, dtype=torch.int64)
+        theirs = torch.empty(3, dtype=torch.int64)
         if frm_g is not None:
             got_sizes = dist.irecv(theirs, frm_g, group=group)
             if got_sizes is not None:
@@ -383,9 +426,13 @@ class MemoryTier:
         if frm_g is not None:
             slot, into = self._target(directory, int(theirs[1]))
             got = torch.empty(int(theirs[0]), dtype=torch.uint8)
-            works += [dist.irecv(got, frm_g, group=group, tag=1), dist.irecv(into, frm_g, group=group, tag=2)]
+            works.append(dist.irecv(got, frm_g, group=group, tag=1))
+            if not theirs[2]:
+                works.append(dist.irecv(into, frm_g, group=group, tag=2))
         if to_g is not None and meta is not None and data is not None:
-            works += [dist.isend(meta, to_g, group=group, tag=1), dist.isend(data, to_g, group=group, tag=2)]
+            works.append(dist.isend(meta, to_g, group=group, tag=1))
+            if not by_file:
+                works.append(dist.isend(data, to_g, group=group, tag=2))
         sizes_kept = [sizes, meta, data]
 
         def finish() -> tuple[Optional[torch.Tensor], Optional[str], Optional[torch.Tensor], str]:
@@ -393,8 +440,25 @@ class MemoryTier:
             for w in works:
                 if w is not None:
                     w.wait()
+            if frm is not None and got is not None and into is not None and theirs[2]:
+                try:
+                    self._copy_replica(frm, got, into)
+                except (OSError, ValueError) as exc:  # (not stamped: the tier turns off at the next commit)
+                    self._fail(directory, exc)
             return got, slot, into, directory
         return finish
+
+    def _copy_replica(self, frm: int, meta: torch.Tensor, into: torch.Tensor) -> None:
+        """Copies rank ``frm``'s own slot of this commit (named in ``meta``) from its file into
+        ``into``, checking it against the owner's checksum in the same pass (Note [replica by file])."""
+        head = json.loads(bytes(meta.numpy()).partition(b"\0")[0])
+        name = head.get("slot")
+        if name not in slots.SLOTS:  # (the path is built here, never taken from the message)
+            raise ValueError(f"rank {frm} named no slot of its own ({name!r}) for a replica by file")
+        path = os.path.join(self.root, f"rank-{frm}", "own", name)
+        crc = slots.copy_data(path, into, head["stamp"].get("checksum", checksum.CRC32))
+        if crc != head["data_crc32"]:
+            raise ValueError(f"{path}: the replica read from rank {frm}'s slot does not match its checksum")
 
     def hand_over(self, leaving: bool) -> tuple[list[int], list[tuple[int, int]]]:
         """A handoff after the commit of the agreed step (a collective of the side group; Note

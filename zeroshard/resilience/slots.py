@@ -2,7 +2,7 @@
 
 A slot directory holds ``data.bin`` (the tensors' bytes), ``header.json`` (where each piece
 lies in it, the small state) and ``stamp.json`` (run id, model digest, step, world size, owner
-rank, sizes, crc32 of the header and of the data). A write removes the slot's stamp first and writes it
+rank, sizes, crc32 of the header, the checksum of the data and its algorithm: Note [slot checksum]). A write removes the slot's stamp first and writes it
 last (to a temporary name, then renamed): a slot without a stamp, or whose bytes do not match
 it, is not valid, and the other slot still holds the previous step (Note [peer memory tier]).
 """
@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from zeroshard.resilience import checksum
 
 FORMAT, VERSION = "zeroshard-memory-tier", 1
 SLOTS = ("slot-0", "slot-1")
@@ -112,10 +114,16 @@ def read(info: SlotInfo) -> tuple[dict, torch.Tensor]:
     """The slot's header and data (a uint8 tensor), verified against its stamp; ValueError if torn."""
     stamp = info.stamp
     raw = _read_regular(os.path.join(info.path, _HEADER), _MAX_JSON)
-    data = _read_into(os.path.join(info.path, _DATA), stamp["data_bytes"])
+    algorithm = stamp.get("checksum", checksum.CRC32)
+    if algorithm == checksum.CRC32C and stamp["data_bytes"] and checksum.native() is not None:
+        data = torch.empty(stamp["data_bytes"], dtype=torch.uint8)  # read and checked in one pass
+        crc = copy_data(info.path, data, algorithm)
+    else:
+        data = _read_into(os.path.join(info.path, _DATA), stamp["data_bytes"])
+        crc = checksum.of(algorithm, data)
     if len(raw) != stamp["header_bytes"]:
         raise ValueError(f"{info.path}: torn slot (header of {len(raw)} bytes, stamped {stamp['header_bytes']})")
-    if zlib.crc32(raw) != stamp["crc32"] or zlib.crc32(data.numpy().data) != stamp["data_crc32"]:
+    if zlib.crc32(raw) != stamp["crc32"] or crc != stamp["data_crc32"]:
         raise ValueError(f"{info.path}: torn slot (checksum mismatch)")
     header = json.loads(raw)
     if not isinstance(header, dict):
@@ -172,6 +180,28 @@ class Mapped:
             return size == self.size and os.stat(self.path, follow_symlinks=False).st_ino == self.ino
         except OSError:
             return False
+
+
+def copy_data(slot: str, into: torch.Tensor, algorithm: str) -> int:
+    """Copies the data of ``slot`` (of exactly ``into``'s size) into ``into`` and returns its
+    ``algorithm`` checksum, computed in the same pass where the kernel loads (a replica by file,
+    Note [replica by file] in zeroshard/resilience/memory_tier.py)."""
+    fd = os.open(os.path.join(slot, _DATA), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != into.numel():
+            raise ValueError(f"{slot}: torn slot ({st.st_size} bytes of data, stamped {into.numel()})")
+        # (a private mapping: nothing is written through it, and torch needs a writable buffer)
+        mapped = mmap.mmap(fd, into.numel(), access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    try:
+        return checksum.copy_in(algorithm, into, [(0, torch.frombuffer(mapped, dtype=torch.uint8))])
+    finally:
+        try:
+            mapped.close()
+        except BufferError:
+            pass  # (a view still alive: the mapping goes with it)
 
 
 def write_data(slot: str, data: memoryview) -> None:
