@@ -61,6 +61,7 @@ def test_streamed_conversion_equals_the_in_memory_one_for_other_optimizer_classe
 # clear_refs), over its RSS before: the converting process is measured, not the test's.
 _RSS_CHILD = """
 import sys, psutil
+import torch._dynamo  # (code, not buffers: torch's dcp.save imports it on first use, Note [pipelining imported on first use])
 from zeroshard.checkpoint.dcp_convert import convert_dcp
 def hwm():
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
