@@ -1,0 +1,298 @@
+"""``InProcessRecovery``: survivors of a lost rank keep their processes, re-form the process
+group at the smaller world and go on from the memory tiers (issue 45, item 4). Lifecycle:
+built -> ``start`` (joins generation 0 of the group, builds the training objects, resumes) ->
+``run(step_fn)`` per step (on a lost peer: the step in flight is abandoned, the survivors agree
+on who is alive, re-form the group, rebuild and recover) -> ``close``.
+
+Note [in-process recovery]:
+Torch's own pieces only: a ``TCPStore`` hosted outside the workers (by the launching parent,
+as torchrun's agent hosts its store), a ``PrefixStore`` per generation of the process group,
+gloo's errors and timeouts, ``destroy_process_group``/``init_process_group`` and the existing
+memory-tier recovery through ``zeroshard.load_checkpoint`` (Note [peer memory tier] in
+zeroshard/resilience/memory_tier.py). The protocol, generation g (g recoveries done so far):
+
+- Detection. A SIGKILLed peer closes its sockets: the collective in flight on a survivor
+  raises at once (gloo's "connection closed/reset by peer"), and a rank whose collective
+  fails closes its own connections of that group, so survivors waiting on survivors raise
+  too. A peer that does not answer (SIGSTOP, a hang) is detected by the group's timeout
+  (``timeout_s``: the collectives', and the memory tier's side group's through
+  ``ZEROSHARD_PG_TIMEOUT``, which ``start`` sets unless it is set, as ``zeroshard finetune``
+  does). The failure may also
+  surface in the memory tier's commit thread; the next ``memory_checkpoint`` raises it.
+  Any RuntimeError of the step or its commit counts (gloo's errors are plain RuntimeErrors):
+  a bug that raises on one rank makes the others time out, the group re-forms with every
+  member and the step runs again; ``max_recoveries`` bounds that.
+- Membership. Who decides is the store, first writer wins. Each member (identified by its
+  rank in generation 0, stable across generations) has a heartbeat thread adding to its
+  counter in the store every ``heartbeat_s``. A rank that failed destroys its process group
+  (its connections close, which ends its peers' waits) and writes ``g<g>/joined/<member>``;
+  it waits until every member of generation g has joined, or is lost: its heartbeat counter
+  has not moved for ``dead_after_s`` (killed or stopped: the whole process is), or it has
+  not joined within ``timeout_s`` of this rank's join (alive but hung). Then it proposes the
+  joined members with ``compare_set`` on ``g<g>/members``: the first proposal is the
+  decision, every rank adopts it, and a rank not in it (it joined too late) raises instead
+  of training on. New ranks are the members' order; the group of generation g+1 is
+  initialised on ``PrefixStore("<prefix>/g<g+1>/pg", store)``.
+- Rebuild and recovery. ``build(rank, world)`` makes the model, ``ZeroOptimizer`` (with
+  ``redundancy=PeerRedundancy(...)``: the same tier path and run id), scheduler and data
+  loader anew at the new world (the typed engine is built whole, never patched); then
+  ``zeroshard.load_checkpoint(root, ...)`` tries the memory tiers first (the N -> M reshard
+  fed from memory, no disk read) and the disk otherwise, as a restarted job does. The step
+  in flight is lost, and the step before it when its commit had not finished on every
+  rank (Note [peer memory tier]); ``run`` returns False and ``step`` is the recovered one.
+  At another world size the RNG is not restored (as a disk resume's): ``build`` seeds it
+  as a fresh process would.
+- The store host. The store outlives any worker, so losing rank 0 is like losing any rank.
+  When the store's host itself is gone, nothing can agree: the heartbeats stop, and the
+  recovery raises a RuntimeError naming the store; the job restarts the way it would
+  without this (torchrun and the memory tiers, which outlive the processes).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+from torch import nn
+
+from zeroshard.checkpoint import load_checkpoint
+from zeroshard.checkpoint.checkpoint_errors import CheckpointError
+from zeroshard.checkpoint.memory_commit import memory_checkpoint
+
+
+@dataclass(frozen=True)
+class InProcessOptions:
+    """Where the store is and how long to wait (Note [in-process recovery])."""
+
+    host: str
+    """The store's host: a ``TCPStore`` server run outside the workers (the launcher's)."""
+    port: int
+    timeout_s: float = 60.0
+    """A collective that does not complete within it fails (a stopped or hung peer); also how
+    long a survivor waits for a live member to join a recovery."""
+    dead_after_s: float = 2.0
+    """A member whose heartbeat did not move for this long is lost (killed or stopped)."""
+    heartbeat_s: float = 0.1
+    max_recoveries: int = 8
+    prefix: str = "zeroshard/in-process"
+    """The key space in the store (one per job)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"InProcessOptions(host={self.host!r}) must name the store's host")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 < self.port < 65536:
+            raise ValueError(f"InProcessOptions(port={self.port!r}) must be a TCP port (1..65535)")
+        for name in ("timeout_s", "dead_after_s", "heartbeat_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ValueError(f"InProcessOptions({name}={v!r}) must be a number of seconds > 0")
+        if self.heartbeat_s * 3 > self.dead_after_s:
+            raise ValueError(f"InProcessOptions(heartbeat_s={self.heartbeat_s}) must be at most a third of "
+                             f"dead_after_s={self.dead_after_s}: a live member would look lost")
+        if isinstance(self.max_recoveries, bool) or not isinstance(self.max_recoveries, int) or self.max_recoveries < 0:
+            raise ValueError(f"InProcessOptions(max_recoveries={self.max_recoveries!r}) must be an int >= 0")
+
+
+@dataclass
+class Trainee:
+    """What ``build`` returns and ``load_checkpoint`` restores: the training loop's objects."""
+
+    model: nn.Module
+    optimizer: Any
+    scheduler: Any = None
+    dataloader: Any = None
+    extra: dict = field(default_factory=dict)
+    """Anything else the loop wants rebuilt with them (not restored)."""
+
+
+class InProcessRecovery:
+    """Runs a training loop's steps so that the survivors of a lost rank re-form the group in
+    their processes and go on from the memory tiers (Note [in-process recovery])."""
+
+    def __init__(self, options: InProcessOptions, *, rank: int, world_size: int,
+                 build: Callable[[int, int], Trainee], root: str) -> None:
+        if not isinstance(options, InProcessOptions):
+            raise TypeError(f"options must be an InProcessOptions, got {type(options).__name__}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+        self.options, self.build, self.root = options, build, root
+        self.member = rank
+        """This process's rank in generation 0: its name in the store for the whole job."""
+        self.members: list[int] = list(range(world_size))
+        """The members of the current generation, in their rank order."""
+        self.generation = 0
+        self.step = 0
+        """The next step to run (the steps done, as committed)."""
+        self.objects: Optional[Trainee] = None
+        self.recoveries: list[dict] = []
+        """One record per recovery: generation, lost members, recovered step, source, seconds."""
+        self._store: Optional[dist.TCPStore] = None
+        self._beat: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.members.index(self.member)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def start(self) -> Trainee:
+        """Connects to the store, starts the heartbeat, joins generation 0 of the group, builds
+        the objects and resumes them (memory tiers first, then the disk; none: step 0)."""
+        # (the side groups the memory tier and the saver make read it: as `zeroshard finetune` does)
+        os.environ.setdefault("ZEROSHARD_PG_TIMEOUT", str(self.options.timeout_s))
+        self._store = self._connect()
+        self._beat = threading.Thread(target=self._heartbeat, args=(self._connect(),), daemon=True,
+                                      name="zeroshard-heartbeat")
+        self._beat.start()
+        self._init_group()
+        self.objects = self.build(self.rank, self.world_size)
+        try:
+            self.step = int(self._load(self.objects)["step"])
+        except CheckpointError:
+            self.step = 0
+        return self.objects
+
+    def run(self, step_fn: Callable[[Trainee, int], None]) -> bool:
+        """Runs ``step_fn(objects, step)`` (forward, backward, ``opt.step()``, ``sched.step()``)
+        and commits the step to the memory tier. True when the step completed (``step`` moved
+        on); False after a recovery (``objects`` are new, ``step`` is the recovered one)."""
+        t = self.objects
+        if t is None:
+            raise RuntimeError("InProcessRecovery.run before start()")
+        try:
+            step_fn(t, self.step)
+            memory_checkpoint(self.step + 1, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler,
+                              dataloader=t.dataloader)
+        except RuntimeError as exc:
+            self._recover(exc)
+            return False
+        self.step += 1
+        return True
+
+    def close(self) -> None:
+        """Waits for the last commit, stops the heartbeat, leaves the group."""
+        if self.objects is not None and getattr(self.objects.optimizer, "engine", None) is not None:
+            tier = self.objects.optimizer.engine.memory_tier
+            if tier is not None:
+                tier.wait()
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- the protocol --------------------------------------------------------------------------
+    def _connect(self) -> dist.TCPStore:
+        o = self.options
+        try:
+            return dist.TCPStore(o.host, o.port, is_master=False, wait_for_workers=False,
+                                 timeout=datetime.timedelta(seconds=o.timeout_s))
+        except (RuntimeError, OSError) as exc:
+            raise RuntimeError(f"in-process recovery: the store at {o.host}:{o.port} cannot be reached ({exc}); "
+                               "it must run outside the workers (Note [in-process recovery])") from exc
+
+    def _key(self, *parts: object) -> str:
+        return "/".join([self.options.prefix, *map(str, parts)])
+
+    def _heartbeat(self, store: dist.TCPStore) -> None:
+        key = self._key("beat", self.member)
+        while not self._stop.wait(self.options.heartbeat_s):
+            try:
+                store.add(key, 1)
+            except (RuntimeError, OSError):  # (the store host is gone: the members see it themselves)
+                return
+
+    def _init_group(self) -> None:
+        store = self._store
+        if store is None:
+            raise RuntimeError("in-process recovery: no store (start() first)")
+        dist.init_process_group("gloo", store=dist.PrefixStore(self._key(f"g{self.generation}", "pg"), store),
+                                rank=self.rank, world_size=self.world_size,
+                                timeout=datetime.timedelta(seconds=self.options.timeout_s))
+
+    def _load(self, t: Trainee) -> dict:
+        return load_checkpoint(self.root, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler,
+                               dataloader=t.dataloader)
+
+    def _recover(self, exc: RuntimeError) -> None:
+        o, store = self.options, self._store
+        if store is None:
+            raise RuntimeError("in-process recovery: no store (start() first)") from exc
+        if len(self.recoveries) >= o.max_recoveries:
+            raise RuntimeError(f"in-process recovery: {o.max_recoveries} recoveries done, not another") from exc
+        t0 = time.monotonic()
+        # Our connections of the broken group close here, which ends the peers' waits on us;
+        # the old objects go, once their tier's commit thread ended (failed on the dead peer, or
+        # timed out on a stopped one): it must not write into the slots the recovery reads.
+        old, self.objects = self.objects, None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        tier = getattr(getattr(old.optimizer, "engine", None), "memory_tier", None) if old is not None else None
+        if tier is not None:
+            try:
+                tier.wait()
+            except RuntimeError:
+                pass  # (its error is this failure's, seen from the thread)
+        del old, tier
+        try:
+            members = self._agree(store)
+        except (RuntimeError, OSError) as err:
+            raise RuntimeError(f"in-process recovery of generation {self.generation} failed: the store at "
+                               f"{o.host}:{o.port} did not answer ({err}); the step failed with: {exc}") from exc
+        lost = [m for m in self.members if m not in members]
+        if self.member not in members:
+            raise RuntimeError(f"in-process recovery: member {self.member} joined generation {self.generation}'s "
+                               f"recovery after the survivors {members} decided without it; it leaves") from exc
+        self.members, self.generation = members, self.generation + 1
+        self._init_group()
+        self.objects = self.build(self.rank, self.world_size)
+        info = self._load(self.objects)
+        self.step = int(info["step"])
+        self.recoveries.append({"generation": self.generation, "lost": lost, "world_size": self.world_size,
+                                "step": self.step, "source": info.get("source"), "error": str(exc)[:200],
+                                "seconds": time.monotonic() - t0})
+        print(f"[zeroshard] in-process recovery: member {self.member} is rank {self.rank} of {self.world_size} "
+              f"(lost {lost}); resumed step {self.step} from {info.get('source') or 'disk'}", flush=True)
+
+    def _agree(self, store: dist.TCPStore) -> list[int]:
+        """The members of the next generation, decided by the first proposal (see the Note)."""
+        o, g = self.options, self.generation
+        store.set(self._key(f"g{g}", "joined", self.member), str(os.getpid()))
+        others = [m for m in self.members if m != self.member]
+        beats = {m: (self._beats(store, m), time.monotonic()) for m in others}
+        joined_at = time.monotonic()
+        decided = self._key(f"g{g}", "members")
+        while True:
+            if store.check([decided]):
+                break
+            joined, waiting = [self.member], []
+            for m in others:
+                if store.check([self._key(f"g{g}", "joined", m)]):
+                    joined.append(m)
+                    continue
+                n, since = beats[m]
+                now = time.monotonic()
+                count = self._beats(store, m)
+                if count != n:
+                    beats[m] = (count, now)
+                elif now - since >= o.dead_after_s:
+                    continue  # killed or stopped
+                if now - joined_at < o.timeout_s:
+                    waiting.append(m)
+            if not waiting:
+                store.compare_set(decided, "", json.dumps(sorted(joined)))
+                break
+            time.sleep(min(0.02, o.heartbeat_s))
+        return [int(m) for m in json.loads(store.get(decided))]
+
+    def _beats(self, store: dist.TCPStore, member: int) -> int:
+        return int(store.add(self._key("beat", member), 0))
