@@ -17,7 +17,7 @@ from zeroshard.checkpoint import export_hf, latest_checkpoint, load_checkpoint, 
 from zeroshard.resilience import PeerRedundancy
 from zeroshard.checkpoint.memory_commit import memory_checkpoint
 from zeroshard.checkpoint.memory_handoff import memory_handoff
-from zeroshard.resilience.in_process import InProcessOptions, InProcessRecovery, Trainee
+from zeroshard.train.in_process import InProcessOptions, InProcessRecovery, Trainee
 
 __version__ = "0.1.0"
 

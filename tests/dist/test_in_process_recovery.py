@@ -2,7 +2,7 @@
 through a store the test hosts (as torchrun's agent hosts its store), rebuild the optimizer and
 recover from the memory tiers, with no disk read, and end bitwise equal to a disk resume of the
 recovered step at world 2 (issue 45 item 4; Note [in-process recovery] in
-zeroshard/resilience/in_process.py)."""
+zeroshard/train/in_process.py)."""
 from __future__ import annotations
 
 import json

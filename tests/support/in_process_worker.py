@@ -1,6 +1,6 @@
 """A worker of tests/dist/test_in_process_recovery.py, started by the test (which hosts the
 store): trains with ``InProcessRecovery`` (Note [in-process recovery] in
-zeroshard/resilience/in_process.py); one member SIGKILLs itself mid-step, the others recover in
+zeroshard/train/in_process.py); one member SIGKILLs itself mid-step, the others recover in
 their processes; then, in the same processes, the reference: the disk save of the recovered
 step resumed at the new world with a fresh tier and trained as far."""
 from __future__ import annotations

@@ -55,7 +55,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch.distributed as dist
 from torch import nn
@@ -63,6 +63,9 @@ from torch import nn
 from zeroshard.checkpoint import load_checkpoint
 from zeroshard.checkpoint.checkpoint_errors import CheckpointError
 from zeroshard.checkpoint.memory_commit import memory_checkpoint
+
+if TYPE_CHECKING:
+    from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
 
 @dataclass(frozen=True)
@@ -103,9 +106,10 @@ class Trainee:
     """What ``build`` returns and ``load_checkpoint`` restores: the training loop's objects."""
 
     model: nn.Module
-    optimizer: Any
-    scheduler: Any = None
-    dataloader: Any = None
+    optimizer: "ZeroOptimizer"
+    """Built with ``redundancy=PeerRedundancy(...)`` (the same path and run id every time)."""
+    scheduler: object = None
+    dataloader: object = None
     extra: dict = field(default_factory=dict)
     """Anything else the loop wants rebuilt with them (not restored)."""
 
@@ -180,10 +184,9 @@ class InProcessRecovery:
 
     def close(self) -> None:
         """Waits for the last commit, stops the heartbeat, leaves the group."""
-        if self.objects is not None and getattr(self.objects.optimizer, "engine", None) is not None:
-            tier = self.objects.optimizer.engine.memory_tier
-            if tier is not None:
-                tier.wait()
+        tier = self.objects.optimizer.engine.memory_tier if self.objects is not None else None
+        if tier is not None:
+            tier.wait()
         self._stop.set()
         if self._beat is not None:
             self._beat.join()
@@ -236,7 +239,7 @@ class InProcessRecovery:
         old, self.objects = self.objects, None
         if dist.is_initialized():
             dist.destroy_process_group()
-        tier = getattr(getattr(old.optimizer, "engine", None), "memory_tier", None) if old is not None else None
+        tier = old.optimizer.engine.memory_tier if old is not None else None
         if tier is not None:
             try:
                 tier.wait()
