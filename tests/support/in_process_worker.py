@@ -40,7 +40,9 @@ def _train_step(t: Trainee, step: int, xs: torch.Tensor, ys: torch.Tensor) -> No
 
 
 def worker(member: int, world: int, port: int, out: str, tier: str, stage: int, kill_member: int, kill_step: int,
-           steps: int) -> None:
+           steps: int, stop: bool = False) -> None:
+    """``stop``: the member is SIGSTOPped at the boundary before ``kill_step`` (its last commit
+    finished everywhere: a hang detected by the collectives' timeout), not SIGKILLed mid-step."""
     root, ref = os.path.join(out, "ckpt"), os.path.join(out, "ref")
     reads: list[str] = []  # files opened for reading under the checkpoint root (Python's audit events)
     watch = os.path.realpath(root) + os.sep
@@ -54,14 +56,18 @@ def worker(member: int, world: int, port: int, out: str, tier: str, stage: int, 
     sys.addaudithook(audit)
     gen = torch.Generator().manual_seed(123)
     xs, ys = torch.randn(512, 16, generator=gen), torch.randn(512, 8, generator=gen)
-    rec = InProcessRecovery(InProcessOptions("127.0.0.1", port, timeout_s=30.0, dead_after_s=1.0),
+    rec = InProcessRecovery(InProcessOptions("127.0.0.1", port, timeout_s=6.0 if stop else 30.0, dead_after_s=1.0),
                             rank=member, world_size=world, build=_build(tier, stage), root=root)
     rec.start()
 
     def step_fn(t: Trainee, step: int) -> None:
         first = rec.generation == 0
         if first and step + 1 == kill_step:
+            if stop:
+                t.optimizer.engine.memory_tier.wait()
             dist.barrier()  # (every rank saved the steps before: the reference has them)
+            if stop and member == kill_member:
+                os.kill(os.getpid(), signal.SIGSTOP)
         _train_step(t, step, xs, ys)
         if first and step + 1 == kill_step and member == kill_member:
             os.kill(os.getpid(), signal.SIGKILL)  # mid-step: after the optimizer step, before its commit

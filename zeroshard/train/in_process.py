@@ -42,6 +42,10 @@ zeroshard/resilience/memory_tier.py). The protocol, generation g (g recoveries d
   rank (Note [peer memory tier]); ``run`` returns False and ``step`` is the recovered one.
   At another world size the RNG is not restored (as a disk resume's): ``build`` seeds it
   as a fresh process would.
+  The old objects are dropped once their tier's commit thread ended (it fails on the dead
+  peer at once; on a stopped one at the side group's timeout, ``ZEROSHARD_PG_TIMEOUT``): the
+  wait is bounded by ``timeout_s``, past which the recovery goes on and that thread may still
+  stamp or clear its own older slots when it ends (the recovery reads stamped slots only).
 - The store host. The store outlives any worker, so losing rank 0 is like losing any rank.
   When the store's host itself is gone, nothing can agree: the heartbeats stop, and the
   recovery raises a RuntimeError naming the store; the job restarts the way it would
@@ -66,6 +70,15 @@ from zeroshard.checkpoint.memory_commit import memory_checkpoint
 
 if TYPE_CHECKING:
     from zeroshard.optim.zero_optimizer import ZeroOptimizer
+    from zeroshard.resilience.memory_tier import MemoryTier
+
+
+def _settle(tier: "MemoryTier") -> None:
+    """Waits for a broken generation's commit thread; its error is the failure's, seen from there."""
+    try:
+        tier.wait()
+    except RuntimeError:
+        pass
 
 
 @dataclass(frozen=True)
@@ -134,7 +147,9 @@ class InProcessRecovery:
         """The next step to run (the steps done, as committed)."""
         self.objects: Optional[Trainee] = None
         self.recoveries: list[dict] = []
-        """One record per recovery: generation, lost members, recovered step, source, seconds."""
+        """One record per recovery: generation, lost members, new world size, recovered step, its
+        source, the error, when it began (``at``, wall clock) and its seconds: in all, agreeing
+        (includes the old tier's thread ending), the new group, ``build`` and the restore."""
         self._store: Optional[dist.TCPStore] = None
         self._beat: Optional[threading.Thread] = None
         self._stop = threading.Event()
@@ -232,7 +247,7 @@ class InProcessRecovery:
             raise RuntimeError("in-process recovery: no store (start() first)") from exc
         if len(self.recoveries) >= o.max_recoveries:
             raise RuntimeError(f"in-process recovery: {o.max_recoveries} recoveries done, not another") from exc
-        t0 = time.monotonic()
+        at, t0 = time.time(), time.monotonic()
         # Our connections of the broken group close here, which ends the peers' waits on us;
         # the old objects go, once their tier's commit thread ended (failed on the dead peer, or
         # timed out on a stopped one): it must not write into the slots the recovery reads.
@@ -240,29 +255,33 @@ class InProcessRecovery:
         if dist.is_initialized():
             dist.destroy_process_group()
         tier = old.optimizer.engine.memory_tier if old is not None else None
-        if tier is not None:
-            try:
-                tier.wait()
-            except RuntimeError:
-                pass  # (its error is this failure's, seen from the thread)
+        if tier is not None:  # (bounded: a thread waiting on a stopped peer ends at the side group's timeout)
+            waiter = threading.Thread(target=_settle, args=(tier,), daemon=True, name="zeroshard-old-tier")
+            waiter.start()
+            waiter.join(o.timeout_s)
         del old, tier
         try:
             members = self._agree(store)
         except (RuntimeError, OSError) as err:
             raise RuntimeError(f"in-process recovery of generation {self.generation} failed: the store at "
                                f"{o.host}:{o.port} did not answer ({err}); the step failed with: {exc}") from exc
+        t1 = time.monotonic()
         lost = [m for m in self.members if m not in members]
         if self.member not in members:
             raise RuntimeError(f"in-process recovery: member {self.member} joined generation {self.generation}'s "
                                f"recovery after the survivors {members} decided without it; it leaves") from exc
         self.members, self.generation = members, self.generation + 1
         self._init_group()
+        t2 = time.monotonic()
         self.objects = self.build(self.rank, self.world_size)
+        t3 = time.monotonic()
         info = self._load(self.objects)
         self.step = int(info["step"])
+        t4 = time.monotonic()
         self.recoveries.append({"generation": self.generation, "lost": lost, "world_size": self.world_size,
                                 "step": self.step, "source": info.get("source"), "error": str(exc)[:200],
-                                "seconds": time.monotonic() - t0})
+                                "at": at, "seconds": t4 - t0, "agree_s": t1 - t0, "group_s": t2 - t1,
+                                "build_s": t3 - t2, "restore_s": t4 - t3})
         print(f"[zeroshard] in-process recovery: member {self.member} is rank {self.rank} of {self.world_size} "
               f"(lost {lost}); resumed step {self.step} from {info.get('source') or 'disk'}", flush=True)
 
