@@ -33,8 +33,8 @@
 - ``--recovery N --in-process``: the same kill, N rounds of "in-process" (``zeroshard.InProcessRecovery``,
   Note [in-process recovery]: this script hosts the store and starts the workers; the survivors
   re-form the group at ``--world`` - 1, rebuild and recover from the memory tiers in their
-  processes) and "memory" (the torchrun path above: restart + resume from memory, which restores
-  no slower than a disk); medians of kill -> next completed step and the ratio in-process / memory. The in-process breakdown:
+  processes), "memory" and "disk-warm" (the torchrun paths above); medians of kill -> next
+  completed step and the ratios in-process / each torchrun path. The in-process breakdown:
   detect (kill -> a survivor's step fails), agree, group, build, restore, first step.
 
     python benchmarks/bench_peer_recovery.py --recovery 3 --in-process --world 3 [--hidden 2048 --layers 4]
@@ -61,6 +61,7 @@ import torch.distributed as dist
 import zeroshard
 from zeroshard.checkpoint.memory_commit import commit_step
 from zeroshard.testing.launch import free_port, spawn
+from zeroshard.train.finetune import setup_distributed
 
 
 def _model(hidden: int, layers: int) -> torch.nn.Module:
@@ -173,7 +174,10 @@ def _worker(a: argparse.Namespace) -> None:
     """One torchrun worker of a ``--recovery`` run: the first attempt trains to step 3, commits,
     saves and dies; the restarted one recovers and completes step 4, timing each part."""
     imported = time.time()
-    dist.init_process_group("gloo")
+    # (each torchrun attempt in its own key space: a plain init_process_group of a restarted
+    # attempt read the dead workers' gloo addresses from torchrun's store and waited to connect
+    # to them for the group's whole timeout, the "hang" of the earlier runs)
+    setup_distributed(600.0)
     rank = dist.get_rank()
     dist.barrier()
     pg = time.time()
@@ -285,9 +289,7 @@ def _in_process_run(a: argparse.Namespace, tier: str, disk: str, out: str) -> No
 def _recovery(a: argparse.Namespace) -> None:
     work = tempfile.mkdtemp(prefix="zs-peer-recovery-")
     runs: dict[str, list[dict]] = {}
-    # (--in-process: against torchrun's memory path only, whose restore is the disk's at best; the
-    # disk paths' restarted workers hung on this machine, docs/results.md)
-    paths = ("in-process", "memory") if a.in_process else ("memory", "disk-warm", "disk-cold")
+    paths = ("in-process", "memory", "disk-warm") if a.in_process else ("memory", "disk-warm", "disk-cold")
     try:
         for i in range(a.recovery):
             for path in paths:
@@ -355,7 +357,7 @@ def main() -> None:
                     "ranks instead of a replica (0: a replica)")
     ap.add_argument("--recovery", type=int, default=0, help="rounds of the torchrun recovery comparison (0: none)")
     ap.add_argument("--in-process", action="store_true", help="with --recovery: in-process recovery "
-                    "(zeroshard.InProcessRecovery) against the torchrun path that resumes from memory")
+                    "(zeroshard.InProcessRecovery) against the torchrun paths memory and disk-warm")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--in-process-worker", action="store_true", help=argparse.SUPPRESS)
     for internal in ("--path", "--tier", "--disk", "--out", "--member", "--port"):

@@ -63,8 +63,8 @@ them is ``load_checkpoint``'s own read/apply phases (N -> M reshard) fed from me
 residuals are each rank's own: at the same world size rank r takes owner r's (sent with the
 pieces when another rank serves that slot), as a disk resume does; at another world size, or
 another codec, they start at zero with the disk path's warning.
-Not covered yet: NVMe offload, tp/pp/hybrid meshes (refused at construction), in-process
-recovery (survivors keep their processes; torchrun restarts every worker). XOR parity
+Not covered yet: NVMe offload, tp/pp/hybrid meshes (refused at construction). Survivors keeping
+their processes: Note [in-process recovery] in zeroshard/train/in_process.py. XOR parity
 instead of the replica: Note [parity memory tier] in zeroshard/resilience/parity.py.
 
 Note [replica by file]:
