@@ -56,7 +56,7 @@ def worker(member: int, world: int, port: int, out: str, tier: str, stage: int, 
     sys.addaudithook(audit)
     gen = torch.Generator().manual_seed(123)
     xs, ys = torch.randn(512, 16, generator=gen), torch.randn(512, 8, generator=gen)
-    rec = InProcessRecovery(InProcessOptions("127.0.0.1", port, timeout_s=6.0 if stop else 30.0, dead_after_s=1.0),
+    rec = InProcessRecovery(InProcessOptions("127.0.0.1", port, timeout_s=4.0 if stop else 30.0, dead_after_s=1.0),
                             rank=member, world_size=world, build=_build(tier, stage), root=root)
     rec.start()
 

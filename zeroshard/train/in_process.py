@@ -41,7 +41,9 @@ zeroshard/resilience/memory_tier.py). The protocol, generation g (g recoveries d
   in flight is lost, and the step before it when its commit had not finished on every
   rank (Note [peer memory tier]); ``run`` returns False and ``step`` is the recovered one.
   At another world size the RNG is not restored (as a disk resume's): ``build`` seeds it
-  as a fresh process would.
+  as a fresh process would. A loss during the recovery itself (its new group, build or
+  restore raise) starts the next generation's round the same way (not covered by a test).
+  ``RecoveryFailed`` (left out, the store gone, ``max_recoveries`` spent) ends the worker.
   The old objects are dropped once their tier's commit thread ended (it fails on the dead
   peer at once; on a stopped one at the side group's timeout, ``ZEROSHARD_PG_TIMEOUT``): the
   wait is bounded by ``timeout_s``, past which the recovery goes on and that thread may still
@@ -71,6 +73,11 @@ from zeroshard.checkpoint.memory_commit import memory_checkpoint
 if TYPE_CHECKING:
     from zeroshard.optim.zero_optimizer import ZeroOptimizer
     from zeroshard.resilience.memory_tier import MemoryTier
+
+
+class RecoveryFailed(RuntimeError):
+    """The survivors cannot go on in their processes (left out, the store gone, too many
+    recoveries): the job restarts as it would without in-process recovery."""
 
 
 def _settle(tier: "MemoryTier") -> None:
@@ -153,6 +160,8 @@ class InProcessRecovery:
         self._store: Optional[dist.TCPStore] = None
         self._beat: Optional[threading.Thread] = None
         self._stop = threading.Event()
+        self._rounds = 0
+        """Recovery rounds begun (``max_recoveries`` bounds them, completed or not)."""
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -173,7 +182,7 @@ class InProcessRecovery:
                                       name="zeroshard-heartbeat")
         self._beat.start()
         self._init_group()
-        self.objects = self.build(self.rank, self.world_size)
+        self.objects = self._build()
         try:
             self.step = int(self._load(self.objects)["step"])
         except CheckpointError:
@@ -192,8 +201,14 @@ class InProcessRecovery:
             memory_checkpoint(self.step + 1, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler,
                               dataloader=t.dataloader)
         except RuntimeError as exc:
-            self._recover(exc)
-            return False
+            while True:
+                try:
+                    self._recover(exc)
+                    return False
+                except RecoveryFailed:
+                    raise
+                except RuntimeError as again:  # (a loss during the recovery: the next generation's round)
+                    exc = again
         self.step += 1
         return True
 
@@ -237,6 +252,15 @@ class InProcessRecovery:
                                 rank=self.rank, world_size=self.world_size,
                                 timeout=datetime.timedelta(seconds=self.options.timeout_s))
 
+    def _build(self) -> Trainee:
+        t = self.build(self.rank, self.world_size)
+        if not isinstance(t, Trainee):
+            raise TypeError(f"build(rank, world_size) must return a zeroshard.Trainee, got {type(t).__name__}")
+        if getattr(getattr(t.optimizer, "engine", None), "memory_tier", None) is None:
+            raise ValueError("InProcessRecovery needs the ZeroOptimizer built with redundancy='peer' or "
+                             "zeroshard.PeerRedundancy(...) (the survivors recover from the memory tiers)")
+        return t
+
     def _load(self, t: Trainee) -> dict:
         return load_checkpoint(self.root, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler,
                                dataloader=t.dataloader)
@@ -244,9 +268,10 @@ class InProcessRecovery:
     def _recover(self, exc: RuntimeError) -> None:
         o, store = self.options, self._store
         if store is None:
-            raise RuntimeError("in-process recovery: no store (start() first)") from exc
-        if len(self.recoveries) >= o.max_recoveries:
-            raise RuntimeError(f"in-process recovery: {o.max_recoveries} recoveries done, not another") from exc
+            raise RecoveryFailed("in-process recovery: no store (start() first)") from exc
+        if self._rounds >= o.max_recoveries:
+            raise RecoveryFailed(f"in-process recovery: {o.max_recoveries} recovery rounds done, not another") from exc
+        self._rounds += 1
         at, t0 = time.time(), time.monotonic()
         # Our connections of the broken group close here, which ends the peers' waits on us;
         # the old objects go, once their tier's commit thread ended (failed on the dead peer, or
@@ -263,17 +288,17 @@ class InProcessRecovery:
         try:
             members = self._agree(store)
         except (RuntimeError, OSError) as err:
-            raise RuntimeError(f"in-process recovery of generation {self.generation} failed: the store at "
+            raise RecoveryFailed(f"in-process recovery of generation {self.generation} failed: the store at "
                                f"{o.host}:{o.port} did not answer ({err}); the step failed with: {exc}") from exc
         t1 = time.monotonic()
         lost = [m for m in self.members if m not in members]
         if self.member not in members:
-            raise RuntimeError(f"in-process recovery: member {self.member} joined generation {self.generation}'s "
+            raise RecoveryFailed(f"in-process recovery: member {self.member} joined generation {self.generation}'s "
                                f"recovery after the survivors {members} decided without it; it leaves") from exc
         self.members, self.generation = members, self.generation + 1
         self._init_group()
         t2 = time.monotonic()
-        self.objects = self.build(self.rank, self.world_size)
+        self.objects = self._build()
         t3 = time.monotonic()
         info = self._load(self.objects)
         self.step = int(info["step"])
