@@ -25,7 +25,7 @@ KILL_STEP, STEPS = 5, 7
                          ids=["kill-rank1-stage2", "kill-rank0-stage3", "stop-rank2-stage2"])
 def test_survivors_reform_the_group_and_recover_from_memory_in_their_processes(tmp_path, kill_member, stage, stop):
     """3 members; ``kill_member`` SIGKILLs itself in step 5 (after its optimizer step, before the
-    commit), or is SIGSTOPped before step 5 (X, its
+    commit), or is SIGSTOPped before step 5 (the others' collective times out after 4 s, its
     heartbeat stops). Rank 0's loss included: the store is the test's, not a worker's."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     tier = f"/dev/shm/zeroshard-test-{uuid.uuid4().hex[:10]}"
