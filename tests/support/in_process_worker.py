@@ -56,7 +56,10 @@ def worker(member: int, world: int, port: int, out: str, tier: str, stage: int, 
     sys.addaudithook(audit)
     gen = torch.Generator().manual_seed(123)
     xs, ys = torch.randn(512, 16, generator=gen), torch.randn(512, 8, generator=gen)
-    rec = InProcessRecovery(InProcessOptions("127.0.0.1", port, timeout_s=4.0 if stop else 30.0, dead_after_s=1.0),
+    # (a stopped member: its heartbeat goes stale after 1 s; a killed one is seen gone from the
+    # process table at once, well before 5 s)
+    options = InProcessOptions("127.0.0.1", port, timeout_s=4.0 if stop else 30.0, dead_after_s=1.0 if stop else 5.0)
+    rec = InProcessRecovery(options,
                             rank=member, world_size=world, build=_build(tier, stage), root=root)
     rec.start()
 

@@ -24,11 +24,15 @@ zeroshard/resilience/memory_tier.py). The protocol, generation g (g recoveries d
   member and the step runs again; ``max_recoveries`` bounds that.
 - Membership. Who decides is the store, first writer wins. Each member (identified by its
   rank in generation 0, stable across generations) has a heartbeat thread adding to its
-  counter in the store every ``heartbeat_s``. A rank that failed destroys its process group
+  counter in the store every ``heartbeat_s``; it also writes its host identity (boot id and PID
+  namespace) and PID. A rank that failed destroys its process group
   (its connections close, which ends its peers' waits) and writes ``g<g>/joined/<member>``;
-  it waits until every member of generation g has joined, or is lost: its heartbeat counter
-  has not moved for ``dead_after_s`` (killed or stopped: the whole process is), or it has
-  not joined within ``timeout_s`` of this rank's join (alive but hung). Then it proposes the
+  it waits until every member of generation g has joined, or is lost: on this host, its
+  process is gone (no /proc entry, or a zombie: a SIGKILL is seen at once); anywhere, its
+  heartbeat counter has not moved for ``dead_after_s`` (killed, stopped, or its node gone;
+  5 s by default: a heartbeat thread of a live member under heavy CPU load was once not seen
+  for 2 s, and a live member left out leaves), or it has not joined within ``timeout_s`` of
+  this rank's join (alive but hung). Then it proposes the
   joined members with ``compare_set`` on ``g<g>/members``: the first proposal is the
   decision, every rank adopts it, and a rank not in it (it joined too late) raises instead
   of training on. New ranks are the members' order; the group of generation g+1 is
@@ -80,6 +84,25 @@ class RecoveryFailed(RuntimeError):
     recoveries): the job restarts as it would without in-process recovery."""
 
 
+def _host_identity() -> Optional[str]:
+    """This boot of this machine and this PID namespace: members that share it can tell each
+    other's death from the process table; None where that cannot be read."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f"{f.read().strip()}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return None
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` (of this host identity) is dead: no entry, or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
 def _settle(tier: "MemoryTier") -> None:
     """Waits for a broken generation's commit thread; its error is the failure's, seen from there."""
     try:
@@ -98,8 +121,9 @@ class InProcessOptions:
     timeout_s: float = 60.0
     """A collective that does not complete within it fails (a stopped or hung peer); also how
     long a survivor waits for a live member to join a recovery."""
-    dead_after_s: float = 2.0
-    """A member whose heartbeat did not move for this long is lost (killed or stopped)."""
+    dead_after_s: float = 5.0
+    """A member whose heartbeat did not move for this long is lost (killed or stopped). A
+    member on this host (same boot and PID namespace) whose process is gone is lost at once."""
     heartbeat_s: float = 0.1
     max_recoveries: int = 8
     prefix: str = "zeroshard/in-process"
@@ -178,6 +202,7 @@ class InProcessRecovery:
         # (the side groups the memory tier and the saver make read it: as `zeroshard finetune` does)
         os.environ.setdefault("ZEROSHARD_PG_TIMEOUT", str(self.options.timeout_s))
         self._store = self._connect()
+        self._store.set(self._key("proc", self.member), json.dumps({"host": _host_identity(), "pid": os.getpid()}))
         self._beat = threading.Thread(target=self._heartbeat, args=(self._connect(),), daemon=True,
                                       name="zeroshard-heartbeat")
         self._beat.start()
@@ -316,6 +341,9 @@ class InProcessRecovery:
         store.set(self._key(f"g{g}", "joined", self.member), str(os.getpid()))
         others = [m for m in self.members if m != self.member]
         beats = {m: (self._beats(store, m), time.monotonic()) for m in others}
+        here = _host_identity()
+        procs = {m: json.loads(store.get(self._key("proc", m))) for m in others}
+        local = {m: int(p["pid"]) for m, p in procs.items() if here is not None and p.get("host") == here}
         joined_at = time.monotonic()
         decided = self._key(f"g{g}", "members")
         while True:
@@ -326,6 +354,8 @@ class InProcessRecovery:
                 if store.check([self._key(f"g{g}", "joined", m)]):
                     joined.append(m)
                     continue
+                if m in local and _gone(local[m]):
+                    continue  # its process is gone: no need to wait for its heartbeat to go stale
                 n, since = beats[m]
                 now = time.monotonic()
                 count = self._beats(store, m)
