@@ -330,6 +330,9 @@ def _recovery(a: argparse.Namespace) -> None:
     for p, rs in runs.items():
         figures[p]["sources"] = sorted({str(r["source"]) for r in rs})
         figures[p]["recovery_s_each"] = [round(r["recovery_s"], 3) for r in rs]
+    if "in-process" in runs:  # (each round's parts: an outlier says where it waited)
+        figures["in-process"]["rounds"] = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
+                                           for r in runs["in-process"]]
     mem = figures["memory"]
     for disk in [p for p in ("disk-warm", "disk-cold") if p in figures]:
         figures[f"memory_over_{disk}"] = mem["recovery_s"] / figures[disk]["recovery_s"]

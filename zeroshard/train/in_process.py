@@ -37,6 +37,11 @@ zeroshard/resilience/memory_tier.py). The protocol, generation g (g recoveries d
   decision, every rank adopts it, and a rank not in it (it joined too late) raises instead
   of training on. New ranks are the members' order; the group of generation g+1 is
   initialised on ``PrefixStore("<prefix>/g<g+1>/pg", store)``.
+  A group's connections close only when its last reference goes (``destroy_process_group``
+  and ``shutdown`` leave them open while the optimizer holds the group: tried), so the failed
+  rank drops its objects, and the exception's frames that hold them, and collects them at once:
+  a survivor waiting on it rather than on the dead peer fails then (before this, one bench
+  round waited for the 120 s collective timeout).
 - Rebuild and recovery. ``build(rank, world)`` makes the model, ``ZeroOptimizer`` (with
   ``redundancy=PeerRedundancy(...)``: the same tier path and run id), scheduler and data
   loader anew at the new world (the typed engine is built whole, never patched); then
@@ -60,6 +65,7 @@ zeroshard/resilience/memory_tier.py). The protocol, generation g (g recoveries d
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import threading
@@ -221,21 +227,25 @@ class InProcessRecovery:
         t = self.objects
         if t is None:
             raise RuntimeError("InProcessRecovery.run before start()")
+        failure: Optional[RuntimeError] = None
         try:
             step_fn(t, self.step)
             memory_checkpoint(self.step + 1, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler,
                               dataloader=t.dataloader)
-        except RuntimeError as exc:
-            while True:
-                try:
-                    self._recover(exc)
-                    return False
-                except RecoveryFailed:
-                    raise
-                except RuntimeError as again:  # (a loss during the recovery: the next generation's round)
-                    exc = again
-        self.step += 1
-        return True
+        except RuntimeError as exc:  # (kept without its traceback: its frames hold the old objects)
+            failure = RuntimeError(f"{type(exc).__name__}: {exc}")
+        if failure is None:
+            self.step += 1
+            return True
+        del t
+        while True:
+            try:
+                self._recover(failure)
+                return False
+            except RecoveryFailed:
+                raise
+            except RuntimeError as again:  # (a loss during the recovery: the next generation's round)
+                failure = RuntimeError(f"{type(again).__name__}: {again}")
 
     def close(self) -> None:
         """Waits for the last commit, stops the heartbeat, leaves the group."""
@@ -301,15 +311,21 @@ class InProcessRecovery:
         # Our connections of the broken group close here, which ends the peers' waits on us;
         # the old objects go, once their tier's commit thread ended (failed on the dead peer, or
         # timed out on a stopped one): it must not write into the slots the recovery reads.
-        old, self.objects = self.objects, None
+        tier = self.objects.optimizer.engine.memory_tier if self.objects is not None else None
+        self.objects = None
         if dist.is_initialized():
             dist.destroy_process_group()
-        tier = old.optimizer.engine.memory_tier if old is not None else None
+        # A group's connections close only when its last reference goes (neither destroy nor
+        # shutdown closes them): a peer waiting on this rank in a collective (not on the dead
+        # one) fails only then, so the old objects are collected now, the tier after its thread.
+        gc.collect()
         if tier is not None:  # (bounded: a thread waiting on a stopped peer ends at the side group's timeout)
             waiter = threading.Thread(target=_settle, args=(tier,), daemon=True, name="zeroshard-old-tier")
             waiter.start()
             waiter.join(o.timeout_s)
-        del old, tier
+            del waiter
+        del tier
+        gc.collect()
         try:
             members = self._agree(store)
         except (RuntimeError, OSError) as err:
