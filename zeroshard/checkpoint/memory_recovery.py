@@ -23,6 +23,7 @@ from zeroshard.optim.interrupts import state_restored
 from zeroshard.resilience import slots
 from zeroshard.checkpoint.memory_commit import digest_of
 from zeroshard.resilience.memory_tier import MemoryTier
+from zeroshard.testing import kill_points
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
@@ -85,9 +86,9 @@ class MemorySource(_Source):
     adoptable = False
 
     def __init__(self, body: dict, comm: "Comm", servers: dict[int, int], local: dict[int, torch.Tensor],
-                 where: dict[Key, tuple[torch.dtype, int, int]]) -> None:
+                 where: dict[Key, tuple[torch.dtype, int, int]], step: int) -> None:
         super().__init__("memory tier", body)
-        self.comm, self.servers, self.local, self.where = comm, servers, local, where
+        self.comm, self.servers, self.local, self.where, self.step = comm, servers, local, where, step
         self.needed: set[Key] = set()
         self.got: dict[Key, torch.Tensor] = {}
         self.bytes_received = 0
@@ -126,6 +127,8 @@ class MemorySource(_Source):
                 buf = torch.empty(sum(sizes), dtype=torch.uint8)
                 works.append(dist.irecv(buf, glob(r), group=self.comm.group))
                 inbox.append((mine, sizes, buf))
+        if kill_points.ARMED is not None:  # (fault tests only: Note [kill points])
+            kill_points.hit("recovery", self.step)
         for w in works:
             if w is not None:
                 w.wait()
@@ -246,7 +249,7 @@ def recover(tier: MemoryTier, model: Optional[nn.Module], opt: "ZeroOptimizer", 
     try:
         check_compatible(body, model, opt, where_name, held_objects)
         check_state_kinds(body, model, opt, where_name)
-        src = MemorySource(body, comm, servers, local, where)
+        src = MemorySource(body, comm, servers, local, where, step)
         mine = merged[comm.rank].get("residuals", {}) if comm.rank in merged else {}
         residuals = codec_residuals.applicable(opt, sorted(mine), n == comm.world_size, comm.rank)
         src.needed |= {(comm.rank, k, 0, RESIDUAL) for k in residuals}  # (sent with the pieces)
