@@ -93,7 +93,6 @@ import shutil
 import threading
 import weakref
 import warnings
-import zlib
 from typing import Callable, Optional
 
 import torch
@@ -156,8 +155,8 @@ class MemoryTier:
         self._side: Optional[dist.ProcessGroup] = None
         self._guarded: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         """The modules whose ``load_state_dict`` waits for the copy in flight (``guard``)."""
-        self._algorithm = checksum.CRC32 if self.parity_group is not None else checksum.preferred()
-        """The slots' checksum (Note [slot checksum]; parity groups keep crc32, which their rebuild checks)."""
+        self._algorithm = checksum.preferred()
+        """The slots' checksum, parity slots' too (Note [slot checksum])."""
         self.pacer = (CommitPacer(options.auto_budget, options.max_every) if options.paced else None)
         """``every="auto"``: which steps commit (Note [commit pacing])."""
         self._proposal: Optional[tuple[int, float, float]] = None
@@ -388,7 +387,7 @@ class MemoryTier:
         praw = json.dumps({"members": metas}, separators=(",", ":")).encode()
         self._stamp(self.parity_dir, pslot, {**stamp, "parity_group": self.parity_group,
                                              "stripe": self.parity_group.index(self.rank), "chunk": size},
-                    praw, pbuf, zlib.crc32(pbuf.numpy().data))
+                    praw, pbuf, checksum.of(self._algorithm, pbuf))
 
     def _keep(self, got_meta: Optional[torch.Tensor], got_slot: Optional[str], got_data: Optional[torch.Tensor],
               directory: str) -> None:
