@@ -90,6 +90,7 @@ def test_preempted_node_hands_off_then_a_sigkill_at_the_smaller_world_resumes_fr
         assert handed is not None and handed["step"] == 3, "rank 1's slot did not reach rank 0 (its buddy left too)"
         for r in (1, 2):  # the preempted node and its memory are gone
             shutil.rmtree(os.path.join(tier, f"rank-{r}"))
+        assert sorted(os.listdir(os.path.join(tier, "rank-0"))) == ["own", "replica-1", "replica-2"]
         proc = launch(2, rerun, "--tier", tier, "--load-root", disk, "--every", "2", "--steps", "6", "--stage", "3",
                       "--ref-root", disk, "--ref-tier", fresh, restarts=2, kill_at="replica_copy:6:1:2,recovery:4:0:1:1")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -106,6 +107,10 @@ def test_preempted_node_hands_off_then_a_sigkill_at_the_smaller_world_resumes_fr
         assert ref["source"] is None and ref["step"] == 3 and ref["world_size"] == 3
         assert ref["disk_bytes_read"] > 0  # (the count sees a disk load)
         assert_bitwise(merged(rerun, 2), merged(rerun, 2, "ref-final"))
+        # World 3's replica (rank 0 kept rank 2's) went once world 2 had committed on every rank
+        # (Note [stale slots] in zeroshard/resilience/stale_slots.py); world 2's layout stays.
+        assert {r: sorted(os.listdir(os.path.join(tier, r))) for r in os.listdir(tier)} == {
+            "rank-0": ["own", "replica-1"], "rank-1": ["own", "replica-0"]}
     finally:
         shutil.rmtree(tier, ignore_errors=True)
         shutil.rmtree(fresh, ignore_errors=True)

@@ -99,7 +99,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm import Comm
-from zeroshard.resilience import checksum, parity, slots
+from zeroshard.resilience import checksum, parity, slots, stale_slots
 from zeroshard.resilience.commit_pacer import CommitPacer
 from zeroshard.resilience.redundancy_options import PeerRedundancy
 from zeroshard.testing import kill_points
@@ -148,6 +148,9 @@ class MemoryTier:
         self._write_failed: Optional[str] = None
         self._failed: list[str] = []
         """Every rank's write failure of the last commit, agreed on by its thread."""
+        self._pruned = False
+        """Whether the earlier worlds' slots were removed (after this tier's first commit that
+        every rank finished: Note [stale slots])."""
         self._maps: dict[str, slots.Mapped] = {}
         """Each slot's data file, mapped once and refilled at every commit into that slot."""
         self._staging: Optional[torch.Tensor] = None
@@ -365,6 +368,11 @@ class MemoryTier:
             self._failed = [f"rank {r}: {f}" for r, (f, _) in enumerate(gathered) if f]
             self._proposals = [p for _, p in gathered]
             self.committed = stamp["step"]
+            if not self._pruned and not self._failed and (swap is not None or self._side is None):
+                self._pruned = True  # (every rank finished this commit: the gather above; parity has none)
+                first = self._shares.index(True) == self.rank if True in self._shares else False
+                keep = {"own", f"replica-{self.source}"} | ({"parity"} if self.parity_group is not None else set())
+                stale_slots.prune(self.root, self.rank, self.world, keep, first, self.run_id)
             self._last = (meta, buf)
         except BaseException as exc:  # noqa: BLE001 - raised by the next wait()
             self._error = exc
