@@ -443,10 +443,10 @@ class MemoryTier:
         sizes_kept = [sizes, meta, data]
 
         def finish() -> tuple[Optional[torch.Tensor], Optional[str], Optional[torch.Tensor], str]:
-            del sizes_kept[:]  # (kept alive until the sends are done)
             for w in works:
                 if w is not None:
                     w.wait()
+            del sizes_kept[:]  # (kept alive until the sends are done)
             if frm is not None and got is not None and into is not None and theirs[2]:
                 try:
                     self._copy_replica(frm, got, into)
