@@ -91,12 +91,14 @@ def train_planned(budget: int, directory: Optional[str], planned: bool, steps: i
             moved.append((opt.placement_report().get("activations") or {}).get("bytes_moved_last_step"))
         report = opt.placement_report().get("activations")
         joint = opt.placement_report().get("joint")
+        state = {k: opt.placement_report()[k] for k in ("units", "applied")}  # (where the state lives)
         weights = {n: p.detach().clone() for n, p in model.state_dict().items()}
     finally:
         opt.close()
     hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
     wrapped = sum("forward" in vars(m) for m in model.modules())  # (forwards the offloader wrapped, left)
-    return {"grads": grads, "weights": weights, "report": report, "joint": joint, "plans": plans, "moved": moved, "hooks_left": hooks, "peaks": live,
+    return {"grads": grads, "weights": weights, "report": report, "joint": joint, "state": state, "plans": plans,
+            "moved": moved, "hooks_left": hooks, "peaks": live,
             "forwards_left": wrapped}
 
 

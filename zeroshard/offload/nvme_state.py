@@ -40,6 +40,7 @@ from zeroshard.offload.swap_file import SwapFile, aligned
 from zeroshard.ops import adam_step_
 
 if TYPE_CHECKING:
+    from zeroshard.io.aio_engine import AsyncIO
     from zeroshard.units.flat_unit import FlatUnit
 
 KEYS = ("exp_avg", "exp_avg_sq")
@@ -58,6 +59,29 @@ class NvmeOptimizerState(MutableMapping):
         [generic state on NVMe] in nvme_generic_state.py)."""
         generic = generic or {}
         self.runs = list(runs)
+        self.file: Optional[SwapFile] = None
+        self.path: Optional[str] = None
+        self.aio: Optional[AsyncIO] = None
+        self._where = (nvme_path, rank, max_slots)  # (``re_place`` lays out again with them)
+        self._lay_out(resident, generic, nvme_path, rank, max_slots)
+        self.release_pool = release_pool
+        self._pool: list[torch.Tensor] = []
+        self.pool_bytes = 0
+        """Bytes of the pool held now."""
+        if not release_pool:
+            self._allocate_pool()
+        self._steps: dict[int, torch.Tensor] = {}
+        self._keys = {id(r.tensor): r.tensor for r in self.runs}
+        self.generic = GenericRecords(generic, self._generic_offset, lambda buf, off: self._swap_file().pread(buf, off),
+                                      lambda buf, off: self._swap_file().pwrite(buf, off),
+                                      step_fn or (lambda part: part.step()))
+        self.before_close: list[Callable[[], None]] = []
+        """Run once by ``close`` before the file goes (the optimizer's teardown joins a step in flight)."""
+
+    def _lay_out(self, resident: Collection[int], generic: dict[int, GenericRun], nvme_path: Optional[str],
+                 rank: int, max_slots: int) -> None:
+        """Which runs keep their moments in memory, each streamed run's region in the file (created
+        and allocated here when some run streams) and the pool's slots."""
         self._offset: dict[int, int] = {}
         self._resident: dict[int, torch.Tensor] = {
             id(r.tensor): aligned_empty(aligned(r.tensor.numel() * 4) * len(KEYS) // 4, torch.float32)
@@ -68,21 +92,19 @@ class NvmeOptimizerState(MutableMapping):
         for run in streamed:
             self._offset[id(run.tensor)] = offset
             offset += aligned(run.tensor.numel() * 4) * len(KEYS)
-        generic_offset = {}
+        self._generic_offset: dict[int, int] = {}
         for run in self.runs:
             if id(run.tensor) in generic and id(run.tensor) not in resident:
-                generic_offset[id(run.tensor)] = offset
+                self._generic_offset[id(run.tensor)] = offset
                 offset += generic[id(run.tensor)].region_bytes
-        self.resident_bytes += sum(generic[i].region_bytes for i in generic if i not in generic_offset)
+        self.resident_bytes += sum(generic[i].region_bytes for i in generic if i not in self._generic_offset)
         self.file_bytes = offset
-        self.file: Optional[SwapFile] = None
-        self.path: Optional[str] = None
-        self.aio = None
         if offset:
             if nvme_path is None:
                 raise RuntimeError("NvmeOptimizerState: runs stream their moments to a swap file, but no nvme_path "
                                    "was given (configuration requires nvme_path for offload to 'nvme')")
-            self.file = SwapFile(nvme_path, "optim", rank)
+            if self.file is None:
+                self.file = SwapFile(nvme_path, "optim", rank)
             self.path = self.file.path
             self.file.reserve(0, offset, "offload_optimizer='nvme' needs {gib} GiB for this rank's optimizer state")
             self.aio = self.file.aio
@@ -91,19 +113,19 @@ class NvmeOptimizerState(MutableMapping):
         # model must not hold 3x the moments it offloads).
         self._slots = max(1, min(3, max_slots, len(streamed))) if streamed else 0
         self._slot_numel = largest * len(KEYS) // 4
-        self.release_pool = release_pool
-        self._pool: list[torch.Tensor] = []
-        self.pool_bytes = 0
-        """Bytes of the pool held now."""
-        if not release_pool:
+
+    def re_place(self, resident: Collection[int]) -> None:
+        """Keeps the moments of ``resident`` runs in memory and streams the others from now on, before
+        any state exists (Note [state re-placed at the first forward] in
+        zeroshard/offload/placement_replan.py): the layout is made again; a file once created stays (the
+        regions start at 0 again)."""
+        if len(self) or self.generic.runs:
+            raise RuntimeError(f"NvmeOptimizerState.re_place: {len(self)} run(s) already hold state, or runs of a "
+                               "class of their own stream here: moments are only re-placed before they exist")
+        self._lay_out(resident, {}, *self._where)
+        self._pool, self.pool_bytes = [], 0
+        if not self.release_pool:
             self._allocate_pool()
-        self._steps: dict[int, torch.Tensor] = {}
-        self._keys = {id(r.tensor): r.tensor for r in self.runs}
-        self.generic = GenericRecords(generic, generic_offset, lambda buf, off: self._swap_file().pread(buf, off),
-                                      lambda buf, off: self._swap_file().pwrite(buf, off),
-                                      step_fn or (lambda part: part.step()))
-        self.before_close: list[Callable[[], None]] = []
-        """Run once by ``close`` before the file goes (the optimizer's teardown joins a step in flight)."""
 
     def _allocate_pool(self) -> None:
         try:
