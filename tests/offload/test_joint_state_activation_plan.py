@@ -4,7 +4,12 @@ plan gives the least predicted step time (``zeroshard estimate``'s joint choice:
 test_estimate_shows_the_activation_plan). On an accelerator, keeping the state on the device pushes
 activations off it where moving the optimizer state to host memory and keeping the activations is faster;
 on a CPU, a budget where the state-first plan leaves no room for the activations trains under the joint
-plan, with the same bits as without any offload."""
+plan, with the same bits as without any offload, and so does the shape measured at the first forward
+(``PlannedActivations()``): planned there with the state as a declared shape is at construction, the state
+moved to that placement before the first block runs (Note [state re-placed at the first forward] in
+zeroshard/offload/placement_replan.py). Before that, state first: the measured sequence was refused. A
+budget no candidate meets is refused at the first forward with the declared run's message (the longest
+sequence and the smallest budget that fit)."""
 from __future__ import annotations
 
 import math
@@ -51,32 +56,65 @@ def test_joint_plan_moves_optimizer_state_to_host_rather_than_activations(tmp_pa
     assert joint.report()["bytes_moved_per_step"]["activations"] == joint.activations.moved_per_step
 
 
-@pytest.mark.filterwarnings("ignore:offload='auto'")
-def test_joint_plan_trains_where_state_first_refuses_with_the_same_bits(tmp_path):
-    d = str(tmp_path)
-    over, bucket = {"seq_len": 128}, 0.02  # (long inputs, small units: the state can give up memory finely)
-    roomy = w.train_planned(1 << 30, d, True, steps=0, shape_over=over, bucket_size_mb=bucket)  # (planned at build)
-    plan = roomy["report"]["plan"]
-    assert roomy["joint"]["chosen"] == 0 and roomy["joint"]["sequential"], "a roomy budget: the state-first plan"
-    state = (1 << 30) - plan["memory_left"]["device"]
-    inp = w.BATCH * 128 * w.CFG.d_model * 4
-    cfg = replace(w.CFG, activation_checkpointing=True, **over)
-    least = least_device(shape_of(TinyGPT(cfg), cfg.n_layers), PlannedActivations(micro_batch=w.BATCH, seq_len=128),
+OVER, BUCKET, SEQ = {"seq_len": 128}, 0.02, 128  # (long inputs, small units: the state can give up memory finely)
+
+
+def _train(budget: int, directory: str, declared: bool, steps: int = 2, planned: bool = True) -> dict:
+    return w.train_planned(budget, directory, planned, steps=steps, declared=declared, shape_over=OVER,
+                           bucket_size_mb=BUCKET)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("nvme"))
+    roomy = _train(1 << 30, d, True, steps=0)  # (planned at construction: the state's memory, no step)
+    state = (1 << 30) - roomy["report"]["plan"]["memory_left"]["device"]
+    cfg = replace(w.CFG, activation_checkpointing=True, **OVER)
+    least = least_device(shape_of(TinyGPT(cfg), cfg.n_layers), PlannedActivations(micro_batch=w.BATCH, seq_len=SEQ),
                          4, {"host": 0})  # (the device bytes of the fully offloaded activation plan)
-    budget = None
-    for below in range(inp // 2, 2 * inp, inp // 4):  # (under the state plus the least activations: state first refuses)
-        try:
-            got = w.train_planned(state + least - below, d, True, steps=2, shape_over=over, bucket_size_mb=bucket)
-        except ValueError:
-            continue
-        budget = state + least - below
-        break
-    assert budget is not None, "no budget under the state-first minimum trains"
+    budget = state + least - w.BATCH * SEQ * w.CFG.d_model * 2  # (half an input under it: state first refuses)
+    return {"budget": budget, "state": state, "dir": d, "declared": _train(budget, d, True),
+            "measured": _train(budget, d, False), "state_first": _train(budget, d, True, planned=False)}
+
+
+@pytest.mark.filterwarnings("ignore:offload='auto'")
+def test_joint_plan_trains_where_state_first_refuses_with_the_same_bits(runs):
+    got, want = runs["declared"], runs["state_first"]  # (want: no activation plan, the state placed first)
     assert got["joint"]["chosen"] > 0 and got["joint"]["sequential_seconds"] is None, got["joint"]
     assert got["joint"]["bytes_moved_per_step"]["state_nvme_written"] > 0, "the joint plan streams state"
     assert math.isfinite(got["joint"]["predicted_seconds"])
-    want = w.train_planned(budget, d, False, steps=2, shape_over=over, bucket_size_mb=bucket)
     for step, (g, r) in enumerate(zip(got["grads"], want["grads"])):
         assert_same(g, r, f"gradients of step {step} under the joint plan")
     assert_same(got["weights"], want["weights"], "weights after 2 steps")
 
+
+@pytest.mark.filterwarnings("ignore:offload='auto'")
+def test_measured_shape_trains_under_the_declared_joint_plan_with_its_bits(runs):
+    declared, measured = runs["declared"], runs["measured"]
+    assert measured["joint"]["chosen"] == declared["joint"]["chosen"], (measured["joint"], declared["joint"])
+    assert measured["report"]["plan"]["blocks"] == declared["report"]["plan"]["blocks"]
+    assert measured["state"] == declared["state"], "the state lives where the declared run keeps it"
+    assert measured["state"]["applied"]["moments"]["nvme"] > 0, "the joint plan streams moments"
+    for step, (g, r) in enumerate(zip(measured["grads"], declared["grads"])):
+        assert_same(g, r, f"gradients of step {step}, shape measured vs declared")
+    assert_same(measured["weights"], declared["weights"], "weights after 2 steps, shape measured vs declared")
+
+
+@pytest.mark.filterwarnings("ignore:offload='auto'")
+def test_report_says_planned_at_the_first_forward_what_moved_and_refuses_as_declared(runs):
+    joint, first = runs["measured"]["joint"], runs["state_first"]["state"]["units"]
+    assert joint["planned"] == "first forward" and joint["re_placed"], joint
+    assert runs["declared"]["joint"]["planned"] == "construction"
+    want = [{"unit": a["index"], "kind": k, "from": a[k], "to": b[k]}
+            for a, b in zip(first, runs["declared"]["state"]["units"]) for k in a if k not in ("index", "cached")
+            and a[k] != b[k]]  # (the state-first placement against the joint one, as the declared run holds it)
+    assert want and [{k: m[k] for k in ("unit", "kind", "from", "to")} for m in joint["moved"]] == want
+    assert joint["moved_bytes"] == sum(m["bytes"] for m in joint["moved"]) > 0
+    # a budget no candidate meets: the joint search's refusal, at the first forward, as at construction
+    budget = runs["state"]
+    with pytest.raises(ValueError) as at_build:
+        _train(budget, runs["dir"], True, steps=1)
+    with pytest.raises(ValueError) as at_forward:
+        _train(budget, runs["dir"], False, steps=1)
+    assert "the longest sequence that fits is" in str(at_forward.value)
+    assert str(at_forward.value) == str(at_build.value)
