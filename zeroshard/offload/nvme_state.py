@@ -62,8 +62,8 @@ class NvmeOptimizerState(MutableMapping):
         self.file: Optional[SwapFile] = None
         self.path: Optional[str] = None
         self.aio: Optional[AsyncIO] = None
-        self._where = (nvme_path, rank, max_slots)  # (``re_place`` lays out again with them)
-        self._lay_out(resident, generic, nvme_path, rank, max_slots)
+        self._where = (nvme_path, rank, max_slots)  # (the file's, and the pool's bound: ``re_place`` too)
+        self._lay_out(resident, generic)
         self.release_pool = release_pool
         self._pool: list[torch.Tensor] = []
         self.pool_bytes = 0
@@ -78,8 +78,7 @@ class NvmeOptimizerState(MutableMapping):
         self.before_close: list[Callable[[], None]] = []
         """Run once by ``close`` before the file goes (the optimizer's teardown joins a step in flight)."""
 
-    def _lay_out(self, resident: Collection[int], generic: dict[int, GenericRun], nvme_path: Optional[str],
-                 rank: int, max_slots: int) -> None:
+    def _lay_out(self, resident: Collection[int], generic: dict[int, GenericRun]) -> None:
         """Which runs keep their moments in memory, each streamed run's region in the file (created
         and allocated here when some run streams) and the pool's slots."""
         self._offset: dict[int, int] = {}
@@ -98,16 +97,27 @@ class NvmeOptimizerState(MutableMapping):
                 self._generic_offset[id(run.tensor)] = offset
                 offset += generic[id(run.tensor)].region_bytes
         self.resident_bytes += sum(generic[i].region_bytes for i in generic if i not in self._generic_offset)
-        self.file_bytes = offset
-        if offset:
-            if nvme_path is None:
-                raise RuntimeError("NvmeOptimizerState: runs stream their moments to a swap file, but no nvme_path "
-                                   "was given (configuration requires nvme_path for offload to 'nvme')")
-            if self.file is None:
-                self.file = SwapFile(nvme_path, "optim", rank)
-            self.path = self.file.path
-            self.file.reserve(0, offset, "offload_optimizer='nvme' needs {gib} GiB for this rank's optimizer state")
-            self.aio = self.file.aio
+        self.file_bytes = 0
+        self._reserve(offset)
+        self._size_pool(streamed, self._where[2])
+
+    def _reserve(self, end: int) -> None:
+        """Regions up to byte ``end`` of the file (created with the first region), allocated on disk now."""
+        if end <= self.file_bytes:
+            return
+        nvme_path, rank, _ = self._where
+        if nvme_path is None:
+            raise RuntimeError("NvmeOptimizerState: runs stream their moments to a swap file, but no nvme_path "
+                               "was given (configuration requires nvme_path for offload to 'nvme')")
+        if self.file is None:
+            self.file = SwapFile(nvme_path, "optim", rank)
+        self.path = self.file.path
+        self.file.reserve(self.file_bytes, end - self.file_bytes,
+                          "offload_optimizer='nvme' needs {gib} GiB for this rank's optimizer state")
+        self.aio = self.file.aio
+        self.file_bytes = end
+
+    def _size_pool(self, streamed: Sequence[Any], max_slots: int) -> None:
         largest = max((aligned(r.tensor.numel() * 4) for r in streamed), default=ALIGN)
         # Three slots overlap read, update and write; fewer runs need fewer slots (a one-unit
         # model must not hold 3x the moments it offloads).
@@ -115,14 +125,33 @@ class NvmeOptimizerState(MutableMapping):
         self._slot_numel = largest * len(KEYS) // 4
 
     def re_place(self, resident: Collection[int]) -> None:
-        """Keeps the moments of ``resident`` runs in memory and streams the others from now on, before
-        any state exists (Note [state re-placed at the first forward] in
-        zeroshard/offload/placement_replan.py): the layout is made again; a file once created stays (the
-        regions start at 0 again)."""
-        if len(self) or self.generic.runs:
-            raise RuntimeError(f"NvmeOptimizerState.re_place: {len(self)} run(s) already hold state, or runs of a "
-                               "class of their own stream here: moments are only re-placed before they exist")
-        self._lay_out(resident, {}, *self._where)
+        """Keeps the moments of ``resident`` runs in memory and streams the others from now on (Note
+        [state re-placed at the first forward] in zeroshard/offload/placement_replan.py): a run leaving
+        memory gets a region at the file's end and its moments (if it has any yet: a checkpoint loaded)
+        are written there, a run coming back gets a buffer its moments are read into; the others stay
+        where they are (the file, scratch, keeps the regions given up)."""
+        if self.generic.runs:
+            raise RuntimeError(f"NvmeOptimizerState.re_place: {len(self.generic.runs)} run(s) of a class of their "
+                               "own stream here, whose state is not re-placed")
+        for r in self.runs:
+            t = r.tensor
+            if id(t) in self._offset and id(t) in resident:
+                buf = aligned_empty(self._region(t)[1] // 4, torch.float32)
+                if id(t) in self._steps:
+                    self._read(t, buf).wait()
+                del self._offset[id(t)]
+                self._resident[id(t)] = buf
+        leaving = [r.tensor for r in self.runs if id(r.tensor) in self._resident and id(r.tensor) not in resident]
+        end = self.file_bytes
+        for t in leaving:
+            self._offset[id(t)], end = end, end + aligned(t.numel() * 4) * len(KEYS)
+        self._reserve(end)
+        for t in leaving:
+            buf = self._resident.pop(id(t))
+            if id(t) in self._steps:
+                self._write(t, buf).wait()
+        self.resident_bytes = sum(b.numel() * 4 for b in self._resident.values())
+        self._size_pool([r for r in self.runs if id(r.tensor) in self._offset], self._where[2])
         self._pool, self.pool_bytes = [], 0
         if not self.release_pool:
             self._allocate_pool()

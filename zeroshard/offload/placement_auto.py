@@ -19,7 +19,7 @@ from zeroshard.offload.placement import (FrozenUnit, JointActivations, StatePlac
                                         largest_parts, live_units)
 from zeroshard.planner.auto_placement import KINDS, Fixed, MemoryBudget, Plan, plan_auto
 from zeroshard.offload.activations.workload import PlannedActivations
-from zeroshard.offload.placement_replan import moves, re_place, same_layout, state_exists
+from zeroshard.offload.placement_replan import gradients_exist, moves, re_place, same_layout
 from zeroshard.planner.joint_plan import plan_joint, state_candidates
 from zeroshard.units.elementwise import update_kind
 from zeroshard.units.tier import Tier
@@ -114,7 +114,7 @@ class AutoPlacement(StatePlacement):
         activations planned together as with a declared shape, and the state moved to that placement
         before any block runs (Note [state re-placed at the first forward] in placement_replan.py); the
         refusal of the joint search (naming what fits) where no candidate's activations fit."""
-        why = self.re_place_blocker or state_exists(self._units, self.swapper)
+        why = self.re_place_blocker or gradients_exist(self._units)
         if why is not None:
             self.joint = {"planned": "first forward", "re_placed": False, "why": why}
             return

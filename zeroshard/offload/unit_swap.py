@@ -140,10 +140,10 @@ class NvmeUnitStore:
 
     def re_adopt(self, unit: FlatUnit, parts: Sequence[str]) -> None:
         """Keeps ``parts`` of ``unit`` here from now on instead of what it kept (nothing for a unit
-        never adopted), before the first step (Note [state re-placed at the first forward] in
+        never adopted), at the first forward (Note [state re-placed at the first forward] in
         zeroshard/offload/placement_replan.py): parts leaving are read back into memory and their
         regions forgotten (the file, scratch, keeps the space), parts arriving get a region at the
-        file's end and leave memory as in ``adopt``."""
+        file's end, are written there (a gradient only once it has a value) and leave memory."""
         old, parts = self._parts.get(id(unit), ()), tuple(parts)
         if parts == old:
             return
@@ -170,7 +170,7 @@ class NvmeUnitStore:
             self._largest = max(self._largest, sum(self.tensor_of(unit, p).numel() * self.tensor_of(unit, p)
                                                    .element_size() for p in parts))
             for h in [self.file.pwrite(self.tensor_of(unit, p), self._regions[(id(unit), p)])
-                      for p in arriving if p != "grad" and is_allocated(self.tensor_of(unit, p))]:
+                      for p in arriving if (p != "grad" or unit.grad_valid) and is_allocated(self.tensor_of(unit, p))]:
                 h.wait()
             for part in arriving:
                 free_storage(self.tensor_of(unit, part))
