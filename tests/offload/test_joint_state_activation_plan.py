@@ -9,13 +9,19 @@ plan, with the same bits as without any offload, and so does the shape measured 
 moved to that placement before the first block runs (Note [state re-placed at the first forward] in
 zeroshard/offload/placement_replan.py). Before that, state first: the measured sequence was refused. A
 budget no candidate meets is refused at the first forward with the declared run's message (the longest
-sequence and the smallest budget that fit)."""
+sequence and the smallest budget that fit). Moments loaded from a checkpoint before the first forward
+move with their values (a resumed run: the same bits as resumed with the shape declared)."""
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import replace
+from typing import Optional
 
 import pytest
+import torch
+
+import zeroshard
 
 from zeroshard.offload.activations.planned import least_device, memory_left, shape_of
 from zeroshard.offload.activations.workload import PlannedActivations
@@ -23,7 +29,7 @@ from zeroshard.planner.activation_plan import Links, best_activations, plan_acti
 from zeroshard.planner.auto_placement import Fixed, MemoryBudget, UnitSpec
 from zeroshard.planner.joint_plan import plan_joint, state_candidates, state_seconds
 from zeroshard.planner.model_shape import ModelShape
-from zeroshard.testing.toy import TinyGPT
+from zeroshard.testing.toy import TinyGPT, synthetic_batch
 from zeroshard.units.tier import Tier
 
 from tests.support import act_offload_worker as w
@@ -74,7 +80,12 @@ def runs(tmp_path_factory):
                          4, {"host": 0})  # (the device bytes of the fully offloaded activation plan)
     budget = state + least - w.BATCH * SEQ * w.CFG.d_model * 2  # (half an input under it: state first refuses)
     return {"budget": budget, "state": state, "dir": d, "declared": _train(budget, d, True),
-            "measured": _train(budget, d, False), "state_first": _train(budget, d, True, planned=False)}
+            "state_first": _train(budget, d, True, planned=False)}
+
+
+@pytest.fixture(scope="module")
+def measured(runs):
+    return _train(runs["budget"], runs["dir"], False)  # (the shape measured at the first forward)
 
 
 @pytest.mark.filterwarnings("ignore:offload='auto'")
@@ -89,8 +100,8 @@ def test_joint_plan_trains_where_state_first_refuses_with_the_same_bits(runs):
 
 
 @pytest.mark.filterwarnings("ignore:offload='auto'")
-def test_measured_shape_trains_under_the_declared_joint_plan_with_its_bits(runs):
-    declared, measured = runs["declared"], runs["measured"]
+def test_measured_shape_trains_under_the_declared_joint_plan_with_its_bits(runs, measured):
+    declared = runs["declared"]
     assert measured["joint"]["chosen"] == declared["joint"]["chosen"], (measured["joint"], declared["joint"])
     assert measured["report"]["plan"]["blocks"] == declared["report"]["plan"]["blocks"]
     assert measured["state"] == declared["state"], "the state lives where the declared run keeps it"
@@ -101,8 +112,8 @@ def test_measured_shape_trains_under_the_declared_joint_plan_with_its_bits(runs)
 
 
 @pytest.mark.filterwarnings("ignore:offload='auto'")
-def test_report_says_planned_at_the_first_forward_what_moved_and_refuses_as_declared(runs):
-    joint, first = runs["measured"]["joint"], runs["state_first"]["state"]["units"]
+def test_report_says_planned_at_the_first_forward_what_moved_and_refuses_as_declared(runs, measured):
+    joint, first = measured["joint"], runs["state_first"]["state"]["units"]
     assert joint["planned"] == "first forward" and joint["re_placed"], joint
     assert runs["declared"]["joint"]["planned"] == "construction"
     want = [{"unit": a["index"], "kind": k, "from": a[k], "to": b[k]}
@@ -118,3 +129,38 @@ def test_report_says_planned_at_the_first_forward_what_moved_and_refuses_as_decl
         _train(budget, runs["dir"], False, steps=1)
     assert "the longest sequence that fits is" in str(at_forward.value)
     assert str(at_forward.value) == str(at_build.value)
+
+
+def _resumed(budget: int, directory: str, declared: bool, saved: Optional[tuple[dict, dict]]) -> dict:
+    """One step of a TinyGPT under ``budget`` (the shape declared or measured), from ``saved`` (the model's
+    and the optimizer's state dicts) when given; its gradients, weights, state placement and state dicts."""
+    cfg = replace(w.CFG, activation_checkpointing=True, **OVER)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    shape = {"micro_batch": w.BATCH, "seq_len": SEQ} if declared else {}
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=2, offload="auto",
+                                  memory_budget={"host": budget, "reserve": 0}, nvme_path=directory,
+                                  offload_activations=zeroshard.PlannedActivations(**shape), bucket_size_mb=BUCKET)
+    try:
+        if saved is not None:
+            model.load_state_dict(saved[0])
+            opt.load_state_dict(copy.deepcopy(saved[1]))
+        torch.manual_seed(2)
+        model(*synthetic_batch(int(saved is not None), w.BATCH, cfg)).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        report = opt.placement_report()
+        return {"grads": grads, "weights": copy.deepcopy(model.state_dict()), "units": report["units"],
+                "joint": report["joint"], "saved": (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))}
+    finally:
+        opt.close()
+
+
+@pytest.mark.filterwarnings("ignore:offload='auto'")
+def test_moments_loaded_before_the_first_forward_move_with_their_values(runs):
+    saved = _resumed(runs["budget"], runs["dir"], True, None)["saved"]  # (a step's moments, the joint plan's)
+    declared, measured = (_resumed(runs["budget"], runs["dir"], d, saved) for d in (True, False))
+    assert measured["joint"]["re_placed"] and measured["joint"]["moved"], measured["joint"]
+    assert measured["units"] == declared["units"]
+    assert_same(measured["grads"], declared["grads"], "gradients of the resumed step, shape measured vs declared")
+    assert_same(measured["weights"], declared["weights"], "weights after the resumed step (moments moved with values)")
