@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import replace
-from typing import Optional
 
 import pytest
 import torch
@@ -65,9 +64,9 @@ def test_joint_plan_moves_optimizer_state_to_host_rather_than_activations(tmp_pa
 OVER, BUCKET, SEQ = {"seq_len": 128}, 0.02, 128  # (long inputs, small units: the state can give up memory finely)
 
 
-def _train(budget: int, directory: str, declared: bool, steps: int = 2, planned: bool = True) -> dict:
+def _train(budget: int, directory: str, declared: bool, steps: int = 2, planned: bool = True, **kw) -> dict:
     return w.train_planned(budget, directory, planned, steps=steps, declared=declared, shape_over=OVER,
-                           bucket_size_mb=BUCKET)
+                           bucket_size_mb=BUCKET, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +78,7 @@ def runs(tmp_path_factory):
     least = least_device(shape_of(TinyGPT(cfg), cfg.n_layers), PlannedActivations(micro_batch=w.BATCH, seq_len=SEQ),
                          4, {"host": 0})  # (the device bytes of the fully offloaded activation plan)
     budget = state + least - w.BATCH * SEQ * w.CFG.d_model * 2  # (half an input under it: state first refuses)
-    return {"budget": budget, "state": state, "dir": d, "declared": _train(budget, d, True),
+    return {"budget": budget, "state": state, "dir": d, "declared": _train(budget, d, True, state_dicts=True),
             "state_first": _train(budget, d, True, planned=False)}
 
 
@@ -131,9 +130,9 @@ def test_report_says_planned_at_the_first_forward_what_moved_and_refuses_as_decl
     assert str(at_forward.value) == str(at_build.value)
 
 
-def _resumed(budget: int, directory: str, declared: bool, saved: Optional[tuple[dict, dict]]) -> dict:
-    """One step of a TinyGPT under ``budget`` (the shape declared or measured), from ``saved`` (the model's
-    and the optimizer's state dicts) when given; its gradients, weights, state placement and state dicts."""
+def _resumed(budget: int, directory: str, declared: bool, saved: tuple[dict, dict]) -> dict:
+    """One step of a TinyGPT under ``budget`` (the shape declared or measured) from ``saved`` (the model's
+    and the optimizer's state dicts); its gradients, weights and state placement."""
     cfg = replace(w.CFG, activation_checkpointing=True, **OVER)
     torch.manual_seed(0)
     model = TinyGPT(cfg)
@@ -142,23 +141,22 @@ def _resumed(budget: int, directory: str, declared: bool, saved: Optional[tuple[
                                   memory_budget={"host": budget, "reserve": 0}, nvme_path=directory,
                                   offload_activations=zeroshard.PlannedActivations(**shape), bucket_size_mb=BUCKET)
     try:
-        if saved is not None:
-            model.load_state_dict(saved[0])
-            opt.load_state_dict(copy.deepcopy(saved[1]))
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(copy.deepcopy(saved[1]))
         torch.manual_seed(2)
-        model(*synthetic_batch(int(saved is not None), w.BATCH, cfg)).backward()
+        model(*synthetic_batch(2, w.BATCH, cfg)).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
         report = opt.placement_report()
         return {"grads": grads, "weights": copy.deepcopy(model.state_dict()), "units": report["units"],
-                "joint": report["joint"], "saved": (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))}
+                "joint": report["joint"]}
     finally:
         opt.close()
 
 
 @pytest.mark.filterwarnings("ignore:offload='auto'")
 def test_moments_loaded_before_the_first_forward_move_with_their_values(runs):
-    saved = _resumed(runs["budget"], runs["dir"], True, None)["saved"]  # (a step's moments, the joint plan's)
+    saved = runs["declared"]["saved"]  # (after 2 steps under the joint plan: moments with values)
     declared, measured = (_resumed(runs["budget"], runs["dir"], d, saved) for d in (True, False))
     assert measured["joint"]["re_placed"] and measured["joint"]["moved"], measured["joint"]
     assert measured["units"] == declared["units"]
