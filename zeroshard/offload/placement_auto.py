@@ -99,8 +99,9 @@ class AutoPlacement(StatePlacement):
         if wanted.micro_batch is not None:
             return "the micro-batch's shape is declared: planned with the state at construction"
         classes = {g.get("optimizer_class", optimizer_class) for g in groups}
-        why = ("with an accelerator, the state is placed before the first forward (state first)" if self.accelerator
-               else "at stage 3 the state is placed before the first forward (state first)" if config.stage == 3
+        why = ("at stage 3 the state is placed before the first forward (state first)" if config.stage == 3
+               else "with an accelerator only stage 3's shards give up device memory for the activations: state "
+                    "first is the joint search's only candidate" if self.accelerator
                else "without nvme_path no state can give up memory for the activations" if config.nvme_path is None
                else "the fused Adam kernel is off (fused_adam=False)" if not config.fused_adam
                else None)
