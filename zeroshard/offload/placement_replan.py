@@ -27,11 +27,13 @@ resident buffers instead of the per-parameter inner optimizer: the same kernel a
 every parameter with a gradient, but a parameter that never gets one is decayed like its unit's others
 (as under any streaming plan: Note [one run per parameter]).
 
-Not re-placed (state first, as before; ``placement_report()["joint"]["why"]`` says why): with an
-accelerator (the candidates move shards and moments between device and host memory, which this does
-not do), at stage 3 (shards are read for the gathers of the forward already running), without
-nvme_path (every candidate but the first needs it), with an optimizer the fused Adam kernel does not
-run, and when gradients exist before the first forward.
+Not re-placed (state first, as before; ``placement_report()["joint"]["why"]`` says why): at stage 3
+(the candidates move shards, which the gatherer is reading and prefetching for the forward already
+running, and change the parameter cache and the prefetch depth it was started with: declare the shape
+there), with an accelerator at stages 1-2 (the joint search has no candidate but the state-first plan
+there: only stage 3's shards give up device memory), without nvme_path (every candidate but the first
+needs it), with an optimizer the fused Adam kernel does not run, and when gradients exist before the
+first forward.
 """
 from __future__ import annotations
 
