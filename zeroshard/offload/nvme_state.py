@@ -99,7 +99,7 @@ class NvmeOptimizerState(MutableMapping):
         self.resident_bytes += sum(generic[i].region_bytes for i in generic if i not in self._generic_offset)
         self.file_bytes = 0
         self._reserve(offset)
-        self._size_pool(streamed, self._where[2])
+        self._size_pool([r.tensor for r in streamed], self._where[2])
 
     def _reserve(self, end: int) -> None:
         """Regions up to byte ``end`` of the file (created with the first region), allocated on disk now."""
@@ -117,8 +117,9 @@ class NvmeOptimizerState(MutableMapping):
         self.aio = self.file.aio
         self.file_bytes = end
 
-    def _size_pool(self, streamed: Sequence[Any], max_slots: int) -> None:
-        largest = max((aligned(r.tensor.numel() * 4) for r in streamed), default=ALIGN)
+    def _size_pool(self, streamed: Sequence[torch.Tensor], max_slots: int) -> None:
+        """The pool's slots for the streamed runs (their tensors)."""
+        largest = max((aligned(t.numel() * 4) for t in streamed), default=ALIGN)
         # Three slots overlap read, update and write; fewer runs need fewer slots (a one-unit
         # model must not hold 3x the moments it offloads).
         self._slots = max(1, min(3, max_slots, len(streamed))) if streamed else 0
@@ -151,7 +152,7 @@ class NvmeOptimizerState(MutableMapping):
             if id(t) in self._steps:
                 self._write(t, buf).wait()
         self.resident_bytes = sum(b.numel() * 4 for b in self._resident.values())
-        self._size_pool([r for r in self.runs if id(r.tensor) in self._offset], self._where[2])
+        self._size_pool([r.tensor for r in self.runs if id(r.tensor) in self._offset], self._where[2])
         self._pool, self.pool_bytes = [], 0
         if not self.release_pool:
             self._allocate_pool()
