@@ -24,6 +24,9 @@ committing every step. For each configuration (stage 1, 2, 3; stage 2 with ``off
     memory stays), then the reference resumed at world 4.
 
   Weights, fp32 masters, moments and step counts are compared with ``torch.equal``.
+- ``--scale-up`` instead: node A alone at world 2 commits step ``--kill-step`` and waits; node B
+  (an empty tier) joins, the launcher restarts both at world 4, which go on from node A's tier;
+  against the uninterrupted world-2 run's disk save of that step resumed at world 4.
 
 Per cell: bitwise, the step recovered, completed steps lost (the newest step the optimizer
 finished before the kill, minus the step recovered: the step in flight and a commit still in
@@ -33,8 +36,8 @@ from the kill to the restarted workers' start (the launcher: rendezvous and spaw
 ``load_checkpoint`` returning, and to their first step completed. Every launcher has a timeout;
 every worker dumps its threads' stacks (faulthandler) and exits if it runs past ``--hang-after``.
 
-    python benchmarks/bench_peer_kill_points.py [--lose node|process] [--configs s1,s2,s3,s2-offload]
-        [--points forward,reduce_scatter,optimizer_step,replica_copy,save] [--steps 5 --kill-step 3]
+    python benchmarks/bench_peer_kill_points.py [--lose node|process | --scale-up] [--configs s1,s2,s3,s2-offload]
+        [--points forward,reduce_scatter,optimizer_step,replica_copy,save] [--steps 5 --kill-step 3] [--pg-timeout 60]
 """
 from __future__ import annotations
 
@@ -117,15 +120,19 @@ def worker(a: argparse.Namespace) -> None:
     # number the round by joining a counter (each worker once per round) and key the process
     # group by it (finetune's setup_distributed keys it by the restart count: it would mix rounds).
     # (After a node is lost the survivors' restart count says it: their store may be a new one.)
+    # (--scale-up runs without the agent's store, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0
+    # hosts a fresh one each round.)
     world = int(os.environ["WORLD_SIZE"])
-    timeout = datetime.timedelta(seconds=120)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+    timeout = datetime.timedelta(seconds=float(os.environ.get("ZEROSHARD_PG_TIMEOUT", "120")))
+    host = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False" and os.environ["RANK"] == "0"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=host,
                           timeout=timeout)
     round_ = (store.add("zeroshard-kill-bench/joins", 1) - 1) // world
     dist.init_process_group("gloo", store=dist.PrefixStore(f"zeroshard-kill-bench/round-{round_}", store),
                             rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
     rank = dist.get_rank()
-    restarted = round_ > 0 or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    restarted = round_ > 0 or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 or (
+        a.grow_at > 0 and world > 2)
     if restarted:
         kill_points.ARMED = None
     else:
@@ -173,6 +180,14 @@ def worker(a: argparse.Namespace) -> None:
                                           optimizer=opt, scheduler=sched)
             elif saving and step + 1 == a.save_at:
                 zeroshard.save_checkpoint(a.load_root, step + 1, model=model, optimizer=opt, scheduler=sched)
+            if step + 1 == a.grow_at and not restarted:  # (--scale-up: wait, committed, for node B)
+                opt.engine.memory_tier.wait()
+                dist.barrier()
+                if rank == 0:
+                    with open(os.path.join(a.out, "grow.json"), "w") as f:
+                        json.dump({"t": time.time()}, f)
+                while True:  # (until the launcher, seeing node B wait, restarts the workers at world 4)
+                    time.sleep(0.1)
         opt.engine.memory_tier.wait()
 
     start = resume(a.load_root, "resume") if restarted else 0
@@ -205,33 +220,41 @@ def _kill_tree(pid: int) -> None:
 
 
 def _job(a: argparse.Namespace, out: str, tiers: list[str], extra: list[str], env: dict, restarts: int,
-         lose_node: bool = False) -> tuple[int, str, list[int]]:
-    """Two launchers as two nodes; (the worst exit status, their logs, each one's). ``lose_node``:
-    node A (index 0, the store host, 127.0.0.1) elastic 1:2 with short rendezvous timeouts,
-    node B (index 1, 127.0.0.2) 2:2 started first; after node B's launcher ends its tier
-    directory is deleted if its dying worker has not done it."""
+         mode: str = "same") -> tuple[int, str, list[int]]:
+    """Launchers as nodes; (the worst exit status, their logs, each one's). ``mode``: "same",
+    two nodes ``--nnodes 2``; "single", node A alone ``--nnodes 1``; "lose", node A (index 0,
+    the store host, 127.0.0.1) elastic 1:2 with short rendezvous timeouts and node B (127.0.0.2)
+    2:2 started first, node B's tier directory deleted once its launcher ends if its dying
+    worker has not done it; "grow", node A 1:2 alone, node B 1:2 started once node A's workers
+    wrote ``grow.json`` (the addresses order the nodes: node A is ranks 0-1 whatever the pids)."""
     from zeroshard.testing.launch import free_port
     endpoint, rid = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
     os.makedirs(out, exist_ok=True)
+    order = {"same": [0, 1], "single": [0], "lose": [1, 0], "grow": [0, 1]}[mode]
+    elastic = mode in ("lose", "grow")
     procs: dict[int, tuple[subprocess.Popen, object]] = {}
-    order = [1, 0] if lose_node else [0, 1]
+    deadline = time.monotonic() + a.timeout
     for node in order:
         conf = f"is_host={int(node == 0)}"
-        if lose_node:  # (a lost node's heartbeat is missed within 2 s; then 5 s for anyone else to join)
-            conf += ",join_timeout=120,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
-        nnodes = ("1:2" if node == 0 else "2:2") if lose_node else "2"
-        addr = "127.0.0.2" if lose_node and node == 1 else "127.0.0.1"
+        if elastic:  # (a lost node's heartbeat is missed within 2 s; then 5 s for anyone else to join.
+            # Growing, 5 s: a heartbeat late by 2 s at load let node B drop node A and start alone.)
+            conf += (",join_timeout=120,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt="
+                     f"{5 if mode == 'grow' else 2}")
+        nnodes = {"same": "2", "single": "1", "lose": "2:2" if node else "1:2", "grow": "1:2"}[mode]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "2",
                "--max-restarts", str(restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-               "--rdzv-id", rid, "--rdzv-conf", conf, "--local-addr", addr,
+               "--rdzv-id", rid, "--rdzv-conf", conf, "--local-addr", f"127.0.0.{node + 1}" if elastic else "127.0.0.1",
                os.path.abspath(__file__), "--worker", "--tier", tiers[node], "--out", out, "--node-index", str(node),
                "--lose", a.lose, "--hang-after", str(a.hang_after), *extra]
+        if mode == "grow" and node == 1:  # (node B joins once node A committed the step to grow at)
+            while not os.path.exists(os.path.join(out, "grow.json")) and procs[0][0].poll() is None \
+                    and time.monotonic() < deadline:
+                time.sleep(0.1)
         log = open(os.path.join(out, f"node-{node}.log"), "w")
         procs[node] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log)
-        if node == order[0]:
+        if node == order[0] and mode != "grow":
             time.sleep(1.0)  # (node 0 hosts the rendezvous store; node B, first, waits for it)
     rcs = {}
-    deadline = time.monotonic() + a.timeout
     for node in order:
         p, log = procs[node]
         try:
@@ -242,10 +265,10 @@ def _job(a: argparse.Namespace, out: str, tiers: list[str], extra: list[str], en
             with open(os.path.join(out, f"node-{node}.log"), "a") as f:
                 f.write(f"\n[driver] node {node}'s launcher ran past --timeout {a.timeout} s: killed with its workers\n")
         log.close()
-        if lose_node and node == 1:
+        if mode == "lose" and node == 1:
             shutil.rmtree(tiers[1], ignore_errors=True)
-    text = "".join(f"=== node {n}\n" + open(os.path.join(out, f"node-{n}.log")).read() for n in range(len(tiers)))
-    return max(abs(r) for r in rcs.values()), text, [rcs[n] for n in range(len(tiers))]
+    text = "".join(f"=== node {n}\n" + open(os.path.join(out, f"node-{n}.log")).read() for n in sorted(procs))
+    return max(abs(r) for r in rcs.values()), text, [rcs[n] for n in sorted(procs)]
 
 
 def _merged(out: str, prefix: str, world: int) -> dict[str, torch.Tensor]:
@@ -260,49 +283,59 @@ def _merged(out: str, prefix: str, world: int) -> dict[str, torch.Tensor]:
 
 
 def cell(a: argparse.Namespace, work: str, cfg: str, point: str, ref_dir: str, env: dict) -> dict:
+    """One kill point (``point`` of ``NTH``) or, with ``point`` "grow", the scale-up: node A alone
+    at world 2 commits step ``--kill-step`` and waits, node B joins, the launcher restarts both
+    at world 4, which recover from node A's tier alone (node B's is empty)."""
     stage, offload = CONFIGS[cfg]
-    node_lost = a.lose == "node"
-    world = 2 if node_lost else 4
+    grow, node_lost = point == "grow", a.lose == "node" and point != "grow"
+    world = 4 if grow else 2 if node_lost else 4
     out = os.path.join(work, f"{cfg}-{point}")
     tiers = [f"/dev/shm/zeroshard-kill-{uuid.uuid4().hex[:8]}-node{n}" for n in range(2)]
-    spec = f"{point}:{a.kill_step}:{a.kill_rank}:{NTH[point]}"
+    spec = "grow" if grow else f"{point}:{a.kill_step}:{a.kill_rank}:{NTH[point]}"
     t0 = time.perf_counter()
+    extra = ["--stage", str(stage), *(["--offload", offload] if offload else []), "--steps", str(a.steps),
+             "--load-root", os.path.join(out, "disk"), "--ref-dir", ref_dir]
+    extra += ["--grow-at", str(a.kill_step)] if grow else ["--save-at", str(a.kill_step)]
+    job_env = {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if grow else {**env, "ZEROSHARD_TEST_KILL_AT": spec}
     try:
-        rc, log, rcs = _job(a, out, tiers, ["--stage", str(stage), *(["--offload", offload] if offload else []),
-                                             "--steps", str(a.steps), "--load-root", os.path.join(out, "disk"),
-                                             "--ref-dir", ref_dir, "--save-at", str(a.kill_step)],
-                            {**env, "ZEROSHARD_TEST_KILL_AT": spec}, restarts=1, lose_node=node_lost)
+        rc, log, rcs = _job(a, out, tiers, extra, job_env, restarts=1,
+                            mode="grow" if grow else "lose" if node_lost else "same")
     finally:
         b_memory_left = os.path.exists(tiers[1])
         for t in tiers:
             shutil.rmtree(t, ignore_errors=True)
             shutil.rmtree(t + "-ref", ignore_errors=True)
-    row: dict = {"config": cfg, "lose": a.lose, "point": spec, "rc": rcs, "s": round(time.perf_counter() - t0, 1),
+    row: dict = {"config": cfg, "lose": "none (scale-up)" if grow else a.lose, "point": spec, "rc": rcs,
+                 "s": round(time.perf_counter() - t0, 1),
                  "killed": "Signals.SIGKILL" in log or "exitcode: -9" in log or -9 in rcs}
+    if "Timeout (0:" in log:  # (a worker's faulthandler dump: where it hung)
+        row["hang"] = log[log.index("Timeout (0:"):][:1500]
     try:
-        with open(os.path.join(out, "kill.json")) as f:
-            kill = json.load(f)
+        with open(os.path.join(out, "grow.json" if grow else "kill.json")) as f:
+            event = json.load(f)
         resumed = [json.load(open(os.path.join(out, f"resume-{r}.json"))) for r in range(world)]
         times = [json.load(open(os.path.join(out, f"times-{r}.json"))) for r in range(world)]
         a_, b_ = _merged(out, "final", world), _merged(out, "ref-final", world)
-        if node_lost and kill["node"] != 1:
-            raise ValueError(f"rank {kill['rank']} was on node {kill['node']} (the store host), not node B")
+        if node_lost and event["node"] != 1:
+            raise ValueError(f"rank {event['rank']} was on node {event['node']} (the store host), not node B")
     except (OSError, ValueError, KeyError) as exc:
         row.update(bitwise=False, error=f"{type(exc).__name__}: {exc}", log_tail=log[-3000:])
         return row
-    done_before = a.kill_step if point in ("replica_copy", "save") else a.kill_step - 1
+    done_before = a.kill_step if grow or point in ("replica_copy", "save") else a.kill_step - 1
     step = resumed[0]["step"]
     row.update(bitwise=a_.keys() == b_.keys() and all(a_[k].dtype == b_[k].dtype and torch.equal(a_[k], b_[k])
                                                       for k in a_),
-               killed_rank=kill["rank"], recovered_step=step, steps_lost=done_before - step,
+               killed_rank=event.get("rank"), recovered_step=step, steps_lost=done_before - step,
                same_step_everywhere=all(r["step"] == step for r in resumed),
                disk_bytes_read=sum(r["disk_bytes_read"] for r in resumed),
+               ref_disk_bytes_read=sum(json.load(open(os.path.join(out, f"ref-resume-{r}.json")))["disk_bytes_read"]
+                                       for r in range(world)),  # (the audit sees a disk load)
                node_b_memory_left=b_memory_left if node_lost else None,
                path=sorted({f"{r['source']}:{r['world_size']}->{world}{' resharded' if r['resharded'] else ''}"
                             for r in resumed}),
-               relaunch_s=round(min(t["start"] for t in times) - kill["t"], 2),
-               loaded_s=round(max(t["loaded"] for t in times) - kill["t"], 2),
-               first_step_s=round(max(t["first_step"] for t in times) - kill["t"], 2))
+               relaunch_s=round(min(t["start"] for t in times) - event["t"], 2),
+               loaded_s=round(max(t["loaded"] for t in times) - event["t"], 2),
+               first_step_s=round(max(t["first_step"] for t in times) - event["t"], 2))
     return row
 
 
@@ -318,6 +351,7 @@ def main() -> None:
     ap.add_argument("--save-every", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--stage", type=int, default=2, help=argparse.SUPPRESS)
     ap.add_argument("--offload", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--grow-at", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--lose", choices=("node", "process"), default="node",
                     help="node: node B (the killed rank's) goes whole, memory included, and node A goes on at "
                     "world 2; process: only the process dies, every worker restarts at world 4")
@@ -331,6 +365,12 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per torchrun job (both launchers)")
     ap.add_argument("--hang-after", type=float, default=240.0,
                     help="seconds after which a worker dumps its threads' stacks and exits (a hang)")
+    ap.add_argument("--pg-timeout", type=float, default=60.0,
+                    help="ZEROSHARD_PG_TIMEOUT of the workers (seconds; their process groups', the tier's and the "
+                    "save's side groups': how long a survivor waits in a group creation for a lost peer)")
+    ap.add_argument("--scale-up", action="store_true",
+                    help="instead of the kill points: per config, node A alone at world 2 commits step --kill-step, "
+                    "node B joins, both go on at world 4 from node A's tier; against the world-2 disk save resumed")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (the jobs' logs) and say where")
     a = ap.parse_args()
     if a.worker:
@@ -349,7 +389,8 @@ def main() -> None:
         raise ValueError(f"--kill-rank {a.kill_rank}: with --lose node the rank must be on node B (2 or 3; "
                          "node A, ranks 0-1, hosts the store and goes on)")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               ZEROSHARD_PG_TIMEOUT=str(a.pg_timeout))
     work = tempfile.mkdtemp(prefix="zs-kill-bench-")
     rows = []
     try:
@@ -360,13 +401,14 @@ def main() -> None:
             try:
                 rc, log, _ = _job(a, out, tiers, ["--stage", str(stage), *(["--offload", offload] if offload else []),
                                                    "--steps", str(a.steps), "--load-root", os.path.join(out, "none"),
-                                                   "--ref-dir", ref_dir, "--save-every"], env, restarts=0)
+                                                   "--ref-dir", ref_dir, "--save-every"], env, restarts=0,
+                                  mode="single" if a.scale_up else "same")
             finally:
                 for t in tiers:
                     shutil.rmtree(t, ignore_errors=True)
             if rc != 0:
                 raise RuntimeError(f"the reference job of {cfg} failed (rc {rc}):\n{log[-3000:]}")
-            for point in a.points.split(","):
+            for point in ["grow"] if a.scale_up else a.points.split(","):
                 rows.append(cell(a, work, cfg, point, ref_dir, env))
                 print(json.dumps(rows[-1]), flush=True)
     finally:
