@@ -157,7 +157,7 @@ def worker(a: argparse.Namespace) -> None:
             return 0
         times.setdefault("loaded", time.time())
         with open(os.path.join(a.out, f"{name}-{rank}.json"), "w") as f:
-            json.dump({**{k: info.get(k) for k in ("step", "source", "world_size", "resharded")},
+            json.dump({**{k: info.get(k) for k in ("step", "source", "world_size", "resharded", "bytes_received")},
                        "disk_bytes_read": sum(os.path.getsize(p) for p in set(opened) if os.path.isfile(p))}, f)
         return int(info["step"])
 
@@ -328,6 +328,9 @@ def cell(a: argparse.Namespace, work: str, cfg: str, point: str, ref_dir: str, e
                killed_rank=event.get("rank"), recovered_step=step, steps_lost=done_before - step,
                same_step_everywhere=all(r["step"] == step for r in resumed),
                disk_bytes_read=sum(r["disk_bytes_read"] for r in resumed),
+               # (each rank's bytes received over the process group, against its owned pieces' bytes)
+               received=[(r.get("bytes_received"), sum(t.numel() * t.element_size() for t in torch.load(
+                   os.path.join(out, f"final-{i}.pt"), weights_only=True).values())) for i, r in enumerate(resumed)],
                ref_disk_bytes_read=sum(json.load(open(os.path.join(out, f"ref-resume-{r}.json")))["disk_bytes_read"]
                                        for r in range(world)),  # (the audit sees a disk load)
                node_b_memory_left=b_memory_left if node_lost else None,
