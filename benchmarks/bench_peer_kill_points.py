@@ -32,7 +32,7 @@ Per cell: bitwise, the step recovered, completed steps lost (the newest step the
 finished before the kill, minus the step recovered: the step in flight and a commit still in
 flight are lost by design, Note [peer memory tier]), disk bytes the recovery opened (files under
 the disk roots, counted by an audit hook), the path (memory/disk, world sizes), and the wall
-from the kill to the restarted workers' start (the launcher: rendezvous and spawn), to their
+from the kill to the restarted workers' start (the launcher's rendezvous and spawn, ``import torch``), to their
 ``load_checkpoint`` returning, and to their first step completed. Every launcher has a timeout;
 every worker dumps its threads' stacks (faulthandler) and exits if it runs past ``--hang-after``.
 
