@@ -22,8 +22,10 @@
    ``PlannedActivations(checkpointed=False)``: keep / move only (``recompute=False``, the old plan)
    vs the mixed plan that also checkpoints blocks (Note [mixed activation plans]).
 7. ``joint`` (``--parts joint``): the same bisection for a TinyGPT that checkpoints its blocks, the state
-   competing for the budget: sequential (shape measured at the first forward, the state placed first) vs
-   joint (shape declared: Note [joint state and activation plan]).
+   competing for the budget: the shape measured at the first forward (``PlannedActivations()``: the state
+   placed again there with the activations, Note [state re-placed at the first forward]; before that
+   change, state first) vs declared (planned together at construction: Note [joint state and activation
+   plan]); ``--shapes`` picks which of the two run.
 Prints one JSON line per part.
 """
 from __future__ import annotations
@@ -181,7 +183,8 @@ def _trains(args: argparse.Namespace, seq: int, recompute: bool, joint: Optional
     offload="auto" with ``--budget-mib`` (the state and the activations in it), the activations planned
     (``PlannedActivations(checkpointed=False, recompute=...)``); False: the plan refused the sequence.
     ``joint`` not None: the model checkpoints its blocks, and the shape is declared (True: state and
-    activations planned together) or measured at the first forward (False: the state placed first)."""
+    activations planned together at construction) or measured at the first forward (False: planned
+    together there, the state placed again: Note [state re-placed at the first forward])."""
     cfg = GPTConfig(**{**_config(args, joint is not None).__dict__, "seq_len": seq})
     torch.manual_seed(0)
     model = TinyGPT(cfg)
@@ -329,15 +332,15 @@ def gpu_check(args: argparse.Namespace) -> dict:  # pragma: no cover - needs a G
 
 def part_joint(args: argparse.Namespace) -> dict:
     """The longest sequence a checkpointed TinyGPT trains under one fixed ``--budget-mib`` with the state
-    competing for it (Note [joint state and activation plan]): sequential (the shape measured at the
-    first forward: the state placed first, the activations in what it leaves) vs joint (declared)."""
+    competing for it (Note [joint state and activation plan]), the shape measured at the first forward
+    and declared (``--shapes``)."""
     import warnings
     warnings.filterwarnings("ignore", message="offload='auto'")
-    before, tried_before = _longest_trained(args, True, False)
-    after, tried_after = _longest_trained(args, True, True)
-    return {"part": "longest sequence, state and activations under one budget (trained)", "budget": args.budget_mib,
-            "sequential": before, "joint": after, "ratio": after / max(1, before),
-            "tried": {"sequential": tried_before, "joint": tried_after}}
+    out: dict = {"part": "longest sequence, state and activations under one budget (trained)",
+                 "budget": args.budget_mib, "tried": {}}
+    for shape in args.shapes.split(","):
+        out[shape], out["tried"][shape] = _longest_trained(args, True, shape == "declared")
+    return out
 
 
 def main() -> None:
@@ -354,6 +357,8 @@ def main() -> None:
     p.add_argument("--parts", default="bytes,longest,cgroup",
                    help="which of bytes, longest, cgroup, floor, mix, joint to run")
     p.add_argument("--bucket-mb", type=float, default=0, help="part joint: bucket_size_mb (small: finer units)")
+    p.add_argument("--shapes", default="measured,declared",
+                   help="part joint: the micro-batch's shape measured at the first forward, declared, or both")
     p.add_argument("--seq-step", type=int, default=64, help="part mix: sequences tried are multiples of this")
     p.add_argument("--seq-max", type=int, default=16384, help="part mix: the longest sequence tried")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of part floor")

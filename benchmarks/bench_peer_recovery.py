@@ -29,6 +29,15 @@
   and first step; medians over the rounds, and memory / disk for both disks.
 
     python benchmarks/bench_peer_recovery.py --recovery 3 [--hidden 2048 --layers 4 --world 2]
+
+- ``--recovery N --in-process``: the same kill, N rounds of "in-process" (``zeroshard.InProcessRecovery``,
+  Note [in-process recovery]: this script hosts the store and starts the workers; the survivors
+  re-form the group at ``--world`` - 1, rebuild and recover from the memory tiers in their
+  processes), "memory" and "disk-warm" (the torchrun paths above); medians of kill -> next
+  completed step and the ratios in-process / each torchrun path. The in-process breakdown:
+  detect (kill -> a survivor's step fails), agree, group, build, restore, first step.
+
+    python benchmarks/bench_peer_recovery.py --recovery 3 --in-process --world 3 [--hidden 2048 --layers 4]
 """
 from __future__ import annotations
 
@@ -52,6 +61,7 @@ import torch.distributed as dist
 import zeroshard
 from zeroshard.checkpoint.memory_commit import commit_step
 from zeroshard.testing.launch import free_port, spawn
+from zeroshard.train.finetune import setup_distributed
 
 
 def _model(hidden: int, layers: int) -> torch.nn.Module:
@@ -164,7 +174,10 @@ def _worker(a: argparse.Namespace) -> None:
     """One torchrun worker of a ``--recovery`` run: the first attempt trains to step 3, commits,
     saves and dies; the restarted one recovers and completes step 4, timing each part."""
     imported = time.time()
-    dist.init_process_group("gloo")
+    # (each torchrun attempt in its own key space: a plain init_process_group of a restarted
+    # attempt read the dead workers' gloo addresses from torchrun's store and waited to connect
+    # to them for the group's whole timeout, the "hang" of the earlier runs)
+    setup_distributed(600.0)
     rank = dist.get_rank()
     dist.barrier()
     pg = time.time()
@@ -210,14 +223,87 @@ def _worker(a: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def _in_process_worker(a: argparse.Namespace) -> None:
+    """One worker of an "in-process" run: trains to step 3, commits and saves; member 1 dies
+    after the barrier of step 3; the survivors' step 4 fails, they recover in their processes and
+    complete it, timing each part."""
+    model_args = (a.hidden, a.layers)
+
+    def build(rank: int, world: int) -> zeroshard.Trainee:
+        model = _model(*model_args)
+        return zeroshard.Trainee(model, zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, stage=2, redundancy=
+                                 zeroshard.PeerRedundancy(path=a.tier, run_id="recovery", every=1)))
+    x = torch.randn(a.batch, a.hidden)
+    rec = zeroshard.InProcessRecovery(zeroshard.InProcessOptions("127.0.0.1", int(a.port), timeout_s=120.0),
+                                      rank=int(a.member), world_size=a.world, build=build, root=a.disk)
+    rec.start()
+
+    def step_fn(t: zeroshard.Trainee, step: int) -> None:
+        _step(t.model, t.optimizer, x)
+        if step + 1 == 3:
+            zeroshard.save_checkpoint(a.disk, 3, model=t.model, optimizer=t.optimizer)
+    while rec.step < 3:
+        rec.run(step_fn)
+    rec.objects.optimizer.engine.memory_tier.wait()
+    dist.barrier()
+    if rec.member == 1:
+        with open(a.out + ".kill", "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    while rec.step < 4:
+        rec.run(step_fn)
+    dist.barrier()
+    stepped = time.time()
+    if rec.rank == 0:
+        with open(a.out + ".kill") as f:
+            killed = float(f.read())
+        r = rec.recoveries[0]
+        with open(a.out, "w") as f:
+            json.dump({"path": "in-process", "source": r["source"], "step": r["step"], "recovery_s": stepped - killed,
+                       "detect_s": r["at"] - killed, "agree_s": r["agree_s"], "group_s": r["group_s"],
+                       "build_s": r["build_s"], "restore_s": r["restore_s"],
+                       "first_step_s": stepped - r["at"] - r["seconds"], "world_after": rec.world_size}, f)
+    rec.close()
+
+
+def _in_process_run(a: argparse.Namespace, tier: str, disk: str, out: str) -> None:
+    """Hosts the store (as torchrun's agent would) and starts ``--world`` workers."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--in-process-worker", "--member", str(m),
+                               "--port", str(store.port), "--tier", tier, "--disk", disk, "--out", out,
+                               "--world", str(a.world), "--hidden", str(a.hidden), "--layers", str(a.layers),
+                               "--batch", str(a.batch)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))  # (as torchrun sets it)
+             for m in range(a.world)]
+    try:
+        logs = [p.communicate(timeout=900)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    codes = [p.returncode for p in procs]
+    if codes != [(-9 if m == 1 else 0) for m in range(a.world)]:
+        raise RuntimeError(f"in-process run exited {codes}:\n" + "\n".join(log[-3000:] for log in logs))
+
+
 def _recovery(a: argparse.Namespace) -> None:
     work = tempfile.mkdtemp(prefix="zs-peer-recovery-")
     runs: dict[str, list[dict]] = {}
+    paths = ("in-process", "memory", "disk-warm") if a.in_process else ("memory", "disk-warm", "disk-cold")
     try:
         for i in range(a.recovery):
-            for path in ("memory", "disk-warm", "disk-cold"):
+            for path in paths:
                 tier = f"/dev/shm/zeroshard-recovery-{uuid.uuid4().hex[:8]}"
                 disk, out = os.path.join(work, f"ckpt-{path}-{i}"), os.path.join(work, f"{path}-{i}.json")
+                if path == "in-process":
+                    try:
+                        _in_process_run(a, tier, disk, out)
+                    finally:
+                        shutil.rmtree(tier, ignore_errors=True)
+                        shutil.rmtree(disk, ignore_errors=True)
+                    with open(out) as f:
+                        runs.setdefault(path, []).append(json.load(f))
+                    continue
                 cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={a.world}", "--max-restarts=3",
                        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.1", os.path.abspath(__file__), "--worker",
                        "--path", path, "--tier", tier, "--disk", disk, "--out", out,
@@ -238,16 +324,24 @@ def _recovery(a: argparse.Namespace) -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     parts = ("recovery_s", "restart_s", "restart_to_process_s", "imports_s", "rendezvous_s", "build_s",
-             "restore_s", "first_step_s")
-    figures: dict = {p: {k: statistics.median(r[k] for r in rs) for k in parts} for p, rs in runs.items()}
+             "restore_s", "first_step_s", "detect_s", "agree_s", "group_s")
+    figures: dict = {p: {k: statistics.median(r[k] for r in rs) for k in parts if k in rs[0]}
+                     for p, rs in runs.items()}
     for p, rs in runs.items():
         figures[p]["sources"] = sorted({str(r["source"]) for r in rs})
         figures[p]["recovery_s_each"] = [round(r["recovery_s"], 3) for r in rs]
+    if "in-process" in runs:  # (each round's parts: an outlier says where it waited)
+        figures["in-process"]["rounds"] = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
+                                           for r in runs["in-process"]]
     mem = figures["memory"]
-    for disk in ("disk-warm", "disk-cold"):
+    for disk in [p for p in ("disk-warm", "disk-cold") if p in figures]:
         figures[f"memory_over_{disk}"] = mem["recovery_s"] / figures[disk]["recovery_s"]
         figures[f"memory_over_{disk}_restore"] = mem["restore_s"] / figures[disk]["restore_s"]
+    if "in-process" in figures:
+        for other in [p for p in ("memory", "disk-warm") if p in figures]:
+            figures[f"in_process_over_{other}"] = figures["in-process"]["recovery_s"] / figures[other]["recovery_s"]
     figures["rounds"], figures["world"] = a.recovery, a.world
+    figures["load_average"] = os.getloadavg()
     print(json.dumps(figures, indent=1))
 
 
@@ -265,12 +359,17 @@ def main() -> None:
     ap.add_argument("--parity", type=int, default=0, help="PeerRedundancy(parity=g): XOR parity over groups of g "
                     "ranks instead of a replica (0: a replica)")
     ap.add_argument("--recovery", type=int, default=0, help="rounds of the torchrun recovery comparison (0: none)")
+    ap.add_argument("--in-process", action="store_true", help="with --recovery: in-process recovery "
+                    "(zeroshard.InProcessRecovery) against the torchrun paths memory and disk-warm")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    for internal in ("--path", "--tier", "--disk", "--out"):
+    ap.add_argument("--in-process-worker", action="store_true", help=argparse.SUPPRESS)
+    for internal in ("--path", "--tier", "--disk", "--out", "--member", "--port"):
         ap.add_argument(internal, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         return _worker(a)
+    if a.in_process_worker:
+        return _in_process_worker(a)
     if a.recovery:
         return _recovery(a)
     tier = f"/dev/shm/zeroshard-bench-{uuid.uuid4().hex[:8]}"

@@ -17,13 +17,14 @@ from zeroshard.checkpoint import export_hf, latest_checkpoint, load_checkpoint, 
 from zeroshard.resilience import PeerRedundancy
 from zeroshard.checkpoint.memory_commit import memory_checkpoint
 from zeroshard.checkpoint.memory_handoff import memory_handoff
+from zeroshard.train.in_process import InProcessOptions, InProcessRecovery, Trainee
 
 __version__ = "0.1.0"
 
 __all__ = ["ZeroOptimizer", "ZeroConfig", "ActivationOffload", "PlannedActivations", "CPUOffload", "NVMeOffload", "AutoOffload", "MemoryReport", "zero_formula",
            "full_state_dict", "init_meta_weights", "load_safetensors", "ShardOnlySaveWarning", "__version__"]
 __all__ += ["save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint", "wait_checkpoint"]
-__all__ += ["PeerRedundancy", "memory_checkpoint", "memory_handoff"]
+__all__ += ["PeerRedundancy", "memory_checkpoint", "memory_handoff", "InProcessRecovery", "InProcessOptions", "Trainee"]
 # initialize(model, config) -> (model, optimizer, scheduler); DeepSpeed's keyword form -> (engine, optimizer,
 # dataloader, scheduler), so `import zeroshard as deepspeed` runs DeepSpeed scripts (zeroshard/deepspeed_compat/)
 from zeroshard.deepspeed_compat import accelerator, add_config_arguments, init_distributed, initialize, zero  # noqa: E402

@@ -19,7 +19,7 @@ def ranks(tmp_path_factory):
     try:
         yield run_ranks(tw.worker, 2, tmp_path_factory.mktemp("pacing"), root)
     finally:
-        for case in ("codec", "slow", "cheap"):
+        for case in ("codec", "codec-disk", "slow", "cheap"):
             shutil.rmtree(f"{root}-{case}", ignore_errors=True)
 
 
@@ -32,6 +32,16 @@ def test_memory_recovery_restores_the_codec_residuals_bitwise(ranks):
         assert c["residuals"] and c["nonzero"], "the codec kept no residuals: the check would be vacuous"
         assert c["restored"], "the residuals were not restored from the memory tier"
         assert c["equal"], "the run continued from memory differs from the one that did not fail"
+
+
+def test_a_rank_and_its_buddy_lost_falls_back_to_the_disk_with_one_line_naming_the_pieces(ranks):
+    """Rank 1's own slots and rank 0's replica of them both gone: every rank loads the disk's
+    (older) step instead, bitwise, and says once which pieces and why."""
+    for r in ranks:
+        b = r["codec"]["both_lost"]
+        assert b["step"] == 1 and b["equal"], b
+        assert len(b["said"]) == 1 and "loading from the disk checkpoint, not the memory tiers" in b["said"][0], b
+        assert "step 3: the pieces of rank(s) [1] are in no tier" in b["said"][0], b
 
 
 def test_auto_pacing_commits_every_kth_step_on_every_rank_and_recovers(ranks):

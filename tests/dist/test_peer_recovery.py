@@ -70,9 +70,12 @@ def test_preempted_node_hands_off_then_a_sigkill_at_the_smaller_world_resumes_fr
        SIGKILLed mid-way through the copy of step 6's commit into its own slot (Note [kill
        points] in zeroshard/testing/kill_points.py: after its second tensor; the slot torn is
        the older one, so step 4 stays valid in both copies); the restarted workers resume step 4
-       from memory (same world, no disk read: the torn commit is lost, nothing half-applied) and
-       train to the end; then, in the same processes, the reference: step 3's disk checkpoint
-       resumed at world 2 with a fresh tier and trained as far, compared bitwise."""
+       from memory (same world, no disk read: the torn commit is lost, nothing half-applied);
+       that recovery is itself killed (rank 0, once its piece exchange is posted: the
+       ``recovery`` kill point), and the second restart recovers step 4 again from memory (a
+       recovery only reads the tiers) and trains to the end; then, in the same processes, the
+       reference: step 3's disk checkpoint resumed at world 2 with a fresh tier and trained as
+       far, compared bitwise."""
     tier, fresh = tier_path(), tier_path()
     try:
         disk, run, rerun = (str(tmp_path / n) for n in ("disk", "run", "rerun"))
@@ -87,20 +90,27 @@ def test_preempted_node_hands_off_then_a_sigkill_at_the_smaller_world_resumes_fr
         assert handed is not None and handed["step"] == 3, "rank 1's slot did not reach rank 0 (its buddy left too)"
         for r in (1, 2):  # the preempted node and its memory are gone
             shutil.rmtree(os.path.join(tier, f"rank-{r}"))
+        assert sorted(os.listdir(os.path.join(tier, "rank-0"))) == ["own", "replica-1", "replica-2"]
         proc = launch(2, rerun, "--tier", tier, "--load-root", disk, "--every", "2", "--steps", "6", "--stage", "3",
-                      "--ref-root", disk, "--ref-tier", fresh, restarts=1, kill_at="replica_copy:6:1:2")
+                      "--ref-root", disk, "--ref-tier", fresh, restarts=2, kill_at="replica_copy:6:1:2,recovery:4:0:1:1")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert proc.stderr.count("exitcode: -9") == 1, proc.stderr[-3000:]
+        assert proc.stderr.count("exitcode: -9") == 2, proc.stderr[-3000:]
+        for r in range(2):  # (the killed recovery wrote no resume record on either rank)
+            assert not os.path.exists(os.path.join(rerun, f"resume-{r}-1.json"))
         for r in range(2):  # no disk read in either attempt (the disk's step 3 is not newer than the tiers')
             assert resume_info(rerun, r, "resume", 0) == {"step": 3, "source": "memory", "disk_bytes_read": 0,
                                                          "world_size": 3, "resharded": True}
-            assert resume_info(rerun, r, "resume", 1) == {"step": 4, "source": "memory", "disk_bytes_read": 0,
+            assert resume_info(rerun, r, "resume", 2) == {"step": 4, "source": "memory", "disk_bytes_read": 0,
                                                          "world_size": 2, "resharded": False}
         assert proc.stdout.count("loading from the disk checkpoint") == 2, proc.stdout[-3000:]  # (the reference's)
         ref = resume_info(rerun, 0, "ref-resume")
         assert ref["source"] is None and ref["step"] == 3 and ref["world_size"] == 3
         assert ref["disk_bytes_read"] > 0  # (the count sees a disk load)
         assert_bitwise(merged(rerun, 2), merged(rerun, 2, "ref-final"))
+        # World 3's replica (rank 0 kept rank 2's) went once world 2 had committed on every rank
+        # (Note [stale slots] in zeroshard/resilience/stale_slots.py); world 2's layout stays.
+        assert {r: sorted(os.listdir(os.path.join(tier, r))) for r in os.listdir(tier)} == {
+            "rank-0": ["own", "replica-1"], "rank-1": ["own", "replica-0"]}
     finally:
         shutil.rmtree(tier, ignore_errors=True)
         shutil.rmtree(fresh, ignore_errors=True)

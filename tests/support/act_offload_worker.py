@@ -4,6 +4,7 @@ the final weights, bit for bit, and what the offload moved."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import tempfile
@@ -59,7 +60,8 @@ def train(stage: int, where: Optional[str], checkpointing: bool, steps: int = 3,
 def train_planned(budget: int, directory: Optional[str], planned: bool, steps: int = 8, declared: bool = True,
                   seq_lens: Optional[list[int]] = None, checkpointed: bool = True, prefetch: int = 2,
                   recompute: bool = True, n_layers: int = CFG.n_layers, peaks: bool = False,
-                  shape_over: Optional[dict] = None, bucket_size_mb: Optional[float] = None) -> dict:
+                  shape_over: Optional[dict] = None, bucket_size_mb: Optional[float] = None,
+                  state_dicts: bool = False) -> dict:
     """As ``train`` (stage 2, checkpointed blocks), under offload="auto" with ``memory_budget`` (reserve 0:
     the state's plan does not depend on the process) and, if ``planned``, the activations planned
     with it (``PlannedActivations``: the shape declared, or measured at the first forward); step i
@@ -91,12 +93,16 @@ def train_planned(budget: int, directory: Optional[str], planned: bool, steps: i
             moved.append((opt.placement_report().get("activations") or {}).get("bytes_moved_last_step"))
         report = opt.placement_report().get("activations")
         joint = opt.placement_report().get("joint")
+        state = {k: opt.placement_report()[k] for k in ("units", "applied")}  # (where the state lives)
+        saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())) if state_dicts else None
         weights = {n: p.detach().clone() for n, p in model.state_dict().items()}
     finally:
         opt.close()
     hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
     wrapped = sum("forward" in vars(m) for m in model.modules())  # (forwards the offloader wrapped, left)
-    return {"grads": grads, "weights": weights, "report": report, "joint": joint, "plans": plans, "moved": moved, "hooks_left": hooks, "peaks": live,
+    return {"grads": grads, "weights": weights, "report": report, "joint": joint, "state": state, "saved": saved,
+            "plans": plans,
+            "moved": moved, "hooks_left": hooks, "peaks": live,
             "forwards_left": wrapped}
 
 

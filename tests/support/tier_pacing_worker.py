@@ -4,6 +4,8 @@ checks of the memory tier (Note [peer memory tier] in zeroshard/resilience/memor
 - ``codec``: int8 gradients with error feedback, 3 steps committed, rank 1's own slot deleted,
   a fresh optimizer recovers step 3 from memory (rank 1's pieces and residuals from rank 0's
   replica) and both continue 3 steps without the tier: the weights must be equal bit for bit;
+  then rank 0's replica of rank 1 goes too (both copies: a rank and its buddy lost), and a
+  load falls back to the disk's older step 1 with one line naming rank 1's pieces;
 - ``slow``: ``every="auto"`` (the default) on a state large against a tiny step: the ranks
   commit the same steps, every K-th with the K they agree on (K > 1), and a recovery (rank 1's
   own slot deleted) gives the state of the last committed step, losing at most K - 1 steps;
@@ -11,6 +13,8 @@ checks of the memory tier (Note [peer memory tier] in zeroshard/resilience/memor
   once measured (Note [commit pacing] in zeroshard/resilience/commit_pacer.py)."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -47,9 +51,13 @@ def _codec(rank: int, root: str) -> dict:
                                           grad_error_feedback=True, bucket_size_mb=0.001,
                                           redundancy=zeroshard.PeerRedundancy(path=root, run_id="codec", every=1))
     m1, o1 = build()
+    disk = root + "-disk"
     for s in range(3):
         _step(m1, o1, rank, s, 16, 4)
         zeroshard.memory_checkpoint(s + 1, model=m1, optimizer=o1)
+        if s == 0:
+            zeroshard.save_checkpoint(disk, 1, model=m1, optimizer=o1)
+            at_disk = owned_state(m1, o1)
     o1.engine.memory_tier.wait()
     saved = {k: v.clone() for k, v in o1.engine.codecs.residuals.items()}
     _drop_own_slot(root, rank)
@@ -63,8 +71,19 @@ def _codec(rank: int, root: str) -> dict:
            "residuals": sorted(saved), "nonzero": all(bool(v.abs().sum() > 0) for v in saved.values()),
            "restored": sorted(saved) == sorted(loaded) and all(torch.equal(saved[k], loaded[k]) for k in saved),
            "equal": all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))}
-    o1.close()
-    o2.close()
+    dist.barrier()
+    if rank == 0:  # (rank 1's own slots went above: now its buddy's replica of them too)
+        shutil.rmtree(os.path.join(root, "rank-0", "replica-1"))
+    dist.barrier()
+    m3, o3 = build()
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        lost = zeroshard.load_checkpoint(disk, model=m3, optimizer=o3)
+    got = owned_state(m3, o3)
+    out["both_lost"] = {"step": lost["step"], "said": said.getvalue().strip().splitlines(),
+                        "equal": at_disk.keys() == got.keys() and all(torch.equal(at_disk[k], got[k]) for k in got)}
+    for o in (o1, o2, o3):
+        o.close()
     return out
 
 

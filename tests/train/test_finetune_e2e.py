@@ -5,9 +5,10 @@
   export loads with ``transformers``;
 - SIGKILL of a rank mid-step: the survivor exits 3 with a clear message within the
   collective timeout; the restart (configured by an equivalent DeepSpeed config) resumes;
-- ``torchrun --max-restarts 1`` with ``--redundancy peer``: a rank killed mid-step, torchrun
-  restarts the job, which resumes by itself from the memory tiers (the step the disk does not
-  hold, no disk read) and finishes with the same parameters.
+- ``torchrun --max-restarts 1`` with ``--redundancy peer``: a rank stopped mid-step (SIGSTOP),
+  the survivor detects it within the collective timeout and fences it, torchrun restarts the
+  job, which resumes by itself from the memory tiers (the step the disk does not hold, no disk
+  read) and finishes with the same parameters.
 """
 from __future__ import annotations
 
@@ -89,18 +90,27 @@ def test_dead_rank_stops_survivor_then_restart_resumes(ws, reference, tmp_path):
     assert fh.bitwise_diff(fh.exported(out), reference) == []
 
 
-def test_torchrun_max_restarts_resumes_from_memory_after_a_crash(ws, reference):
-    """With ``--redundancy peer`` the restarted job resumes from the memory tiers a step the disk
-    does not hold (its newest is 6; rank 0 dies in step 9, after ``memory_checkpoint(8)`` waited
-    for commit 7's thread, so 7 is covered and 8 may be: Note [peer memory tier]), reading no
-    disk byte, and ends as the uninterrupted run (equal to the disk resumes above, bit for bit);
-    the completed run gives its tier's memory back."""
+def test_torchrun_max_restarts_resumes_from_memory_after_a_rank_hangs(ws, reference):
+    """A hung rank is treated as lost, not waited on (issue 45): rank 0 stops whole in step 9
+    (SIGSTOP: no thread of it runs, its own watchdog included); rank 1's collective times out
+    (--collective-timeout 10), it kills the stopped sibling (Note [fencing a stopped peer]) and
+    exits, so torchrun restarts at once instead of waiting 30 s on a SIGTERM the stopped process
+    cannot act on. With ``--redundancy peer`` the restarted job resumes from the memory tiers a
+    step the disk does not hold (its newest is 6; ``memory_checkpoint(8)`` waited for commit 7's
+    thread, so 7 is covered and 8 may be: Note [peer memory tier]), reading no disk byte, and
+    ends as the uninterrupted run (equal to the disk resumes above, bit for bit); the completed
+    run gives its tier's memory back."""
     out = ws.out("restarted")
     tier = f"/dev/shm/zeroshard-test-{uuid.uuid4().hex[:10]}"
+    flags = [f if f != "30" else "10" for f in fh.FLAGS]
+    assert flags != list(fh.FLAGS)
     try:
         proc = fh.torchrun(ws, out, extra=["--redundancy", "peer", "--redundancy-path", tier, "--redundancy-every", "1"],
-                           fault="sigkill@0:9", torchrun_args=["--max-restarts", "1"])
+                           fault="sigstop@0:9", torchrun_args=["--max-restarts", "1"], flags=flags)
         assert proc.returncode == 0, fh.describe(proc)
+        output = proc.stdout + proc.stderr
+        assert "rank 1 stopped during step 9" in output and "Killed stopped peer process" in output, fh.describe(proc)
+        assert "Unable to shutdown process" not in output, fh.describe(proc)  # torchrun's 30 s SIGTERM wait
         summary = _summary(out)
         assert summary["status"] == "completed" and summary["resumed_from"] == f"memory:{tier}", summary
         assert summary["start_step"] in (7, 8), summary

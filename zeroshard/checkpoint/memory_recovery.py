@@ -23,6 +23,7 @@ from zeroshard.optim.interrupts import state_restored
 from zeroshard.resilience import slots
 from zeroshard.checkpoint.memory_commit import digest_of
 from zeroshard.resilience.memory_tier import MemoryTier
+from zeroshard.testing import kill_points
 
 if TYPE_CHECKING:
     from zeroshard.comm import Comm
@@ -85,11 +86,15 @@ class MemorySource(_Source):
     adoptable = False
 
     def __init__(self, body: dict, comm: "Comm", servers: dict[int, int], local: dict[int, torch.Tensor],
-                 where: dict[Key, tuple[torch.dtype, int, int]]) -> None:
+                 where: dict[Key, tuple[torch.dtype, int, int]], step: int) -> None:
         super().__init__("memory tier", body)
-        self.comm, self.servers, self.local, self.where = comm, servers, local, where
-        self.needed: set[Key] = set()
-        self.got: dict[Key, torch.Tensor] = {}
+        self.comm, self.servers, self.local, self.where, self.step = comm, servers, local, where, step
+        self.needed: dict[Key, tuple[int, int]] = {}
+        """Each piece this rank reads and the range of it, in elements from the piece's start: a
+        peer sends only that range (a rank joining a run receives its own partition, not the
+        old owners' whole pieces that overlap it)."""
+        self.got: dict[Key, tuple[torch.Tensor, int]] = {}
+        """Each piece read: its values from an element offset on (the range's start)."""
         self.bytes_received = 0
 
     def reader(self, fname: str) -> ShardReader:
@@ -98,7 +103,17 @@ class MemorySource(_Source):
     def _plan(self, name: str, a: int, b: int, kinds: Optional[set[str]]) -> None:
         for p in self.overlapping(name, a, b):
             owner = int(p["file"].split("-")[1])
-            self.needed |= {(owner, name, p["start"], k) for k in p["keys"] if kinds is None or k in kinds}
+            lo, hi = max(a, p["start"]) - p["start"], min(b, p["stop"]) - p["start"]
+            for k in p["keys"]:
+                if kinds is None or k in kinds:
+                    self.need((owner, name, p["start"], k), lo, hi)
+
+    def need(self, key: Key, lo: int = 0, hi: Optional[int] = None) -> None:
+        """Plans elements ``[lo, hi)`` of ``key`` (None: to its end), joined with what is planned."""
+        hi = self.where[key][2] if hi is None else hi
+        if key in self.needed:
+            lo, hi = min(lo, self.needed[key][0]), max(hi, self.needed[key][1])
+        self.needed[key] = (lo, hi)
 
     def _slice(self, key: Key) -> torch.Tensor:
         dtype, off, n = self.where[key]
@@ -106,9 +121,9 @@ class MemorySource(_Source):
 
     def read_planned(self) -> None:
         me, world = self.comm.rank, self.comm.world_size
-        asks: dict[int, list[Key]] = {}
-        for key in sorted(self.needed):
-            asks.setdefault(self.servers[key[0]], []).append(key)
+        asks: dict[int, list[tuple[Key, int, int]]] = {}
+        for key, (lo, hi) in sorted(self.needed.items()):
+            asks.setdefault(self.servers[key[0]], []).append((key, lo, hi))
         everyone = self.comm.all_gather_object(asks) if world > 1 else [asks]
         works, inbox = [], []
         group = self.comm.group
@@ -118,24 +133,26 @@ class MemorySource(_Source):
                 continue
             wanted = everyone[r].get(me, [])
             if wanted:  # this rank serves those pieces: one message per asking rank
-                out = torch.cat([self._slice(k).view(torch.uint8) for k in wanted])
+                out = torch.cat([self._slice(k)[lo:hi].view(torch.uint8) for k, lo, hi in wanted])
                 works.append(dist.isend(out, glob(r), group=self.comm.group))
             mine = asks.get(r, [])
             if mine:
-                sizes = [self.where[k][2] * self.where[k][0].itemsize for k in mine]
+                sizes = [(hi - lo) * self.where[k][0].itemsize for k, lo, hi in mine]
                 buf = torch.empty(sum(sizes), dtype=torch.uint8)
                 works.append(dist.irecv(buf, glob(r), group=self.comm.group))
                 inbox.append((mine, sizes, buf))
+        if kill_points.ARMED is not None:  # (fault tests only: Note [kill points])
+            kill_points.hit("recovery", self.step)
         for w in works:
             if w is not None:
                 w.wait()
-        for key in asks.get(me, []):
-            self.got[key] = self._slice(key)
+        for key, _lo, _hi in asks.get(me, []):
+            self.got[key] = (self._slice(key), 0)  # (in this rank's memory: all of it, no copy)
         for keys, sizes, buf in inbox:
             self.bytes_received += buf.numel()
             off = 0
-            for key, n in zip(keys, sizes):
-                self.got[key] = buf[off:off + n].view(self.where[key][0])
+            for (key, lo, _hi), n in zip(keys, sizes):
+                self.got[key] = (buf[off:off + n].view(self.where[key][0]), lo)
                 off += n
         self.needed.clear()
 
@@ -144,10 +161,11 @@ class MemorySource(_Source):
         for p in self.overlapping(name, a, b):
             if kind not in p["keys"]:
                 return None
-            t = self.got.get((int(p["file"].split("-")[1]), name, p["start"], kind))
-            if t is None:
+            got = self.got.get((int(p["file"].split("-")[1]), name, p["start"], kind))
+            if got is None:
                 return None
-            parts.append(t[max(a, p["start"]) - p["start"]:min(b, p["stop"]) - p["start"]])
+            t, base = got
+            parts.append(t[max(a, p["start"]) - p["start"] - base:min(b, p["stop"]) - p["start"] - base])
         if not parts:
             return None
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -246,10 +264,11 @@ def recover(tier: MemoryTier, model: Optional[nn.Module], opt: "ZeroOptimizer", 
     try:
         check_compatible(body, model, opt, where_name, held_objects)
         check_state_kinds(body, model, opt, where_name)
-        src = MemorySource(body, comm, servers, local, where)
+        src = MemorySource(body, comm, servers, local, where, step)
         mine = merged[comm.rank].get("residuals", {}) if comm.rank in merged else {}
         residuals = codec_residuals.applicable(opt, sorted(mine), n == comm.world_size, comm.rank)
-        src.needed |= {(comm.rank, k, 0, RESIDUAL) for k in residuals}  # (sent with the pieces)
+        for k in residuals:  # (sent with the pieces)
+            src.need((comm.rank, k, 0, RESIDUAL))
         read_phase(src, model, opt)
         plan = trainer_state.prepare(body, opt, scheduler, dataloader, where_name, comm.rank, comm.world_size,
                                      load_rng, held_objects[1], rng_states=[merged[o]["rng"] for o in range(n)])
@@ -265,7 +284,7 @@ def recover(tier: MemoryTier, model: Optional[nn.Module], opt: "ZeroOptimizer", 
             undo()
         return None, f"the memory tiers' step {step}: a live object refused its state ({refused_apply[0]})"
     apply_phase(src, model, opt)
-    codec_residuals.load(opt, {k: src.got[(comm.rank, k, 0, RESIDUAL)] for k in residuals})
+    codec_residuals.load(opt, {k: src.got[(comm.rank, k, 0, RESIDUAL)][0] for k in residuals})
     src.release()
     state_restored(opt, step)
     # ("bytes_read" is the disk's: this path opens no checkpoint file; the recovery tests count

@@ -40,6 +40,7 @@ from zeroshard.offload.swap_file import SwapFile, aligned
 from zeroshard.ops import adam_step_
 
 if TYPE_CHECKING:
+    from zeroshard.io.aio_engine import AsyncIO
     from zeroshard.units.flat_unit import FlatUnit
 
 KEYS = ("exp_avg", "exp_avg_sq")
@@ -58,6 +59,28 @@ class NvmeOptimizerState(MutableMapping):
         [generic state on NVMe] in nvme_generic_state.py)."""
         generic = generic or {}
         self.runs = list(runs)
+        self.file: Optional[SwapFile] = None
+        self.path: Optional[str] = None
+        self.aio: Optional[AsyncIO] = None
+        self._where = (nvme_path, rank, max_slots)  # (the file's, and the pool's bound: ``re_place`` too)
+        self._lay_out(resident, generic)
+        self.release_pool = release_pool
+        self._pool: list[torch.Tensor] = []
+        self.pool_bytes = 0
+        """Bytes of the pool held now."""
+        if not release_pool:
+            self._allocate_pool()
+        self._steps: dict[int, torch.Tensor] = {}
+        self._keys = {id(r.tensor): r.tensor for r in self.runs}
+        self.generic = GenericRecords(generic, self._generic_offset, lambda buf, off: self._swap_file().pread(buf, off),
+                                      lambda buf, off: self._swap_file().pwrite(buf, off),
+                                      step_fn or (lambda part: part.step()))
+        self.before_close: list[Callable[[], None]] = []
+        """Run once by ``close`` before the file goes (the optimizer's teardown joins a step in flight)."""
+
+    def _lay_out(self, resident: Collection[int], generic: dict[int, GenericRun]) -> None:
+        """Which runs keep their moments in memory, each streamed run's region in the file (created
+        and allocated here when some run streams) and the pool's slots."""
         self._offset: dict[int, int] = {}
         self._resident: dict[int, torch.Tensor] = {
             id(r.tensor): aligned_empty(aligned(r.tensor.numel() * 4) * len(KEYS) // 4, torch.float32)
@@ -68,42 +91,71 @@ class NvmeOptimizerState(MutableMapping):
         for run in streamed:
             self._offset[id(run.tensor)] = offset
             offset += aligned(run.tensor.numel() * 4) * len(KEYS)
-        generic_offset = {}
+        self._generic_offset: dict[int, int] = {}
         for run in self.runs:
             if id(run.tensor) in generic and id(run.tensor) not in resident:
-                generic_offset[id(run.tensor)] = offset
+                self._generic_offset[id(run.tensor)] = offset
                 offset += generic[id(run.tensor)].region_bytes
-        self.resident_bytes += sum(generic[i].region_bytes for i in generic if i not in generic_offset)
-        self.file_bytes = offset
-        self.file: Optional[SwapFile] = None
-        self.path: Optional[str] = None
-        self.aio = None
-        if offset:
-            if nvme_path is None:
-                raise RuntimeError("NvmeOptimizerState: runs stream their moments to a swap file, but no nvme_path "
-                                   "was given (configuration requires nvme_path for offload to 'nvme')")
+        self.resident_bytes += sum(generic[i].region_bytes for i in generic if i not in self._generic_offset)
+        self.file_bytes = 0
+        self._reserve(offset)
+        self._size_pool([r.tensor for r in streamed], self._where[2])
+
+    def _reserve(self, end: int) -> None:
+        """Regions up to byte ``end`` of the file (created with the first region), allocated on disk now."""
+        if end <= self.file_bytes:
+            return
+        nvme_path, rank, _ = self._where
+        if nvme_path is None:
+            raise RuntimeError("NvmeOptimizerState: runs stream their moments to a swap file, but no nvme_path "
+                               "was given (configuration requires nvme_path for offload to 'nvme')")
+        if self.file is None:
             self.file = SwapFile(nvme_path, "optim", rank)
-            self.path = self.file.path
-            self.file.reserve(0, offset, "offload_optimizer='nvme' needs {gib} GiB for this rank's optimizer state")
-            self.aio = self.file.aio
-        largest = max((aligned(r.tensor.numel() * 4) for r in streamed), default=ALIGN)
+        self.path = self.file.path
+        self.file.reserve(self.file_bytes, end - self.file_bytes,
+                          "offload_optimizer='nvme' needs {gib} GiB for this rank's optimizer state")
+        self.aio = self.file.aio
+        self.file_bytes = end
+
+    def _size_pool(self, streamed: Sequence[torch.Tensor], max_slots: int) -> None:
+        """The pool's slots for the streamed runs (their tensors)."""
+        largest = max((aligned(t.numel() * 4) for t in streamed), default=ALIGN)
         # Three slots overlap read, update and write; fewer runs need fewer slots (a one-unit
         # model must not hold 3x the moments it offloads).
         self._slots = max(1, min(3, max_slots, len(streamed))) if streamed else 0
         self._slot_numel = largest * len(KEYS) // 4
-        self.release_pool = release_pool
-        self._pool: list[torch.Tensor] = []
-        self.pool_bytes = 0
-        """Bytes of the pool held now."""
-        if not release_pool:
+
+    def re_place(self, resident: Collection[int]) -> None:
+        """Keeps the moments of ``resident`` runs in memory and streams the others from now on (Note
+        [state re-placed at the first forward] in zeroshard/offload/placement_replan.py): a run leaving
+        memory gets a region at the file's end and its moments (if it has any yet: a checkpoint loaded)
+        are written there, a run coming back gets a buffer its moments are read into; the others stay
+        where they are (the file, scratch, keeps the regions given up)."""
+        if self.generic.runs:
+            raise RuntimeError(f"NvmeOptimizerState.re_place: {len(self.generic.runs)} run(s) of a class of their "
+                               "own stream here, whose state is not re-placed")
+        for r in self.runs:
+            t = r.tensor
+            if id(t) in self._offset and id(t) in resident:
+                buf = aligned_empty(self._region(t)[1] // 4, torch.float32)
+                if id(t) in self._steps:
+                    self._read(t, buf).wait()
+                del self._offset[id(t)]
+                self._resident[id(t)] = buf
+        leaving = [r.tensor for r in self.runs if id(r.tensor) in self._resident and id(r.tensor) not in resident]
+        end = self.file_bytes
+        for t in leaving:
+            self._offset[id(t)], end = end, end + aligned(t.numel() * 4) * len(KEYS)
+        self._reserve(end)
+        for t in leaving:
+            buf = self._resident.pop(id(t))
+            if id(t) in self._steps:
+                self._write(t, buf).wait()
+        self.resident_bytes = sum(b.numel() * 4 for b in self._resident.values())
+        self._size_pool([r.tensor for r in self.runs if id(r.tensor) in self._offset], self._where[2])
+        self._pool, self.pool_bytes = [], 0
+        if not self.release_pool:
             self._allocate_pool()
-        self._steps: dict[int, torch.Tensor] = {}
-        self._keys = {id(r.tensor): r.tensor for r in self.runs}
-        self.generic = GenericRecords(generic, generic_offset, lambda buf, off: self._swap_file().pread(buf, off),
-                                      lambda buf, off: self._swap_file().pwrite(buf, off),
-                                      step_fn or (lambda part: part.step()))
-        self.before_close: list[Callable[[], None]] = []
-        """Run once by ``close`` before the file goes (the optimizer's teardown joins a step in flight)."""
 
     def _allocate_pool(self) -> None:
         try:

@@ -139,6 +139,12 @@ class StatePlacement:
         leaves, to plan both together (Note [joint state and activation plan]); None: state first."""
         self.joint: Optional[dict] = None
         """The joint choice's report (``JointChoice.report``), when one was made."""
+        self.re_place_blocker: Optional[str] = "only offload='auto' places the state with the activations"
+        """Why the state will not be placed again at the first forward (Note [state re-placed at the
+        first forward] in zeroshard/offload/placement_replan.py); None: it may be."""
+        self.swapper: Optional["NvmeOptimizerState"] = None
+        """The moments' stream, once built (what a re-placement lays out again)."""
+        self._runs: list["Run"] = []
         first = next((m.param for _, members in layouts for m in members), None)
         model_device = device or (first.device if first is not None else torch.device("cpu"))
         self.accelerator = model_device.type != "cpu"

@@ -15,8 +15,11 @@ import torch
 from zeroshard.config import Placement
 from zeroshard.offload.param_cache import ParamCache
 from zeroshard.offload.peak_memory import StepPeaks, cache_within, resident_bytes, return_freed_memory
-from zeroshard.offload.placement import FrozenUnit, StatePlacement, UnitLayouts, _PendingCache, largest_parts, live_units
+from zeroshard.offload.placement import (FrozenUnit, JointActivations, StatePlacement, UnitLayouts, _PendingCache,
+                                        largest_parts, live_units)
 from zeroshard.planner.auto_placement import KINDS, Fixed, MemoryBudget, Plan, plan_auto
+from zeroshard.offload.activations.workload import PlannedActivations
+from zeroshard.offload.placement_replan import gradients_exist, moves, re_place, same_layout
 from zeroshard.planner.joint_plan import plan_joint, state_candidates
 from zeroshard.units.elementwise import update_kind
 from zeroshard.units.tier import Tier
@@ -56,6 +59,7 @@ class AutoPlacement(StatePlacement):
         fixed = dataclasses.replace(fixed, host=fixed.host + process, process=process, budget_share=share,
                                     share_bytes=margin)
         group = fixed.group if config.max_live_units is None else 0
+        self._search = (budget, fixed, group)  # (the joint search at the first forward runs with them again)
         if self.joint_activations is None:
             plan = plan_auto(specs, budget, fixed, accelerator=self.accelerator,
                              nvme=config.nvme_path is not None, deeper=group)
@@ -64,13 +68,14 @@ class AutoPlacement(StatePlacement):
                                                 nvme=config.nvme_path is not None, deeper=group),
                                self.joint_activations)
             plan = dataclasses.replace(joint.state, reasons=joint.state.reasons + (joint.reason(),))
-            self.joint = joint.report()
+            self.joint = {**joint.report(), "planned": "construction"}
         self.live_units = live_units(config, 3 if plan.deeper else None)
         # (whole-tensor classes stream state of their own: Note [generic state on NVMe])
         streamable = [c for c in {g.get("optimizer_class", optimizer_class) for g in groups}
                       if not (isinstance(c, type) and issubclass(c, (torch.optim.Adam, torch.optim.AdamW)))
                       and update_kind(c) != "whole"]
         cls = streamable[0] if streamable else optimizer_class
+        self.re_place_blocker = self._blocker(optimizer_class, groups)
         if plan.offloads and streamable:
             raise ValueError(
                 f"offload='auto' must offload part of the state to fit memory_budget ({budget}), and offloaded "
@@ -85,23 +90,77 @@ class AutoPlacement(StatePlacement):
                                 "parameter cache: empty until step 1, whose measured peak sizes it")
         return plan
 
+    def _blocker(self, optimizer_class: type, groups: Sequence[dict]) -> Optional[str]:
+        """Why the state placed now will not be placed again with the activations at the first forward
+        (Note [state re-placed at the first forward] in placement_replan.py); None: it may be."""
+        config, wanted = self.config, self.config.offload_activations
+        if not isinstance(wanted, PlannedActivations):
+            return "no activation plan (offload_activations is not PlannedActivations)"
+        if wanted.micro_batch is not None:
+            return "the micro-batch's shape is declared: planned with the state at construction"
+        classes = {g.get("optimizer_class", optimizer_class) for g in groups}
+        why = ("at stage 3 the state is placed before the first forward (state first)" if config.stage == 3
+               else "with an accelerator only stage 3's shards give up device memory for the activations: state "
+                    "first is the joint search's only candidate" if self.accelerator
+               else "without nvme_path no state can give up memory for the activations" if config.nvme_path is None
+               else "the fused Adam kernel is off (fused_adam=False)" if not config.fused_adam
+               else None)
+        if why is None and not all(isinstance(c, type) and issubclass(c, (torch.optim.Adam, torch.optim.AdamW))
+                                   for c in classes):
+            why = "an optimizer class other than Adam/AdamW: its state does not stream through the fused kernel"
+        return why
+
+    def plan_at_first_forward(self, activations: JointActivations) -> None:
+        """The micro-batch's shape was measured at the first forward: the state's placement and the
+        activations planned together as with a declared shape, and the state moved to that placement
+        before any block runs (Note [state re-placed at the first forward] in placement_replan.py); the
+        refusal of the joint search (naming what fits) where no candidate's activations fit."""
+        why = self.re_place_blocker or gradients_exist(self._units)
+        if why is not None:
+            self.joint = {"planned": "first forward", "re_placed": False, "why": why}
+            return
+        budget, fixed, group = self._search
+        built = self.plan
+        candidates = [c for c in state_candidates(self.specs, budget, fixed, accelerator=self.accelerator,
+                                                  nvme=True, deeper=group) if same_layout(c, built)]
+        joint = plan_joint(candidates, activations)
+        new = dataclasses.replace(joint.state, reasons=joint.state.reasons + (joint.reason(),))
+        moved = moves(built, new)
+        if moved:
+            if self.store is None or self.swapper is None:  # (built for it: _swap_file_needed, streams_optimizer)
+                raise RuntimeError(f"offload='auto': the state moves at the first forward ({len(moved)} part(s)), "
+                                   f"but its swap file ({self.store}) or moments' stream ({self.swapper}) was not built")
+            re_place(self._units, self._index, self._runs, self.store, self.swapper, new)
+            new = dataclasses.replace(new, reasons=new.reasons + (
+                f"placed again at the first forward, with the measured micro-batch: {len(moved)} part(s) moved "
+                "(Note [state re-placed at the first forward])",))
+        self.plan = new
+        self.joint = {**joint.report(), "planned": "first forward", "re_placed": bool(moved), "moved": moved,
+                      "moved_bytes": sum(m["bytes"] for m in moved)}
+
+    @property
+    def _re_placeable(self) -> bool:
+        """The structure a re-placement needs is built (Note [state re-placed at the first forward])."""
+        return self.re_place_blocker is None
+
     def _swap_file_needed(self) -> bool:
-        return any(self.plan.swapped(i) for i in range(len(self.specs)))
+        return self._re_placeable or any(self.plan.swapped(i) for i in range(len(self.specs)))
 
     def _shards_swapped(self) -> bool:
         return any("shard" in self.plan.swapped(i) for i in range(len(self.specs)))
 
     @property
     def streams_optimizer(self) -> bool:
-        """A plan that offloads anything streams the moments (as ``offload_optimizer="nvme"``)."""
-        return self.plan.offloads
+        """A plan that offloads anything streams the moments (as ``offload_optimizer="nvme"``), and so
+        does one that may be placed again at the first forward (every run resident until then)."""
+        return self.plan.offloads or self._re_placeable
 
     @property
     def optimizer_on_host(self) -> bool:
         return False  # (what the plan offloads, it streams: ``streams_optimizer``)
 
     def of_unit(self, index: int) -> Placement:
-        if not self.plan.offloads:
+        if not self.plan.offloads and not self._re_placeable:
             return Placement()
         return Placement(optimizer=Tier.NVME, params=self.plan.tier(index, "shard") if self.specs[index].shard
                          else Tier.DEVICE)
@@ -139,6 +198,7 @@ class AutoPlacement(StatePlacement):
         """The runs whose moments the plan keeps in memory; the pool lives only during the step
         (the parameter cache uses that memory in between)."""
         tier = self.plan.tier
+        self._runs = list(runs)
         return {"resident": {id(r.tensor) for r in runs if tier(self._index[id(r.unit)], "moments") != Tier.NVME},
                 "release_pool": True}
 

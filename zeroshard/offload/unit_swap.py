@@ -138,6 +138,43 @@ class NvmeUnitStore:
         for part in parts:
             free_storage(self.tensor_of(unit, part))
 
+    def re_adopt(self, unit: FlatUnit, parts: Sequence[str]) -> None:
+        """Keeps ``parts`` of ``unit`` here from now on instead of what it kept (nothing for a unit
+        never adopted), at the first forward (Note [state re-placed at the first forward] in
+        zeroshard/offload/placement_replan.py): parts leaving are read back into memory and their
+        regions forgotten (the file, scratch, keeps the space), parts arriving get a region at the
+        file's end, are written there (a gradient only once it has a value) and leave memory."""
+        old, parts = self._parts.get(id(unit), ()), tuple(parts)
+        if parts == old:
+            return
+        with self._lock:
+            self.settle(unit)
+            leaving = [p for p in old if p not in parts]
+            for part in leaving:
+                self._drop_held((id(unit), part))
+            self.load(unit, leaving)  # (a gradient with no value yet is allocated, not read)
+            for part in leaving:
+                del self._regions[(id(unit), part)]
+            arriving = [p for p in parts if p not in old]
+            start = self.file_bytes
+            for part in arriving:
+                t = self.tensor_of(unit, part)
+                self._regions[(id(unit), part)] = self.file_bytes
+                self.file_bytes += aligned(t.numel() * t.element_size())
+            self.file.reserve(start, self.file_bytes - start, self.what)
+            if parts:
+                self._parts[id(unit)] = parts
+            else:
+                self._parts.pop(id(unit), None)
+            unit.swap = self if parts else None
+            self._largest = max(self._largest, sum(self.tensor_of(unit, p).numel() * self.tensor_of(unit, p)
+                                                   .element_size() for p in parts))
+            for h in [self.file.pwrite(self.tensor_of(unit, p), self._regions[(id(unit), p)])
+                      for p in arriving if (p != "grad" or unit.grad_valid) and is_allocated(self.tensor_of(unit, p))]:
+                h.wait()
+            for part in arriving:
+                free_storage(self.tensor_of(unit, part))
+
     def _offset(self, unit: FlatUnit, part: str, a: Optional[int] = None) -> int:
         """Byte offset of ``part`` in the file, or of its element at unit offset ``a``."""
         base = self._regions[(id(unit), part)]

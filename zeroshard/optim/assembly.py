@@ -41,7 +41,7 @@ from zeroshard.offload.nvme_generic_state import probe_layouts
 from zeroshard.offload.activations.offloader import ActivationOffloader, covered_blocks
 from zeroshard.offload.activations.activation_options import ActivationOffload, activation_options
 from zeroshard.offload.activations.plan_at_forward import ForwardPlanner
-from zeroshard.offload.activations.planned import joint_activations
+from zeroshard.offload.activations.planned import joint_activations, shape_of
 from zeroshard.offload.activations.workload import PlannedActivations
 from zeroshard.offload.placement_auto import AutoPlacement
 from zeroshard.planner.auto_placement import MemoryBudget
@@ -281,6 +281,10 @@ def _build_optimizer_state(owner: torch.optim.Optimizer, attached: construction.
                            ) -> tuple[list[Run], torch.optim.Optimizer, Optional[NvmeOptimizerState]]:
     """The inner optimizer over the owned ranges (its runs), and the NVMe stream of its state
     where the placement puts moments on disk."""
+    if placement.re_place_blocker is None and not (
+            all(kernel_choice.choose_kernels(cls, kwargs, groups, config.fused_adam))
+            and units[0].master.dtype == torch.float32):  # (what build_inner needs to run the fused kernel)
+        placement.re_place_blocker = "the options or the dtype keep the optimizer off the fused Adam kernel"
     # (NVMe streams state run by run: there one run per unit and group, Note [one run per parameter])
     runs, inner = kernel_choice.build_inner(cls, kwargs, groups, units, config.fused_adam,
                                             per_parameter=not placement.streams_optimizer)
@@ -295,6 +299,7 @@ def _build_optimizer_state(owner: torch.optim.Optimizer, attached: construction.
     swapper = NvmeOptimizerState(runs, config.nvme_path, mesh.comm.rank, max_slots=slots, generic=generic,
                                  step_fn=step_without_hooks, **placement.state_options(runs, slots))
     attached.files_closers.append(weakref.finalize(owner, swapper.close))
+    placement.swapper = swapper
     inner.state = swapper  # type: ignore[assignment]  # (a mapping of the same keys: the state streams through it)
     return runs, inner, swapper
 
@@ -363,8 +368,9 @@ def _joint_activations(config: ZeroConfig, module: Optional[nn.Module], param_dt
                          and module is not None):
         return None
     nvme = None if config.nvme_path is None else str(config.nvme_path)
-    return joint_activations(wanted, module, list(covered_blocks(module, None).values()),
-                             MemoryBudget.parse(config.memory_budget), nvme, param_dtype)
+    names = list(covered_blocks(module, None).values())
+    return joint_activations(wanted, shape_of(module, len(names)), names, MemoryBudget.parse(config.memory_budget),
+                             nvme, param_dtype)
 
 
 def _planned_activations(config: ZeroConfig, wanted: PlannedActivations, module: Optional[nn.Module], rank: int,
@@ -377,7 +383,8 @@ def _planned_activations(config: ZeroConfig, wanted: PlannedActivations, module:
     options = ActivationOffload(where="nvme" if nvme else "cpu", path=str(nvme) if nvme else None,
                                 prefetch=wanted.prefetch, min_bytes=0, inductor_split=wanted.inductor_split)
     planner = ForwardPlanner(wanted, module, covered_blocks(module, None), lambda: placement.plan,
-                             MemoryBudget.parse(config.memory_budget), placement.accelerator, nvme, param_dtype)
+                             MemoryBudget.parse(config.memory_budget), placement.accelerator, nvme, param_dtype,
+                             joint=placement.plan_at_first_forward)
     device = next((p.device for p in module.parameters()), torch.device(_DEVICE))
     return ActivationOffloader(options, module, rank, device, lambda: inflight.steps, planner=planner)
 

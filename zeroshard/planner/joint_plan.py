@@ -25,8 +25,9 @@ the longest that fits under the joint search. Cost: at most ``most`` (48) state 
 of the units' items) and as many activation plans (the checkpointed planner is O(blocks^2), the
 mixed one O(blocks^3 log blocks)), each first a quick fit test without a refusal message (whose
 bisections for the longest sequence and the smallest budget run once, for the refusal only):
-milliseconds for a TinyGPT, about a second for 32 blocks mixed, once at construction. Without a declared shape the state is placed before any
-micro-batch is seen, and the activations take what is left (Note [activations under the budget]).
+milliseconds for a TinyGPT, about a second for 32 blocks mixed, once at construction. Without a declared shape the
+same search runs at the first forward, with the micro-batch measured there, and the state is moved to the chosen
+placement before the first block (Note [state re-placed at the first forward] in zeroshard/offload/placement_replan.py).
 """
 from __future__ import annotations
 

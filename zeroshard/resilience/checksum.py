@@ -12,8 +12,9 @@ verifies with the algorithm its stamp names: a slot is never accepted unchecked 
 slot where the kernel cannot be loaded is refused, as a torn one is: the other slot or the disk
 serves). The checksum covers the whole data file, the alignment gaps between tensors included,
 exactly as the crc32 did, so what a torn-slot check catches is unchanged (any CRC catches every
-burst shorter than 32 bits and a fraction 2^-32 of the rest). Parity groups keep crc32: the
-rebuild (zeroshard/checkpoint/parity_rebuild.py) checks a rebuilt member with zlib.
+burst shorter than 32 bits and a fraction 2^-32 of the rest). Parity groups use the same
+algorithm: a parity slot is stamped with it, and the rebuild (zeroshard/checkpoint/parity_rebuild.py)
+checks a rebuilt member with the algorithm that member's stamp names.
 """
 from __future__ import annotations
 

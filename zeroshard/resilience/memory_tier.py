@@ -63,8 +63,8 @@ them is ``load_checkpoint``'s own read/apply phases (N -> M reshard) fed from me
 residuals are each rank's own: at the same world size rank r takes owner r's (sent with the
 pieces when another rank serves that slot), as a disk resume does; at another world size, or
 another codec, they start at zero with the disk path's warning.
-Not covered yet: NVMe offload, tp/pp/hybrid meshes (refused at construction), in-process
-recovery (survivors keep their processes; torchrun restarts every worker). XOR parity
+Not covered yet: NVMe offload, tp/pp/hybrid meshes (refused at construction). Survivors keeping
+their processes: Note [in-process recovery] in zeroshard/train/in_process.py. XOR parity
 instead of the replica: Note [parity memory tier] in zeroshard/resilience/parity.py.
 
 Note [replica by file]:
@@ -93,14 +93,13 @@ import shutil
 import threading
 import weakref
 import warnings
-import zlib
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from zeroshard.comm import Comm
-from zeroshard.resilience import checksum, parity, slots
+from zeroshard.resilience import checksum, parity, slots, stale_slots
 from zeroshard.resilience.commit_pacer import CommitPacer
 from zeroshard.resilience.redundancy_options import PeerRedundancy
 from zeroshard.testing import kill_points
@@ -149,6 +148,9 @@ class MemoryTier:
         self._write_failed: Optional[str] = None
         self._failed: list[str] = []
         """Every rank's write failure of the last commit, agreed on by its thread."""
+        self._pruned = False
+        """Whether the earlier worlds' slots were removed (after this tier's first commit that
+        every rank finished: Note [stale slots])."""
         self._maps: dict[str, slots.Mapped] = {}
         """Each slot's data file, mapped once and refilled at every commit into that slot."""
         self._staging: Optional[torch.Tensor] = None
@@ -156,8 +158,8 @@ class MemoryTier:
         self._side: Optional[dist.ProcessGroup] = None
         self._guarded: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         """The modules whose ``load_state_dict`` waits for the copy in flight (``guard``)."""
-        self._algorithm = checksum.CRC32 if self.parity_group is not None else checksum.preferred()
-        """The slots' checksum (Note [slot checksum]; parity groups keep crc32, which their rebuild checks)."""
+        self._algorithm = checksum.preferred()
+        """The slots' checksum, parity slots' too (Note [slot checksum])."""
         self.pacer = (CommitPacer(options.auto_budget, options.max_every) if options.paced else None)
         """``every="auto"``: which steps commit (Note [commit pacing])."""
         self._proposal: Optional[tuple[int, float, float]] = None
@@ -366,6 +368,11 @@ class MemoryTier:
             self._failed = [f"rank {r}: {f}" for r, (f, _) in enumerate(gathered) if f]
             self._proposals = [p for _, p in gathered]
             self.committed = stamp["step"]
+            if not self._pruned and not self._failed and (swap is not None or self._side is None):
+                self._pruned = True  # (every rank finished this commit: the gather above; parity has none)
+                first = self._shares.index(True) == self.rank if True in self._shares else False
+                keep = {"own", f"replica-{self.source}"} | ({"parity"} if self.parity_group is not None else set())
+                stale_slots.prune(self.root, self.rank, self.world, keep, first, self.run_id)
             self._last = (meta, buf)
         except BaseException as exc:  # noqa: BLE001 - raised by the next wait()
             self._error = exc
@@ -388,7 +395,7 @@ class MemoryTier:
         praw = json.dumps({"members": metas}, separators=(",", ":")).encode()
         self._stamp(self.parity_dir, pslot, {**stamp, "parity_group": self.parity_group,
                                              "stripe": self.parity_group.index(self.rank), "chunk": size},
-                    praw, pbuf, zlib.crc32(pbuf.numpy().data))
+                    praw, pbuf, checksum.of(self._algorithm, pbuf))
 
     def _keep(self, got_meta: Optional[torch.Tensor], got_slot: Optional[str], got_data: Optional[torch.Tensor],
               directory: str) -> None:
@@ -436,10 +443,10 @@ class MemoryTier:
         sizes_kept = [sizes, meta, data]
 
         def finish() -> tuple[Optional[torch.Tensor], Optional[str], Optional[torch.Tensor], str]:
-            del sizes_kept[:]  # (kept alive until the sends are done)
             for w in works:
                 if w is not None:
                     w.wait()
+            del sizes_kept[:]  # (kept alive until the sends are done)
             if frm is not None and got is not None and into is not None and theirs[2]:
                 try:
                     self._copy_replica(frm, got, into)

@@ -24,7 +24,7 @@ Recovery (zeroshard/checkpoint/parity_rebuild.py). Member k lost (its own slot a
 slot gone): for every stripe j != k, k's chunk is stripe j's parity XOR the chunks of the
 other g - 2 members; stripe k (its parity lost with k) holds nothing of k's. The rank chosen
 to rebuild (k mod the world size) receives the g - 1 survivors' own slots and parity slots,
-rebuilds k's data, checks it against k's crc32 (from a parity header), and writes it as
+rebuilds k's data, checks it against k's checksum (from a parity header; Note [slot checksum]), and writes it as
 ``rank-<me>/replica-<k>``: from there the replica mode's recovery loads it (any world size,
 no disk). The groups are read from the parity stamps, so a restart at a world size g does not
 divide (built with another ``parity=`` or none) still rebuilds. Two members of one group lost:

@@ -16,10 +16,14 @@ module-attribute None check. The points and where they are hit:
   moved, some model weights not yet: mid-way at ``nth`` < the number of units);
 - ``replica_copy``: the memory tier's commit thread, after each tensor copied into the own
   slot, then once more after the own slot is stamped while the replica swap is in flight;
-- ``save``: each named point of a disk save's protocol (zeroshard/checkpoint/commit.py).
+- ``save``: each named point of a disk save's protocol (zeroshard/checkpoint/commit.py);
+- ``recovery``: a recovery from the memory tiers, once per rank after its piece exchange is
+  posted (zeroshard/checkpoint/memory_recovery.py: the peers are sending to and receiving from
+  it, no state applied yet); its ``step`` is the step being recovered.
 
 ``step`` is the 1-based step being computed (``steps_done + 1``) for forward, reduce_scatter
-and optimizer_step, and the step being committed or saved for replica_copy and save. The
+and optimizer_step, the step being committed or saved for replica_copy and save, and the step
+being recovered for recovery. The
 entry fires at its ``nth`` hit (default 1) of that point in that step on global rank ``rank``,
 in torchrun attempt ``attempt`` (``TORCHELASTIC_RESTART_COUNT``, default 0), so a restarted
 job runs on. ``ON_KILL``, when a benchmark sets it, runs just before the SIGKILL: it takes the
@@ -33,7 +37,7 @@ import signal
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-POINTS = ("forward", "reduce_scatter", "optimizer_step", "replica_copy", "save")
+POINTS = ("forward", "reduce_scatter", "optimizer_step", "replica_copy", "save", "recovery")
 ENV = "ZEROSHARD_TEST_KILL_AT"
 
 

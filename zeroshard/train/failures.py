@@ -7,6 +7,9 @@ Two layers:
 - ``StepWatchdog`` is the backstop for waits that are not collectives (a store, a stuck
   kernel): no step boundary for ``timeout`` seconds and the process exits non-zero itself.
 
+A rank stopped whole (SIGSTOP) is the one hang its own watchdog cannot end; the survivors fence
+it where they can (Note [fencing a stopped peer]).
+
 Either way the surviving rank prints one message naming the step, the likely cause and how
 to resume, then leaves with ``os._exit``: a normal exit would run process-group teardown,
 which can block on the dead peer.
@@ -49,6 +52,40 @@ def peer_failure_message(rank: int, step: int, exc: BaseException, latest: Optio
     return (f"zeroshard: rank {rank} stopped during step {step}: a collective failed ({first_line[:300]}). "
             f"The most likely cause is that another rank died (killed, out of memory, crashed) or hung "
             f"for more than --collective-timeout={timeout_s:g}s; check that rank's log. {resume}.")
+
+
+# Note [fencing a stopped peer]: a stopped process (SIGSTOP, a frozen container) runs no
+# thread, so its StepWatchdog never fires, and it does not act on SIGTERM until continued.
+# torchrun's agent restarts a job by sending its workers SIGTERM and waiting 30 s before SIGKILL
+# (measured: a 2-rank job whose rank 1 stopped itself restarted 41 s after the stop, 30 s of it
+# that wait), and with --redundancy peer the restart's recovery from memory was ready long
+# before. A survivor that stops on a peer failure therefore SIGKILLs its sibling processes (the
+# launcher's other children: the ranks on its node) that are stopped — only those: a stopped
+# process does no work that a kill could tear, and its state is in the memory tiers of the last
+# commit (Note [peer memory tier]). A traced process ("t") is a debugger's and is left alone. A
+# stopped rank alone on its node is not reachable this way; its agent's 30 s stands there.
+def fence_stopped_peers() -> list[int]:
+    """SIGKILLs this process's stopped siblings (see the Note above); returns their pids."""
+    try:
+        import psutil
+
+        me = psutil.Process()
+        parent = me.parent()
+        siblings = parent.children() if parent is not None and parent.pid > 1 else []
+    except Exception:  # noqa: BLE001 - fencing is best effort on a failure path
+        return []
+    fenced = []
+    for p in siblings:
+        with contextlib.suppress(Exception):
+            if p.pid != me.pid and p.status() == psutil.STATUS_STOPPED:
+                p.kill()
+                fenced.append(p.pid)
+    return fenced
+
+
+def fenced_note(fenced: list[int]) -> str:
+    return (f" Killed stopped peer process(es) {', '.join(map(str, fenced))} on this node so the launcher can "
+            f"restart the job at once (Note [fencing a stopped peer])." if fenced else "")
 
 
 def exit_now(code: int, message: str, log: Optional[Callable[[str], None]] = None) -> None:
@@ -123,4 +160,5 @@ class StepWatchdog:
                 continue
             exit_now(self.exit_code, f"zeroshard: rank {self.rank} made no progress for {self.timeout_s:g}s "
                      f"after step {self.step}: another rank probably died or hung (check its log); "
-                     "exiting so the job can be restarted from the latest checkpoint", self.log)
+                     "exiting so the job can be restarted from the latest checkpoint."
+                     + fenced_note(fence_stopped_peers()), self.log)

@@ -2,7 +2,10 @@
 
 ``kind`` is ``sigkill`` (the rank dies mid-step, after the forward of its first
 micro-batch), ``sigterm``/``sigusr1`` (the rank sends itself that signal mid-step, as a
-scheduler would) or ``hang`` (the rank stops making progress). It fires on the first
+scheduler would), ``hang`` (the rank stops making progress, its threads still running: its own
+``StepWatchdog`` ends it) or ``sigstop`` (the whole process is stopped, as by a debugger, a
+frozen VM or ``kill -STOP``: nothing in it runs, so only the other ranks can act, Note [fencing
+a stopped peer] in failures.py). It fires on the first
 attempt only (``TORCHELASTIC_RESTART_COUNT`` 0 or unset), so a run restarted by
 ``torchrun --max-restarts`` proceeds. Unset, it costs one comparison per step.
 """
@@ -14,7 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-_KINDS = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1, "hang": None}
+_KINDS = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1, "hang": None,
+          "sigstop": signal.SIGSTOP}
 
 
 @dataclass(frozen=True)

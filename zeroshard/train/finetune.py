@@ -28,8 +28,8 @@ from zeroshard.data import ResumableSampler
 from zeroshard.optim.zero_optimizer import ZeroOptimizer
 from zeroshard.train import faults
 from zeroshard.train.finetune_config import FinetuneConfig, add_arguments
-from zeroshard.train.failures import (EXIT_PEER_FAILURE, StepWatchdog, end_process, exit_now, is_peer_failure,
-                                      peer_failure_message)
+from zeroshard.train.failures import (EXIT_PEER_FAILURE, StepWatchdog, end_process, exit_now, fence_stopped_peers,
+                                      fenced_note, is_peer_failure, peer_failure_message)
 from zeroshard.train.initialize_from_config import initialize
 from zeroshard.train.loop import LoopSettings, TrainLoop
 from zeroshard.train.model_loading import build_model, finish_weights, max_positions, save_model_files
@@ -175,7 +175,8 @@ def train(cfg: FinetuneConfig) -> int:
         log = progress.log if progress is not None else None
         if world > 1 and is_peer_failure(exc):
             exit_now(EXIT_PEER_FAILURE, peer_failure_message(rank, step, exc, zeroshard.latest_checkpoint(root),
-                                                             cfg.collective_timeout), log)
+                                                             cfg.collective_timeout)
+                     + fenced_note(fence_stopped_peers()), log)
         if log is not None:
             log(f"failed at step {step}: {traceback.format_exc()}")
         raise

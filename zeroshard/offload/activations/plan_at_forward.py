@@ -15,8 +15,9 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from zeroshard.offload.activations.planned import moved_blocks, plan_for_run, plan_report, shape_of
+from zeroshard.offload.activations.planned import joint_activations, moved_blocks, plan_for_run, plan_report, shape_of
 from zeroshard.offload.activations.workload import PlannedActivations
+from zeroshard.offload.placement import JointActivations
 from zeroshard.planner.auto_placement import MemoryBudget, Plan
 from zeroshard.units.tier import Tier
 
@@ -32,8 +33,11 @@ def places_last(places: dict[str, str]) -> str:
 class ForwardPlanner:
     def __init__(self, wanted: PlannedActivations, model: nn.Module, candidates: dict[int, str],
                  state: Callable[[], Plan], budget: MemoryBudget, accelerator: bool, nvme_path: Optional[str],
-                 act_dtype: torch.dtype) -> None:
+                 act_dtype: torch.dtype, joint: Optional[Callable[[JointActivations], None]] = None) -> None:
         self.wanted = wanted
+        self._joint = joint
+        """Places the state again with the activations of the first measured micro-batch (Note [state
+        re-placed at the first forward] in zeroshard/offload/placement_replan.py)."""
         self.candidates = candidates
         """The model's repeated blocks (id -> name), in order: the plan gives each a place."""
         self.shape = shape_of(model, len(candidates))  # (now: under stage 3 a forward's parameters are released)
@@ -51,6 +55,9 @@ class ForwardPlanner:
         """The plan of a ``micro_batch x seq_len`` micro-batch in what the state's plan leaves now; a
         ValueError naming the longest sequence and the smallest budget that fit."""
         options = replace(self.wanted, micro_batch=micro_batch, seq_len=seq_len)
+        if not declared and not self.plans and self._joint is not None:  # (the first measured micro-batch)
+            self._joint(joint_activations(options, self.shape, list(self.candidates.values()), self._budget,
+                                          self._nvme_path, self._act_dtype))
         block = None if self._per_token is None else math.ceil(self._per_token * micro_batch * seq_len)
         plan, places, left = plan_for_run(options, self.shape, list(self.candidates.values()), self._state(),
                                           self._budget, self._accelerator, self._nvme_path, self._act_dtype, block)

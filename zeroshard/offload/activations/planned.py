@@ -13,9 +13,11 @@ one activation offloader (Note [activation offload] in offloader.py), which cove
 blocks planned "host" or "nvme" (a "checkpoint" block keeps its input: the model's own
 ``torch.utils.checkpoint`` does that). With the shape declared, the state's placement and the
 activations are chosen together (Note [joint state and activation plan] in
-zeroshard/planner/joint_plan.py); measured, the state is planned first and the activations take
-what is left. Either way a budget that cannot hold even the fully offloaded plan is refused naming the
-longest sequence that fits and the smallest ``memory_budget`` that holds this sequence.
+zeroshard/planner/joint_plan.py); measured, the same at the first forward, the state moved to the
+chosen placement before the first block (Note [state re-placed at the first forward] in
+zeroshard/offload/placement_replan.py; where that cannot be, state first: the activations take what is
+left). Either way a budget that cannot hold even the fully offloaded plan is refused naming the longest
+sequence that fits and the smallest ``memory_budget`` that holds this sequence.
 Blocks the model checkpoints (``checkpointed=True``, the default) move their inputs, which is
 what the plan counts, exactly. With ``checkpointed=False`` the plan mixes keep / move / checkpoint /
 checkpoint + move per block and the offloader checkpoints the blocks it picks (Note [mixed activation
@@ -130,14 +132,14 @@ def plan_for_run(options: PlannedActivations, shape: ModelShape, names: list[str
     return plan, dict(zip(names, plan.blocks)), left
 
 
-def joint_activations(options: PlannedActivations, model: nn.Module, names: list[str], budget: MemoryBudget,
+def joint_activations(options: PlannedActivations, shape: ModelShape, names: list[str], budget: MemoryBudget,
                       nvme_path: Optional[str], act_dtype: torch.dtype
                       ) -> Callable[[Plan, bool], Optional[ActivationPlan]]:
-    """The best plan of ``options``' declared micro-batch in what a state plan leaves (``plan_for_run``),
-    for the joint search (Note [joint state and activation plan] in zeroshard/planner/joint_plan.py):
-    None where none fits, or with ``explain`` the refusal (a ValueError naming what fits)."""
-    shape = shape_of(model, len(names))
-    assert options.micro_batch is not None and options.seq_len is not None  # (declared: the caller checks)
+    """The best plan of ``options``' micro-batch (declared, or measured at the first forward) in what a
+    state plan leaves (``plan_for_run``), for the joint search (Note [joint state and activation plan] in
+    zeroshard/planner/joint_plan.py): None where none fits, or with ``explain`` the refusal (a ValueError
+    naming what fits)."""
+    assert options.micro_batch is not None and options.seq_len is not None  # (known: the callers check)
     mb, seq = options.micro_batch, options.seq_len
     act_bytes = torch.empty((), dtype=act_dtype).element_size()
 
