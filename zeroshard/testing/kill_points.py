@@ -26,14 +26,16 @@ and optimizer_step, the step being committed or saved for replica_copy and save,
 being recovered for recovery. The
 entry fires at its ``nth`` hit (default 1) of that point in that step on global rank ``rank``,
 in torchrun attempt ``attempt`` (``TORCHELASTIC_RESTART_COUNT``, default 0), so a restarted
-job runs on.
+job runs on. ``ON_KILL``, when a benchmark sets it, runs just before the SIGKILL: it takes the
+rest of the node down with the process (the launcher agent and the other workers, the node's
+tier directory: a node lost, not a process) and notes the time of the kill.
 """
 from __future__ import annotations
 
 import os
 import signal
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 POINTS = ("forward", "reduce_scatter", "optimizer_step", "replica_copy", "save", "recovery")
 ENV = "ZEROSHARD_TEST_KILL_AT"
@@ -76,6 +78,8 @@ steps_done = 0
 """Optimizer steps this process completed, counting the one in flight (set by ``Stepper.step``
 and by a load's ``state_restored`` while armed)."""
 _hits: dict[tuple[str, int], int] = {}
+ON_KILL: Optional[Callable[[], None]] = None
+"""Run just before the SIGKILL (a benchmark's: the node goes with the process, Note [kill points])."""
 
 
 def hit(point: str, step: Optional[int] = None) -> None:
@@ -89,6 +93,8 @@ def hit(point: str, step: Optional[int] = None) -> None:
     n = _hits[key] = _hits.get(key, 0) + 1
     rank = _rank()
     if any(k.point == point and k.step == step and k.nth == n and k.rank == rank for k in armed):
+        if ON_KILL is not None:
+            ON_KILL()
         os.kill(os.getpid(), signal.SIGKILL)
 
 
