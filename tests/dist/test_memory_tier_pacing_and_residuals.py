@@ -76,3 +76,17 @@ def test_auto_pacing_commits_every_step_when_cheap(ranks):
     assert c["committed"][:3] == [1, 5, 9] and c["committed"][-1] == 12 and len(c["committed"]) >= 5, c["committed"]
     for r in cheap:
         assert (r["recovered"], r["source"], r["equal"]) == (12, "memory", True)
+
+
+def test_a_rank_lost_before_the_first_disk_save_fails_the_save_at_once(tmp_path):
+    """Note [save group made early] in zeroshard/checkpoint/memory_commit.py: the save's side group
+    exists from the first commit, so a save after a rank is gone fails on its closed sockets, not
+    after the store's timeout (30 s here) in new_group."""
+    root = f"/dev/shm/zeroshard-test-{uuid.uuid4().hex[:10]}"
+    try:
+        d = run_ranks(tw.dead_worker, 2, tmp_path, root)[0]
+    finally:
+        for r in (root, root + "-disk"):
+            shutil.rmtree(r, ignore_errors=True)
+    assert d["error"] is not None, d
+    assert d["seconds"] < 15, d

@@ -10,7 +10,9 @@ checks of the memory tier (Note [peer memory tier] in zeroshard/resilience/memor
   commit the same steps, every K-th with the K they agree on (K > 1), and a recovery (rank 1's
   own slot deleted) gives the state of the last committed step, losing at most K - 1 steps;
 - ``cheap``: ``every="auto"`` on a tiny state and a long step: K = 1, every step committed
-  once measured (Note [commit pacing] in zeroshard/resilience/commit_pacer.py)."""
+  once measured (Note [commit pacing] in zeroshard/resilience/commit_pacer.py);
+- ``dead_worker`` (a spawn of its own): rank 1 leaves after step 1's commit; rank 0's disk save
+  fails at once."""
 from __future__ import annotations
 
 import contextlib
@@ -20,6 +22,7 @@ import os
 import shutil
 import time
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -116,6 +119,45 @@ def _auto(rank: int, root: str, width: int, steps: int, sleep_s: float) -> dict:
     o.close()
     o2.close()
     return out
+
+
+def dead_worker(rank: int, world: int, out_path: str, root: str) -> None:
+    """A spawn of its own: the side group must not exist yet (a save or load made it)."""
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump(_dead_before_save(rank, root), f)
+
+
+def _dead_before_save(rank: int, root: str) -> dict:
+    """Rank 1 ends after step 1's commit; rank 0's disk save then fails at once (its side group
+    was made at the first commit: Note [save group made early] in memory_commit.py) instead of
+    waiting in new_group for rank 1's address until the timeout (30 s here)."""
+    os.environ["ZEROSHARD_PG_TIMEOUT"] = "30"
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 8)
+    o = zeroshard.ZeroOptimizer(m, torch.optim.AdamW, lr=1e-2, stage=2,
+                                redundancy=zeroshard.PeerRedundancy(path=root, run_id="dead", every=1))
+    _step(m, o, rank, 0, 8, 2)
+    zeroshard.memory_checkpoint(1, model=m, optimizer=o)
+    o.engine.memory_tier.wait()
+    pids = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 1:
+        return {}  # (this process ends: its sockets close)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pids[1]).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    try:
+        zeroshard.save_checkpoint(root + "-disk", 1, model=m, optimizer=o)
+        error = None
+    except Exception as exc:  # noqa: BLE001 - what the save raised is the result
+        error = f"{type(exc).__name__}: {exc}"[:300]
+    return {"seconds": time.monotonic() - t0, "error": error}
 
 
 def worker(rank: int, world: int, out_path: str, root: str) -> None:

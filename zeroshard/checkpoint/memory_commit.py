@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, cast
 
 import torch
 from torch import nn
 
 from zeroshard.checkpoint import codec_residuals, frozen_base
-from zeroshard.checkpoint.saver import _capture, _shapes
+from zeroshard.checkpoint.saver import _capture, _shapes, checkpoint_comm
 from zeroshard.checkpoint.shard_file import CODES, Deferred
 from zeroshard.optim.zero_optimizer import engine_of
 from zeroshard.resilience.memory_tier import ALIGN
+
+if TYPE_CHECKING:
+    from zeroshard.optim.zero_optimizer import ZeroOptimizer
 
 
 def model_digest(shapes: dict[str, dict]) -> str:
@@ -43,6 +46,14 @@ def memory_checkpoint(step: int, *, model: Optional[nn.Module], optimizer: objec
                        dataloader=dataloader, extra=extra)
 
 
+# Note [save group made early]: a disk save's side group (saver.checkpoint_comm) used to be
+# made at the first save, with new_group: every rank of the world publishes its address in the
+# store and waits for the others'. A run that keeps a memory tier is one that expects to lose
+# ranks, and a rank lost just before the first save left the others waiting there for the
+# store's timeout (ZEROSHARD_PG_TIMEOUT, 30 minutes by default; measured by the node-loss kill
+# points: a worker waited 240 s before its stack was dumped), not failing at once as a
+# collective with a dead peer does. So the first memory_checkpoint, which every rank reaches at
+# the same step, makes it while all are alive; a later save reuses it.
 def commit_step(step: int, *, force: bool, model: Optional[nn.Module], optimizer: object, scheduler: object = None,
                 dataloader: object = None, extra: object = None) -> bool:
     """``memory_checkpoint``; ``force``: past ``every`` (a handoff's agreed step)."""
@@ -53,6 +64,8 @@ def commit_step(step: int, *, force: bool, model: Optional[nn.Module], optimizer
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step={step!r} must be an int >= 0")
     tier = engine.memory_tier
+    if tier.world > 1:  # (cached after the first call: Note [save group made early])
+        checkpoint_comm(cast("ZeroOptimizer", optimizer))
     if model is not None:
         tier.guard(model)
     if not tier.ready(step, force):
