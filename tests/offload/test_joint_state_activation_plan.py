@@ -162,3 +162,20 @@ def test_moments_loaded_before_the_first_forward_move_with_their_values(runs):
     assert measured["units"] == declared["units"]
     assert_same(measured["grads"], declared["grads"], "gradients of the resumed step, shape measured vs declared")
     assert_same(measured["weights"], declared["weights"], "weights after the resumed step (moments moved with values)")
+
+
+@pytest.mark.filterwarnings("ignore:offload='auto'")
+def test_stage3_measured_shape_stays_state_first_and_its_refusal_says_declare_the_shape(runs):
+    """At stage 3 the state is not re-placed at the first forward (its shards are being gathered and
+    prefetched by then: Note [state re-placed at the first forward]); where state first refuses what
+    the joint plan trains, the refusal names why and the fix: declare the shape (which trains)."""
+    roomy = _train(1 << 30, runs["dir"], True, steps=0, stage=3)
+    state = (1 << 30) - roomy["report"]["plan"]["memory_left"]["device"]
+    budget = state + (runs["budget"] - runs["state"])  # (half an input under state first's need, as at stage 2)
+    declared = _train(budget, runs["dir"], True, steps=1, stage=3)
+    assert declared["joint"]["chosen"] > 0, declared["joint"]
+    with pytest.raises(ValueError) as measured:
+        _train(budget, runs["dir"], False, steps=1, stage=3)
+    text = str(measured.value)
+    assert "the longest sequence that fits is" in text and "at stage 3 the state is placed before the first forward" in text
+    assert "declare the shape, PlannedActivations(micro_batch=..., seq_len=...)" in text, text

@@ -61,7 +61,7 @@ def train_planned(budget: int, directory: Optional[str], planned: bool, steps: i
                   seq_lens: Optional[list[int]] = None, checkpointed: bool = True, prefetch: int = 2,
                   recompute: bool = True, n_layers: int = CFG.n_layers, peaks: bool = False,
                   shape_over: Optional[dict] = None, bucket_size_mb: Optional[float] = None,
-                  state_dicts: bool = False) -> dict:
+                  state_dicts: bool = False, stage: int = 2) -> dict:
     """As ``train`` (stage 2, checkpointed blocks), under offload="auto" with ``memory_budget`` (reserve 0:
     the state's plan does not depend on the process) and, if ``planned``, the activations planned
     with it (``PlannedActivations``: the shape declared, or measured at the first forward); step i
@@ -74,7 +74,7 @@ def train_planned(budget: int, directory: Optional[str], planned: bool, steps: i
     extra = {"offload_activations": zeroshard.PlannedActivations(**shape, checkpointed=checkpointed,
                                                                        prefetch=prefetch, recompute=recompute)
              } if planned else {}
-    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=2, offload="auto",
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=stage, offload="auto",
                                   memory_budget={"host": budget, "reserve": 0}, nvme_path=directory, **extra,
                                   **({"bucket_size_mb": bucket_size_mb} if bucket_size_mb else {}))
     torch.manual_seed(1)

@@ -99,7 +99,8 @@ class AutoPlacement(StatePlacement):
         if wanted.micro_batch is not None:
             return "the micro-batch's shape is declared: planned with the state at construction"
         classes = {g.get("optimizer_class", optimizer_class) for g in groups}
-        why = ("at stage 3 the state is placed before the first forward (state first)" if config.stage == 3
+        why = ("at stage 3 the state is placed before the first forward (state first); declare the shape, "
+               "PlannedActivations(micro_batch=..., seq_len=...), to plan the two together" if config.stage == 3
                else "with an accelerator only stage 3's shards give up device memory for the activations: state "
                     "first is the joint search's only candidate" if self.accelerator
                else "without nvme_path no state can give up memory for the activations" if config.nvme_path is None
@@ -110,15 +111,16 @@ class AutoPlacement(StatePlacement):
             why = "an optimizer class other than Adam/AdamW: its state does not stream through the fused kernel"
         return why
 
-    def plan_at_first_forward(self, activations: JointActivations) -> None:
+    def plan_at_first_forward(self, activations: JointActivations) -> Optional[str]:
         """The micro-batch's shape was measured at the first forward: the state's placement and the
         activations planned together as with a declared shape, and the state moved to that placement
         before any block runs (Note [state re-placed at the first forward] in placement_replan.py); the
-        refusal of the joint search (naming what fits) where no candidate's activations fit."""
+        refusal of the joint search (naming what fits) where no candidate's activations fit. Returns why
+        the state stays where it was placed (None: planned jointly)."""
         why = self.re_place_blocker or gradients_exist(self._units)
         if why is not None:
             self.joint = {"planned": "first forward", "re_placed": False, "why": why}
-            return
+            return why
         budget, fixed, group = self._search
         built = self.plan
         candidates = [c for c in state_candidates(self.specs, budget, fixed, accelerator=self.accelerator,
@@ -137,6 +139,7 @@ class AutoPlacement(StatePlacement):
         self.plan = new
         self.joint = {**joint.report(), "planned": "first forward", "re_placed": bool(moved), "moved": moved,
                       "moved_bytes": sum(m["bytes"] for m in moved)}
+        return None
 
     @property
     def _re_placeable(self) -> bool:

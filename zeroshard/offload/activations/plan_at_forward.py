@@ -33,7 +33,7 @@ def places_last(places: dict[str, str]) -> str:
 class ForwardPlanner:
     def __init__(self, wanted: PlannedActivations, model: nn.Module, candidates: dict[int, str],
                  state: Callable[[], Plan], budget: MemoryBudget, accelerator: bool, nvme_path: Optional[str],
-                 act_dtype: torch.dtype, joint: Optional[Callable[[JointActivations], None]] = None) -> None:
+                 act_dtype: torch.dtype, joint: Optional[Callable[[JointActivations], Optional[str]]] = None) -> None:
         self.wanted = wanted
         self._joint = joint
         """Places the state again with the activations of the first measured micro-batch (Note [state
@@ -55,12 +55,18 @@ class ForwardPlanner:
         """The plan of a ``micro_batch x seq_len`` micro-batch in what the state's plan leaves now; a
         ValueError naming the longest sequence and the smallest budget that fit."""
         options = replace(self.wanted, micro_batch=micro_batch, seq_len=seq_len)
+        state_first = None
         if not declared and not self.plans and self._joint is not None:  # (the first measured micro-batch)
-            self._joint(joint_activations(options, self.shape, list(self.candidates.values()), self._budget,
-                                          self._nvme_path, self._act_dtype))
+            state_first = self._joint(joint_activations(options, self.shape, list(self.candidates.values()),
+                                                        self._budget, self._nvme_path, self._act_dtype))
         block = None if self._per_token is None else math.ceil(self._per_token * micro_batch * seq_len)
-        plan, places, left = plan_for_run(options, self.shape, list(self.candidates.values()), self._state(),
-                                          self._budget, self._accelerator, self._nvme_path, self._act_dtype, block)
+        try:
+            plan, places, left = plan_for_run(options, self.shape, list(self.candidates.values()), self._state(),
+                                              self._budget, self._accelerator, self._nvme_path, self._act_dtype, block)
+        except ValueError as exc:
+            if state_first is None:
+                raise
+            raise ValueError(f"{exc} (the state was not planned with the activations: {state_first})") from None
         self._shape_now = (micro_batch, seq_len)
         tiers = moved_blocks(places)
         cover = {k: n for k, n in self.candidates.items() if n in tiers}
