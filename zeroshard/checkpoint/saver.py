@@ -20,6 +20,7 @@ import enum
 import json
 import os
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -69,7 +70,10 @@ class CheckpointSaver:
         self._staged.set()
         self._buffers: dict[str, torch.Tensor] = {}
         self._hooked: set[int] = set()
-        self._comms: dict[Any, Comm] = {}
+        self._comms: dict[Any, tuple[Optional["weakref.ref[Any]"], Comm]] = {}
+        """Side groups by the group they serve, with a weak reference to it: an id is reused once its
+        group is freed (a group re-formed at another world, Note [in-process recovery]), and the
+        cache must neither hand out the old world's side group nor keep that group alive."""
 
     # -- lifecycle -------------------------------------------------------------------------
     def wait(self) -> None:
@@ -90,11 +94,16 @@ class CheckpointSaver:
         if base.world_size == 1 and tp is None and pp is None:
             return base
         key: object = id(base.group)
+        served: Any = base.group
         if pp is not None:
-            key = ("pp", pp.checkpoint_ranks)
+            key, served = ("pp", pp.checkpoint_ranks), None
         elif tp is not None:
-            key = ("tp", id(tp.comm.group))
-        if key not in self._comms:
+            key, served = ("tp", id(tp.comm.group)), tp.comm.group
+        held = self._comms.get(key)
+        if held is not None and held[0] is not None and held[0]() is not served:
+            held = None  # (the id of a freed group, now another's)
+        if held is None:
+            self._comms = {k: v for k, v in self._comms.items() if v[0] is None or v[0]() is not None}
             # The side group must give up on a dead peer as soon as training's own group does
             # (not after gloo's 30-minute default): ZEROSHARD_PG_TIMEOUT, seconds.
             timeout = datetime.timedelta(seconds=float(os.environ.get("ZEROSHARD_PG_TIMEOUT", "1800")))
@@ -106,8 +115,8 @@ class CheckpointSaver:
             for ranks in rows:
                 group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
                 if sorted(ranks) == sorted(mine):
-                    self._comms[key] = Comm(group)
-        return self._comms[key]
+                    self._comms[key] = (weakref.ref(served) if served is not None else None, Comm(group))
+        return self._comms[key][1]
 
     def save(self, root: str, step: int, model: Optional[nn.Module], opt: Any, scheduler: Any,
              dataloader: Any, extra: Any, async_save: bool, keep_last: Optional[int],
