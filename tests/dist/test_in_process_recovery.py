@@ -36,6 +36,7 @@ def _assert_recovered_like_the_disk_save(out: str, results: list[dict]) -> None:
     for r in results:
         got = r["recoveries"][-1]
         assert r["disk_bytes_read"] == 0  # (the checkpoint root holds step 2, older: not opened)
+        assert r["saved_after"] is True
         assert r["ref_source"] is None and r["ref_step"] == got["step"]
     assert len({r["recoveries"][-1]["step"] for r in results}) == 1, results
     assert_bitwise(merged(out, 2), merged(out, 2, "ref-final"))

@@ -119,6 +119,10 @@ def worker(member: int, world: int, port: int, out: str, tier: str, stage: int, 
     torch.save(owned_state(t.model, t.optimizer), os.path.join(out, f"final-{rank}.pt"))
     result = {"pid": os.getpid(), "member": member, "rank": rank, "world": rec.world_size,
               "recoveries": rec.recoveries, "disk_bytes_read": sum(os.path.getsize(p) for p in set(reads))}
+    # a disk save after the recovery: on the new world's side group, not the destroyed one's
+    saved = zeroshard.save_checkpoint(os.path.join(out, "after"), rec.step, model=t.model, optimizer=t.optimizer,
+                                      scheduler=t.scheduler).wait()
+    result["saved_after"] = os.path.isdir(saved)
     # The reference: the disk save of the recovered step, resumed at this world with a fresh tier.
     if rec.recoveries:
         t = _build(tier + "-ref", stage)(rank, rec.world_size)

@@ -381,7 +381,7 @@ def forget_side_groups() -> None:
     """Drops the cached save side groups (``checkpoint_comm``): their world was destroyed (an
     in-process recovery re-forms the group, Note [in-process recovery] in
     zeroshard/train/in_process.py). Kept, they would hold the old group's connections open (a
-    live peer waiting on this rank in a save would not fail) and serve the next world's saves."""
+    live peer waiting on this rank in a save would not fail until its timeout)."""
     _SAVER._comms.clear()
 
 

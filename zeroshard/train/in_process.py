@@ -44,7 +44,7 @@ zeroshard/resilience/memory_tier.py). The protocol, generation g (g recoveries d
   a survivor waiting on it rather than on the dead peer fails then (before this, one bench
   round waited for the 120 s collective timeout; with 4 members a survivor waiting on a live
   one in a save's side group waited out ``timeout_s``, and was left out, before the side
-  groups were dropped; a later save would also have used the destroyed world's group).
+  groups were dropped; a later save makes the new world's side group: tested).
 - Rebuild and recovery. ``build(rank, world)`` makes the model, ``ZeroOptimizer`` (with
   ``redundancy=PeerRedundancy(...)``: the same tier path and run id), scheduler and data
   loader anew at the new world (the typed engine is built whole, never patched); then
