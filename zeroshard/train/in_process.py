@@ -195,7 +195,8 @@ class InProcessRecovery:
         self.recoveries: list[dict] = []
         """One record per recovery: generation, lost members, new world size, recovered step, its
         source, the error, when it began (``at``, wall clock) and its seconds: in all, agreeing
-        (includes the old tier's thread ending), the new group, ``build`` and the restore."""
+        (includes the old tier's thread ending), the new group, ``build`` and the restore (of its
+        last round: ``rounds`` > 1 when a loss during a round started another)."""
         self._store: Optional[dist.TCPStore] = None
         self._beat: Optional[threading.Thread] = None
         self._stop = threading.Event()
