@@ -9,13 +9,27 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 
 import zeroshard
 from zeroshard import InProcessOptions, InProcessRecovery, Trainee
+from zeroshard.train.in_process import RecoveryFailed
+from zeroshard.testing import kill_points
 from tests.support.peer_worker import owned_state
+
+
+def host_store(port_file: str) -> None:
+    """The job's store in a process of its own (torchrun's agent's role), so that a test can
+    SIGKILL it: writes its port to ``port_file`` and serves until killed."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with open(port_file + ".tmp", "w") as f:
+        f.write(str(store.port))
+    os.replace(port_file + ".tmp", port_file)
+    while True:
+        time.sleep(3600)
 
 
 def _build(tier: str, stage: int):
@@ -40,9 +54,13 @@ def _train_step(t: Trainee, step: int, xs: torch.Tensor, ys: torch.Tensor) -> No
 
 
 def worker(member: int, world: int, port: int, out: str, tier: str, stage: int, kill_member: int, kill_step: int,
-           steps: int, stop: bool = False) -> None:
+           steps: int, stop: bool = False, second: int = -1, store_pid: int = 0, timeout_s: float = 0.0) -> None:
     """``stop``: the member is SIGSTOPped at the boundary before ``kill_step`` (its last commit
-    finished everywhere: a hang detected by the collectives' timeout), not SIGKILLed mid-step."""
+    finished everywhere: a hang detected by the collectives' timeout), not SIGKILLed mid-step.
+    ``second``: that member SIGKILLs itself inside the first recovery, after its piece exchange
+    is posted (the ``recovery`` kill point, armed in this process only: it does not restart).
+    ``store_pid``: the killed member SIGKILLs the store's host just before itself; the others
+    must end with ``RecoveryFailed`` (written to ``failed-<member>.json``) and exit 3."""
     root, ref = os.path.join(out, "ckpt"), os.path.join(out, "ref")
     reads: list[str] = []  # files opened for reading under the checkpoint root (Python's audit events)
     watch = os.path.realpath(root) + os.sep
@@ -58,10 +76,14 @@ def worker(member: int, world: int, port: int, out: str, tier: str, stage: int, 
     xs, ys = torch.randn(512, 16, generator=gen), torch.randn(512, 8, generator=gen)
     # (a stopped member: its heartbeat goes stale after 1 s; a killed one is seen gone from the
     # process table at once, well before 5 s)
-    options = InProcessOptions("127.0.0.1", port, timeout_s=4.0 if stop else 30.0, dead_after_s=1.0 if stop else 5.0)
+    options = InProcessOptions("127.0.0.1", port, timeout_s=timeout_s or (4.0 if stop else 30.0),
+                               dead_after_s=1.0 if stop else 5.0)
     rec = InProcessRecovery(options,
                             rank=member, world_size=world, build=_build(tier, stage), root=root)
     rec.start()
+    if member == second:  # its rank in generation 1 (the members but the first lost), either recovered step
+        rank1 = [m for m in range(world) if m != kill_member].index(member)
+        kill_points.ARMED = tuple(kill_points.KillAt("recovery", k, rank1) for k in (kill_step - 2, kill_step - 1))
 
     def step_fn(t: Trainee, step: int) -> None:
         first = rec.generation == 0
@@ -73,6 +95,10 @@ def worker(member: int, world: int, port: int, out: str, tier: str, stage: int, 
                 os.kill(os.getpid(), signal.SIGSTOP)
         _train_step(t, step, xs, ys)
         if first and step + 1 == kill_step and member == kill_member:
+            if store_pid:
+                with open(os.path.join(out, "killed-at"), "w") as f:
+                    f.write(repr(time.time()))
+                os.kill(store_pid, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)  # mid-step: after the optimizer step, before its commit
         if first:  # the reference's disk saves, and one regular save (older than the tiers' steps)
             zeroshard.save_checkpoint(os.path.join(ref, f"step-{step + 1}"), step + 1, model=t.model,
@@ -80,18 +106,27 @@ def worker(member: int, world: int, port: int, out: str, tier: str, stage: int, 
             if step + 1 == 2:
                 zeroshard.save_checkpoint(root, step + 1, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
                 reads.clear()
-    while rec.step < steps:
-        rec.run(step_fn)
+    try:
+        while rec.step < steps:
+            rec.run(step_fn)
+    except RecoveryFailed as exc:
+        with open(os.path.join(out, f"failed-{member}.json"), "w") as f:
+            json.dump({"at": time.time(), "error": str(exc), "recoveries": rec.recoveries}, f)
+        sys.exit(3)
     t = rec.objects
     t.optimizer.engine.memory_tier.wait()
     rank = rec.rank
     torch.save(owned_state(t.model, t.optimizer), os.path.join(out, f"final-{rank}.pt"))
     result = {"pid": os.getpid(), "member": member, "rank": rank, "world": rec.world_size,
               "recoveries": rec.recoveries, "disk_bytes_read": sum(os.path.getsize(p) for p in set(reads))}
+    # a disk save after the recovery: on the new world's side group, not the destroyed one's
+    saved = zeroshard.save_checkpoint(os.path.join(out, "after"), rec.step, model=t.model, optimizer=t.optimizer,
+                                      scheduler=t.scheduler).wait()
+    result["saved_after"] = os.path.isdir(saved)
     # The reference: the disk save of the recovered step, resumed at this world with a fresh tier.
     if rec.recoveries:
         t = _build(tier + "-ref", stage)(rank, rec.world_size)
-        k = rec.recoveries[0]["step"]
+        k = rec.recoveries[-1]["step"]
         info = zeroshard.load_checkpoint(os.path.join(ref, f"step-{k}"), model=t.model, optimizer=t.optimizer,
                                          scheduler=t.scheduler)
         result["ref_source"], result["ref_step"] = info.get("source"), info["step"]

@@ -386,6 +386,14 @@ def checkpoint_comm(opt: Optional["ZeroOptimizer"]) -> Comm:
     return _SAVER._comm(opt)
 
 
+def forget_side_groups() -> None:
+    """Drops the cached save side groups (``checkpoint_comm``): their world was destroyed (an
+    in-process recovery re-forms the group, Note [in-process recovery] in
+    zeroshard/train/in_process.py). Kept, they would hold the old group's connections open (a
+    live peer waiting on this rank in a save would not fail until its timeout)."""
+    _SAVER._comms.clear()
+
+
 def wait_checkpoint() -> None:
     """Waits for this process's in-flight save (raising if it failed) and for the deletion of
     the steps it rotated out (Note [deleting in the background] in commit.py)."""

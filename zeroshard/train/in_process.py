@@ -39,9 +39,12 @@ zeroshard/resilience/memory_tier.py). The protocol, generation g (g recoveries d
   initialised on ``PrefixStore("<prefix>/g<g+1>/pg", store)``.
   A group's connections close only when its last reference goes (``destroy_process_group``
   and ``shutdown`` leave them open while the optimizer holds the group: tried), so the failed
-  rank drops its objects, and the exception's frames that hold them, and collects them at once:
+  rank drops its objects, and the exception's frames that hold them, and the disk saves'
+  cached side groups of that world (``forget_side_groups``), and collects them at once:
   a survivor waiting on it rather than on the dead peer fails then (before this, one bench
-  round waited for the 120 s collective timeout).
+  round waited for the 120 s collective timeout; with 4 members a survivor waiting on a live
+  one in a save's side group waited out ``timeout_s``, and was left out, before the side
+  groups were dropped; a later save makes the new world's side group: tested).
 - Rebuild and recovery. ``build(rank, world)`` makes the model, ``ZeroOptimizer`` (with
   ``redundancy=PeerRedundancy(...)``: the same tier path and run id), scheduler and data
   loader anew at the new world (the typed engine is built whole, never patched); then
@@ -51,7 +54,10 @@ zeroshard/resilience/memory_tier.py). The protocol, generation g (g recoveries d
   rank (Note [peer memory tier]); ``run`` returns False and ``step`` is the recovered one.
   At another world size the RNG is not restored (as a disk resume's): ``build`` seeds it
   as a fresh process would. A loss during the recovery itself (its new group, build or
-  restore raise) starts the next generation's round the same way (not covered by a test).
+  restore raise) starts the next generation's round the same way; ``recoveries`` keeps one
+  record for the failure, its ``lost`` counted from the members before it and ``rounds``
+  (tested: 4 members, the second lost inside the piece exchange of the first round; the
+  tiers on one node still cover the state, so the second round recovers from memory).
   ``RecoveryFailed`` (left out, the store gone, ``max_recoveries`` spent) ends the worker.
   The old objects are dropped once their tier's commit thread ended (it fails on the dead
   peer at once; on a stopped one at the side group's timeout, ``ZEROSHARD_PG_TIMEOUT``): the
@@ -59,8 +65,10 @@ zeroshard/resilience/memory_tier.py). The protocol, generation g (g recoveries d
   stamp or clear its own older slots when it ends (the recovery reads stamped slots only).
 - The store host. The store outlives any worker, so losing rank 0 is like losing any rank.
   When the store's host itself is gone, nothing can agree: the heartbeats stop, and the
-  recovery raises a RuntimeError naming the store; the job restarts the way it would
-  without this (torchrun and the memory tiers, which outlive the processes).
+  recovery raises ``RecoveryFailed`` naming the store (the store client's broken pipe: under
+  a second in the test, bounded by ``timeout_s`` where the host does not answer); the job
+  restarts the way it would without this (torchrun and the memory tiers, which outlive the
+  processes and are left as they were: tested, the tier report's slots all valid).
 """
 from __future__ import annotations
 
@@ -79,6 +87,7 @@ from torch import nn
 from zeroshard.checkpoint import load_checkpoint
 from zeroshard.checkpoint.checkpoint_errors import CheckpointError
 from zeroshard.checkpoint.memory_commit import memory_checkpoint
+from zeroshard.checkpoint.saver import forget_side_groups
 
 if TYPE_CHECKING:
     from zeroshard.optim.zero_optimizer import ZeroOptimizer
@@ -186,7 +195,8 @@ class InProcessRecovery:
         self.recoveries: list[dict] = []
         """One record per recovery: generation, lost members, new world size, recovered step, its
         source, the error, when it began (``at``, wall clock) and its seconds: in all, agreeing
-        (includes the old tier's thread ending), the new group, ``build`` and the restore."""
+        (includes the old tier's thread ending), the new group, ``build`` and the restore (of its
+        last round: ``rounds`` > 1 when a loss during a round started another)."""
         self._store: Optional[dist.TCPStore] = None
         self._beat: Optional[threading.Thread] = None
         self._stop = threading.Event()
@@ -238,9 +248,13 @@ class InProcessRecovery:
             self.step += 1
             return True
         del t
+        before, rounds = list(self.members), self._rounds
         while True:
             try:
                 self._recover(failure)
+                # (one record for the rounds this failure took: lost since the step failed)
+                self.recoveries[-1].update(lost=[m for m in before if m not in self.members],
+                                           rounds=self._rounds - rounds)
                 return False
             except RecoveryFailed:
                 raise
@@ -313,6 +327,7 @@ class InProcessRecovery:
         # timed out on a stopped one): it must not write into the slots the recovery reads.
         tier = self.objects.optimizer.engine.memory_tier if self.objects is not None else None
         self.objects = None
+        forget_side_groups()  # (the saves' side groups of the old world hold its connections too)
         if dist.is_initialized():
             dist.destroy_process_group()
         # A group's connections close only when its last reference goes (neither destroy nor
