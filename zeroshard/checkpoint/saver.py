@@ -70,7 +70,7 @@ class CheckpointSaver:
         self._staged.set()
         self._buffers: dict[str, torch.Tensor] = {}
         self._hooked: set[int] = set()
-        self._comms: dict[Any, tuple[Optional["weakref.ref[Any]"], Comm]] = {}
+        self._comms: dict[object, tuple[Optional["weakref.ref[dist.ProcessGroup]"], Comm]] = {}
         """Side groups by the group they serve, with a weak reference to it: an id is reused once its
         group is freed (a group re-formed at another world, Note [in-process recovery]), and the
         cache must neither hand out the old world's side group nor keep that group alive."""
@@ -94,7 +94,7 @@ class CheckpointSaver:
         if base.world_size == 1 and tp is None and pp is None:
             return base
         key: object = id(base.group)
-        served: Any = base.group
+        served: Optional[dist.ProcessGroup] = base.group
         if pp is not None:
             key, served = ("pp", pp.checkpoint_ranks), None
         elif tp is not None:
