@@ -90,3 +90,16 @@ def test_a_rank_lost_before_the_first_disk_save_fails_the_save_at_once(tmp_path)
             shutil.rmtree(r, ignore_errors=True)
     assert d["error"] is not None, d
     assert d["seconds"] < 15, d
+
+
+def test_parity_groups_turn_the_tier_off_together_when_one_rank_cannot_write(tmp_path):
+    """PeerRedundancy(parity=2), rank 1's tmpfs full: every rank learns of it at the commit's gather
+    and stops committing at the same step (before, only rank 1 did, and rank 0's next parity
+    exchange waited for it until the timeout)."""
+    root = f"/dev/shm/zeroshard-test-{uuid.uuid4().hex[:10]}"
+    try:
+        res = run_ranks(tw.parity_full_worker, 2, tmp_path, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert res[0]["committed"] == res[1]["committed"] == [1], res
+    assert all(r["disabled"] and "rank 1" in r["disabled"] for r in res), res

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 
 import psutil
 import torch
@@ -119,6 +120,33 @@ def _auto(rank: int, root: str, width: int, steps: int, sleep_s: float) -> dict:
     o.close()
     o2.close()
     return out
+
+
+def parity_full_worker(rank: int, world: int, out_path: str, root: str) -> None:
+    """Parity groups of 2: rank 1's tmpfs is full (its own slots write to /dev/full). Both ranks
+    must turn the tier off together (the commit's gather), or rank 0's next parity exchange
+    waits for a rank that no longer commits (ZEROSHARD_PG_TIMEOUT, 20 s here)."""
+    os.environ["ZEROSHARD_PG_TIMEOUT"] = "20"
+    if rank == 1:
+        for slot in ("slot-0", "slot-1"):
+            os.makedirs(os.path.join(root, "rank-1", "own", slot))
+            os.symlink("/dev/full", os.path.join(root, "rank-1", "own", slot, "data.bin"))
+    dist.barrier()
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 8)
+    o = zeroshard.ZeroOptimizer(m, torch.optim.AdamW, lr=1e-2, stage=2,
+                                redundancy=zeroshard.PeerRedundancy(path=root, run_id="full", every=1, parity=2))
+    committed = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for s in range(4):
+            _step(m, o, rank, s, 8, 2)
+            if zeroshard.memory_checkpoint(s + 1, model=m, optimizer=o):
+                committed.append(s + 1)
+    out = {"committed": committed, "disabled": o.engine.memory_tier.disabled}
+    o.close()
+    with open(f"{out_path}.rank{rank}", "w") as f:
+        json.dump(out, f)
 
 
 def dead_worker(rank: int, world: int, out_path: str, root: str) -> None:

@@ -363,13 +363,14 @@ class MemoryTier:
             gathered: list = [(self._write_failed, self._proposal)]
             if swap is not None:
                 self._keep(*swap())
-                gathered = [None] * self.world  # every rank learns of any write failure (off together)
+            if self._side is not None:  # every rank learns of any write failure (off together) and of every
+                gathered = [None] * self.world  # rank's pacing proposal (one K everywhere): parity groups too
                 dist.all_gather_object(gathered, (self._write_failed, self._proposal), group=self._side)
             self._failed = [f"rank {r}: {f}" for r, (f, _) in enumerate(gathered) if f]
             self._proposals = [p for _, p in gathered]
             self.committed = stamp["step"]
-            if not self._pruned and not self._failed and (swap is not None or self._side is None):
-                self._pruned = True  # (every rank finished this commit: the gather above; parity has none)
+            if not self._pruned and not self._failed:
+                self._pruned = True  # (every rank finished this commit: the gather above)
                 first = self._shares.index(True) == self.rank if True in self._shares else False
                 keep = {"own", f"replica-{self.source}"} | ({"parity"} if self.parity_group is not None else set())
                 stale_slots.prune(self.root, self.rank, self.world, keep, first, self.run_id)
