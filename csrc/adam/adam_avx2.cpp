@@ -19,7 +19,7 @@ inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, Vec x) { _mm256_storeu_ps(p, x); }
 inline Vec vset1(float x) { return _mm256_set1_ps(x); }
 inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vmuladd(Vec a, Vec b, Vec c) { return _mm256_add_ps(_mm256_mul_ps(a, b), c); }  // (not fused: Note [unfused update])
 inline Vec vsqrt(Vec a) { return _mm256_sqrt_ps(a); }
 inline Vec vdiv(Vec a, Vec b) { return _mm256_div_ps(a, b); }
 inline VMask vmask_from_int(int m) { return _mm256_castsi256_ps(_mm256_set1_epi32(m ? -1 : 0)); }

@@ -23,7 +23,7 @@ inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, Vec x) { _mm512_storeu_ps(p, x); }
 inline Vec vset1(float x) { return _mm512_set1_ps(x); }
 inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vmuladd(Vec a, Vec b, Vec c) { return _mm512_add_ps(_mm512_mul_ps(a, b), c); }  // (not fused: Note [unfused update])
 inline Vec vsqrt(Vec a) { return _mm512_sqrt_ps(a); }
 inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
 inline VMask vmask_from_int(int m) { return static_cast<VMask>(m ? 0xFFFF : 0); }

@@ -1,5 +1,5 @@
 // Portable scalar build of the Adam span kernel, for CPUs without AVX2/FMA. Same arithmetic
-// as the vector builds except that a*b + c is not fused, so results agree to rounding.
+// as the vector builds, bit for bit (Note [unfused update] in adam_body.inc).
 #include <math.h>
 #include <stdint.h>
 
@@ -18,7 +18,7 @@ inline Vec vload(const float* p) { return *p; }
 inline void vstore(float* p, Vec x) { *p = x; }
 inline Vec vset1(float x) { return x; }
 inline Vec vmul(Vec a, Vec b) { return a * b; }
-inline Vec vfmadd(Vec a, Vec b, Vec c) { return a * b + c; }
+inline Vec vmuladd(Vec a, Vec b, Vec c) { return a * b + c; }
 inline Vec vsqrt(Vec a) { return sqrtf(a); }
 inline Vec vdiv(Vec a, Vec b) { return a / b; }
 inline VMask vmask_from_int(int m) { return m ? 0xFFFFFFFFu : 0u; }

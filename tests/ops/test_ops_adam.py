@@ -190,3 +190,26 @@ def test_bad_arguments_raise() -> None:
     with pytest.raises(TypeError, match="floating"):
         adam_step_(p, torch.zeros(10, dtype=torch.int32), m, v, step=1, weight_decay=0.0, adamw_mode=True,
                    **HYPER)
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_every_instruction_set_gives_the_same_bits(adamw_mode: bool) -> None:
+    """Note [unfused update] in csrc/adam/adam_body.inc: the vector builds round a product before
+    its sum as the scalar build (and torch) do, so a run follows the same bits on any CPU."""
+    module = REGISTRY.cpu().module
+    if module is None or len(module.supported_isas()) < 2:
+        pytest.skip("fewer than two instruction sets can run here")
+    before, results = module.isa(), {}
+    try:
+        for name in module.supported_isas():
+            assert module.set_isa(name)
+            p, m, v = _state(1000, seed=3)
+            for step, g in enumerate(_grads(1000, 20, seed=4), start=1):
+                adam_step_(p, g, m, v, step=step, weight_decay=0.05, adamw_mode=adamw_mode, grad_scale=0.5, **HYPER)
+            results[name] = (p, m, v)
+    finally:
+        module.set_isa(before)
+    first, *rest = results
+    for name in rest:
+        for a, b in zip(results[first], results[name]):
+            assert torch.equal(a, b), (first, name)

@@ -4,7 +4,9 @@ Kept free of zeroshard imports so setup.py can load it before the package is ins
 
 Note [kernel flags]: ``-fno-math-errno`` is what lets gcc turn ``sqrtf`` into ``vsqrtps``
 instead of a libm call that must set errno (without it the loop runs ~3x below the memory
-ceiling); ``-O3`` and ``-fopenmp`` for vectorised, threaded loops. The instruction set is
+ceiling); ``-ffp-contract=off`` keeps the compiler from fusing a product and a sum the
+sources round separately (Note [unfused update] in csrc/adam/adam_body.inc: the same bits on
+every instruction set, and torch's); ``-O3`` and ``-fopenmp`` for vectorised, threaded loops. The instruction set is
 chosen at run time (see csrc/adam/adam_common.h), so no ``-march`` here: the library must
 load on any x86-64 CPU. ``-g0`` overrides the ``-g`` that setup.py inherits from Python's
 CFLAGS: debug information does not change the generated code (the objects disassemble
@@ -46,7 +48,7 @@ CPU_ADAM = KernelSpec(
     jit_name="zeroshard_cpu_adam",
     sources=("adam/cpu_adam.cpp", "adam/adam_avx512.cpp", "adam/adam_avx2.cpp", "adam/adam_scalar.cpp",
              "adam/grad_sqnorm.cpp", "adam/codec_int8.cpp", "adam/codec_blocks_avx2.cpp", "adam/codec_fp8_int4.cpp"),
-    cflags=("-O3", "-fno-math-errno", "-fopenmp", "-g0"),
+    cflags=("-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-g0"),
     ldflags=("-fopenmp",),
 )
 

@@ -19,9 +19,11 @@ zeroshard/resilience/memory_tier.py). The protocol, generation g (g recoveries d
   ``ZEROSHARD_PG_TIMEOUT``, which ``start`` sets unless it is set, as ``zeroshard finetune``
   does). The failure may also
   surface in the memory tier's commit thread; the next ``memory_checkpoint`` raises it.
-  Any RuntimeError of the step or its commit counts (gloo's errors are plain RuntimeErrors):
-  a bug that raises on one rank makes the others time out, the group re-forms with every
-  member and the step runs again; ``max_recoveries`` bounds that.
+  Only a peer's failure counts (``is_peer_failure`` in failures.py: gloo's errors, timeouts):
+  any other error of the step (a shape mismatch, an out-of-memory, Ctrl-C) is raised to the
+  caller at once, as without this class; a rank that ends on it is lost to the others like a
+  crashed one. (Before, every RuntimeError started a recovery, so a bug that raised on every
+  rank was rebuilt and retried ``max_recoveries`` times before it surfaced.)
 - Membership. Who decides is the store, first writer wins. Each member (identified by its
   rank in generation 0, stable across generations) has a heartbeat thread adding to its
   counter in the store every ``heartbeat_s``; it also writes its host identity (boot id and PID
@@ -88,6 +90,7 @@ from zeroshard.checkpoint import load_checkpoint
 from zeroshard.checkpoint.checkpoint_errors import CheckpointError
 from zeroshard.checkpoint.memory_commit import memory_checkpoint
 from zeroshard.checkpoint.saver import forget_side_groups
+from zeroshard.train.failures import is_peer_failure
 
 if TYPE_CHECKING:
     from zeroshard.optim.zero_optimizer import ZeroOptimizer
@@ -243,6 +246,8 @@ class InProcessRecovery:
             memory_checkpoint(self.step + 1, model=t.model, optimizer=t.optimizer, scheduler=t.scheduler,
                               dataloader=t.dataloader)
         except RuntimeError as exc:  # (kept without its traceback: its frames hold the old objects)
+            if not is_peer_failure(exc):
+                raise  # (the step's own error, a shape mismatch or an out-of-memory: not a lost rank)
             failure = RuntimeError(f"{type(exc).__name__}: {exc}")
         if failure is None:
             self.step += 1
