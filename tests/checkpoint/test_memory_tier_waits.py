@@ -95,9 +95,15 @@ def test_load_state_dict_and_close_wait_for_the_copy_in_flight(tier, tmp_path):
         wait()
     t.wait = seen_wait
     closing = blocked_in(opt.close, entered)
+    second = threading.Thread(target=wait, daemon=True)  # (a second waiter while close() waits: it waits too)
+    second.start()
+    second.join(0.3)
+    held = second.is_alive()
     release.set()
     wait()
+    second.join()
     assert closing, "opt.close() did not wait for the memory tier's commit in flight"
+    assert held, "a second wait() returned while the commit was still in flight (close() had taken the thread)"
 
 
 def test_handoff_commits_the_agreed_step_past_every_and_reports_the_grace(tier, tmp_path):

@@ -208,9 +208,11 @@ class MemoryTier:
     # -- lifecycle -------------------------------------------------------------------------
     def wait(self) -> None:
         """Blocks until the commit in flight is written and replicated; raises its error once."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
+        thread = self._thread
+        if thread is not None:  # (cleared after the join: a second waiter, e.g. close() on another thread, waits too)
             thread.join()
+            if self._thread is thread:
+                self._thread = None
         err, self._error = self._error, None
         if err is not None:
             raise RuntimeError(f"the memory tier's commit failed: {err}") from err
