@@ -117,7 +117,8 @@ def resumed_planned(budget: int, directory: str, declared: bool, saved: tuple[di
     shape = {"micro_batch": BATCH, "seq_len": cfg.seq_len} if declared else {}
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=stage, offload="auto",
                                   memory_budget={"host": budget, "reserve": 0}, nvme_path=directory,
-                                  offload_activations=zeroshard.PlannedActivations(**shape), bucket_size_mb=bucket_size_mb)
+                                  offload_activations=zeroshard.PlannedActivations(**shape),
+                                  bucket_size_mb=bucket_size_mb)
     try:
         model.load_state_dict(saved[0])
         opt.load_state_dict(copy.deepcopy(saved[1]))

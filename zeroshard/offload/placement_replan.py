@@ -6,8 +6,9 @@ Note [state re-placed at the first forward]: with a declared shape (``PlannedAct
 seq_len=)``) the state's placement and the activations are planned together at construction (Note
 [joint state and activation plan] in zeroshard/planner/joint_plan.py). Measured, the shape is known
 only at the first forward (at its first block; at stage 3 at the model's input), after the state was
-placed (state first). There, before any block runs, the same joint search runs over the same candidates (the construction plan among them, as
-its first), and where it picks another placement the state moves to it. The gradients have no value
+placed (state first). There, before any block runs, the same joint search runs over the same
+candidates (the construction plan among them, as its first), and where it picks another placement the
+state moves to it. The gradients have no value
 yet (the first backward writes them: a gradient leaving the swap file is allocated, not read, and one
 arriving is only given a region), so moving means giving the units' swap file the other parts the new
 plan streams (``NvmeUnitStore.re_adopt``: written to a region at the file's end, then released) or
