@@ -25,7 +25,8 @@
    competing for the budget: the shape measured at the first forward (``PlannedActivations()``: the state
    placed again there with the activations, Note [state re-placed at the first forward]; before that
    change, state first) vs declared (planned together at construction: Note [joint state and activation
-   plan]); ``--shapes`` picks which of the two run.
+   plan]); ``--shapes`` picks which of the two run, ``--stage`` the ZeRO stage (2 by default; at 3 the
+   measured shape is read from the model's input, before any gather).
 Prints one JSON line per part.
 """
 from __future__ import annotations
@@ -192,7 +193,7 @@ def _trains(args: argparse.Namespace, seq: int, recompute: bool, joint: Optional
                zeroshard.PlannedActivations(micro_batch=args.batch, seq_len=seq) if joint else
                zeroshard.PlannedActivations())
     try:
-        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, stage=2, offload="auto",
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, stage=args.stage, offload="auto",
                                       memory_budget={"host": int(args.budget_mib * 2**20), "reserve": 0},
                                       nvme_path=args.dir, offload_activations=planned,
                                       **({"bucket_size_mb": args.bucket_mb} if args.bucket_mb else {}))
@@ -357,6 +358,7 @@ def main() -> None:
     p.add_argument("--parts", default="bytes,longest,cgroup",
                    help="which of bytes, longest, cgroup, floor, mix, joint to run")
     p.add_argument("--bucket-mb", type=float, default=0, help="part joint: bucket_size_mb (small: finer units)")
+    p.add_argument("--stage", type=int, default=2, choices=(1, 2, 3), help="parts mix and joint: the ZeRO stage")
     p.add_argument("--shapes", default="measured,declared",
                    help="part joint: the micro-batch's shape measured at the first forward, declared, or both")
     p.add_argument("--seq-step", type=int, default=64, help="part mix: sequences tried are multiples of this")

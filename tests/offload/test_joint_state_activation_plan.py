@@ -10,17 +10,15 @@ moved to that placement before the first block runs (Note [state re-placed at th
 zeroshard/offload/placement_replan.py). Before that, state first: the measured sequence was refused. A
 budget no candidate meets is refused at the first forward with the declared run's message (the longest
 sequence and the smallest budget that fit). Moments loaded from a checkpoint before the first forward
-move with their values (a resumed run: the same bits as resumed with the shape declared)."""
+move with their values (a resumed run: the same bits as resumed with the shape declared). Stage 3, whose
+shape is read from the model's input: test_joint_plan_stage3.py."""
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import replace
 
 import pytest
-import torch
 
-import zeroshard
 
 from zeroshard.offload.activations.planned import least_device, memory_left, shape_of
 from zeroshard.offload.activations.workload import PlannedActivations
@@ -28,7 +26,7 @@ from zeroshard.planner.activation_plan import Links, best_activations, plan_acti
 from zeroshard.planner.auto_placement import Fixed, MemoryBudget, UnitSpec
 from zeroshard.planner.joint_plan import plan_joint, state_candidates, state_seconds
 from zeroshard.planner.model_shape import ModelShape
-from zeroshard.testing.toy import TinyGPT, synthetic_batch
+from zeroshard.testing.toy import TinyGPT
 from zeroshard.units.tier import Tier
 
 from tests.support import act_offload_worker as w
@@ -131,27 +129,7 @@ def test_report_says_planned_at_the_first_forward_what_moved_and_refuses_as_decl
 
 
 def _resumed(budget: int, directory: str, declared: bool, saved: tuple[dict, dict]) -> dict:
-    """One step of a TinyGPT under ``budget`` (the shape declared or measured) from ``saved`` (the model's
-    and the optimizer's state dicts); its gradients, weights and state placement."""
-    cfg = replace(w.CFG, activation_checkpointing=True, **OVER)
-    torch.manual_seed(0)
-    model = TinyGPT(cfg)
-    shape = {"micro_batch": w.BATCH, "seq_len": SEQ} if declared else {}
-    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=2, offload="auto",
-                                  memory_budget={"host": budget, "reserve": 0}, nvme_path=directory,
-                                  offload_activations=zeroshard.PlannedActivations(**shape), bucket_size_mb=BUCKET)
-    try:
-        model.load_state_dict(saved[0])
-        opt.load_state_dict(copy.deepcopy(saved[1]))
-        torch.manual_seed(2)
-        model(*synthetic_batch(2, w.BATCH, cfg)).backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        opt.step()
-        report = opt.placement_report()
-        return {"grads": grads, "weights": copy.deepcopy(model.state_dict()), "units": report["units"],
-                "joint": report["joint"]}
-    finally:
-        opt.close()
+    return w.resumed_planned(budget, directory, declared, saved, OVER, BUCKET)
 
 
 @pytest.mark.filterwarnings("ignore:offload='auto'")
@@ -162,20 +140,3 @@ def test_moments_loaded_before_the_first_forward_move_with_their_values(runs):
     assert measured["units"] == declared["units"]
     assert_same(measured["grads"], declared["grads"], "gradients of the resumed step, shape measured vs declared")
     assert_same(measured["weights"], declared["weights"], "weights after the resumed step (moments moved with values)")
-
-
-@pytest.mark.filterwarnings("ignore:offload='auto'")
-def test_stage3_measured_shape_stays_state_first_and_its_refusal_says_declare_the_shape(runs):
-    """At stage 3 the state is not re-placed at the first forward (its shards are being gathered and
-    prefetched by then: Note [state re-placed at the first forward]); where state first refuses what
-    the joint plan trains, the refusal names why and the fix: declare the shape (which trains)."""
-    roomy = _train(1 << 30, runs["dir"], True, steps=0, stage=3)
-    state = (1 << 30) - roomy["report"]["plan"]["memory_left"]["device"]
-    budget = state + (runs["budget"] - runs["state"])  # (half an input under state first's need, as at stage 2)
-    declared = _train(budget, runs["dir"], True, steps=1, stage=3)
-    assert declared["joint"]["chosen"] > 0, declared["joint"]
-    with pytest.raises(ValueError) as measured:
-        _train(budget, runs["dir"], False, steps=1, stage=3)
-    text = str(measured.value)
-    assert "the longest sequence that fits is" in text and "at stage 3 the state is placed before the first forward" in text
-    assert "declare the shape, PlannedActivations(micro_batch=..., seq_len=...)" in text, text

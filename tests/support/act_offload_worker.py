@@ -106,6 +106,33 @@ def train_planned(budget: int, directory: Optional[str], planned: bool, steps: i
             "forwards_left": wrapped}
 
 
+def resumed_planned(budget: int, directory: str, declared: bool, saved: tuple[dict, dict], shape_over: dict,
+                    bucket_size_mb: float, stage: int = 2) -> dict:
+    """One step of a checkpointed TinyGPT under offload="auto" with ``budget`` (the shape declared or measured)
+    from ``saved`` (the model's and the optimizer's state dicts, loaded before the first forward); its
+    gradients, weights and state placement (``units``, ``joint``)."""
+    cfg = replace(CFG, activation_checkpointing=True, **shape_over)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    shape = {"micro_batch": BATCH, "seq_len": cfg.seq_len} if declared else {}
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=stage, offload="auto",
+                                  memory_budget={"host": budget, "reserve": 0}, nvme_path=directory,
+                                  offload_activations=zeroshard.PlannedActivations(**shape),
+                                  bucket_size_mb=bucket_size_mb)
+    try:
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(copy.deepcopy(saved[1]))
+        torch.manual_seed(2)
+        model(*synthetic_batch(2, BATCH, cfg)).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        report = opt.placement_report()
+        return {"grads": grads, "weights": copy.deepcopy(model.state_dict()), "units": report["units"],
+                "joint": report["joint"]}
+    finally:
+        opt.close()
+
+
 def predicted_bytes(checkpointing: bool, world: int = 1) -> int:
     """Bytes a checkpointed TinyGPT step moves off the device: each block's input (fp32)."""
     tokens = BATCH // world * CFG.seq_len

@@ -142,6 +142,8 @@ class StatePlacement:
         self.re_place_blocker: Optional[str] = "only offload='auto' places the state with the activations"
         """Why the state will not be placed again at the first forward (Note [state re-placed at the
         first forward] in zeroshard/offload/placement_replan.py); None: it may be."""
+        self.shards_parameters = policy.shard_parameters
+        """Stage 3: a re-placement at the first forward moves shards too, which the gatherer reads."""
         self.swapper: Optional["NvmeOptimizerState"] = None
         """The moments' stream, once built (what a re-placement lays out again)."""
         self._runs: list["Run"] = []

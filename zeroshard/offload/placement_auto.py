@@ -8,7 +8,7 @@ Lifecycle: as ``StatePlacement`` (zeroshard/offload/placement.py), which it exte
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
@@ -19,13 +19,14 @@ from zeroshard.offload.placement import (FrozenUnit, JointActivations, StatePlac
                                         largest_parts, live_units)
 from zeroshard.planner.auto_placement import KINDS, Fixed, MemoryBudget, Plan, plan_auto
 from zeroshard.offload.activations.workload import PlannedActivations
-from zeroshard.offload.placement_replan import gradients_exist, moves, re_place, same_layout
+from zeroshard.offload.placement_replan import gradients_exist, moves, re_place, same_layout, stage3_blocker
 from zeroshard.planner.joint_plan import plan_joint, state_candidates
 from zeroshard.units.elementwise import update_kind
 from zeroshard.units.tier import Tier
 
 if TYPE_CHECKING:  # (types only: the runs and units are built after the placement)
     from zeroshard.offload.unit_swap import NvmeUnitStore
+    from zeroshard.stages.stage3.gatherer import ParameterGatherer
     from zeroshard.units.flat_unit import FlatUnit
     from zeroshard.units.run import Run
 
@@ -82,10 +83,15 @@ class AutoPlacement(StatePlacement):
                 f"state is stepped by the fused Adam/AdamW kernel, which {getattr(cls, '__name__', cls)} does not "
                 f"run on; use torch.optim.Adam/AdamW, or a budget that holds everything (at least "
                 f"{fixed.device + fixed.host + sum(u.size(k) for u in specs for k in KINDS)} bytes here)")
-        self._planned_cache = plan.cached
         self.peaks = StepPeaks(host_budget, calibrate=budget.reserve is None, fit_cache=self._fit_cache,
                                margin=host_budget // 50 + largest_parts(specs))
-        if self.peaks.calibrate and self.peaks.works and plan.cached:  # sized after step 1
+        return self._cache_until_step1(plan, self.peaks)
+
+    def _cache_until_step1(self, plan: Plan, peaks: StepPeaks) -> Plan:
+        """``plan`` with its parameter cache empty until step 1's measured peak sizes it (when the
+        peaks are calibrated), the planned cache kept for then."""
+        self._planned_cache = plan.cached
+        if peaks.calibrate and peaks.works and plan.cached:  # sized after step 1
             plan = cache_within(plan, self._planned_cache, 0,
                                 "parameter cache: empty until step 1, whose measured peak sizes it")
         return plan
@@ -99,10 +105,9 @@ class AutoPlacement(StatePlacement):
         if wanted.micro_batch is not None:
             return "the micro-batch's shape is declared: planned with the state at construction"
         classes = {g.get("optimizer_class", optimizer_class) for g in groups}
-        why = ("at stage 3 the state is placed before the first forward (state first); declare the shape, "
-               "PlannedActivations(micro_batch=..., seq_len=...), to plan the two together" if config.stage == 3
-               else "with an accelerator only stage 3's shards give up device memory for the activations: state "
-                    "first is the joint search's only candidate" if self.accelerator
+        why = ("with an accelerator the joint search gives up device memory by moving shards to host memory "
+               "(stage 3) or has no candidate but the state-first plan (stages 1-2), and a re-placement does not "
+               "move a shard off the device it was built on: state first" if self.accelerator
                else "without nvme_path no state can give up memory for the activations" if config.nvme_path is None
                else "the fused Adam kernel is off (fused_adam=False)" if not config.fused_adam
                else None)
@@ -111,20 +116,24 @@ class AutoPlacement(StatePlacement):
             why = "an optimizer class other than Adam/AdamW: its state does not stream through the fused kernel"
         return why
 
-    def plan_at_first_forward(self, activations: JointActivations) -> Optional[str]:
-        """The micro-batch's shape was measured at the first forward: the state's placement and the
-        activations planned together as with a declared shape, and the state moved to that placement
-        before any block runs (Note [state re-placed at the first forward] in placement_replan.py); the
-        refusal of the joint search (naming what fits) where no candidate's activations fit. Returns why
-        the state stays where it was placed (None: planned jointly)."""
-        why = self.re_place_blocker or gradients_exist(self._units)
+    def plan_at_first_forward(self, gatherer: Callable[[], ParameterGatherer], activations: JointActivations,
+                              at_root: bool) -> Optional[str]:
+        """The micro-batch's shape was measured at the first forward (``at_root``: from the model's
+        input, before stage 3's ``gatherer()`` gathers anything; else at the first block): the state's
+        placement and the activations planned together as with a declared shape, and the state moved to
+        that placement before any block runs (Note [state re-placed at the first forward] in
+        placement_replan.py); the refusal of the joint search (naming what fits) where no candidate's
+        activations fit. Returns why the state stays where it was placed (None: planned jointly)."""
+        why = self.re_place_blocker or gradients_exist(self._units) or (
+            stage3_blocker(gatherer(), at_root) if self.shards_parameters else None)
         if why is not None:
             self.joint = {"planned": "first forward", "re_placed": False, "why": why}
             return why
         budget, fixed, group = self._search
         built = self.plan
+        one_rank = not self.shards_parameters or gatherer().comm.world_size == 1
         candidates = [c for c in state_candidates(self.specs, budget, fixed, accelerator=self.accelerator,
-                                                  nvme=True, deeper=group) if same_layout(c, built)]
+                                                  nvme=True, deeper=group) if self._movable(c, built, one_rank)]
         joint = plan_joint(candidates, activations)
         new = dataclasses.replace(joint.state, reasons=joint.state.reasons + (joint.reason(),))
         moved = moves(built, new)
@@ -136,21 +145,49 @@ class AutoPlacement(StatePlacement):
             new = dataclasses.replace(new, reasons=new.reasons + (
                 f"placed again at the first forward, with the measured micro-batch: {len(moved)} part(s) moved "
                 "(Note [state re-placed at the first forward])",))
+        if self.shards_parameters:  # (the parameter cache and the read-ahead too)
+            new = self._gathered_as(new, gatherer())
         self.plan = new
         self.joint = {**joint.report(), "planned": "first forward", "re_placed": bool(moved), "moved": moved,
-                      "moved_bytes": sum(m["bytes"] for m in moved)}
+                      "moved_bytes": sum(m["bytes"] for m in moved), "measured_at": "input" if at_root else "block"}
         return None
+
+    def _gathered_as(self, plan: Plan, gatherer: ParameterGatherer) -> Plan:
+        """Stage 3 re-placed: the parameter cache and ``gatherer``'s read-ahead become ``plan``'s (the
+        cache empty until step 1 where the peak is calibrated, as at construction)."""
+        if self.peaks is not None:
+            plan = self._cache_until_step1(plan, self.peaks)
+        if self.store is not None:
+            self.store.cache = ParamCache([self._units[i] for i in sorted(plan.cached)]) if plan.cached else None
+        self.live_units = gatherer.max_live = live_units(self.config, 3 if plan.deeper else None)
+        return plan
+
+    def _movable(self, plan: Plan, built: Plan, one_rank: bool) -> bool:
+        """A re-placement can take the state from ``built`` to ``plan``: at stages 1-2 the same shards,
+        cache and read-ahead; at stage 3 anything, but the read-ahead only on one rank (each rank measures
+        its own micro-batch, and a read-ahead depth differing across ranks would order the gathers'
+        collectives differently around the reductions)."""
+        if not self.shards_parameters:
+            return same_layout(plan, built)
+        return one_rank or plan.deeper == built.deeper
 
     @property
     def _re_placeable(self) -> bool:
         """The structure a re-placement needs is built (Note [state re-placed at the first forward])."""
         return self.re_place_blocker is None
 
+    @property
+    def _shards_move(self) -> bool:
+        """A re-placement at the first forward may move stage-3 shards (between host memory and the
+        swap file: re-placeable at stage 3 means no accelerator), so every shard is laid out as a
+        swapped one (4096-aligned for O_DIRECT: Note [aligned swap parts]) from construction."""
+        return self._re_placeable and any(u.shard for u in self.specs)
+
     def _swap_file_needed(self) -> bool:
         return self._re_placeable or any(self.plan.swapped(i) for i in range(len(self.specs)))
 
     def _shards_swapped(self) -> bool:
-        return any("shard" in self.plan.swapped(i) for i in range(len(self.specs)))
+        return self._shards_move or any("shard" in self.plan.swapped(i) for i in range(len(self.specs)))
 
     @property
     def streams_optimizer(self) -> bool:
@@ -165,15 +202,16 @@ class AutoPlacement(StatePlacement):
     def of_unit(self, index: int) -> Placement:
         if not self.plan.offloads and not self._re_placeable:
             return Placement()
-        return Placement(optimizer=Tier.NVME, params=self.plan.tier(index, "shard") if self.specs[index].shard
-                         else Tier.DEVICE)
+        if not self.specs[index].shard:
+            return Placement(optimizer=Tier.NVME, params=Tier.DEVICE)
+        return Placement(optimizer=Tier.NVME, params=Tier.NVME if self._shards_move else self.plan.tier(index, "shard"))
 
     def of_frozen(self, index: int) -> Placement:
         """The plan's tier for the frozen unit's shard."""
         i = self._frozen_index(index)
-        if i is None or not self.plan.offloads:
+        if i is None or not (self.plan.offloads or self._shards_move):
             return Placement()
-        return Placement(params=self.plan.tier(i, "shard"))
+        return Placement(params=Tier.NVME if self._shards_move else self.plan.tier(i, "shard"))
 
     def _frozen_index(self, index: int) -> Optional[int]:
         i = sum(1 for u in self.specs if not u.frozen) + index

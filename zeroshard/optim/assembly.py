@@ -205,7 +205,7 @@ def assemble(owner: torch.optim.Optimizer, config: ZeroConfig, optimizer_class: 
     reducer, grad_links, grads = _build_gradients(attached, config, mesh_, sharding, precision, placement, units,
                                                   module, params, inflight)
     activations = _build_activations(attached, config, module, mesh_.comm.rank, inflight, placement, param_dtype,
-                                     mesh_.pp.stages if mesh_.pp is not None else 1)
+                                     sharding, mesh_.pp.stages if mesh_.pp is not None else 1)
     if activations is not None:  # (Note [activation offload under torch.compile])
         reducer.on_pass_start.append(activations.at_backward)
     module_guard, teardown = _attach(owner, attached, module, mesh_, sharding, reducer, units, all_units, inflight,
@@ -331,8 +331,8 @@ def _build_gradients(attached: construction.ConstructionRecord, config: ZeroConf
 
 
 def _build_activations(attached: construction.ConstructionRecord, config: ZeroConfig, module: Optional[nn.Module],
-                       rank: int, inflight: StepInFlight, placement: StatePlacement,
-                       param_dtype: torch.dtype, pipeline_stages: int = 1) -> Optional[ActivationOffloader]:
+                       rank: int, inflight: StepInFlight, placement: StatePlacement, param_dtype: torch.dtype,
+                       sharding: Sharding, pipeline_stages: int = 1) -> Optional[ActivationOffloader]:
     """Activation offload's hooks on the model (Note [activation offload]), after stage 3's, so a
     block's parameters are gathered when its hooks look at them; under offload="auto" with
     ``PlannedActivations``, on the blocks the plan offloads (Note [activations under the budget])."""
@@ -343,7 +343,8 @@ def _build_activations(attached: construction.ConstructionRecord, config: ZeroCo
                          "them), so the plan would not hold. Use offload_activations='cpu' or 'nvme' (each "
                          "micro-batch keeps its own records; Note [activation offload under pipeline schedules])")
     if isinstance(config.offload_activations, PlannedActivations):
-        offloader = _planned_activations(config, config.offload_activations, module, rank, inflight, placement, param_dtype)
+        offloader = _planned_activations(config, config.offload_activations, module, rank, inflight, placement,
+                                         param_dtype, sharding)
         attached.removers.append(offloader.remove)  # (the hooks go with the optimizer, as below)
         return offloader
     options = activation_options(config.offload_activations, config.nvme_path)
@@ -374,8 +375,8 @@ def _joint_activations(config: ZeroConfig, module: Optional[nn.Module], param_dt
 
 
 def _planned_activations(config: ZeroConfig, wanted: PlannedActivations, module: Optional[nn.Module], rank: int,
-                         inflight: StepInFlight, placement: StatePlacement,
-                         param_dtype: torch.dtype) -> ActivationOffloader:
+                         inflight: StepInFlight, placement: StatePlacement, param_dtype: torch.dtype,
+                         sharding: Sharding) -> ActivationOffloader:
     if module is None or not isinstance(placement, AutoPlacement):
         raise ValueError("offload_activations=PlannedActivations(...) is planned by offload='auto' on the model's "
                          "blocks: pass offload='auto' with memory_budget, and the model (an nn.Module)")
@@ -384,7 +385,8 @@ def _planned_activations(config: ZeroConfig, wanted: PlannedActivations, module:
                                 prefetch=wanted.prefetch, min_bytes=0, inductor_split=wanted.inductor_split)
     planner = ForwardPlanner(wanted, module, covered_blocks(module, None), lambda: placement.plan,
                              MemoryBudget.parse(config.memory_budget), placement.accelerator, nvme, param_dtype,
-                             joint=placement.plan_at_first_forward)
+                             joint=functools.partial(placement.plan_at_first_forward, sharding.require_gatherer),
+                             measures_input=sharding.shard_parameters and placement.re_place_blocker is None)
     device = next((p.device for p in module.parameters()), torch.device(_DEVICE))
     return ActivationOffloader(options, module, rank, device, lambda: inflight.steps, planner=planner)
 

@@ -66,6 +66,7 @@ from zeroshard.io.aio_engine import AsyncIO
 from zeroshard.offload.activations.block_checkpoint import BlockCheckpointing
 from zeroshard.offload.activations.block_record import BlockActivations, RecordState, _key, dense_span
 from zeroshard.offload.activations.activation_options import ActivationOffload
+from zeroshard.stages.stage3.gather_hooks import in_backward
 from zeroshard.stages.stage3.units import _repeated_blocks
 from zeroshard.units.tier import Tier
 
@@ -189,6 +190,8 @@ class ActivationOffloader:
         self._handles: list[RemovableHandle] = [] if not self._hooked else [
             model.register_forward_pre_hook(self._model_pre),
             model.register_forward_hook(self._model_post, always_call=True)]
+        if planner is not None and planner.measures_input:  # (first: before stage 3's root hooks gather anything)
+            self._handles.append(model.register_forward_pre_hook(self._model_input, prepend=True, with_kwargs=True))
         for m in model.modules():
             if id(m) in self._hooked:
                 self._handles.append(m.register_forward_pre_hook(self._block_pre))
@@ -248,6 +251,15 @@ class ActivationOffloader:
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_ctx.__enter__()
         _ACTIVE[0] += 1
+
+    def _model_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Stage 3: the first forward's plan from the model's input, before any unit is gathered (Note
+        [state re-placed at the first forward] in zeroshard/offload/placement_replan.py)."""
+        if self.planner is None or self._depth or not torch.is_grad_enabled() or in_backward():
+            return  # (a nested call, an evaluation, a recomputation in backward)
+        placed = self.planner.at_root(args, kwargs)
+        if placed is not None:
+            self.apply(*placed)
 
     def _model_post(self, module: nn.Module, args: tuple, output: object) -> None:
         if self._depth == 0:

@@ -4,7 +4,9 @@ has more tokens than the plan's (Note [activations under the budget] in planned.
 Lifecycle: built by the assembly with the model's repeated blocks; ``initial()`` plans a declared
 shape at construction; ``at_forward()`` is called by the offloader at each forward's first block,
 measures the micro-batch there and, when it holds more tokens than the plan's (or there is no plan
-yet), plans it and gives the offloader the blocks to move.
+yet), plans it and gives the offloader the blocks to move. At stage 3 ``at_root()`` is called first, as
+each forward starts, and plans the first one from the model's input (Note [state re-placed at the first
+forward] in zeroshard/offload/placement_replan.py).
 """
 from __future__ import annotations
 
@@ -33,11 +35,17 @@ def places_last(places: dict[str, str]) -> str:
 class ForwardPlanner:
     def __init__(self, wanted: PlannedActivations, model: nn.Module, candidates: dict[int, str],
                  state: Callable[[], Plan], budget: MemoryBudget, accelerator: bool, nvme_path: Optional[str],
-                 act_dtype: torch.dtype, joint: Optional[Callable[[JointActivations], Optional[str]]] = None) -> None:
+                 act_dtype: torch.dtype, joint: Optional[Callable[[JointActivations, bool], Optional[str]]] = None,
+                 measures_input: bool = False) -> None:
         self.wanted = wanted
         self._joint = joint
         """Places the state again with the activations of the first measured micro-batch (Note [state
-        re-placed at the first forward] in zeroshard/offload/placement_replan.py)."""
+        re-placed at the first forward] in zeroshard/offload/placement_replan.py); its flag: measured at
+        the model's input."""
+        self.measures_input = measures_input
+        """Stage 3: the first forward's shape is read from the model's input (``at_root``, called first as
+        the forward starts), before the gatherer has gathered anything, and planned there (Note [state
+        re-placed at the first forward])."""
         self.candidates = candidates
         """The model's repeated blocks (id -> name), in order: the plan gives each a place."""
         self.shape = shape_of(model, len(candidates))  # (now: under stage 3 a forward's parameters are released)
@@ -51,14 +59,15 @@ class ForwardPlanner:
         """Blocks not checkpointed: the largest block's saved bytes per token, measured (None: not yet)."""
         self._shape_now = (0, 0)
 
-    def plan(self, micro_batch: int, seq_len: int, declared: bool) -> Placed:
-        """The plan of a ``micro_batch x seq_len`` micro-batch in what the state's plan leaves now; a
-        ValueError naming the longest sequence and the smallest budget that fit."""
+    def plan(self, micro_batch: int, seq_len: int, declared: bool, at_root: bool = False) -> Placed:
+        """The plan of a ``micro_batch x seq_len`` micro-batch in what the state's plan leaves now
+        (``at_root``: measured at the model's input); a ValueError naming the longest sequence and the
+        smallest budget that fit."""
         options = replace(self.wanted, micro_batch=micro_batch, seq_len=seq_len)
         state_first = None
         if not declared and not self.plans and self._joint is not None:  # (the first measured micro-batch)
             state_first = self._joint(joint_activations(options, self.shape, list(self.candidates.values()),
-                                                        self._budget, self._nvme_path, self._act_dtype))
+                                                        self._budget, self._nvme_path, self._act_dtype), at_root)
         block = None if self._per_token is None else math.ceil(self._per_token * micro_batch * seq_len)
         try:
             plan, places, left = plan_for_run(options, self.shape, list(self.candidates.values()), self._state(),
@@ -85,6 +94,15 @@ class ForwardPlanner:
             return None
         return self.plan(w.micro_batch, w.seq_len, True)
 
+    def at_root(self, args: tuple, kwargs: dict) -> Optional[Placed]:
+        """Stage 3, a forward starts (before stage 3's own root hooks): the first one's plan from the
+        model's input when it gives the shape (``root_shape``), else None (the first block measures
+        it, the state first). The first block then finds as many tokens and plans nothing more."""
+        if not self.measures_input or self.plans or self.tokens:
+            return None
+        shape = root_shape(args, kwargs)
+        return None if shape is None else self.plan(*shape, False, at_root=True)
+
     def at_forward(self, first: Optional[torch.Tensor]) -> Optional[Placed]:
         """A forward reached its first block, whose first tensor input is ``first``: the plan to apply
         before any block runs when this micro-batch has more tokens than the plan in force, else None."""
@@ -110,3 +128,13 @@ class ForwardPlanner:
         micro_batch, seq_len = self._shape_now
         self._per_token = max(moved) / (micro_batch * seq_len)
         return self.plan(micro_batch, seq_len, self.wanted.micro_batch is not None)
+
+
+def root_shape(args: tuple, kwargs: dict) -> Optional[tuple[int, int]]:
+    """(micro-batch, sequence) of a forward's token ids: its first positional tensor, or ``input_ids=``
+    (TinyGPT, Hugging Face causal LMs), when it is a 2-D integer tensor; else None."""
+    ids = next((a for a in args if isinstance(a, torch.Tensor)), kwargs.get("input_ids"))
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point() or ids.is_complex() \
+            or ids.dtype == torch.bool or ids.numel() == 0:
+        return None
+    return int(ids.shape[0]), int(ids.shape[1])
