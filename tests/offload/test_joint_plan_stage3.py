@@ -10,6 +10,8 @@ where the joint plan trains. An input that gives no shape (no integer (micro-bat
 keeps that: state first, the refusal saying why and to declare the shape."""
 from __future__ import annotations
 
+import re
+
 from dataclasses import replace
 from typing import Optional
 
@@ -29,6 +31,12 @@ from tests.support.asserts import assert_same
 
 OVER, BUCKET, SEQ = {"seq_len": 128}, 0.02, 128  # (as test_joint_state_activation_plan.py: small units, long inputs)
 CFG = replace(w.CFG, activation_checkpointing=True, **OVER)
+
+
+def _free_disk(exc: BaseException) -> str:
+    """The refusal's text with the NVMe directory's free space left out: other processes write to
+    the same disk between the two runs (seen: 70.93 vs 70.94 GiB)."""
+    return re.sub(r"NVMe \d+(\.\d+)? GiB", "NVMe _ GiB", str(exc))
 
 
 def _train(budget: int, directory: str, declared: bool, steps: int = 3, planned: bool = True, **kw) -> dict:
@@ -79,7 +87,7 @@ def test_stage3_report_says_planned_at_the_first_forward_what_moved_and_refuses_
     with pytest.raises(ValueError) as at_forward:
         _train(runs["state"], runs["dir"], False, steps=1)
     assert "the longest sequence that fits is" in str(at_forward.value)
-    assert str(at_forward.value) == str(at_build.value)
+    assert _free_disk(at_forward.value) == _free_disk(at_build.value)
 
 
 def _resumed(budget: int, directory: str, declared: bool, saved: tuple[dict, dict]) -> dict:

@@ -15,6 +15,7 @@ shape is read from the model's input: test_joint_plan_stage3.py."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -33,6 +34,12 @@ from tests.support import act_offload_worker as w
 from tests.support.asserts import assert_same
 
 MiB = 2**20
+
+
+def _free_disk(exc: BaseException) -> str:
+    """The refusal's text with the NVMe directory's free space left out: other processes write to
+    the same disk between the two runs (seen: 70.93 vs 70.94 GiB)."""
+    return re.sub(r"NVMe \d+(\.\d+)? GiB", "NVMe _ GiB", str(exc))
 
 
 def test_joint_plan_moves_optimizer_state_to_host_rather_than_activations(tmp_path):
@@ -125,7 +132,7 @@ def test_report_says_planned_at_the_first_forward_what_moved_and_refuses_as_decl
     with pytest.raises(ValueError) as at_forward:
         _train(budget, runs["dir"], False, steps=1)
     assert "the longest sequence that fits is" in str(at_forward.value)
-    assert str(at_forward.value) == str(at_build.value)
+    assert _free_disk(at_forward.value) == _free_disk(at_build.value)
 
 
 def _resumed(budget: int, directory: str, declared: bool, saved: tuple[dict, dict]) -> dict:
