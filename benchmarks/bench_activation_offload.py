@@ -53,7 +53,8 @@ CGROUP_ROOT = "/sys/fs/cgroup/memory"
 
 def _config(args: argparse.Namespace, checkpointing: bool) -> GPTConfig:
     return GPTConfig(vocab=256, d_model=args.d_model, n_layers=args.layers, n_heads=4, seq_len=args.seq_len,
-                     activation_checkpointing=checkpointing)
+                     activation_checkpointing=checkpointing, checkpoint_granularity=args.granularity,
+                     loss_chunk=args.loss_chunk)
 
 
 def _shape(cfg: GPTConfig, model: torch.nn.Module) -> ModelShape:
@@ -146,21 +147,50 @@ def _least(shape: ModelShape, batch: int, seq: int) -> int:
 
 def _per_token(shape: ModelShape, seq: int, act_bytes: int) -> dict:
     """Bytes per token of a micro-batch of one ``seq`` sequence: what checkpointing keeps (the
-    blocks' inputs), and what stays on the device whatever the plan (one recomputed block's saved
-    tensors; embeddings and logits, as the planner counts them); ``bound``: the ratio offload can give
-    at most, (inputs + what stays) / what stays."""
-    from zeroshard.planner.activations import block_activation_elements
-    inputs = shape.n_layers * shape.d_model * act_bytes
-    block = block_activation_elements(shape, seq, seq, False) * act_bytes // seq
-    fixed = 2 * shape.d_model * act_bytes + shape.vocab * (act_bytes + 8)
-    return {"inputs": inputs, "one_block": block, "embeddings_and_logits": fixed,
+    blocks' inputs, one per checkpoint), and what stays on the device whatever the plan (what one
+    recomputed block holds; embeddings and logits, as the planner counts them: with a chunked loss the
+    chunk's logits spread over the ``seq`` tokens); ``bound``: the ratio offload can give at most at
+    this granularity, (inputs + what stays) / what stays."""
+    from zeroshard.planner.activations import checkpoint_input_elements, logits_bytes, recompute_elements
+    inputs = shape.n_layers * checkpoint_input_elements(shape, seq) * act_bytes / seq
+    block = recompute_elements(shape, seq, seq, False) * act_bytes / seq
+    fixed = 2 * shape.d_model * act_bytes + logits_bytes(shape, seq, act_bytes) / seq
+    return {"inputs": inputs, "one_block": block, "embeddings_and_logits": round(fixed, 1),
             "bound": (inputs + block + fixed) / (block + fixed)}
 
 
+def _finer(shape: ModelShape, budget: int, batch: int, act_bytes: int, chunk: int) -> dict:
+    """Issue 41's ratio with the model options that shrink what stays (Note [chunked cross-entropy],
+    Note [checkpoints finer than a block]): the longest sequence ``budget`` holds. Before: the same
+    model (the loss chunked) without activation offload, checkpointed at the granularity that is best
+    without offload (both tried: a block keeps one input, halves keep two but recompute less); after:
+    offload="auto"'s plan (inputs offloaded) with the halves. Each option alone beside it."""
+    from dataclasses import replace
+    chunked = replace(shape, loss_chunk=chunk)
+    longest = {}
+    for name, s, nvme in (("before_block", chunked, 0), ("before_half", replace(chunked, checkpoint_parts=2), 0),
+                          ("after_block_chunked", chunked, 1 << 50),
+                          ("after_half_full_logits", replace(shape, checkpoint_parts=2), 1 << 50),
+                          ("after_half_chunked", replace(chunked, checkpoint_parts=2), 1 << 50)):
+        longest[name] = longest_sequence(s, batch, act_bytes, device=budget, host=0, nvme=nvme)
+    before = max(longest["before_block"], longest["before_half"])
+    after = longest["after_half_chunked"]
+    kept, stays = _per_token(chunked, before, act_bytes), _per_token(replace(chunked, checkpoint_parts=2), after, act_bytes)
+    return {"loss_chunk": chunk, "longest": longest, "before": before,
+            "before_granularity": "block" if longest["before_block"] >= longest["before_half"] else "half",
+            "after": after, "ratio": after / max(1, before),
+            "per_token_bytes": {"before_block": kept, "after_half": stays},
+            # (all checkpointing alone holds per token at its length ÷ what stays with every input offloaded at
+            # the after's: equal to the ratio when both fill the budget, i.e. the plan moves all that can move)
+            "bound": (kept["inputs"] + kept["one_block"] + kept["embeddings_and_logits"])
+            / (stays["one_block"] + stays["embeddings_and_logits"])}
+
+
 def part_longest(args: argparse.Namespace) -> dict:
+    from dataclasses import replace
     cfg = _config(args, True)
     model = TinyGPT(cfg)
-    shape = _shape(cfg, model)
+    shape = replace(_shape(cfg, model), loss_chunk=0, checkpoint_parts=1)
     budget = int(args.budget_mib * 2**20)
     before = longest_sequence(shape, args.batch, 4, device=budget, host=0, nvme=0)
     after = longest_sequence(shape, args.batch, 4, device=budget, host=0, nvme=1 << 40)
@@ -171,11 +201,14 @@ def part_longest(args: argparse.Namespace) -> dict:
     big_budget = 16 * 2**30
     big_before = longest_sequence(big, 1, 2, device=big_budget, host=0, nvme=0)
     big_after = longest_sequence(big, 1, 2, device=big_budget, host=0, nvme=1 << 44)
+    shape = replace(shape, loss_chunk=0, checkpoint_parts=1)  # (the rows above: the full logits, one checkpoint a block)
     return {"part": "longest sequence (planner)", "budget": budget, "checkpointing_alone": before,
             "with_offload": after, "ratio": after / max(1, before),
             "per_token_bytes": _per_token(shape, after, 4),
+            "finer": _finer(shape, budget, args.batch, 4, args.loss_chunk or 1024),
             "7b_class_bf16": {"budget": big_budget, "checkpointing_alone": big_before, "with_offload": big_after,
-                              "ratio": big_after / max(1, big_before), "per_token_bytes": _per_token(big, big_after, 2)}}
+                              "ratio": big_after / max(1, big_before), "per_token_bytes": _per_token(big, big_after, 2),
+                              "finer": _finer(big, big_budget, 1, 2, args.loss_chunk or 1024)}}
 
 
 def _trains(args: argparse.Namespace, seq: int, recompute: bool, joint: Optional[bool] = None) -> bool:
@@ -362,6 +395,11 @@ def main() -> None:
     p.add_argument("--seq-step", type=int, default=64, help="part mix: sequences tried are multiples of this")
     p.add_argument("--seq-max", type=int, default=16384, help="part mix: the longest sequence tried")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of part floor")
+    p.add_argument("--granularity", choices=("block", "half"), default="block",
+                   help="TinyGPT's checkpoint_granularity in the parts that train (mix, joint, bytes, ...)")
+    p.add_argument("--loss-chunk", type=int, default=0,
+                   help="TinyGPT's loss_chunk in the parts that train (0: the full logits); part longest's "
+                        "'finer' rows: the chunk (0 there: 1024 tokens)")
     p.add_argument("--gpu", action="store_true")
     p.add_argument("--gpu-seq-len", type=int, default=32768)
     p.add_argument("--gpu-fit-seq-len", type=int, default=8192)
