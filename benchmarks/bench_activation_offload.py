@@ -26,6 +26,9 @@
    placed again there with the activations, Note [state re-placed at the first forward]; before that
    change, state first) vs declared (planned together at construction: Note [joint state and activation
    plan]); ``--shapes`` picks which of the two run.
+8. ``finer`` (``--parts finer``): issue 41's before / after in real runs with the options that shrink what
+   stays (``--loss-chunk``, checkpoints in halves): the longest sequence whose step's peak of live tensor
+   bytes is within ``--budget-mib``, checkpointing alone vs every half's input on NVMe, and the planner's.
 Prints one JSON line per part.
 """
 from __future__ import annotations
@@ -183,7 +186,21 @@ def _finer(shape: ModelShape, budget: int, batch: int, act_bytes: int, chunk: in
             # (all checkpointing alone holds per token at its length ÷ what stays with every input offloaded at
             # the after's: equal to the ratio when both fill the budget, i.e. the plan moves all that can move)
             "bound": (kept["inputs"] + kept["one_block"] + kept["embeddings_and_logits"])
-            / (stays["one_block"] + stays["embeddings_and_logits"])}
+            / (stays["one_block"] + stays["embeddings_and_logits"]),
+            "mixed_planner": _finer_mixed(chunked, budget, batch, act_bytes)}
+
+
+def _finer_mixed(chunked: ModelShape, budget: int, batch: int, act_bytes: int) -> dict:
+    """The same before / after as the mixed plan counts them (Note [mixed activation plans]: backward's
+    transients of the running block and the ``prefetch`` = 2 records brought back ahead of backward counted,
+    which the checkpointed plan above leaves out; an upper bound of the peak)."""
+    from dataclasses import replace
+    from zeroshard.planner.activation_mix import longest_mixed
+    half = replace(chunked, checkpoint_parts=2)
+    out = {"before_block": longest_mixed(chunked, batch, act_bytes, device=budget, host=0, nvme=0),
+           "before_half": longest_mixed(half, batch, act_bytes, device=budget, host=0, nvme=0),
+           "after_half": longest_mixed(half, batch, act_bytes, device=budget, host=0, nvme=1 << 50)}
+    return {**out, "ratio": out["after_half"] / max(1, out["before_block"], out["before_half"])}
 
 
 def part_longest(args: argparse.Namespace) -> dict:
@@ -266,6 +283,60 @@ def part_mix(args: argparse.Namespace) -> dict:
     return {"part": "longest sequence, blocks not checkpointed by the model (trained)", "budget": args.budget_mib,
             "keep_or_move": before, "mixed_plan": after, "ratio": after / max(1, before),
             "tried": {"keep_or_move": tried_before, "mixed_plan": tried_after}}
+
+
+def _step_peak(args: argparse.Namespace, seq: int, granularity: str, offload: bool) -> int:
+    """The peak of live tensor bytes (tests/support/live_bytes.py) of the second step's forward and
+    backward of a TinyGPT checkpointed at ``granularity``, its loss chunked (``--loss-chunk``, 0: 1024), at
+    ``seq`` tokens, stage 2; ``offload``: every block's checkpointed inputs to NVMe (the fully offloaded
+    plan, which the planner picks at the longest sequence)."""
+    from tests.support.live_bytes import LiveBytes
+    cfg = GPTConfig(**{**_config(args, True).__dict__, "seq_len": seq, "checkpoint_granularity": granularity,
+                       "loss_chunk": args.loss_chunk or 1024})
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    extra = dict(nvme_path=args.dir, offload_activations=zeroshard.ActivationOffload(where="nvme", min_bytes=0)
+                 ) if offload else {}
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, stage=2, **extra)
+    try:
+        for step in range(2):
+            with LiveBytes() as live:
+                model(*synthetic_batch(step, args.batch, cfg)).backward()
+            opt.step()
+            opt.zero_grad()
+        return live.peak
+    finally:
+        opt.close()
+
+
+def part_finer_runs(args: argparse.Namespace) -> dict:
+    """Real runs of issue 41's before / after with the model options that shrink what stays: the longest
+    sequence (a multiple of ``--seq-step``, by bisection) whose step's peak of live tensor bytes is within
+    ``--budget-mib`` (activations, gradients and backward's transients; the parameters and optimizer state
+    outside it). Before: checkpointing alone at block and at half granularity (no activation offload);
+    after: halves, every input on NVMe. Beside it, the planner's longest for the same budget."""
+    from dataclasses import replace
+    budget = int(args.budget_mib * 2**20)
+    out: dict = {"part": "longest sequence, live bytes within the budget (trained)", "budget": budget,
+                 "loss_chunk": args.loss_chunk or 1024, "tried": {}}
+    for name, granularity, offload in (("before_block", "block", False), ("before_half", "half", False),
+                                       ("after_half", "half", True)):
+        step, tried = args.seq_step, []
+        low, high = 0, args.seq_max // step + 1
+        while high - low > 1:
+            mid = (low + high) // 2
+            peak = _step_peak(args, mid * step, granularity, offload)
+            tried.append((mid * step, peak))
+            low, high = (mid, high) if peak <= budget else (low, mid)
+        out[name], out["tried"][name] = low * step, tried
+    before = max(out["before_block"], out["before_half"])
+    out["ratio"] = out["after_half"] / max(1, before)
+    cfg = _config(args, True)
+    shape = replace(_shape(cfg, TinyGPT(cfg)), loss_chunk=args.loss_chunk or 1024)
+    out["planner"] = {"before_block": longest_sequence(shape, args.batch, 4, device=budget, host=0, nvme=0),
+                      "after_half": longest_sequence(replace(shape, checkpoint_parts=2), args.batch, 4, device=budget,
+                                                     host=0, nvme=1 << 50)}
+    return out
 
 
 def _io_floor(directory: str, sizes: list[int], rounds: int) -> float:
@@ -388,7 +459,7 @@ def main() -> None:
     p.add_argument("--limit-mib", type=float, default=900)
     p.add_argument("--budget-mib", type=float, default=512, help="device budget of part 3")
     p.add_argument("--parts", default="bytes,longest,cgroup",
-                   help="which of bytes, longest, cgroup, floor, mix, joint to run")
+                   help="which of bytes, longest, cgroup, floor, mix, joint, finer to run")
     p.add_argument("--bucket-mb", type=float, default=0, help="part joint: bucket_size_mb (small: finer units)")
     p.add_argument("--shapes", default="measured,declared",
                    help="part joint: the micro-batch's shape measured at the first forward, declared, or both")
@@ -411,7 +482,7 @@ def main() -> None:
         print(json.dumps(gpu_check(args)), flush=True)
         return
     parts = {"bytes": part_bytes, "longest": part_longest, "cgroup": part_cgroup, "floor": part_floor,
-             "mix": part_mix, "joint": part_joint}
+             "mix": part_mix, "joint": part_joint, "finer": part_finer_runs}
     for name in args.parts.split(","):
         print(json.dumps(parts[name](args)), flush=True)
 

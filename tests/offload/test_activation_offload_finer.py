@@ -7,10 +7,12 @@ same bits as the same model without any offload, checkpointed by the model (stag
 rank) or by the offloader (the mixed plan, stage 2); the planner counts the halves and the chunk."""
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
 
+from zeroshard.cli import main as cli
 from zeroshard.offload.activations.planned import least_device, shape_of
 from zeroshard.offload.activations.workload import PlannedActivations
 from zeroshard.planner.activation_mix import mix_sizes
@@ -25,7 +27,7 @@ OVER = {"checkpoint_granularity": "half", "loss_chunk": 24}
 BIG = 1 << 30
 
 
-def test_planner_counts_halves_and_the_chunk():
+def test_planner_counts_halves_and_the_chunk(capsys):
     shape = ModelShape(n_params=7_000_000_000, n_layers=32, d_model=4096, n_heads=32, vocab=32000, d_ff=11008)
     tokens, d = 8192, 4096
     whole, finer = _sizes(shape, 1, tokens, 2, Links(), False), _sizes(
@@ -40,6 +42,14 @@ def test_planner_counts_halves_and_the_chunk():
     assert ModelShape.from_gpt(replace(w.CFG, **OVER), 1).checkpoint_parts == 2
     with pytest.raises(ValueError, match="checkpoint_parts=3"):
         replace(shape, checkpoint_parts=3)
+    args = ["estimate", "--params", "7B", "--layers", "32", "--hidden", "4096", "--vocab", "32000", "--gpu-memory",
+            "80GB", "--cpu-memory", "512GB", "--nvme", "2TB", "--micro-batch", "1", "--seq-len", "300000", "--json"]
+    plans = []
+    for extra in ([], ["--loss-chunk", "1024", "--checkpoint-granularity", "half"]):
+        assert cli(args + extra) == 0
+        plans.append(json.loads(capsys.readouterr().out)["activation_plan"])
+    assert "error" in plans[0] and "longest sequence that fits is" in plans[0]["error"], plans[0]
+    assert "error" not in plans[1] and sum(plans[1]["blocks"].values()) == 32, plans[1]
 
 
 @pytest.mark.filterwarnings("ignore:offload='auto'")
@@ -76,9 +86,11 @@ def test_offloader_checkpoints_in_halves_same_bits(tmp_path):
     running = -(-block * s.running // s.block)
     assert running < block, "a half recomputed holds less than the block"
     budget = state + s.fixed + s.work + running + 2 * inp + inp // 2  # (one input kept, one brought back)
-    want = w.train_planned(budget, d, False, steps=2, **kw)
-    got = w.train_planned(budget, d, True, steps=2, **kw)
+    want = w.train_planned(budget, d, False, steps=2, peaks=True, **kw)
+    got = w.train_planned(budget, d, True, steps=2, peaks=True, **kw)
     plan = got["plans"][-1]
+    left = plan["memory_left"]["device"]
+    assert max(got["peaks"]) <= left < min(want["peaks"]), (got["peaks"], left, want["peaks"])
     assert plan["blocks"] == {"blocks.0": "nvme", "blocks.1": "nvme", "blocks.2": "nvme", "blocks.3": "checkpoint"}, plan
     assert got["moved"][1] == plan["moved_per_step"] == 2 * 3 * inp
     for step, (g, r) in enumerate(zip(got["grads"], want["grads"])):

@@ -14,7 +14,10 @@ with every input on NVMe is refused naming the longest sequence, and the smalles
 budget, that fit. Blocks the model does not checkpoint (``plan_saved``) can only keep their
 saved tensors or move them all (to host or NVMe): no recompute, so the plan keeps as many as fit
 and moves the rest; beside what stays, the block running and the blocks prefetched ahead of its
-backward are on the device.
+backward are on the device. A block checkpointed in parts (``ModelShape.checkpoint_parts``) keeps
+every part's input and, recomputed, holds the larger part (``recompute_elements``); a chunked loss
+(``ModelShape.loss_chunk``) holds one chunk's logits (``logits_bytes``). What this plan leaves out:
+the records brought back ahead of backward and backward's transients (the mixed plan counts them).
 """
 from __future__ import annotations
 
