@@ -287,12 +287,11 @@ def part_mix(args: argparse.Namespace) -> dict:
 
 def _step_peak(args: argparse.Namespace, seq: int, granularity: str, offload: bool) -> int:
     """The peak of live tensor bytes (tests/support/live_bytes.py) of the second step's forward and
-    backward of a TinyGPT checkpointed at ``granularity``, its loss chunked (``--loss-chunk``, 0: 1024), at
-    ``seq`` tokens, stage 2; ``offload``: every block's checkpointed inputs to NVMe (the fully offloaded
-    plan, which the planner picks at the longest sequence)."""
+    backward of a TinyGPT checkpointed at ``granularity``, its loss chunked by ``--loss-chunk`` (0: the full
+    logits), at ``seq`` tokens, stage 2; ``offload``: every block's checkpointed inputs to NVMe (the fully
+    offloaded plan, which the planner picks at the longest sequence)."""
     from tests.support.live_bytes import LiveBytes
-    cfg = GPTConfig(**{**_config(args, True).__dict__, "seq_len": seq, "checkpoint_granularity": granularity,
-                       "loss_chunk": args.loss_chunk or 1024})
+    cfg = GPTConfig(**{**_config(args, True).__dict__, "seq_len": seq, "checkpoint_granularity": granularity})
     torch.manual_seed(0)
     model = TinyGPT(cfg)
     extra = dict(nvme_path=args.dir, offload_activations=zeroshard.ActivationOffload(where="nvme", min_bytes=0)
@@ -314,13 +313,15 @@ def part_finer_runs(args: argparse.Namespace) -> dict:
     sequence (a multiple of ``--seq-step``, by bisection) whose step's peak of live tensor bytes is within
     ``--budget-mib`` (activations, gradients and backward's transients; the parameters and optimizer state
     outside it). Before: checkpointing alone at block and at half granularity (no activation offload);
-    after: halves, every input on NVMe. Beside it, the planner's longest for the same budget."""
+    after: ``--after-granularity`` (halves by default), every input on NVMe. Beside it, the planner's
+    longest for the same budget."""
     from dataclasses import replace
     budget = int(args.budget_mib * 2**20)
+    after = f"after_{args.after_granularity}"
     out: dict = {"part": "longest sequence, live bytes within the budget (trained)", "budget": budget,
-                 "loss_chunk": args.loss_chunk or 1024, "tried": {}}
+                 "loss_chunk": args.loss_chunk, "tried": {}}
     for name, granularity, offload in (("before_block", "block", False), ("before_half", "half", False),
-                                       ("after_half", "half", True)):
+                                       (after, args.after_granularity, True)):
         step, tried = args.seq_step, []
         low, high = 0, args.seq_max // step + 1
         while high - low > 1:
@@ -330,12 +331,12 @@ def part_finer_runs(args: argparse.Namespace) -> dict:
             low, high = (mid, high) if peak <= budget else (low, mid)
         out[name], out["tried"][name] = low * step, tried
     before = max(out["before_block"], out["before_half"])
-    out["ratio"] = out["after_half"] / max(1, before)
+    out["ratio"] = out[after] / max(1, before)
     cfg = _config(args, True)
-    shape = replace(_shape(cfg, TinyGPT(cfg)), loss_chunk=args.loss_chunk or 1024)
+    shape = replace(_shape(cfg, TinyGPT(cfg)), checkpoint_parts=1)
     out["planner"] = {"before_block": longest_sequence(shape, args.batch, 4, device=budget, host=0, nvme=0),
-                      "after_half": longest_sequence(replace(shape, checkpoint_parts=2), args.batch, 4, device=budget,
-                                                     host=0, nvme=1 << 50)}
+                      after: longest_sequence(replace(shape, checkpoint_parts=1 if args.after_granularity == "block"
+                                                      else 2), args.batch, 4, device=budget, host=0, nvme=1 << 50)}
     return out
 
 
@@ -471,6 +472,8 @@ def main() -> None:
     p.add_argument("--loss-chunk", type=int, default=0,
                    help="TinyGPT's loss_chunk in the parts that train (0: the full logits); part longest's "
                         "'finer' rows: the chunk (0 there: 1024 tokens)")
+    p.add_argument("--after-granularity", choices=("block", "half"), default="half",
+                   help="part finer: the offloaded run's checkpoint_granularity")
     p.add_argument("--gpu", action="store_true")
     p.add_argument("--gpu-seq-len", type=int, default=32768)
     p.add_argument("--gpu-fit-seq-len", type=int, default=8192)
