@@ -294,8 +294,8 @@ def _step_peak(args: argparse.Namespace, seq: int, granularity: str, offload: bo
     cfg = GPTConfig(**{**_config(args, True).__dict__, "seq_len": seq, "checkpoint_granularity": granularity})
     torch.manual_seed(0)
     model = TinyGPT(cfg)
-    extra = dict(nvme_path=args.dir, offload_activations=zeroshard.ActivationOffload(where="nvme", min_bytes=0)
-                 ) if offload else {}
+    extra = dict(nvme_path=args.dir, offload_activations=zeroshard.ActivationOffload(
+        where="nvme", min_bytes=0, prefetch=args.prefetch)) if offload else {}
     opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, stage=2, **extra)
     try:
         for step in range(2):
@@ -319,7 +319,7 @@ def part_finer_runs(args: argparse.Namespace) -> dict:
     budget = int(args.budget_mib * 2**20)
     after = f"after_{args.after_granularity}"
     out: dict = {"part": "longest sequence, live bytes within the budget (trained)", "budget": budget,
-                 "loss_chunk": args.loss_chunk, "tried": {}}
+                 "loss_chunk": args.loss_chunk, "prefetch": args.prefetch, "tried": {}}
     for name, granularity, offload in (("before_block", "block", False), ("before_half", "half", False),
                                        (after, args.after_granularity, True)):
         step, tried = args.seq_step, []
@@ -474,6 +474,7 @@ def main() -> None:
                         "'finer' rows: the chunk (0 there: 1024 tokens)")
     p.add_argument("--after-granularity", choices=("block", "half"), default="half",
                    help="part finer: the offloaded run's checkpoint_granularity")
+    p.add_argument("--prefetch", type=int, default=2, help="part finer: the offloaded run's records brought back ahead")
     p.add_argument("--gpu", action="store_true")
     p.add_argument("--gpu-seq-len", type=int, default=32768)
     p.add_argument("--gpu-fit-seq-len", type=int, default=8192)
