@@ -27,6 +27,9 @@
    change, state first) vs declared (planned together at construction: Note [joint state and activation
    plan]); ``--shapes`` picks which of the two run, ``--stage`` the ZeRO stage (2 by default; at 3 the
    measured shape is read from the model's input, before any gather).
+8. ``finer`` (``--parts finer``): issue 41's before / after in real runs with the options that shrink what
+   stays (``--loss-chunk``, checkpoints in halves): the longest sequence whose step's peak of live tensor
+   bytes is within ``--budget-mib``, checkpointing alone vs every half's input on NVMe, and the planner's.
 Prints one JSON line per part.
 """
 from __future__ import annotations
@@ -54,7 +57,8 @@ CGROUP_ROOT = "/sys/fs/cgroup/memory"
 
 def _config(args: argparse.Namespace, checkpointing: bool) -> GPTConfig:
     return GPTConfig(vocab=256, d_model=args.d_model, n_layers=args.layers, n_heads=4, seq_len=args.seq_len,
-                     activation_checkpointing=checkpointing)
+                     activation_checkpointing=checkpointing, checkpoint_granularity=args.granularity,
+                     loss_chunk=args.loss_chunk)
 
 
 def _shape(cfg: GPTConfig, model: torch.nn.Module) -> ModelShape:
@@ -147,21 +151,64 @@ def _least(shape: ModelShape, batch: int, seq: int) -> int:
 
 def _per_token(shape: ModelShape, seq: int, act_bytes: int) -> dict:
     """Bytes per token of a micro-batch of one ``seq`` sequence: what checkpointing keeps (the
-    blocks' inputs), and what stays on the device whatever the plan (one recomputed block's saved
-    tensors; embeddings and logits, as the planner counts them); ``bound``: the ratio offload can give
-    at most, (inputs + what stays) / what stays."""
-    from zeroshard.planner.activations import block_activation_elements
-    inputs = shape.n_layers * shape.d_model * act_bytes
-    block = block_activation_elements(shape, seq, seq, False) * act_bytes // seq
-    fixed = 2 * shape.d_model * act_bytes + shape.vocab * (act_bytes + 8)
-    return {"inputs": inputs, "one_block": block, "embeddings_and_logits": fixed,
+    blocks' inputs, one per checkpoint), and what stays on the device whatever the plan (what one
+    recomputed block holds; embeddings and logits, as the planner counts them: with a chunked loss the
+    chunk's logits spread over the ``seq`` tokens); ``bound``: the ratio offload can give at most at
+    this granularity, (inputs + what stays) / what stays."""
+    from zeroshard.planner.activations import checkpoint_input_elements, logits_bytes, recompute_elements
+    inputs = shape.n_layers * checkpoint_input_elements(shape, seq) * act_bytes / seq
+    block = recompute_elements(shape, seq, seq, False) * act_bytes / seq
+    fixed = 2 * shape.d_model * act_bytes + logits_bytes(shape, seq, act_bytes) / seq
+    return {"inputs": inputs, "one_block": block, "embeddings_and_logits": round(fixed, 1),
             "bound": (inputs + block + fixed) / (block + fixed)}
 
 
+def _finer(shape: ModelShape, budget: int, batch: int, act_bytes: int, chunk: int) -> dict:
+    """Issue 41's ratio with the model options that shrink what stays (Note [chunked cross-entropy],
+    Note [checkpoints finer than a block]): the longest sequence ``budget`` holds. Before: the same
+    model (the loss chunked) without activation offload, checkpointed at the granularity that is best
+    without offload (both tried: a block keeps one input, halves keep two but recompute less); after:
+    offload="auto"'s plan (inputs offloaded) with the halves. Each option alone beside it."""
+    from dataclasses import replace
+    chunked = replace(shape, loss_chunk=chunk)
+    longest = {}
+    for name, s, nvme in (("before_block", chunked, 0), ("before_half", replace(chunked, checkpoint_parts=2), 0),
+                          ("after_block_chunked", chunked, 1 << 50),
+                          ("after_half_full_logits", replace(shape, checkpoint_parts=2), 1 << 50),
+                          ("after_half_chunked", replace(chunked, checkpoint_parts=2), 1 << 50)):
+        longest[name] = longest_sequence(s, batch, act_bytes, device=budget, host=0, nvme=nvme)
+    before = max(longest["before_block"], longest["before_half"])
+    after = longest["after_half_chunked"]
+    kept, stays = _per_token(chunked, before, act_bytes), _per_token(replace(chunked, checkpoint_parts=2), after, act_bytes)
+    return {"loss_chunk": chunk, "longest": longest, "before": before,
+            "before_granularity": "block" if longest["before_block"] >= longest["before_half"] else "half",
+            "after": after, "ratio": after / max(1, before),
+            "per_token_bytes": {"before_block": kept, "after_half": stays},
+            # (all checkpointing alone holds per token at its length ÷ what stays with every input offloaded at
+            # the after's: equal to the ratio when both fill the budget, i.e. the plan moves all that can move)
+            "bound": (kept["inputs"] + kept["one_block"] + kept["embeddings_and_logits"])
+            / (stays["one_block"] + stays["embeddings_and_logits"]),
+            "mixed_planner": _finer_mixed(chunked, budget, batch, act_bytes)}
+
+
+def _finer_mixed(chunked: ModelShape, budget: int, batch: int, act_bytes: int) -> dict:
+    """The same before / after as the mixed plan counts them (Note [mixed activation plans]: backward's
+    transients of the running block and the ``prefetch`` = 2 records brought back ahead of backward counted,
+    which the checkpointed plan above leaves out; an upper bound of the peak)."""
+    from dataclasses import replace
+    from zeroshard.planner.activation_mix import longest_mixed
+    half = replace(chunked, checkpoint_parts=2)
+    out = {"before_block": longest_mixed(chunked, batch, act_bytes, device=budget, host=0, nvme=0),
+           "before_half": longest_mixed(half, batch, act_bytes, device=budget, host=0, nvme=0),
+           "after_half": longest_mixed(half, batch, act_bytes, device=budget, host=0, nvme=1 << 50)}
+    return {**out, "ratio": out["after_half"] / max(1, out["before_block"], out["before_half"])}
+
+
 def part_longest(args: argparse.Namespace) -> dict:
+    from dataclasses import replace
     cfg = _config(args, True)
     model = TinyGPT(cfg)
-    shape = _shape(cfg, model)
+    shape = replace(_shape(cfg, model), loss_chunk=0, checkpoint_parts=1)
     budget = int(args.budget_mib * 2**20)
     before = longest_sequence(shape, args.batch, 4, device=budget, host=0, nvme=0)
     after = longest_sequence(shape, args.batch, 4, device=budget, host=0, nvme=1 << 40)
@@ -172,11 +219,14 @@ def part_longest(args: argparse.Namespace) -> dict:
     big_budget = 16 * 2**30
     big_before = longest_sequence(big, 1, 2, device=big_budget, host=0, nvme=0)
     big_after = longest_sequence(big, 1, 2, device=big_budget, host=0, nvme=1 << 44)
+    shape = replace(shape, loss_chunk=0, checkpoint_parts=1)  # (the rows above: the full logits, one checkpoint a block)
     return {"part": "longest sequence (planner)", "budget": budget, "checkpointing_alone": before,
             "with_offload": after, "ratio": after / max(1, before),
             "per_token_bytes": _per_token(shape, after, 4),
+            "finer": _finer(shape, budget, args.batch, 4, args.loss_chunk or 1024),
             "7b_class_bf16": {"budget": big_budget, "checkpointing_alone": big_before, "with_offload": big_after,
-                              "ratio": big_after / max(1, big_before), "per_token_bytes": _per_token(big, big_after, 2)}}
+                              "ratio": big_after / max(1, big_before), "per_token_bytes": _per_token(big, big_after, 2),
+                              "finer": _finer(big, big_budget, 1, 2, args.loss_chunk or 1024)}}
 
 
 def _trains(args: argparse.Namespace, seq: int, recompute: bool, joint: Optional[bool] = None) -> bool:
@@ -234,6 +284,61 @@ def part_mix(args: argparse.Namespace) -> dict:
     return {"part": "longest sequence, blocks not checkpointed by the model (trained)", "budget": args.budget_mib,
             "keep_or_move": before, "mixed_plan": after, "ratio": after / max(1, before),
             "tried": {"keep_or_move": tried_before, "mixed_plan": tried_after}}
+
+
+def _step_peak(args: argparse.Namespace, seq: int, granularity: str, offload: bool) -> int:
+    """The peak of live tensor bytes (tests/support/live_bytes.py) of the second step's forward and
+    backward of a TinyGPT checkpointed at ``granularity``, its loss chunked by ``--loss-chunk`` (0: the full
+    logits), at ``seq`` tokens, stage 2; ``offload``: every block's checkpointed inputs to NVMe (the fully
+    offloaded plan, which the planner picks at the longest sequence)."""
+    from tests.support.live_bytes import LiveBytes
+    cfg = GPTConfig(**{**_config(args, True).__dict__, "seq_len": seq, "checkpoint_granularity": granularity})
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    extra = dict(nvme_path=args.dir, offload_activations=zeroshard.ActivationOffload(
+        where="nvme", min_bytes=0, prefetch=args.prefetch)) if offload else {}
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, stage=2, **extra)
+    try:
+        for step in range(2):
+            with LiveBytes() as live:
+                model(*synthetic_batch(step, args.batch, cfg)).backward()
+            opt.step()
+            opt.zero_grad()
+        return live.peak
+    finally:
+        opt.close()
+
+
+def part_finer_runs(args: argparse.Namespace) -> dict:
+    """Real runs of issue 41's before / after with the model options that shrink what stays: the longest
+    sequence (a multiple of ``--seq-step``, by bisection) whose step's peak of live tensor bytes is within
+    ``--budget-mib`` (activations, gradients and backward's transients; the parameters and optimizer state
+    outside it). Before: checkpointing alone at block and at half granularity (no activation offload);
+    after: ``--after-granularity`` (halves by default), every input on NVMe. Beside it, the planner's
+    longest for the same budget."""
+    from dataclasses import replace
+    budget = int(args.budget_mib * 2**20)
+    after = f"after_{args.after_granularity}"
+    out: dict = {"part": "longest sequence, live bytes within the budget (trained)", "budget": budget,
+                 "loss_chunk": args.loss_chunk, "prefetch": args.prefetch, "tried": {}}
+    for name, granularity, offload in (("before_block", "block", False), ("before_half", "half", False),
+                                       (after, args.after_granularity, True)):
+        step, tried = args.seq_step, []
+        low, high = 0, args.seq_max // step + 1
+        while high - low > 1:
+            mid = (low + high) // 2
+            peak = _step_peak(args, mid * step, granularity, offload)
+            tried.append((mid * step, peak))
+            low, high = (mid, high) if peak <= budget else (low, mid)
+        out[name], out["tried"][name] = low * step, tried
+    before = max(out["before_block"], out["before_half"])
+    out["ratio"] = out[after] / max(1, before)
+    cfg = _config(args, True)
+    shape = replace(_shape(cfg, TinyGPT(cfg)), checkpoint_parts=1)
+    out["planner"] = {"before_block": longest_sequence(shape, args.batch, 4, device=budget, host=0, nvme=0),
+                      after: longest_sequence(replace(shape, checkpoint_parts=1 if args.after_granularity == "block"
+                                                      else 2), args.batch, 4, device=budget, host=0, nvme=1 << 50)}
+    return out
 
 
 def _io_floor(directory: str, sizes: list[int], rounds: int) -> float:
@@ -356,7 +461,7 @@ def main() -> None:
     p.add_argument("--limit-mib", type=float, default=900)
     p.add_argument("--budget-mib", type=float, default=512, help="device budget of part 3")
     p.add_argument("--parts", default="bytes,longest,cgroup",
-                   help="which of bytes, longest, cgroup, floor, mix, joint to run")
+                   help="which of bytes, longest, cgroup, floor, mix, joint, finer to run")
     p.add_argument("--bucket-mb", type=float, default=0, help="part joint: bucket_size_mb (small: finer units)")
     p.add_argument("--stage", type=int, default=2, choices=(1, 2, 3), help="parts mix and joint: the ZeRO stage")
     p.add_argument("--shapes", default="measured,declared",
@@ -364,6 +469,14 @@ def main() -> None:
     p.add_argument("--seq-step", type=int, default=64, help="part mix: sequences tried are multiples of this")
     p.add_argument("--seq-max", type=int, default=16384, help="part mix: the longest sequence tried")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of part floor")
+    p.add_argument("--granularity", choices=("block", "half"), default="block",
+                   help="TinyGPT's checkpoint_granularity in the parts that train (mix, joint, bytes, ...)")
+    p.add_argument("--loss-chunk", type=int, default=0,
+                   help="TinyGPT's loss_chunk in the parts that train (0: the full logits); part longest's "
+                        "'finer' rows: the chunk (0 there: 1024 tokens)")
+    p.add_argument("--after-granularity", choices=("block", "half"), default="half",
+                   help="part finer: the offloaded run's checkpoint_granularity")
+    p.add_argument("--prefetch", type=int, default=2, help="part finer: the offloaded run's records brought back ahead")
     p.add_argument("--gpu", action="store_true")
     p.add_argument("--gpu-seq-len", type=int, default=32768)
     p.add_argument("--gpu-fit-seq-len", type=int, default=8192)
@@ -375,7 +488,7 @@ def main() -> None:
         print(json.dumps(gpu_check(args)), flush=True)
         return
     parts = {"bytes": part_bytes, "longest": part_longest, "cgroup": part_cgroup, "floor": part_floor,
-             "mix": part_mix, "joint": part_joint}
+             "mix": part_mix, "joint": part_joint, "finer": part_finer_runs}
     for name in args.parts.split(","):
         print(json.dumps(parts[name](args)), flush=True)
 

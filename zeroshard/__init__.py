@@ -12,6 +12,7 @@ from zeroshard.optim.zero_optimizer import ZeroOptimizer
 from zeroshard.model.full_state import full_state_dict
 from zeroshard.model.init_weights import init_meta_weights
 from zeroshard.model.safetensors_load import load_safetensors
+from zeroshard.model.chunked_loss import chunked_cross_entropy
 from zeroshard.optim.shard_marker import ShardOnlySaveWarning
 from zeroshard.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint, wait_checkpoint
 from zeroshard.resilience import PeerRedundancy
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = ["ZeroOptimizer", "ZeroConfig", "ActivationOffload", "PlannedActivations", "CPUOffload", "NVMeOffload", "AutoOffload", "MemoryReport", "zero_formula",
            "full_state_dict", "init_meta_weights", "load_safetensors", "ShardOnlySaveWarning", "__version__"]
+__all__ += ["chunked_cross_entropy"]
 __all__ += ["save_checkpoint", "load_checkpoint", "export_hf", "latest_checkpoint", "wait_checkpoint"]
 __all__ += ["PeerRedundancy", "memory_checkpoint", "memory_handoff", "InProcessRecovery", "InProcessOptions", "Trainee"]
 # initialize(model, config) -> (model, optimizer, scheduler); DeepSpeed's keyword form -> (engine, optimizer,

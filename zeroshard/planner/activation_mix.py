@@ -24,7 +24,7 @@ logits' activations for the whole backward.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from zeroshard.planner.activation_plan import ActivationPlan, Links, _sizes, largest_fitting
@@ -45,15 +45,24 @@ class _Mix:
     prefetch: int
     work: int
     """One block's backward transients: its output's gradient, its input's, the MLP's two hidden ones."""
+    recomputed: int = -1
+    """What a checkpointed block holds while it is recomputed (-1: ``block``; less with checkpoints
+    finer than a block: ``recompute_elements``)."""
+
+    @property
+    def running(self) -> int:
+        return self.block if self.recomputed < 0 else self.recomputed
 
 
-def mixed_peak(s: _Mix, keep: int, kept_inputs: int, records: list[int]) -> int:
+def mixed_peak(s: _Mix, keep: int, kept_inputs: int, records: list[int], saved: int = 0) -> int:
     """Device bytes at the plan's peak (Note [mixed activation plans]); ``records``: the moved
-    records' sizes in forward order."""
+    records' sizes in forward order, the first ``saved`` of them a block's saved tensors (the rest
+    checkpointed inputs)."""
     tail = sum(records[-s.prefetch:]) if records else 0
     start = s.fixed + keep * s.block + kept_inputs * s.input + tail
-    checkpointed = s.fixed + kept_inputs * s.input + s.block + tail if kept_inputs else 0
-    moved = s.fixed + s.block + sum(sorted(records, reverse=True)[:s.prefetch + 1]) if records else 0
+    checkpointed = s.fixed + kept_inputs * s.input + s.running + tail if kept_inputs else 0
+    moved = (s.fixed + (s.block if saved else s.running) + sum(sorted(records, reverse=True)[:s.prefetch + 1])
+             if records else 0)
     return max(start, checkpointed, moved) + s.work
 
 
@@ -65,7 +74,7 @@ def _choose(s: _Mix, n_layers: int, device: int, host: int, nvme: int, links: Li
         for saved in range(0, n_layers - keep + 1):
             ckpt = n_layers - keep - saved
             def fits(kept: int) -> bool:
-                return mixed_peak(s, keep, kept, [s.block] * saved + [s.input] * (ckpt - kept)) <= device
+                return mixed_peak(s, keep, kept, [s.block] * saved + [s.input] * (ckpt - kept), saved) <= device
             if not fits(0):
                 continue
             low, high = 0, ckpt + 1  # (the most kept inputs that fit: the peak grows with them)
@@ -90,7 +99,7 @@ def _choose(s: _Mix, n_layers: int, device: int, host: int, nvme: int, links: Li
                 places = (("saved-host",) * sh + ("saved-nvme",) * sn + ("host",) * ih + ("nvme",) * inn
                           + ("checkpoint",) * kept_inputs + ("keep",) * keep)
                 records = [s.block] * saved + [s.input] * moved_in
-                plan = ActivationPlan(places, mixed_peak(s, keep, kept_inputs, records), host_bytes, nvme_bytes,
+                plan = ActivationPlan(places, mixed_peak(s, keep, kept_inputs, records, saved), host_bytes, nvme_bytes,
                                       2 * (host_bytes + nvme_bytes), seconds)
                 changed = n_layers - keep
                 if best is None or (seconds, changed) < best[:2]:
@@ -102,7 +111,11 @@ def mix_sizes(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int,
               block_bytes: Optional[int] = None, prefetch: int = 2) -> _Mix:
     s = _sizes(shape, micro_batch, seq_len, act_bytes, links, False)
     work = micro_batch * seq_len * (2 * shape.d_model + 2 * shape.ffn) * act_bytes
-    return _Mix(s.block if block_bytes is None else block_bytes, s.input, s.fixed, s.recompute, prefetch, work)
+    if block_bytes is None:
+        return _Mix(s.block, s.input, s.fixed, s.recompute, prefetch, work, s.running)
+    # (a block's saved bytes measured: the recomputed part scaled as the estimate has it, to the measurement)
+    running = block_bytes if shape.checkpoint_parts == 1 else -(-block_bytes * s.running // max(1, s.block))
+    return _Mix(block_bytes, s.input, s.fixed, s.recompute, prefetch, work, running)
 
 
 def best_mixed(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int, *, device: int, host: int,
@@ -162,8 +175,7 @@ def mixed_for_estimate(shape: ModelShape, layers: int, micro_batch: int, seq_len
     """``zeroshard estimate``'s plan for a model that does not checkpoint its blocks itself
     (``PlannedActivations(checkpointed=False)``, Note [mixed activation plans]), in the memory the
     state leaves (``left``: device_left, host_left, nvme_left, as ``for_estimate`` gives them)."""
-    staged = ModelShape(shape.n_params, layers, shape.d_model, shape.n_heads, shape.vocab, shape.d_ff,
-                        shape.name, shape.block_numel)
+    staged = replace(shape, n_layers=layers)
     try:
         p = plan_mixed(staged, micro_batch, seq_len, act_bytes, device=left["device_left"],
                        host=left["host_left"], nvme=left["nvme_left"])

@@ -14,14 +14,18 @@ with every input on NVMe is refused naming the longest sequence, and the smalles
 budget, that fit. Blocks the model does not checkpoint (``plan_saved``) can only keep their
 saved tensors or move them all (to host or NVMe): no recompute, so the plan keeps as many as fit
 and moves the rest; beside what stays, the block running and the blocks prefetched ahead of its
-backward are on the device.
+backward are on the device. A block checkpointed in parts (``ModelShape.checkpoint_parts``) keeps
+every part's input and, recomputed, holds the larger part (``recompute_elements``); a chunked loss
+(``ModelShape.loss_chunk``) holds one chunk's logits (``logits_bytes``). What this plan leaves out:
+the records brought back ahead of backward and backward's transients (the mixed plan counts them).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Optional
 
-from zeroshard.planner.activations import block_activation_elements
+from zeroshard.planner.activations import (block_activation_elements, checkpoint_input_elements, logits_bytes,
+                                           recompute_elements)
 from zeroshard.planner.model_shape import ModelShape
 
 if TYPE_CHECKING:
@@ -65,26 +69,34 @@ class _Sizes:
     block: int
     """One block's saved tensors (bytes)."""
     input: int
-    """One block's input (bytes): what a checkpoint keeps."""
+    """One block's checkpointed input (bytes): what its checkpoints keep (one per part)."""
     fixed: int
     """Embeddings' and logits' activations (bytes): on the device whatever the plan."""
     recompute: float
     """Seconds to recompute one block's forward."""
+    recomputed: int = -1
+    """What one checkpointed block holds while it is recomputed (bytes; -1: ``block``)."""
+
+    @property
+    def running(self) -> int:
+        return self.block if self.recomputed < 0 else self.recomputed
 
 
 def _sizes(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int, links: Links,
            eager_attention: bool) -> _Sizes:
     tokens = micro_batch * seq_len
     block = block_activation_elements(shape, tokens, seq_len, eager_attention) * act_bytes
-    fixed = 2 * tokens * shape.d_model * act_bytes + tokens * shape.vocab * (act_bytes + 8)
-    return _Sizes(block, tokens * shape.d_model * act_bytes, fixed, 2 * shape.block_params * tokens / links.flops)
+    fixed = 2 * tokens * shape.d_model * act_bytes + logits_bytes(shape, tokens, act_bytes)
+    return _Sizes(block, checkpoint_input_elements(shape, tokens) * act_bytes, fixed,
+                  2 * shape.block_params * tokens / links.flops,
+                  recompute_elements(shape, tokens, seq_len, eager_attention) * act_bytes)
 
 
 def _best(s: _Sizes, n_layers: int, device: int, host: int, nvme: int, links: Links) -> Optional[ActivationPlan]:
     best: Optional[ActivationPlan] = None
     for keep in range(n_layers, -1, -1):
         rest = n_layers - keep
-        working = s.fixed + keep * s.block + (s.block if rest else 0)
+        working = s.fixed + keep * s.block + (s.running if rest else 0)
         if working > device:
             continue
         ckpt = min(rest, (device - working) // max(1, s.input))
@@ -134,7 +146,7 @@ def plan_saved(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int
     naming the device memory needed when even every block moved does not fit."""
     s = _sizes(shape, micro_batch, seq_len, act_bytes, links, False)
     if block_bytes is not None:
-        s = _Sizes(block_bytes, s.input, s.fixed, s.recompute)
+        s = replace(s, block=block_bytes)
     found = _best_saved(s, shape.n_layers, device, host, nvme, links, prefetch, most_kept)
     if found is None:
         raise ValueError(
@@ -166,7 +178,7 @@ def plan_activations(shape: ModelShape, micro_batch: int, seq_len: int, act_byte
     found = _best(s, shape.n_layers, device, host, nvme, links)
     if found is not None:
         return found
-    smallest = s.fixed + s.block + max(0, shape.n_layers * s.input - host - nvme)
+    smallest = s.fixed + s.running + max(0, shape.n_layers * s.input - host - nvme)
     longest = longest_sequence(shape, micro_batch, act_bytes, device=device, host=host, nvme=nvme, links=links,
                                eager_attention=eager_attention, below=seq_len)
     fits = (f"the longest sequence that fits is {longest} tokens" if longest else
@@ -213,8 +225,7 @@ def for_estimate(result: "Plan", links: Links = Links()) -> dict:
     states_fit.sort(key=lambda x: (round(x.choice.relative_cost, 6), x.gpu_total))
     per_rank = max(1, hw.n_gpus)
     layers = max(1, shape.n_layers // w.pp)
-    staged = ModelShape(shape.n_params, layers, shape.d_model, shape.n_heads, shape.vocab, shape.d_ff,
-                        shape.name, shape.block_numel)
+    staged = replace(shape, n_layers=layers)
 
     def left(e: "Estimate") -> dict:
         return {"config": e.choice.zero_kwargs(), "micro_batch": w.micro_batch, "seq_len": w.seq_len,

@@ -32,6 +32,12 @@ class ModelShape:
     name: str = "model"
     block_numel: int = 0
     """Exact parameters of one block when known; 0 means the count from the widths."""
+    loss_chunk: int = 0
+    """Tokens per chunk of the loss (``zeroshard.chunked_cross_entropy``): the logits of that many
+    tokens live at a time; 0: the full logits (``F.cross_entropy`` on the head's output)."""
+    checkpoint_parts: int = 1
+    """Checkpoints per checkpointed block: 1 (the block), or 2 (its attention and MLP halves apart:
+    Note [checkpoints finer than a block] in zeroshard/testing/toy.py)."""
 
     def __post_init__(self) -> None:
         for field in ("n_params", "n_layers", "d_model", "n_heads", "vocab"):
@@ -42,6 +48,11 @@ class ModelShape:
             raise ValueError(f"ModelShape.d_ff={self.d_ff!r} must be >= 0 (0 means 4 × d_model)")
         if not isinstance(self.block_numel, int) or not 0 <= self.block_numel <= self.n_params:
             raise ValueError(f"ModelShape.block_numel={self.block_numel!r} must be an int in [0, n_params]")
+        if isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+            raise ValueError(f"ModelShape.loss_chunk={self.loss_chunk!r} must be an int >= 0 (0: the full logits)")
+        if self.checkpoint_parts not in (1, 2) or isinstance(self.checkpoint_parts, bool):
+            raise ValueError(f"ModelShape.checkpoint_parts={self.checkpoint_parts!r} must be 1 (a checkpoint per block) "
+                             "or 2 (the attention and MLP halves apart)")
 
     @property
     def ffn(self) -> int:
@@ -76,7 +87,8 @@ class ModelShape:
         """From a ``zeroshard.testing.toy.GPTConfig`` and the model's counted parameters."""
         return cls(n_params=n_params, n_layers=config.n_layers, d_model=config.d_model,
                    n_heads=config.n_heads, vocab=config.vocab,
-                   name=name or f"TinyGPT d={config.d_model} L={config.n_layers}")
+                   name=name or f"TinyGPT d={config.d_model} L={config.n_layers}",
+                   loss_chunk=getattr(config, "loss_chunk", 0), checkpoint_parts=parts_of(config))
 
     @classmethod
     def from_hf_config(cls, path: str) -> "ModelShape":
@@ -94,6 +106,11 @@ class ModelShape:
                    d_model=d, n_heads=int(get("num_attention_heads", "n_head")) or 1,
                    vocab=int(get("vocab_size")) or 1, d_ff=int(get("intermediate_size", "n_inner") or 0),
                    name=f"{getattr(config, 'model_type', 'hf')} ({os.path.basename(os.path.abspath(path))})")
+
+
+def parts_of(config: Any) -> int:
+    """Checkpoints per block a model config asks for: 2 with ``checkpoint_granularity="half"``, else 1."""
+    return 2 if getattr(config, "checkpoint_granularity", "block") == "half" else 1
 
 
 def load_hf_config(path: str) -> Any:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import json
 import sys
 
@@ -36,6 +37,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", "--micro-batch", dest="batch", type=int, default=1,
                    help="micro-batch per GPU (sequences)")
     p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--loss-chunk", type=int, default=0,
+                   help="tokens per chunk of a chunked loss (zeroshard.chunked_cross_entropy); 0: the full logits")
+    p.add_argument("--checkpoint-granularity", choices=("block", "half"), default="block",
+                   help="what one checkpoint covers: a block, or its attention and MLP halves apart")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
     p.add_argument("--optim-bytes", type=float, default=None, help="optimizer bytes per parameter (Adam: 8)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
@@ -56,6 +61,7 @@ def _run(a: argparse.Namespace) -> int:
             shape = ModelShape.from_hf_config(a.hf_config)
         else:
             shape = ModelShape.from_params(parse_count(a.params), n_layers=a.layers, d_model=a.hidden, vocab=a.vocab)
+        shape = replace(shape, loss_chunk=a.loss_chunk, checkpoint_parts=2 if a.checkpoint_granularity == "half" else 1)
         hw = Hardware(parse_bytes(a.gpu_memory), a.gpus, parse_bytes(a.cpu_memory), parse_bytes(a.nvme), a.usable,
                       nodes=a.nodes)
         shape, fraction = _trainable(a, shape)

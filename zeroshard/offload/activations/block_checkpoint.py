@@ -14,12 +14,18 @@ model's forward) calls the module itself, so its hooks run as for a checkpoint i
 (stage 3 gathers its parameters) and the wrapper, not armed, runs the plain forward. The RNG state
 is stashed at the call and restored for the recompute, so dropout draws the same bits; the
 recompute runs the same operations on the same bytes, so gradients are the same bits as without it.
+A block whose ``checkpoint_parts()`` names parts (TinyGPT's attention and MLP halves: Note
+[checkpoints finer than a block] in zeroshard/testing/toy.py) runs one checkpoint per part, each
+on the previous part's output: every part's input is saved through the offloader's hooks inside
+the block call, so all of them land in the block's record and move together. A part's recompute
+calls the part itself: backward reaches it inside the block's backward, after stage 3's hook on the
+block's output has gathered the block's parameters.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 
@@ -47,6 +53,10 @@ class BlockCheckpointing:
 
             def run(*a: object) -> object:  # (in backward's recompute: through the module, hooks and all)
                 return inner(*a, **kwargs) if self._in_forward() else module(*a, **kwargs)
+            named = getattr(module, "checkpoint_parts", None)
+            parts = named() if callable(named) else ()
+            if parts:
+                return _in_parts(module, parts, args, kwargs)
             # (keyword arguments stay in the closure: the positional ones, the block's input, are what is saved)
             return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
         return forward
@@ -58,3 +68,17 @@ class BlockCheckpointing:
             else:
                 m.forward = own  # type: ignore[method-assign]
         self._wrapped = []
+
+
+def _in_parts(module: nn.Module, parts: Sequence[Callable[[Tensor], Tensor]], args: tuple, kwargs: dict) -> Tensor:
+    """One checkpoint per part, each on the previous part's output (Note [checkpointing chosen blocks])."""
+    if len(args) != 1 or not isinstance(args[0], Tensor) or kwargs:
+        raise ValueError(
+            f"activation offload: {type(module).__name__}.checkpoint_parts() names {len(parts)} parts, which take one "
+            f"tensor each, but the block was called with {len(args)} positional arguments "
+            f"({[type(a).__name__ for a in args]}) and keywords {sorted(kwargs)}; return () from checkpoint_parts() "
+            "to checkpoint the block whole")
+    x = args[0]
+    for part in parts:
+        x = checkpoint(part, x, use_reentrant=False, preserve_rng_state=True)
+    return x

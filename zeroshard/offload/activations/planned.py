@@ -50,7 +50,7 @@ from zeroshard.planner.activation_mix import RECOMPUTED, best_mixed, mix_sizes, 
 from zeroshard.planner.activation_plan import (ActivationPlan, best_activations, longest_sequence, plan_activations,
                                                plan_saved)
 from zeroshard.planner.auto_placement import MemoryBudget, Plan
-from zeroshard.planner.model_shape import ModelShape
+from zeroshard.planner.model_shape import ModelShape, parts_of
 from zeroshard.planner.sizes import fmt_bytes
 from zeroshard.units.tier import Tier
 
@@ -77,7 +77,19 @@ def shape_of(model: nn.Module, n_blocks: int) -> ModelShape:
     n = max(1, sum(p.numel() for p in model.parameters()))
     return ModelShape(n_params=n, n_layers=n_blocks, d_model=d, n_heads=get("n_heads", "num_attention_heads",
                                                                             "n_head") or 1,
-                      vocab=vocab, d_ff=get("d_ff", "intermediate_size", "n_inner"))
+                      vocab=vocab, d_ff=get("d_ff", "intermediate_size", "n_inner"), loss_chunk=get("loss_chunk"),
+                      checkpoint_parts=checkpoint_parts_of(model, cfg))
+
+
+def checkpoint_parts_of(model: nn.Module, cfg: object) -> int:
+    """Checkpoints per checkpointed block: as many as a block's ``checkpoint_parts()`` gives (what the
+    offloader and TinyGPT checkpoint: Note [checkpoints finer than a block] in
+    zeroshard/testing/toy.py), else the config's ``checkpoint_granularity`` ("half": 2), else 1."""
+    for m in model.modules():
+        parts = getattr(m, "checkpoint_parts", None)
+        if callable(parts):
+            return max(1, len(parts()))
+    return parts_of(cfg)
 
 
 def memory_left(state: Plan, budget: MemoryBudget, accelerator: bool, nvme_path: Optional[str]) -> dict[str, int]:
