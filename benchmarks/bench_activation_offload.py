@@ -142,25 +142,32 @@ def part_bytes(args: argparse.Namespace) -> dict:
 
 
 def _least(shape: ModelShape, batch: int, seq: int) -> int:
-    """The device bytes of the fully offloaded plan (embeddings, logits, one block recomputed)."""
+    """The device bytes of the fully offloaded plan (embeddings, logits, one block recomputed, its backward's
+    transients, and the running block's input with the 2 prefetched: Note [planning activations])."""
     from zeroshard.planner.activations import block_activation_elements
     tokens = batch * seq
     return (block_activation_elements(shape, tokens, seq, False) * 4 + 2 * tokens * shape.d_model * 4
-            + tokens * shape.vocab * 12)
+            + tokens * shape.vocab * 12 + tokens * (2 * shape.d_model + 2 * shape.ffn) * 4
+            + 3 * tokens * shape.d_model * 4)
 
 
-def _per_token(shape: ModelShape, seq: int, act_bytes: int) -> dict:
+def _per_token(shape: ModelShape, seq: int, act_bytes: int, prefetch: int = 2) -> dict:
     """Bytes per token of a micro-batch of one ``seq`` sequence: what checkpointing keeps (the
     blocks' inputs, one per checkpoint), and what stays on the device whatever the plan (what one
-    recomputed block holds; embeddings and logits, as the planner counts them: with a chunked loss the
-    chunk's logits spread over the ``seq`` tokens); ``bound``: the ratio offload can give at most at
-    this granularity, (inputs + what stays) / what stays."""
+    recomputed block holds and its backward's transients; embeddings and logits, as the planner counts
+    them: with a chunked loss the chunk's logits spread over the ``seq`` tokens), and, once the inputs
+    move, the records brought back ahead of backward (the running block's and ``prefetch`` more: Note
+    [planning activations]); ``bound``: the ratio offload can give at most at this granularity,
+    (inputs + what stays) / (what stays + the records back)."""
     from zeroshard.planner.activations import checkpoint_input_elements, logits_bytes, recompute_elements
-    inputs = shape.n_layers * checkpoint_input_elements(shape, seq) * act_bytes / seq
+    one_input = checkpoint_input_elements(shape, seq) * act_bytes / seq
+    inputs = shape.n_layers * one_input
     block = recompute_elements(shape, seq, seq, False) * act_bytes / seq
+    work = (2 * shape.d_model + 2 * shape.ffn) * act_bytes
     fixed = 2 * shape.d_model * act_bytes + logits_bytes(shape, seq, act_bytes) / seq
-    return {"inputs": inputs, "one_block": block, "embeddings_and_logits": round(fixed, 1),
-            "bound": (inputs + block + fixed) / (block + fixed)}
+    back = min(shape.n_layers, prefetch + 1) * one_input
+    return {"inputs": inputs, "one_block": block, "backward_transients": work, "embeddings_and_logits": round(fixed, 1),
+            "records_back": back, "bound": (inputs + block + work + fixed) / (block + work + fixed + back)}
 
 
 def _finer(shape: ModelShape, budget: int, batch: int, act_bytes: int, chunk: int) -> dict:
@@ -186,15 +193,16 @@ def _finer(shape: ModelShape, budget: int, batch: int, act_bytes: int, chunk: in
             "per_token_bytes": {"before_block": kept, "after_half": stays},
             # (all checkpointing alone holds per token at its length ÷ what stays with every input offloaded at
             # the after's: equal to the ratio when both fill the budget, i.e. the plan moves all that can move)
-            "bound": (kept["inputs"] + kept["one_block"] + kept["embeddings_and_logits"])
-            / (stays["one_block"] + stays["embeddings_and_logits"]),
+            "bound": (kept["inputs"] + kept["one_block"] + kept["backward_transients"] + kept["embeddings_and_logits"])
+            / (stays["one_block"] + stays["backward_transients"] + stays["embeddings_and_logits"]
+               + stays["records_back"]),
             "mixed_planner": _finer_mixed(chunked, budget, batch, act_bytes)}
 
 
 def _finer_mixed(chunked: ModelShape, budget: int, batch: int, act_bytes: int) -> dict:
-    """The same before / after as the mixed plan counts them (Note [mixed activation plans]: backward's
-    transients of the running block and the ``prefetch`` = 2 records brought back ahead of backward counted,
-    which the checkpointed plan above leaves out; an upper bound of the peak)."""
+    """The same before / after as the mixed plan counts them (Note [mixed activation plans]: the offloader
+    checkpointing the blocks; an upper bound of the peak, like the checkpointed plan above, which counts
+    backward's transients and the records brought back the same way since the seventh session)."""
     from dataclasses import replace
     from zeroshard.planner.activation_mix import longest_mixed
     half = replace(chunked, checkpoint_parts=2)

@@ -22,19 +22,25 @@ from tests.support import act_offload_worker as w
 from tests.support.asserts import assert_same
 
 
+KW = {"n_layers": 4, "prefetch": 1}
+"""(4 blocks, prefetch 1: with every input moved, two records are back at the peak (Note [planning activations]),
+so a budget with room for one more input gives a plan that keeps one and moves three)"""
+
+
 @functools.lru_cache(maxsize=1)
 def _budgets() -> tuple[int, int, int]:
     """(the state's bytes under offload="auto", the fully offloaded plan's device bytes at the worker's
     shape, one block's input): the budgets below are built from these. Once per module: the declared
     shape is planned at construction, so no step runs."""
     big = 1 << 30
-    roomy = w.train_planned(big, tempfile.mkdtemp(prefix="act-budgets-"), True, steps=0)["report"]["plan"]
-    assert roomy["counts"] == {"keep": w.CFG.n_layers} and roomy["moved_per_step"] == 0
+    roomy = w.train_planned(big, tempfile.mkdtemp(prefix="act-budgets-"), True, steps=0, **KW)["report"]["plan"]
+    assert roomy["counts"] == {"keep": KW["n_layers"]} and roomy["moved_per_step"] == 0
     assert roomy["shape"] == "declared"
     state = big - roomy["memory_left"]["device"]  # (what the state's plan holds: the same under any budget that fits it)
-    cfg = replace(w.CFG, activation_checkpointing=True)
+    cfg = replace(w.CFG, activation_checkpointing=True, n_layers=KW["n_layers"])
     shape = shape_of(TinyGPT(cfg), cfg.n_layers)
-    least = least_device(shape, PlannedActivations(micro_batch=w.BATCH, seq_len=cfg.seq_len), 4, {"host": 0})
+    wanted = PlannedActivations(micro_batch=w.BATCH, seq_len=cfg.seq_len, prefetch=KW["prefetch"])
+    least = least_device(shape, wanted, 4, {"host": 0})
     return state, least, w.BATCH * cfg.seq_len * cfg.d_model * 4  # (one block's input, fp32)
 
 
@@ -43,10 +49,10 @@ def test_auto_plan_offloads_some_blocks_same_bits_and_refuses_too_small(tmp_path
     state, least, inp = _budgets()
     budget = state + least + inp + inp // 2  # room for one checkpointed input beside the fully offloaded plan
 
-    want = w.train_planned(budget, str(tmp_path), False)
-    got = w.train_planned(budget, str(tmp_path), True, declared=False)  # the shape measured at the first forward
+    want = w.train_planned(budget, str(tmp_path), False, **KW)
+    got = w.train_planned(budget, str(tmp_path), True, declared=False, **KW)  # the shape measured at the first forward
     plan = got["report"]["plan"]
-    assert plan["blocks"] == {"blocks.0": "checkpoint", "blocks.1": "nvme", "blocks.2": "nvme"}, plan
+    assert plan["blocks"] == {"blocks.0": "checkpoint", "blocks.1": "nvme", "blocks.2": "nvme", "blocks.3": "nvme"}, plan
     assert plan["shape"] == "measured" and (plan["micro_batch"], plan["seq_len"]) == (w.BATCH, w.CFG.seq_len)
     assert got["plans"][0] == plan, "planned at the first step's forward, applied from that step on"
     assert got["hooks_left"] == 0, "close() removes the planned offloader's hooks"
@@ -56,7 +62,7 @@ def test_auto_plan_offloads_some_blocks_same_bits_and_refuses_too_small(tmp_path
     for step, (g, r) in enumerate(zip(got["grads"], want["grads"])):
         assert_same(g, r, f"gradients of step {step}")
     assert_same(got["weights"], want["weights"], "weights after 8 steps")
-    declared = w.train_planned(budget, str(tmp_path), True, steps=2)  # the same plan, from construction
+    declared = w.train_planned(budget, str(tmp_path), True, steps=2, **KW)  # the same plan, from construction
     same = ("blocks", "micro_batch", "seq_len", "device_bytes", "moved_per_step")  # (not the disk's free space)
     assert {k: declared["report"]["plan"][k] for k in same} == {k: plan[k] for k in same}
     for step, (g, r) in enumerate(zip(declared["grads"], want["grads"])):
@@ -65,9 +71,9 @@ def test_auto_plan_offloads_some_blocks_same_bits_and_refuses_too_small(tmp_path
     too_small = state + least - inp
     with pytest.raises(ValueError, match=r"longest sequence that fits is (\d+) tokens, and the smallest "
                                          r"memory_budget that holds 16 tokens is") as err:
-        w.train_planned(too_small, str(tmp_path), True, steps=1)
+        w.train_planned(too_small, str(tmp_path), True, steps=1, **KW)
     assert int(re.search(r"longest sequence that fits is (\d+)", str(err.value)).group(1)) < w.CFG.seq_len
-    w.train_planned(state + least, str(tmp_path), True, steps=0)  # the smallest budget named fits (planned at build)
+    w.train_planned(state + least, str(tmp_path), True, steps=0, **KW)  # the smallest budget named fits (at build)
 
 
 @pytest.mark.filterwarnings("ignore:offload='auto'")
@@ -77,12 +83,12 @@ def test_measured_shape_plans_again_for_a_longer_sequence_or_refuses(tmp_path):
     that holds 8 tokens but not 16 refuses that forward naming the longest sequence that fits."""
     state, least, inp = _budgets()
     budget, lens = state + least + inp + inp // 2, [8, 16, 8]
-    want = w.train_planned(budget, str(tmp_path), False, steps=3, seq_lens=lens)
-    got = w.train_planned(budget, str(tmp_path), True, steps=3, declared=False, seq_lens=lens)
+    want = w.train_planned(budget, str(tmp_path), False, steps=3, seq_lens=lens, **KW)
+    got = w.train_planned(budget, str(tmp_path), True, steps=3, declared=False, seq_lens=lens, **KW)
     first, longer, shorter = got["plans"]
     assert first["seq_len"] == 8 and "nvme" not in first["blocks"].values(), first
     assert longer["seq_len"] == 16 and longer["blocks"] == {"blocks.0": "checkpoint", "blocks.1": "nvme",
-                                                            "blocks.2": "nvme"}, longer
+                                                            "blocks.2": "nvme", "blocks.3": "nvme"}, longer
     assert shorter == longer, "a shorter sequence keeps the plan (it holds fewer tokens)"
     for step, (g, r) in enumerate(zip(got["grads"], want["grads"])):
         assert_same(g, r, f"gradients of step {step} (sequence {lens[step]})")
@@ -90,7 +96,7 @@ def test_measured_shape_plans_again_for_a_longer_sequence_or_refuses(tmp_path):
 
     with pytest.raises(ValueError, match=r"cannot hold a micro-batch of 4 x 16 tokens.*longest sequence that "
                                          r"fits is (\d+) tokens") as err:
-        w.train_planned(state + least - inp, str(tmp_path), True, steps=2, declared=False, seq_lens=[8, 16])
+        w.train_planned(state + least - inp, str(tmp_path), True, steps=2, declared=False, seq_lens=[8, 16], **KW)
     assert 8 <= int(re.search(r"longest sequence that fits is (\d+)", str(err.value)).group(1)) < 16
 
 
@@ -174,3 +180,18 @@ def test_torch_compile_refuses_stale_graph_then_same_bits():
     assert moved == [w.predicted_bytes(True), 2 * w.predicted_bytes(True)] * 2  # every step, every block's input
     for step, (g, r) in enumerate(zip(got, want)):
         assert_same(g, r, f"gradients of step {step} under torch.compile")
+
+
+@pytest.mark.filterwarnings("ignore:offload='auto'")
+def test_checkpointed_plan_with_every_input_moved_holds_the_steps_peak(tmp_path):
+    """The plan of a model that checkpoints its blocks counts what backward holds once inputs move: the
+    records brought back ahead (the running block's and ``prefetch`` more) and the running block's backward
+    transients (Note [planning activations]). At the least budget any plan fits, every input on NVMe, the
+    step's peak of live tensor bytes stays within what the budget leaves the activations; without those
+    two terms the plan predicted less than the peak (at this shape a peak of 248,456 bytes against 204,800)."""
+    state, least, inp = _budgets()
+    got = w.train_planned(state + least, str(tmp_path), True, steps=2, peaks=True, **KW)
+    plan = got["plans"][-1]
+    assert set(plan["blocks"].values()) == {"nvme"}, plan
+    assert got["moved"] == [plan["moved_per_step"]] * 2 == [2 * KW["n_layers"] * inp] * 2
+    assert max(got["peaks"]) <= plan["memory_left"]["device"], (got["peaks"], plan["memory_left"])

@@ -16,8 +16,11 @@ saved tensors or move them all (to host or NVMe): no recompute, so the plan keep
 and moves the rest; beside what stays, the block running and the blocks prefetched ahead of its
 backward are on the device. A block checkpointed in parts (``ModelShape.checkpoint_parts``) keeps
 every part's input and, recomputed, holds the larger part (``recompute_elements``); a chunked loss
-(``ModelShape.loss_chunk``) holds one chunk's logits (``logits_bytes``). What this plan leaves out:
-the records brought back ahead of backward and backward's transients (the mixed plan counts them).
+(``ModelShape.loss_chunk``) holds one chunk's logits (``logits_bytes``). Like the mixed plan it
+also counts the running block's backward transients (its output's and input's gradients, the MLP's
+two hidden ones) and, once inputs move, the records brought back ahead of backward (the running
+block's and ``prefetch`` more): without them a plan whose inputs all moved predicted less than the
+live tensor bytes a TinyGPT reached (tests/offload/test_activation_offload_finer.py).
 """
 from __future__ import annotations
 
@@ -76,6 +79,9 @@ class _Sizes:
     """Seconds to recompute one block's forward."""
     recomputed: int = -1
     """What one checkpointed block holds while it is recomputed (bytes; -1: ``block``)."""
+    work: int = 0
+    """One block's backward transients (bytes): its output's gradient, its input's, the MLP's two hidden
+    ones (as the mixed plan counts them: Note [mixed activation plans])."""
 
     @property
     def running(self) -> int:
@@ -89,18 +95,26 @@ def _sizes(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int, li
     fixed = 2 * tokens * shape.d_model * act_bytes + logits_bytes(shape, tokens, act_bytes)
     return _Sizes(block, checkpoint_input_elements(shape, tokens) * act_bytes, fixed,
                   2 * shape.block_params * tokens / links.flops,
-                  recompute_elements(shape, tokens, seq_len, eager_attention) * act_bytes)
+                  recompute_elements(shape, tokens, seq_len, eager_attention) * act_bytes,
+                  tokens * (2 * shape.d_model + 2 * shape.ffn) * act_bytes)
 
 
-def _best(s: _Sizes, n_layers: int, device: int, host: int, nvme: int, links: Links) -> Optional[ActivationPlan]:
+def _best(s: _Sizes, n_layers: int, device: int, host: int, nvme: int, links: Links,
+          prefetch: int = 2) -> Optional[ActivationPlan]:
     best: Optional[ActivationPlan] = None
     for keep in range(n_layers, -1, -1):
         rest = n_layers - keep
-        working = s.fixed + keep * s.block + (s.running if rest else 0)
+        # (Note [planning activations]: the running block's backward transients, and, once inputs move,
+        # the records brought back ahead of backward: the running block's and ``prefetch`` more)
+        working = s.fixed + keep * s.block + (s.running if rest else 0) + s.work
         if working > device:
             continue
-        ckpt = min(rest, (device - working) // max(1, s.input))
+        room = (device - working) // max(1, s.input)  # (inputs the device can hold beside what stays)
+        ckpt = rest if room >= rest else max(0, room - (prefetch + 1))
         moved = rest - ckpt
+        working += min(moved, prefetch + 1) * s.input
+        if working + ckpt * s.input > device:
+            continue
         on_host = min(moved, host // max(1, s.input))
         on_nvme = moved - on_host
         if on_nvme * s.input > nvme:
@@ -160,14 +174,16 @@ def plan_saved(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int
 
 
 def best_activations(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int, *, device: int, host: int,
-                     nvme: int = 0, links: Links = Links(), eager_attention: bool = False) -> Optional[ActivationPlan]:
+                     nvme: int = 0, links: Links = Links(), eager_attention: bool = False,
+                     prefetch: int = 2) -> Optional[ActivationPlan]:
     """As ``plan_activations``, None where no plan fits (no refusal message: the joint search asks often)."""
     return _best(_sizes(shape, micro_batch, seq_len, act_bytes, links, eager_attention), shape.n_layers, device,
-                 host, nvme, links)
+                 host, nvme, links, prefetch)
 
 
 def plan_activations(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int, *, device: int,
-                     host: int, nvme: int = 0, links: Links = Links(), eager_attention: bool = False) -> ActivationPlan:
+                     host: int, nvme: int = 0, links: Links = Links(), eager_attention: bool = False,
+                     prefetch: int = 2) -> ActivationPlan:
     """The plan with the least extra time per micro-batch of ``micro_batch x seq_len`` that fits
     ``device`` / ``host`` / ``nvme`` bytes (what the state leaves); a ValueError naming the longest
     sequence and the smallest device budget that fit when none does."""
@@ -175,12 +191,14 @@ def plan_activations(shape: ModelShape, micro_batch: int, seq_len: int, act_byte
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be an int >= 1")
     s = _sizes(shape, micro_batch, seq_len, act_bytes, links, eager_attention)
-    found = _best(s, shape.n_layers, device, host, nvme, links)
+    found = _best(s, shape.n_layers, device, host, nvme, links, prefetch)
     if found is not None:
         return found
-    smallest = s.fixed + s.running + max(0, shape.n_layers * s.input - host - nvme)
+    movable = min(shape.n_layers, (host + nvme) // max(1, s.input))
+    smallest = (s.fixed + s.running + s.work + (shape.n_layers - movable) * s.input
+                + min(movable, prefetch + 1) * s.input)
     longest = longest_sequence(shape, micro_batch, act_bytes, device=device, host=host, nvme=nvme, links=links,
-                               eager_attention=eager_attention, below=seq_len)
+                               eager_attention=eager_attention, below=seq_len, prefetch=prefetch)
     fits = (f"the longest sequence that fits is {longest} tokens" if longest else
             "no sequence fits (the embeddings and one block's tensors alone are over it)")
     raise ValueError(
@@ -192,11 +210,11 @@ def plan_activations(shape: ModelShape, micro_batch: int, seq_len: int, act_byte
 
 def longest_sequence(shape: ModelShape, micro_batch: int, act_bytes: int, *, device: int, host: int,
                      nvme: int = 0, links: Links = Links(), eager_attention: bool = False,
-                     below: int = 1 << 24) -> int:
+                     below: int = 1 << 24, prefetch: int = 2) -> int:
     """The longest sequence (< ``below``) whose activations have a plan within the budgets; 0 if none."""
     def fits(seq: int) -> bool:
         s = _sizes(shape, micro_batch, seq, act_bytes, links, eager_attention)
-        return _best(s, shape.n_layers, device, host, nvme, links) is not None
+        return _best(s, shape.n_layers, device, host, nvme, links, prefetch) is not None
     return largest_fitting(fits, below)
 
 

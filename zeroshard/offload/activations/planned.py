@@ -127,14 +127,14 @@ def plan_for_run(options: PlannedActivations, shape: ModelShape, names: list[str
         return plan, dict(zip(names, plan.blocks)), left
     try:
         plan = plan_activations(shape, options.micro_batch, options.seq_len, act_bytes, device=left["device"],
-                                host=left["host"], nvme=left["nvme"])
+                                host=left["host"], nvme=left["nvme"], prefetch=options.prefetch)
     except ValueError as exc:
         # (the device memory the fully offloaded plan needs, over what the state left: the budget must grow by it)
         grow = max(0, least_device(shape, options, act_bytes, left) - left["device"])
         where = "device" if accelerator else "host"
         smallest = (budget.device if accelerator else budget.device + budget.host) + grow
         longest = longest_sequence(shape, options.micro_batch, act_bytes, below=options.seq_len, device=left["device"],
-                                   host=left["host"], nvme=left["nvme"])
+                                   host=left["host"], nvme=left["nvme"], prefetch=options.prefetch)
         raise ValueError(
             f"offload='auto': memory_budget ({budget}) leaves {fmt_bytes(left['device'])} for activations after the "
             f"state ({fmt_bytes(state.memory()[where])}), which cannot hold a micro-batch of {options.micro_batch} x "
@@ -159,7 +159,8 @@ def joint_activations(options: PlannedActivations, shape: ModelShape, names: lis
         if not explain:  # (a quick test first: a refusal's message bisects for the longest sequence)
             left = memory_left(state, budget, state.accelerator, nvme_path)
             device, host, nvme = left["device"], left["host"], left["nvme"]
-            quick = (best_activations(shape, mb, seq, act_bytes, device=device, host=host, nvme=nvme)
+            quick = (best_activations(shape, mb, seq, act_bytes, device=device, host=host, nvme=nvme,
+                                      prefetch=options.prefetch)
                      if options.checkpointed else
                      best_mixed(shape, mb, seq, act_bytes, device=device, host=host, nvme=nvme,
                                 prefetch=options.prefetch) if options.recompute else True)
@@ -220,12 +221,12 @@ def least_device(shape: ModelShape, options: PlannedActivations, act_bytes: int,
     nvme = left.get("nvme", 1 << 62)
     assert options.micro_batch is not None and options.seq_len is not None
     low, high = 0, plan_activations(shape, options.micro_batch, options.seq_len, act_bytes, device=1 << 62,
-                                    host=0, nvme=1 << 62).device_bytes
+                                    host=0, nvme=1 << 62, prefetch=options.prefetch).device_bytes
     while high - low > 1:  # (the least device memory with any plan, by bisection: the planner's own test)
         mid = (low + high) // 2
         try:
             plan_activations(shape, options.micro_batch, options.seq_len, act_bytes, device=mid, host=left["host"],
-                             nvme=nvme)
+                             nvme=nvme, prefetch=options.prefetch)
             high = mid
         except ValueError:
             low = mid
