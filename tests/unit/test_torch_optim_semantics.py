@@ -338,3 +338,33 @@ def test_state_per_parameter_is_a_read_only_view():
     assert len(opt.state) == len(ropt.state)
     with pytest.raises(TypeError, match="read-only"):
         opt.state[next(model.parameters())] = {}
+
+
+@pytest.mark.parametrize("place", ["stage2-nvme", "stage3-nvme", "stage3-nvme-overlap"])
+def test_parameters_without_gradient_keep_their_values_under_nvme_streaming(place, tmp_path):
+    """Under NVMe streaming a run spans a unit's group, so a parameter that never gets a gradient shares a
+    run with ones that do; the stream puts its values and moments back after the kernel (Note [untouched
+    parts of a streamed run] in zeroshard/offload/nvme_state.py): the same weights as torch.optim.AdamW,
+    which skips it (before: stepped with a zero gradient, decayed 1.1e-3 off)."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(8, 8), "unused": nn.Linear(8, 8)})
+    ref = nn.ModuleDict({"a": nn.Linear(8, 8), "unused": nn.Linear(8, 8)})
+    ref.load_state_dict(model.state_dict())
+    stage = 2 if place.startswith("stage2") else 3
+    offload = dict(offload_optimizer="nvme", nvme_path=str(tmp_path))
+    if stage == 3:
+        offload.update(offload_params="nvme", overlap_step=place.endswith("overlap"))
+    opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, stage=stage, **offload)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, ropt)):
+            loss = m["a"](x).square().mean()
+            (o.backward(loss) if o is opt else loss.backward())
+            o.step()
+            o.zero_grad()
+    got = zeroshard.full_state_dict(model) if stage == 3 else model.state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(got[k], v, atol=1e-6, rtol=0), (k, (got[k] - v).abs().max())
+    assert torch.equal(got["unused.weight"], ref.state_dict()["unused.weight"])
+    opt.close()

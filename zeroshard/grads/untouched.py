@@ -3,8 +3,10 @@ a parameter whose ``.grad`` is None (DDP gives such a parameter no gradient eith
 
 Runs are one per parameter's piece (Note [one run per parameter] in kernel_choice.py), so a
 run none of whose parameters got a gradient is not stepped at all (``skip_whole_runs``), step
-count included, as torch.optim. Under NVMe streaming a run spans a unit's group, and the untouched
-parameters of a run that is stepped step with a zero gradient (the documented limit). A
+count included, as torch.optim. Under NVMe streaming a run spans a unit's group; the untouched
+parameters of a run that is stepped keep their values and moments (``partly_untouched``: the stream
+puts them back after the kernel, Note [untouched parts of a streamed run] in
+zeroshard/offload/nvme_state.py), and only the run's one step count moves on. A
 parameter unused on only some ranks did get a gradient (the others' average with zeros),
 exactly as with DDP.
 
@@ -77,3 +79,17 @@ def skip_whole_runs(units: Sequence[FlatUnit], runs: Sequence[Run], untouched: s
         for t, g in hidden:
             t.grad = g
     return give_back
+
+
+def partly_untouched(units: Sequence[FlatUnit], runs: Sequence[Run], untouched: set[tuple[int, int]]
+                     ) -> dict[int, list[tuple[int, int]]]:
+    """Runs some but not all of whose parameters are untouched, by ``id`` of the run's tensor: the
+    element ranges of the untouched ones within the run (the NVMe stream steps the run whole and puts
+    them back)."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    if not untouched:
+        return out
+    for run, pieces, quiet in _untouched_pieces(units, runs, untouched):
+        if quiet and len(quiet) < len(pieces):
+            out[id(run.tensor)] = [(p.unit_offset - run.a, p.unit_offset - run.a + p.numel) for p in quiet]
+    return out

@@ -26,6 +26,17 @@ runs updated. Swap files are scratch: each run creates its own (named by rank an
 state comes back from checkpoints, so a file truncated or damaged between runs is never
 read; one deleted, truncated or zero-filled during a run fails the next read, naming it
 (Note [guarded swap files] in ``swap_file.py``).
+
+Note [untouched parts of a streamed run]: torch.optim leaves a parameter whose ``.grad`` is None
+alone (no decay, no moment update, no step count). In memory each parameter is its own run and such a
+run is simply not stepped (Note [one run per parameter] in zeroshard/optim/kernel_choice.py); here a run
+spans a unit's group (the moments stream run by run in aligned regions), so a run with some untouched
+parameters is stepped whole with zero gradients there: AdamW decayed them (1.1e-3 off torch after 3
+steps, an unused Linear at lr 1e-2, weight decay 0.1). The stepper now passes the untouched parameters'
+element ranges (``untouched.partly_untouched``); the stream copies their values and both moments before
+the kernel and puts them back after it, so they are exactly as before the step, as in torch. What is
+still shared is the run's one step count: a parameter untouched for some steps and used again later
+gets the run's bias correction, not the one of its own (smaller) count.
 """
 from __future__ import annotations
 
@@ -273,15 +284,19 @@ class NvmeOptimizerState(MutableMapping):
 
     # -- the step ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, param_groups: Sequence[dict], grad_scale: float = 1.0) -> None:
+    def step(self, param_groups: Sequence[dict], grad_scale: float = 1.0,
+             untouched: Optional[dict[int, list[tuple[int, int]]]] = None) -> None:
         """One Adam/AdamW step over every run with a gradient (``prepare``, then ``run``)."""
-        self.run(self.prepare(param_groups), grad_scale)
+        self.run(self.prepare(param_groups, untouched=untouched), grad_scale)
 
-    def prepare(self, param_groups: Sequence[dict], unit_order: Optional[Sequence["FlatUnit"]] = None) -> list[tuple]:
+    def prepare(self, param_groups: Sequence[dict], unit_order: Optional[Sequence["FlatUnit"]] = None,
+                untouched: Optional[dict[int, list[tuple[int, int]]]] = None) -> list[tuple]:
         """What a step updates, taken in the caller's thread so that the step may run in
         another (Note [overlapped step] in zeroshard/units/step_in_flight.py): each run with a
         gradient, that gradient, and its group's hyperparameters as they are now; units in
-        ``unit_order`` first, in that order (each run's update is independent of the others)."""
+        ``unit_order`` first, in that order (each run's update is independent of the others).
+        ``untouched``: element ranges of runs whose parameters there got no gradient, kept as they
+        are (Note [untouched parts of a streamed run])."""
         todo = [r for r in self.runs if r.tensor.grad is not None and r.unit.grad_valid and r.tensor.numel()]
         if unit_order is not None:
             pos = {id(u): k for k, u in enumerate(unit_order)}
@@ -290,7 +305,9 @@ class NvmeOptimizerState(MutableMapping):
                   "weight_decay": float(g["weight_decay"]), "adamw_mode": bool(g["adamw_mode"]),
                   "maximize": bool(g.get("maximize", False))} if "adamw_mode" in g else {}  # (generic: its class's)
                  for g in param_groups]
-        return [(r, r.tensor.grad, hyper[r.group]) for r in todo]
+        kept = untouched or {}
+        return [(r, r.tensor.grad, {**hyper[r.group], "untouched": kept[id(r.tensor)]} if id(r.tensor) in kept
+                 else hyper[r.group]) for r in todo]
 
     @torch.no_grad()
     def run(self, todo: Sequence[tuple], grad_scale: float = 1.0,
@@ -374,9 +391,13 @@ class NvmeOptimizerState(MutableMapping):
             beta1, beta2 = group["betas"]
             buf = kept if kept is not None else self._pool[slot_of[i]]
             exp_avg, exp_avg_sq = self._views(buf, t.numel())
+            held = [(a, b, t[a:b].clone(), exp_avg[a:b].clone(), exp_avg_sq[a:b].clone())
+                    for a, b in group.get("untouched", ())]  # (Note [untouched parts of a streamed run])
             adam_step_(t, grad, exp_avg, exp_avg_sq, step=int(step.item()), lr=group["lr"],
                        beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                        adamw_mode=group["adamw_mode"], grad_scale=-grad_scale if group["maximize"] else grad_scale)
+            for a, b, p, m, v in held:
+                t[a:b], exp_avg[a:b], exp_avg_sq[a:b] = p, m, v
             if kept is None:
                 writes[slot_of[i]] = self._write(t, buf)
             self._unit_stepped(run.unit, last_run[id(run.unit)] == i, unit_done)

@@ -45,9 +45,9 @@ moments' stream with every run resident (``NvmeOptimizerState``, one run per uni
 kernel) and the units' parts aligned for it (at stage 3 every shard too, so a shard moved there is read
 and written with O_DIRECT; such a shard is never lent to its gather, which copies it: Note [gather by
 alias]). A plan that moves nothing thus steps through the stream's resident buffers instead of the
-per-parameter inner optimizer: the same kernel and the same bits for every parameter with a gradient,
-but a parameter that never gets one is decayed like its unit's others (as under any streaming plan:
-Note [one run per parameter]).
+per-parameter inner optimizer: the same kernel and the same bits for every parameter with a gradient;
+a parameter without one keeps its values and moments (Note [untouched parts of a streamed run] in
+nvme_state.py), only the run's shared step count moves on.
 
 Not re-placed (state first, as before; ``placement_report()["joint"]["why"]`` says why): with an
 accelerator (at stages 1-2 the joint search has no candidate but the state-first plan: only stage 3's

@@ -19,7 +19,9 @@ simply leaves its run out (``untouched.skip_whole_runs``), exactly as torch. The
 takes the runs as a list of tensors, so the flat buffers stay contiguous for the collectives.
 Under NVMe streaming (``offload_optimizer="nvme"``, or automatic placement that streams) state
 moves run by run in aligned regions, so runs stay one per unit and group there; that path
-keeps the older limit (the untouched parameters of a stepped run step with a zero gradient).
+puts the untouched parameters of a stepped run back after the kernel (their values and moments: Note
+[untouched parts of a streamed run] in zeroshard/offload/nvme_state.py); what it cannot give them is a
+step count of their own (one per run).
 """
 from __future__ import annotations
 

@@ -127,6 +127,8 @@ class Stepper:
         quiet = untouched.untouched_everywhere(reducer.touched, self.mesh.comm, self.mesh.replicas, self.units)
         # (runs none of whose params got a grad: one run per parameter, Note [one run per parameter])
         give_back = untouched.skip_whole_runs(self.units, self.runs, quiet)
+        # (a streamed run spans a unit's group: its untouched parameters are put back after the kernel)
+        partly = untouched.partly_untouched(self.units, self.runs, quiet) if self.swapper is not None else None
         scale, self.clip_coef = self.clip_coef, 1.0
         updating = False
         try:
@@ -134,10 +136,11 @@ class Stepper:
                 gatherer = self.sharding.require_gatherer()
                 if step_in_flight.overlaps(self.config, self.sharding.policy, self.swapper, gatherer):
                     step_in_flight.start_swapped_step(self.inflight, self.all_units, gatherer, self.swapper,
-                                                      self.inner.param_groups, self.placement, scale)  # returns at once
+                                                      self.inner.param_groups, self.placement, scale,
+                                                      partly)  # returns at once
                     return
             updating = True
-            self._update(scale, kwargs)
+            self._update(scale, kwargs, partly)
         except BaseException as exc:
             if updating:  # some units may be updated and others not (Note [failed steps])
                 self.inflight.poisoned = exc
@@ -148,9 +151,9 @@ class Stepper:
         self.sharding.gather_params(self.units)
         self.placement.after_step()  # (offload="auto": the step's peak memory against the budget)
 
-    def _update(self, scale: float, kwargs: dict) -> None:
+    def _update(self, scale: float, kwargs: dict, partly: Optional[dict[int, list[tuple[int, int]]]] = None) -> None:
         if self.swapper is not None:  # (writes swapped units back inside its pass)
-            self.swapper.step(self.inner.param_groups, grad_scale=scale)
+            self.swapper.step(self.inner.param_groups, grad_scale=scale, untouched=partly)
         elif self.fused and self.placement.optimizer_on_host:
             self._step_unit_by_unit(scale)
         else:

@@ -162,13 +162,13 @@ def overlaps(config: ZeroConfig, policy: StagePolicy, swapper: Optional[NvmeOpti
 
 def start_swapped_step(inflight: StepInFlight, units: Sequence[FlatUnit], gatherer: ParameterGatherer,
                        swapper: NvmeOptimizerState, param_groups: list[dict], placement: StatePlacement,
-                       scale: float) -> None:
+                       scale: float, untouched: Optional[dict[int, list[tuple[int, int]]]] = None) -> None:
     """The swapped step of ``step()`` in ``inflight``'s worker, ``units`` (every unit, frozen
     ones included, as the gatherer numbers them) in the last forward's order; what follows it in
     a synchronous step (the step's peak memory, trimming the host pool) runs there after it.
     ``scale``: the pending clip coefficient."""
     order = [units[i] for i in gatherer.forward_unit_order()]
-    todo = swapper.prepare(param_groups, unit_order=order)
+    todo = swapper.prepare(param_groups, unit_order=order, untouched=untouched)
 
     def work(unit_done: Callable[["FlatUnit"], None]) -> None:
         swapper.run(todo, grad_scale=scale, unit_done=unit_done)
