@@ -116,7 +116,8 @@ def test_blocks_not_checkpointed_move_all_first_then_as_measured(tmp_path):
     state = big - roomy["plans"][0]["memory_left"]["device"]
     tokens = w.BATCH * w.CFG.seq_len
     fixed = 2 * tokens * w.CFG.d_model * 4 + tokens * w.CFG.vocab * 12  # (embeddings and logits, as planned)
-    budget = state + fixed + 2 * block + block // 2  # (every block moved, prefetch 1: two blocks on the device)
+    work = tokens * (2 * w.CFG.d_model + 2 * 4 * w.CFG.d_model) * 4  # (the running block's backward transients)
+    budget = state + fixed + 2 * block + work + block // 2  # (every block moved, prefetch 1: two blocks on the device)
 
     want = w.train_planned(budget, str(tmp_path), False, steps=4, checkpointed=False, recompute=False)
     got = w.train_planned(budget, str(tmp_path), True, steps=4, declared=False, **old)
