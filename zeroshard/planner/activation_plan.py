@@ -133,11 +133,14 @@ def _best_saved(s: _Sizes, n_layers: int, device: int, host: int, nvme: int, lin
                 prefetch: int, most_kept: int) -> Optional[ActivationPlan]:
     """Blocks not checkpointed (Note [planning activations]): each keeps its saved tensors ("keep")
     or moves them all ("host", "nvme"); the least moved that fits (no recompute: a move is the only
-    cost). Besides what stays, the block running and the ``prefetch`` blocks brought back ahead of
-    its backward are on the device, and the running block's backward transients."""
+    cost). Besides what stays, the block running, the ``prefetch`` blocks brought back ahead of its
+    backward and one more (forward's staging copy of a block being written, on a CPU-only machine)
+    are on the device, and the running block's backward transients."""
     for keep in range(min(n_layers, most_kept), -1, -1):
         moved = n_layers - keep
-        working = s.fixed + keep * s.block + ((1 + prefetch) * s.block if moved else 0) + s.work
+        # (one more record than the running one and the ``prefetch`` brought back, as the mixed plan counts:
+        # on a CPU-only machine the staging copy of a record being written in forward is that block)
+        working = s.fixed + keep * s.block + ((2 + prefetch) * s.block if moved else 0) + s.work
         if working > device:
             continue
         on_host = min(moved, host // max(1, s.block))
@@ -167,7 +170,7 @@ def plan_saved(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int
             f"activations of a micro-batch of {micro_batch} x {seq_len} tokens, blocks not checkpointed, do not fit "
             f"{device / 2**30:.2f} GiB of device memory even with every block's saved tensors moved (host "
             f"{host / 2**30:.2f} GiB, NVMe {nvme / 2**30:.2f} GiB): the device needs at least "
-            f"{(s.fixed + (1 + prefetch) * s.block + s.work) / 2**30:.2f} GiB; checkpoint the blocks "
+            f"{(s.fixed + (2 + prefetch) * s.block + s.work) / 2**30:.2f} GiB; checkpoint the blocks "
             "(torch.utils.checkpoint, use_reentrant=False, and PlannedActivations(checkpointed=True)) to need less, "
             "or let the plan checkpoint them: PlannedActivations(checkpointed=False, recompute=True)")
     return found
