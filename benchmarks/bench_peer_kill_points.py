@@ -113,7 +113,7 @@ def worker(a: argparse.Namespace) -> None:
 
     import zeroshard
     from zeroshard.checkpoint import CheckpointError
-    from tests.support.peer_worker import owned_state
+    from tests.support.peer_worker import save_owned
     from zeroshard.testing import kill_points
     # One store serves every rendezvous round, and the nodes' restart counts differ (a node whose
     # workers were healthy restarts on the membership change without counting it): the workers
@@ -193,13 +193,13 @@ def worker(a: argparse.Namespace) -> None:
     start = resume(a.load_root, "resume") if restarted else 0
     train(start, saving=True)
     if not a.save_every:
-        torch.save(owned_state(model, opt), os.path.join(a.out, f"final-{rank}.pt"))
+        save_owned(model, opt, os.path.join(a.out, f"final-{rank}.safetensors"))
         opt.close()
         model, opt, sched = _build(a.tier + "-ref", a.stage, a.offload)  # a fresh tier: the disk is read
         torch.manual_seed(100 + rank)
         ref_start = resume(os.path.join(a.ref_dir, f"step-{start}"), "ref-resume")
         train(ref_start, saving=False)
-        torch.save(owned_state(model, opt), os.path.join(a.out, f"ref-final-{rank}.pt"))
+        save_owned(model, opt, os.path.join(a.out, f"ref-final-{rank}.safetensors"))
     opt.close()
     dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()
@@ -271,21 +271,13 @@ def _job(a: argparse.Namespace, out: str, tiers: list[str], extra: list[str], en
     return max(abs(r) for r in rcs.values()), text, [rcs[n] for n in sorted(procs)]
 
 
-def _merged(out: str, prefix: str, world: int) -> dict[str, torch.Tensor]:
-    parts: dict[str, list] = {}
-    for r in range(world):
-        for key, t in torch.load(os.path.join(out, f"{prefix}-{r}.pt"), weights_only=True).items():
-            name, start, _stop, kind = key.split("|")
-            parts.setdefault(f"{name}|{kind}", []).append((int(start), t))
-    return {k: torch.cat([t.reshape(-1) for _, t in sorted(v, key=lambda p: p[0])])
-            if not k.split("|")[1].startswith("scalar") else sorted(v, key=lambda p: p[0])[0][1]
-            for k, v in parts.items()}
-
-
 def cell(a: argparse.Namespace, work: str, cfg: str, point: str, ref_dir: str, env: dict) -> dict:
     """One kill point (``point`` of ``NTH``) or, with ``point`` "grow", the scale-up: node A alone
     at world 2 commits step ``--kill-step`` and waits, node B joins, the launcher restarts both
     at world 4, which recover from node A's tier alone (node B's is empty)."""
+    from safetensors.torch import load_file
+
+    from tests.support.peer_worker import merged
     stage, offload = CONFIGS[cfg]
     grow, node_lost = point == "grow", a.lose == "node" and point != "grow"
     world = 4 if grow else 2 if node_lost else 4
@@ -315,7 +307,7 @@ def cell(a: argparse.Namespace, work: str, cfg: str, point: str, ref_dir: str, e
             event = json.load(f)
         resumed = [json.load(open(os.path.join(out, f"resume-{r}.json"))) for r in range(world)]
         times = [json.load(open(os.path.join(out, f"times-{r}.json"))) for r in range(world)]
-        a_, b_ = _merged(out, "final", world), _merged(out, "ref-final", world)
+        a_, b_ = merged(out, world), merged(out, world, "ref-final")
         if node_lost and event["node"] != 1:
             raise ValueError(f"rank {event['rank']} was on node {event['node']} (the store host), not node B")
     except (OSError, ValueError, KeyError) as exc:
@@ -329,8 +321,8 @@ def cell(a: argparse.Namespace, work: str, cfg: str, point: str, ref_dir: str, e
                same_step_everywhere=all(r["step"] == step for r in resumed),
                disk_bytes_read=sum(r["disk_bytes_read"] for r in resumed),
                # (each rank's bytes received over the process group, against its owned pieces' bytes)
-               received=[(r.get("bytes_received"), sum(t.numel() * t.element_size() for t in torch.load(
-                   os.path.join(out, f"final-{i}.pt"), weights_only=True).values())) for i, r in enumerate(resumed)],
+               received=[(r.get("bytes_received"), sum(t.numel() * t.element_size() for t in load_file(
+                   os.path.join(out, f"final-{i}.safetensors")).values())) for i, r in enumerate(resumed)],
                ref_disk_bytes_read=sum(json.load(open(os.path.join(out, f"ref-resume-{r}.json")))["disk_bytes_read"]
                                        for r in range(world)),  # (the audit sees a disk load)
                node_b_memory_left=b_memory_left if node_lost else None,

@@ -15,7 +15,8 @@ import uuid
 import pytest
 import torch.distributed as dist
 
-from tests.dist.test_peer_recovery import assert_bitwise, merged
+from tests.dist.test_peer_recovery import assert_bitwise
+from tests.support.peer_worker import merged
 from tests.support.in_process_worker import host_store, worker
 from zeroshard.resilience import tier_report
 from zeroshard.testing.launch import start_process

@@ -17,6 +17,8 @@ import torch
 from zeroshard.resilience import slots
 from zeroshard.testing.launch import free_port
 
+from tests.support.peer_worker import merged
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(REPO, "tests", "support", "peer_worker.py")
 
@@ -30,17 +32,6 @@ def launch(nproc: int, out: str, *args: str, restarts: int = 0, kill_at: str = "
            str(restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
            WORKER, "--out", out, *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
-
-
-def merged(out: str, world: int, prefix: str = "final") -> dict[str, torch.Tensor]:
-    """Every (parameter, kind) as one tensor over all ranks' pieces (scalars: rank 0's first piece)."""
-    parts: dict[str, list] = {}
-    for r in range(world):
-        for key, t in torch.load(os.path.join(out, f"{prefix}-{r}.pt"), weights_only=True).items():
-            name, start, _stop, kind = key.split("|")
-            parts.setdefault(f"{name}|{kind}", []).append((int(start), t))
-    return {k: torch.cat([t.reshape(-1) for _, t in sorted(v, key=lambda p: p[0])]) if not k.split("|")[1].startswith("scalar")
-            else sorted(v, key=lambda p: p[0])[0][1] for k, v in parts.items()}
 
 
 def assert_bitwise(a: dict, b: dict) -> None:
@@ -85,7 +76,7 @@ def test_preempted_node_hands_off_then_a_sigkill_at_the_smaller_world_resumes_fr
         for r in range(3):  # every rank agreed on step 3 and handed it over
             with open(os.path.join(run, f"handoff-{r}.json")) as f:
                 assert json.load(f) == {"step": 3, "handed_off": True, "leaving": [1, 2], "pairs": [[1, 0]]}
-            assert not os.path.exists(os.path.join(run, f"final-{r}.pt"))  # (it stopped at step 3)
+            assert not os.path.exists(os.path.join(run, f"final-{r}.safetensors"))  # (it stopped at step 3)
         handed = slots.read_stamp(os.path.join(tier, "rank-0", "replica-1", "slot-0"))
         assert handed is not None and handed["step"] == 3, "rank 1's slot did not reach rank 0 (its buddy left too)"
         for r in (1, 2):  # the preempted node and its memory are gone

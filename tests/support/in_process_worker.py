@@ -18,7 +18,7 @@ import zeroshard
 from zeroshard import InProcessOptions, InProcessRecovery, Trainee
 from zeroshard.train.in_process import RecoveryFailed
 from zeroshard.testing import kill_points
-from tests.support.peer_worker import owned_state
+from tests.support.peer_worker import save_owned
 
 
 def host_store(port_file: str) -> None:
@@ -116,7 +116,7 @@ def worker(member: int, world: int, port: int, out: str, tier: str, stage: int, 
     t = rec.objects
     t.optimizer.engine.memory_tier.wait()
     rank = rec.rank
-    torch.save(owned_state(t.model, t.optimizer), os.path.join(out, f"final-{rank}.pt"))
+    save_owned(t.model, t.optimizer, os.path.join(out, f"final-{rank}.safetensors"))
     result = {"pid": os.getpid(), "member": member, "rank": rank, "world": rec.world_size,
               "recoveries": rec.recoveries, "disk_bytes_read": sum(os.path.getsize(p) for p in set(reads))}
     # a disk save after the recovery: on the new world's side group, not the destroyed one's
@@ -132,7 +132,7 @@ def worker(member: int, world: int, port: int, out: str, tier: str, stage: int, 
         result["ref_source"], result["ref_step"] = info.get("source"), info["step"]
         for step in range(k, steps):
             _train_step(t, step, xs, ys)
-        torch.save(owned_state(t.model, t.optimizer), os.path.join(out, f"ref-final-{rank}.pt"))
+        save_owned(t.model, t.optimizer, os.path.join(out, f"ref-final-{rank}.safetensors"))
     with open(os.path.join(out, f"result-{member}.json"), "w") as f:
         json.dump(result, f)
     rec.close()

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 
 import zeroshard
 from zeroshard.checkpoint import CheckpointError
@@ -57,10 +58,28 @@ def owned_state(model, opt) -> dict[str, torch.Tensor]:
     return final
 
 
+def save_owned(model, opt, out: str) -> None:
+    """This rank's owned pieces (tensors and scalars), for a bitwise comparison (safetensors: nothing
+    here is ever unpickled)."""
+    save_file(owned_state(model, opt), out)
+
+
+def merged(out: str, world: int, prefix: str = "final") -> dict[str, torch.Tensor]:
+    """Every (parameter, kind) as one tensor over all ranks' pieces saved by ``save_owned`` as
+    ``{prefix}-{rank}.safetensors`` (scalars: rank 0's first piece)."""
+    parts: dict[str, list] = {}
+    for r in range(world):
+        for key, t in load_file(os.path.join(out, f"{prefix}-{r}.safetensors")).items():
+            name, start, _stop, kind = key.split("|")
+            parts.setdefault(f"{name}|{kind}", []).append((int(start), t))
+    return {k: torch.cat([t.reshape(-1) for _, t in sorted(v, key=lambda p: p[0])]) if not k.split("|")[1].startswith("scalar")
+            else sorted(v, key=lambda p: p[0])[0][1] for k, v in parts.items()}
+
+
 def dump(model, opt, out: str) -> None:
-    """This rank's owned pieces (tensors and scalars) after the last step, for a bitwise comparison."""
+    """This rank's owned pieces after the last step, once the memory tier's commit is done."""
     opt.engine.memory_tier.wait()
-    torch.save(owned_state(model, opt), out)
+    save_owned(model, opt, out)
 
 
 def train(model, opt, sched, xs: torch.Tensor, ys: torch.Tensor, start: int, steps: int,
@@ -115,15 +134,15 @@ def main() -> None:
     ap.add_argument("--term-ranks", default="", help="ranks that get SIGTERM mid-step --term-at (comma-separated)")
     ap.add_argument("--term-at", type=int, default=-1)
     ap.add_argument("--ref-root", default=None, help="then, in the same processes: the reference, resumed from this "
-                    "disk checkpoint with a fresh tier (--ref-tier), trained to --steps (ref-*.pt/json)")
+                    "disk checkpoint with a fresh tier (--ref-tier), trained to --steps (ref-*.safetensors/json)")
     ap.add_argument("--ref-tier", default=None)
     ap.add_argument("--parity", type=int, default=0, help="PeerRedundancy(parity=g)")
     ap.add_argument("--lose", default="", help="at --kill-at (instead of a SIGKILL): these ranks' tier directories "
-                    "are deleted (a lost node's memory) after every rank dumped its owned pieces (at-kill-*.pt); "
-                    "then a fresh model resumes (resume-*-1.json, resumed-*.pt) and trains to the end")
-    ap.add_argument("--shrink", action="store_true", help="after a handoff (its pieces: handoff-*.pt) the signalled "
+                    "are deleted (a lost node's memory) after every rank dumped its owned pieces (at-kill-*.safetensors); "
+                    "then a fresh model resumes (resume-*-1.json, resumed-*.safetensors) and trains to the end")
+    ap.add_argument("--shrink", action="store_true", help="after a handoff (its pieces: handoff-*.safetensors) the signalled "
                     "ranks delete their tier directories and exit; the others go on as a smaller job in the same "
-                    "processes (resume-*-smaller.json, smaller-resumed-*.pt, final-*.pt)")
+                    "processes (resume-*-smaller.json, smaller-resumed-*.safetensors, final-*.safetensors)")
     ap.add_argument("--ref-lose", default="", help="before the reference, these ranks' tier directories are deleted")
     a = ap.parse_args()
     setup_distributed(120.0)  # (each torchrun attempt in its own store key space)
@@ -152,7 +171,7 @@ def main() -> None:
         if first and done == a.kill_at:
             opt.engine.memory_tier.wait()  # (the test kills after step k is committed everywhere)
             if a.lose:  # a lost node's memory, in the same processes: the caller rebuilds and resumes
-                torch.save(owned_state(model, opt), os.path.join(a.out, f"at-kill-{rank}.pt"))
+                save_owned(model, opt, os.path.join(a.out, f"at-kill-{rank}.safetensors"))
                 with open(os.path.join(a.out, f"tier-{rank}.json"), "w") as f:
                     json.dump(opt.engine.memory_tier.report(), f)
                 dist.barrier()
@@ -171,7 +190,7 @@ def main() -> None:
             info = zeroshard.memory_handoff(done, preemption=preemption, model=model, optimizer=opt, scheduler=sched)
             with open(os.path.join(a.out, f"handoff-{rank}.json"), "w") as f:
                 json.dump({k: info[k] for k in ("step", "handed_off", "leaving", "pairs")}, f)
-            torch.save(owned_state(model, opt), os.path.join(a.out, f"handoff-{rank}.pt"))
+            save_owned(model, opt, os.path.join(a.out, f"handoff-{rank}.safetensors"))
             if not info["handed_off"]:
                 zeroshard.save_checkpoint(a.save_root, done, model=model, optimizer=opt, scheduler=sched)
         return stop
@@ -180,7 +199,7 @@ def main() -> None:
         model, opt, sched = build(a.tier, a.stage, a.every, a.parity)
         torch.manual_seed(100 + rank)
         start = resume(a.load_root, model, opt, sched, opened, os.path.join(a.out, f"resume-{rank}-1.json"))
-        torch.save(owned_state(model, opt), os.path.join(a.out, f"resumed-{rank}.pt"))
+        save_owned(model, opt, os.path.join(a.out, f"resumed-{rank}.safetensors"))
         stopped = train(model, opt, sched, xs, ys, start, a.steps, save_or_kill, faults)
     if stopped and a.shrink:  # the node leaves with its memory, the others go on at the smaller world
         if preemption.requested:
@@ -193,12 +212,12 @@ def main() -> None:
             model, opt, sched = build(a.tier, a.stage, a.every, a.parity if dist.get_world_size() > 1 else 0)
             torch.manual_seed(100 + rank)  # (as a fresh process)
             start = resume(a.load_root, model, opt, sched, opened, os.path.join(a.out, f"resume-{rank}-smaller.json"))
-            torch.save(owned_state(model, opt), os.path.join(a.out, f"smaller-resumed-{rank}.pt"))
+            save_owned(model, opt, os.path.join(a.out, f"smaller-resumed-{rank}.safetensors"))
             train(model, opt, sched, xs, ys, start, a.steps)
     if stopped:
         dist.destroy_process_group()
         return  # (preempted: exit 0)
-    dump(model, opt, os.path.join(a.out, f"final-{rank}.pt"))
+    dump(model, opt, os.path.join(a.out, f"final-{rank}.safetensors"))
     if a.ref_root is not None:  # the disk resume of the same step, in a fresh model, optimizer and tier
         if a.ref_lose:
             dist.barrier()
@@ -209,7 +228,7 @@ def main() -> None:
         torch.manual_seed(100 + rank)  # as a fresh process (a resharding load keeps this rank's RNG)
         start = resume(a.ref_root, model, opt, sched, opened, os.path.join(a.out, f"ref-resume-{rank}.json"))
         train(model, opt, sched, xs, ys, start, a.steps)
-        dump(model, opt, os.path.join(a.out, f"ref-final-{rank}.pt"))
+        dump(model, opt, os.path.join(a.out, f"ref-final-{rank}.safetensors"))
     dist.destroy_process_group()
 
 
