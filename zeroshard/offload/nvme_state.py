@@ -36,7 +36,8 @@ steps, an unused Linear at lr 1e-2, weight decay 0.1). The stepper now passes th
 element ranges (``untouched.partly_untouched``); the stream copies their values and both moments before
 the kernel and puts them back after it, so they are exactly as before the step, as in torch. What is
 still shared is the run's one step count: a parameter untouched for some steps and used again later
-gets the run's bias correction, not the one of its own (smaller) count.
+gets the run's bias correction, not the one of its own (smaller) count. Runs of another optimizer class
+(``generic``: stepped by that class, whatever state it keeps) are still stepped whole.
 """
 from __future__ import annotations
 
