@@ -71,17 +71,18 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         t = targets.reshape(-1)
         losses = torch.empty(t.shape[0], dtype=torch.float32, device=h.device)
         vocab = weight.shape[0]
+        valid = t != ignore_index
+        bad = valid & ((t < 0) | (t >= vocab))
+        if bool(bad.any()):  # (once, before any chunk: one host sync on a GPU, not one per chunk)
+            raise ValueError(f"chunked_cross_entropy: target {int(t[bad][0])} out of range [0, {vocab}) "
+                             f"(ignore_index={ignore_index})")
+        index = torch.where(valid, t, 0).unsqueeze(1)
         for start in range(0, h.shape[0], chunk):
-            tc = t[start:start + chunk]
             logits = F.linear(h[start:start + chunk], weight, bias).float()
-            valid = tc != ignore_index
-            picked = logits.gather(1, torch.where(valid, tc, 0).clamp(0, vocab - 1).unsqueeze(1)).squeeze(1)
-            bad = valid & ((tc < 0) | (tc >= vocab))
-            if bool(bad.any()):
-                raise ValueError(f"chunked_cross_entropy: target {int(tc[bad][0])} out of range [0, {vocab}) "
-                                 f"(ignore_index={ignore_index})")
-            losses[start:start + chunk] = torch.where(valid, torch.logsumexp(logits, dim=1) - picked, 0.0)
-        count = int((t != ignore_index).sum())
+            picked = logits.gather(1, index[start:start + chunk]).squeeze(1)
+            losses[start:start + chunk] = torch.where(valid[start:start + chunk], torch.logsumexp(logits, dim=1) - picked,
+                                                      0.0)
+        count = int(valid.sum())
         ctx.save_for_backward(hidden, weight, targets, *(() if bias is None else (bias,)))
         ctx.settings = _Settings(chunk, ignore_index, reduction, count)
         if reduction == "none":
