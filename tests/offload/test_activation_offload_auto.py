@@ -202,3 +202,22 @@ def test_checkpointed_plan_with_every_input_moved_holds_the_steps_peak(tmp_path)
     assert set(plan["blocks"].values()) == {"nvme"}, plan
     assert got["moved"] == [plan["moved_per_step"]] * 2 == [2 * KW["n_layers"] * inp] * 2
     assert max(got["peaks"]) <= plan["memory_left"]["device"], (got["peaks"], plan["memory_left"])
+
+
+def test_ranks_with_different_measured_shapes_plan_one_shape_and_refuse_together(tmp_path):
+    """Note [one plan on every rank]: rank 0's micro-batch has 8 tokens a sequence, rank 1's 16. Where the
+    budget holds 16 both train under the 16-token plan; where it holds 8 but not 16 both raise at the first
+    forward, each naming what fits; where only rank 1's budget cannot hold it, rank 0 raises saying so
+    (before: rank 0 planned its own 8 tokens, went on into the step's collectives and waited for rank 1)."""
+    from tests.support.dist_results import run_ranks
+    ranks = run_ranks(w.uneven_on_ranks, 2, str(tmp_path), str(tmp_path))
+    fits = [r["fits"] for r in ranks]
+    assert all("plan" in f for f in fits), fits
+    assert fits[0]["plan"]["seq_len"] == fits[1]["plan"]["seq_len"] == 16, fits
+    assert fits[0]["plan"]["blocks"] == fits[1]["plan"]["blocks"]
+    refused = [r["refused"] for r in ranks]  # (each plans the 16-token shape and refuses it itself)
+    assert all("longest sequence that fits is" in r.get("error", "") and "4 x 16 tokens" in r["error"]
+               for r in refused), refused
+    alone = [r["one_refuses"] for r in ranks]  # (rank 0's own budget holds it: it stops for rank 1)
+    assert "longest sequence that fits is" in alone[1].get("error", ""), alone
+    assert "another rank's memory_budget cannot hold" in alone[0].get("error", ""), alone

@@ -156,6 +156,46 @@ def parity_on_ranks(rank: int, world: int, out: str) -> None:
         json.dump(res, f)
 
 
+def uneven_on_ranks(rank: int, world: int, out: str, directory: str) -> None:
+    """Shapes measured at the first forward differ by rank (rank 0: 8 tokens a sequence, rank 1: 16): under a
+    budget that holds 16, both train 2 steps under one plan (the 16-token one); under one that holds 8 but
+    not 16, both raise at the first forward (Note [one plan on every rank]), neither waits for the other;
+    and so does rank 0 when only rank 1's budget cannot hold 16."""
+    from zeroshard.offload.activations.planned import least_device, shape_of
+    from zeroshard.offload.activations.workload import PlannedActivations
+    cfg = replace(CFG, activation_checkpointing=True, n_layers=4)
+    seq = 8 if rank == 0 else 16
+    big, d = 1 << 30, os.path.join(directory, f"rank{rank}")
+    os.makedirs(d, exist_ok=True)
+
+    def run(budget: int, steps: int, declared: bool) -> dict:
+        torch.manual_seed(0)
+        model = TinyGPT(cfg)
+        shape = {"micro_batch": BATCH, "seq_len": cfg.seq_len} if declared else {}
+        opt = zeroshard.ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, stage=2, offload="auto",
+                                      memory_budget={"host": budget, "reserve": 0}, nvme_path=d,
+                                      offload_activations=PlannedActivations(**shape, prefetch=1))
+        try:
+            for step in range(steps):
+                x, y = synthetic_batch(step, BATCH, cfg)
+                model(x[:, :seq], y[:, :seq]).backward()
+                opt.step()
+                opt.zero_grad()
+            return {"plan": opt.placement_report()["activations"]["plan"]}
+        except ValueError as exc:
+            return {"error": str(exc)}
+        finally:
+            opt.close()
+    state = big - run(big, 0, True)["plan"]["memory_left"]["device"]
+    least = least_device(shape_of(TinyGPT(cfg), cfg.n_layers),
+                         PlannedActivations(micro_batch=BATCH, seq_len=cfg.seq_len, prefetch=1), 4, {"host": 0})
+    inp = BATCH * cfg.seq_len * cfg.d_model * 4
+    res = {"fits": run(state + least + inp, 2, False), "refused": run(state + least - inp, 2, False),
+           "one_refuses": run(big if rank == 0 else state + least - inp, 2, False)}  # (rank 0's budget holds it)
+    with open(f"{out}.rank{rank}", "w") as f:
+        json.dump(res, f)
+
+
 if __name__ == "__main__":  # pragma: no cover - a manual run
     print(json.dumps({k: v for k, v in train(2, "nvme", True)["report"].items()}, indent=1))
     os._exit(0)

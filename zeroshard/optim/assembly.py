@@ -40,7 +40,7 @@ from zeroshard.offload import NvmeOptimizerState
 from zeroshard.offload.nvme_generic_state import probe_layouts
 from zeroshard.offload.activations.offloader import ActivationOffloader, covered_blocks
 from zeroshard.offload.activations.activation_options import ActivationOffload, activation_options
-from zeroshard.offload.activations.plan_at_forward import ForwardPlanner
+from zeroshard.offload.activations.plan_at_forward import ForwardPlanner, ShapeAgreement
 from zeroshard.offload.activations.planned import joint_activations, shape_of
 from zeroshard.offload.activations.workload import PlannedActivations
 from zeroshard.offload.placement_auto import AutoPlacement
@@ -383,11 +383,13 @@ def _planned_activations(config: ZeroConfig, wanted: PlannedActivations, module:
     nvme = config.nvme_path  # (the planner puts inputs on NVMe only where there is a directory)
     options = ActivationOffload(where="nvme" if nvme else "cpu", path=str(nvme) if nvme else None,
                                 prefetch=wanted.prefetch, min_bytes=0, inductor_split=wanted.inductor_split)
+    device = next((p.device for p in module.parameters()), torch.device(_DEVICE))
+    groups = [g for g in (sharding.mesh.comm, sharding.mesh.replicas) if g is not None]
     planner = ForwardPlanner(wanted, module, covered_blocks(module, None), lambda: placement.plan,
                              MemoryBudget.parse(config.memory_budget), placement.accelerator, nvme, param_dtype,
                              joint=functools.partial(placement.plan_at_first_forward, sharding.require_gatherer),
-                             measures_input=sharding.shard_parameters and placement.re_place_blocker is None)
-    device = next((p.device for p in module.parameters()), torch.device(_DEVICE))
+                             measures_input=sharding.shard_parameters and placement.re_place_blocker is None,
+                             agreement=ShapeAgreement(groups, device))  # (Note [one plan on every rank])
     return ActivationOffloader(options, module, rank, device, lambda: inflight.steps, planner=planner)
 
 
