@@ -63,9 +63,16 @@ def peer_failure_message(rank: int, step: int, exc: BaseException, latest: Optio
 # launcher's other children: the ranks on its node) that are stopped — only those: a stopped
 # process does no work that a kill could tear, and its state is in the memory tiers of the last
 # commit (Note [peer memory tier]). A traced process ("t") is a debugger's and is left alone. A
-# stopped rank alone on its node is not reachable this way; its agent's 30 s stands there.
+# stopped rank alone on its node is not reachable this way; its agent's 30 s stands there. A
+# sibling is fenced only when it is a rank of the same job (its environment names the same
+# MASTER_ADDR, MASTER_PORT and TORCHELASTIC_RUN_ID, and a RANK): ranks started by hand from one
+# shell share their parent with whatever else that shell runs, a job stopped with Ctrl-Z included.
+_JOB_KEYS = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
 def fence_stopped_peers() -> list[int]:
-    """SIGKILLs this process's stopped siblings (see the Note above); returns their pids."""
+    """SIGKILLs this process's stopped siblings that are ranks of its job (see the Note above);
+    returns their pids."""
     try:
         import psutil
 
@@ -74,12 +81,17 @@ def fence_stopped_peers() -> list[int]:
         siblings = parent.children() if parent is not None and parent.pid > 1 else []
     except Exception:  # noqa: BLE001 - fencing is best effort on a failure path
         return []
+    job = tuple(os.environ.get(k) for k in _JOB_KEYS)
+    if job[0] is None or job[1] is None:  # (not a rank of a launched job: nothing to tell its peers by)
+        return []
     fenced = []
     for p in siblings:
         with contextlib.suppress(Exception):
             if p.pid != me.pid and p.status() == psutil.STATUS_STOPPED:
-                p.kill()
-                fenced.append(p.pid)
+                env = p.environ()
+                if "RANK" in env and tuple(env.get(k) for k in _JOB_KEYS) == job:
+                    p.kill()
+                    fenced.append(p.pid)
     return fenced
 
 
